@@ -1,0 +1,250 @@
+"""The launch-config schema: one frozen pydantic model per section of a launch YAML.
+
+`load_config(path, overrides)` reads a YAML file (the shipped `cpu-demo.yaml` when `path` is
+None), deep-merges overrides given as dotted keys (`{"cache.page_size": 32}`) or nested
+dicts, validates, and returns a frozen `LaunchConfig`. Every error is a `ConfigError` whose
+message starts with the dotted field path, e.g. `cache.page_size: must be a power of two`.
+This module imports nothing else of jaxserve.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent
+DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
+
+Backend = Literal["auto", "pallas", "reference"]
+
+
+class ConfigError(ValueError):
+    """A launch config is invalid; the message names the field path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to serve. `path: null` serves the default (tiny) model."""
+
+    path: str | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int | None = Field(default=None, ge=1)  # None: from the checkpoint's config.json
+    served_model_name: str | None = None  # None: the checkpoint directory's name
+
+
+class CacheConfig(_Section):
+    """Paged KV pool and GDN state slots. Size it by `num_pages` or by `memory_fraction`."""
+
+    page_size: int = 16
+    num_pages: int | None = Field(default=None, ge=2)  # page 0 is the null page
+    memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    enable_prefix_caching: bool = True
+
+    @field_validator("page_size")
+    @classmethod
+    def _page_size_power_of_two(cls, value: int) -> int:
+        if not _is_power_of_two(value) or value > 1024:
+            raise ValueError("must be a power of two in [1, 1024]")
+        return value
+
+    @model_validator(mode="after")
+    def _one_sizing_rule(self) -> "CacheConfig":
+        if self.num_pages is not None and self.memory_fraction is not None:
+            raise ValueError("set num_pages or memory_fraction, not both")
+        return self
+
+    @property
+    def effective_memory_fraction(self) -> float | None:
+        """The fraction of free device memory for the pool; 0.9 when neither rule is set."""
+        if self.num_pages is not None:
+            return None
+        return 0.9 if self.memory_fraction is None else self.memory_fraction
+
+
+class SchedulerConfig(_Section):
+    """Per-step budget and policy. `token_buckets: null` means powers of two up to the max."""
+
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    token_buckets: tuple[int, ...] | None = None
+
+    @model_validator(mode="after")
+    def _budget_is_consistent(self) -> "SchedulerConfig":
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so a full decode step fits"
+            )
+        buckets = self.token_buckets
+        if buckets is not None:
+            if not buckets or any(b < 1 for b in buckets):
+                raise ValueError("token_buckets must be a non-empty list of positive integers")
+            if any(a >= b for a, b in zip(buckets, buckets[1:])):
+                raise ValueError("token_buckets must be strictly increasing")
+            if buckets[-1] != self.max_num_batched_tokens:
+                raise ValueError(
+                    f"token_buckets must end at max_num_batched_tokens ({self.max_num_batched_tokens}), "
+                    f"got {buckets[-1]}"
+                )
+        return self
+
+
+class MeshConfig(_Section):
+    """Device mesh of one model replica set: `data` x `model` devices."""
+
+    data: int = Field(default=1, ge=1)
+    model: int = Field(default=1, ge=1)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.model
+
+
+class MultihostConfig(_Section):
+    """Arguments of `jax.distributed.initialize` for multi-host slices."""
+
+    coordinator_address: str
+    num_processes: int = Field(ge=1)
+    process_id: int = Field(ge=0)
+
+    @field_validator("coordinator_address")
+    @classmethod
+    def _host_and_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be HOST:PORT, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _process_id_in_range(self) -> "MultihostConfig":
+        if self.process_id >= self.num_processes:
+            raise ValueError(f"process_id ({self.process_id}) must be < num_processes ({self.num_processes})")
+        return self
+
+
+class ParallelConfig(_Section):
+    mesh: MeshConfig = MeshConfig()
+    multihost: MultihostConfig | None = None
+    role: Literal["prefill", "decode", "both"] = "both"
+
+
+class CompileConfig(_Section):
+    aot: bool = False  # compile every bucket at start-up
+    cache_dir: str | None = None  # JAX persistent compilation cache; None disables it
+
+
+class KernelsConfig(_Section):
+    attention_backend: Backend = "auto"
+    gdn_backend: Backend = "auto"
+
+
+class ServerConfig(_Section):
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0 picks a free port
+    api_key: str | None = None  # None: no authentication
+    max_waiting_requests: int = Field(default=256, ge=1)  # 429 beyond this many queued requests
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # 413 beyond this
+    drain_timeout_s: float = Field(default=30.0, ge=0.0)  # SIGTERM: wait this long for in-flight requests
+
+    @field_validator("api_key")
+    @classmethod
+    def _non_empty_key(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a non-empty string or null")
+        return value
+
+
+class LaunchConfig(_Section):
+    """Everything one `jaxserve` process needs; YAML and CLI flags only fill it."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    compile: CompileConfig = CompileConfig()
+    kernels: KernelsConfig = KernelsConfig()
+    server: ServerConfig = ServerConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:
+    """Read, merge and validate a launch config. Raises `ConfigError` naming the field path."""
+    path = DEFAULT_CONFIG if path is None else Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    return config_from_dict(apply_overrides(raw, overrides or {}))
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> LaunchConfig:
+    """Validate an already-parsed config mapping."""
+    try:
+        return LaunchConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` (dotted keys or nested dicts) into a copy of `raw`."""
+    merged = copy.deepcopy(dict(raw))
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = merged
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(parts[: depth + 1])}: is not a section, cannot set {key}")
+            node = child
+        leaf = parts[-1]
+        if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+            node[leaf] = apply_overrides(node[leaf], value)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return merged
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`"cache.page_size=32"` -> `("cache.page_size", 32)`; the value is parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. cache.page_size=32")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key.strip()}: invalid value {value!r}: {err}") from None
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for issue in err.errors():
+        where = ".".join(str(part) for part in issue["loc"]) or "<root>"
+        message = issue["msg"]
+        if issue["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)

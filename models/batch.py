@@ -1,0 +1,57 @@
+"""ForwardBatch: the flat, padded, ragged batch one model step consumes (see docs/interfaces.md).
+
+Built on the host by runtime/inputs.py; every field is an array so one bucket of shapes maps to
+exactly one compiled executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardBatch:
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32, page * page_size + offset, -1 for padding
+    cu_q_lens: jax.Array  # [S+1] int32
+    kv_lens: jax.Array  # [S] int32, context length after this step
+    block_tables: jax.Array  # [S, max_blocks] int32, 0 = null page
+    state_slot_ids: jax.Array  # [S] int32, 0 = null slot
+    has_initial_state: jax.Array  # [S] bool
+    num_seqs: jax.Array  # [] int32
+    logits_indices: jax.Array  # [R] int32, flat token rows whose logits are wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def single_sequence_batch(token_ids, page_size: int, first_page: int = 1, pad_to: int | None = None) -> ForwardBatch:
+    """One whole sequence in consecutive pages starting at `first_page`, logits for every token.
+
+    With `pad_to`, the token axis is padded (ids 0, no KV write) so nearby lengths share a shape.
+    """
+    T = len(token_ids)
+    Tp = max(pad_to or T, T)
+    n_blocks = -(-T // page_size)
+    pos = np.arange(Tp, dtype=np.int32)
+    pages = np.arange(first_page, first_page + n_blocks, dtype=np.int32)
+    slots = np.full(Tp, -1, np.int32)
+    slots[:T] = pages[pos[:T] // page_size] * page_size + pos[:T] % page_size
+    return ForwardBatch(
+        input_ids=np.concatenate([np.asarray(token_ids, np.int32), np.zeros(Tp - T, np.int32)]),
+        positions=pos,
+        slot_mapping=slots,
+        cu_q_lens=np.array([0, T], np.int32),
+        kv_lens=np.array([T], np.int32),
+        block_tables=pages[None, :],
+        state_slot_ids=np.array([1], np.int32),
+        has_initial_state=np.array([False]),
+        num_seqs=np.array(1, np.int32),
+        logits_indices=pos,
+    )

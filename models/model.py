@@ -1,0 +1,178 @@
+"""`load_model`: an HF checkpoint directory (or a GGUF file) -> a ready `Model`.
+
+    m = load_model("/path/to/hf_dir", dtype="float32")
+    logits = m.logits([3, 17, 5])  # numpy [T, vocab], causal, one sequence
+
+`Model` holds the parsed config and parameters and makes the caches the serving step uses;
+`logits` runs the same paged forward pass the engine runs, for one whole sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.batch import single_sequence_batch
+from models.config import ATTENTION, ModelConfig, parse_config
+from models.ops import KernelOptions
+from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
+from models.transformer import compute_logits, forward
+from models.weights import DictSource, load_params
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, params: dict, dtype: str, path: Path, tokenizer_loader=None):
+        self.cfg, self.params, self.dtype, self.path = cfg, params, dtype, path
+        self._tokenizer_loader = tokenizer_loader
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's own tokenizer (transformers), loaded on first use."""
+        if self._tokenizer is None:
+            if self._tokenizer_loader is not None:
+                self._tokenizer = self._tokenizer_loader()
+            else:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        return self._tokenizer
+
+    @property
+    def num_groups(self) -> int:
+        return self.cfg.num_layers // self.cfg.layer_period()
+
+    def init_caches(self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto") -> dict:
+        """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
+
+        `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
+        """
+        from pallas_kernels.kv_cache import KVPages
+
+        cfg, G = self.cfg, self.num_groups
+        dtype = resolve_kv_dtype(kv_dtype, self.dtype)
+        kv, conv, rec = [], [], []
+        for j in range(cfg.layer_period()):
+            if cfg.layer_types[j] == ATTENTION:
+                kv.append(KVPages.create(G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype))
+                conv.append(None)
+                rec.append(None)
+            else:
+                kv.append(None)
+                W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
+                conv.append(jnp.zeros((G * num_slots, W - 1, C), jnp.float32))
+                rec.append(jnp.zeros((G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim), jnp.float32))
+        return {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
+
+    def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
+        itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
+        return 2 * self.cfg.num_attention_layers * self.cfg.num_kv_heads * self.cfg.head_dim * itemsize
+
+    def state_bytes_per_slot(self) -> int:
+        c = self.cfg
+        per_layer = (c.linear_conv_kernel_dim - 1) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        return 4 * per_layer * c.num_linear_layers
+
+    def logits(self, token_ids, opts: KernelOptions | None = None, page_size: int = 16) -> np.ndarray:
+        """Causal logits [T, vocab] (float32 numpy) for one sequence, from an empty cache."""
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        bad = [t for t in token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        opts = opts or KernelOptions()
+        T = len(token_ids)
+        padded = max(16, 1 << (T - 1).bit_length())  # few shapes, few compiles
+        batch = single_sequence_batch(token_ids, page_size, pad_to=padded)
+        caches = self.init_caches(2 + padded // page_size, page_size, num_slots=2)
+        return np.asarray(_logits_fn(self.cfg, opts)(self.params, caches, batch))[:T]
+
+    def greedy(self, token_ids, max_new_tokens: int, opts: KernelOptions | None = None,
+               page_size: int = 16) -> list[int]:
+        """Greedy continuation of one sequence: one prefill, then one-token decode steps through the
+        paged caches (pages and state slot carried between steps). No EOS handling: exactly
+        `max_new_tokens` tokens. The plain reference loop the engine is checked against."""
+        opts = opts or KernelOptions()
+        ids = [int(t) for t in token_ids]
+        total = len(ids) + max_new_tokens
+        full = single_sequence_batch(list(range(total)), page_size)
+        step = _step_fn(self.cfg, opts)
+        out: list[int] = []
+        padded = max(16, 1 << (len(ids) - 1).bit_length())
+        caches = self.init_caches(2 + (padded + max_new_tokens) // page_size, page_size, num_slots=2)
+        batch = single_sequence_batch(ids, page_size, pad_to=padded)
+        batch.logits_indices = np.array([len(ids) - 1], np.int32)
+        for i in range(max_new_tokens):
+            caches, tok = step(self.params, caches, batch)
+            out.append(int(tok[0]))
+            pos = len(ids) + i
+            batch = dataclasses.replace(
+                full,
+                input_ids=np.array([out[-1]], np.int32),
+                positions=np.array([pos], np.int32),
+                slot_mapping=full.slot_mapping[pos : pos + 1],
+                cu_q_lens=np.array([0, 1], np.int32),
+                kv_lens=np.array([pos + 1], np.int32),
+                has_initial_state=np.array([True]),
+                logits_indices=np.array([0], np.int32),
+            )
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_fn(cfg: ModelConfig, opts: KernelOptions):
+    def run(params, caches, batch):
+        hidden, _ = forward(params, caches, batch, cfg=cfg, opts=opts)
+        return compute_logits(params, hidden)
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(cfg: ModelConfig, opts: KernelOptions):
+    def run(params, caches, batch):
+        hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
+        return caches, jnp.argmax(compute_logits(params, hidden), axis=-1)
+
+    return jax.jit(run, donate_argnums=1)
+
+
+KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn,
+             "fp8_e5m2": jnp.float8_e5m2, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
+    if kv_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    return jnp.dtype(KV_DTYPES[kv_dtype])
+
+
+def load_model(path: str | Path, dtype: str = "float32", progress: bool = False) -> Model:
+    """Load an HF checkpoint directory (config.json + *.safetensors) or a GGUF file / directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if ggufs and not (path.is_dir() and list(path.glob("*.safetensors"))):
+        from models.gguf import load_gguf_tokenizer, read_gguf
+
+        ckpt = read_gguf(ggufs[0])
+        cfg = parse_config(ckpt.config)
+        params = load_params(cfg, DictSource(ckpt.tensors, str(ggufs[0])), dtype, progress)
+        return Model(cfg, params, dtype, ggufs[0], tokenizer_loader=lambda: load_gguf_tokenizer(ggufs[0]))
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: expected an HF checkpoint directory or a .gguf file")
+    hf = read_json(path / "config.json")
+    generation = read_json(path / "generation_config.json", required=False)
+    cfg = parse_config(hf, generation)
+    params = load_params(cfg, SafetensorsDir(path), dtype, progress)
+    return Model(cfg, params, dtype, path)

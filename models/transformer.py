@@ -1,0 +1,182 @@
+"""The decoder forward pass shared by every supported family, over a ragged paged batch.
+
+`forward(params, caches, batch, cfg=..., opts=...)` embeds the flat token batch, runs the layer
+groups under `lax.scan` (one scan step = one repetition of the hybrid pattern, so compile time
+does not grow with depth), and returns final hidden states at `batch.logits_indices` plus the
+updated caches. Caches hold, per position in the group, the layers of every group stacked along
+the page (or slot) axis: layer-group g uses pages `[g*P, (g+1)*P)` and slots `[g*N, (g+1)*N)`,
+so the ops see one ordinary page pool and the scan carries each cache in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models import ops
+from models.batch import ForwardBatch
+from models.config import ATTENTION, ModelConfig
+
+
+def rms_norm(x, w, eps: float, zero_centred: bool):
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if zero_centred:
+        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return w * y.astype(x.dtype)
+
+
+def rope_tables(positions, cfg: ModelConfig):
+    inv_freq, scale = cfg.inv_freq()
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, rd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale  # [T, rd]
+
+
+def apply_rope(x, cos, sin, rotary_dim: int):
+    # x: [T, heads, D]; rotate-half on the first rotary_dim channels, pass the rest through
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([rot * c + rotated * s, rest], axis=-1)
+
+
+def _linear(x, w, b=None):
+    y = x @ w
+    return y if b is None else y + b
+
+
+def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts):
+    T, D = x.shape[0], cfg.head_dim
+    q = _linear(x, p["q_proj"], p.get("q_bias"))
+    if cfg.attn_output_gate:
+        q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * D), 2, axis=-1)
+        gate = gate.reshape(T, cfg.num_heads * D)
+    else:
+        q = q.reshape(T, cfg.num_heads, D)
+    k = _linear(x, p["k_proj"], p.get("k_bias")).reshape(T, cfg.num_kv_heads, D)
+    v = _linear(x, p["v_proj"], p.get("v_bias")).reshape(T, cfg.num_kv_heads, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    cos, sin = rope
+    q = apply_rope(q, cos, sin, cfg.rotary_dim)
+    k = apply_rope(k, cos, sin, cfg.rotary_dim)
+
+    page_size = kv.k.shape[2]
+    slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
+    kv = ops.write_kv(kv, k, v, slots, opts)
+    out = ops.paged_attention(q, kv, batch.kv_lens, batch.block_tables + page_offset, batch.cu_q_lens,
+                              batch.num_seqs, opts, sm_scale=D**-0.5)
+    out = out.reshape(T, cfg.num_heads * D)
+    if cfg.attn_output_gate:
+        out = out * jax.nn.sigmoid(gate)
+    return _linear(out, p["o_proj"], p.get("o_bias")), kv
+
+
+def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
+    T = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    slots = batch.state_slot_ids + slot_offset
+    mixed = x @ p["in_qkv"]  # [T, conv_dim] = [Q all | K all | V all]
+    mixed, conv_state = ops.causal_conv1d(mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots,
+                                          batch.has_initial_state, batch.num_seqs, opts)
+    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+    q = q.reshape(T, hk, dk).astype(jnp.float32)
+    k = k.reshape(T, hk, dk).astype(jnp.float32)
+    v = v.reshape(T, hv, dv)
+    q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * dk**-0.5
+    k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    beta = jax.nn.sigmoid((x @ p["in_b"]).astype(jnp.float32))  # [T, hv]
+    a = (x @ p["in_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
+    o, rec_state = ops.gated_delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, rec_state,
+                                        batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts)
+    z = (x @ p["in_z"]).reshape(T, hv, dv)
+    o = o.astype(x.dtype)
+    o32 = o.astype(jnp.float32)
+    normed = (o32 * lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
+    o = (p["gated_norm"] * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    return o.astype(x.dtype).reshape(T, hv * dv) @ p["out_proj"], conv_state, rec_state
+
+
+def dense_mlp(p, x, prefix: str = ""):
+    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"))
+    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"))
+    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"))
+
+
+def moe_mlp(p, x, cfg: ModelConfig):
+    """Top-k routed experts (grouped matmuls over expert-sorted tokens) plus the gated shared expert."""
+    T, H = x.shape
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    probs = jax.nn.softmax((x @ p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
+    weights, experts = lax.top_k(probs, K)  # [T, K]
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, -1, keepdims=True)
+    flat_expert = experts.reshape(-1)
+    order = jnp.argsort(flat_expert)
+    token_of = order // K
+    xs = x[token_of]  # [T*K, H] sorted by expert
+    group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+    h = lax.ragged_dot(xs, p["experts_gate_up"], group_sizes)  # [T*K, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"], group_sizes)  # [T*K, H]
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    out = jnp.zeros((T, H), y.dtype).at[token_of].add(y)
+    if "shared_gate_proj" in p:
+        shared = dense_mlp(p, x, prefix="shared_")
+        out = out + jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+    return out
+
+
+def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
+    """Run one repetition of the layer pattern (layers g*period + j for each j)."""
+    period = len(params_g)
+    n_groups = cfg.num_layers // period
+    kv_list, conv_list, rec_list = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
+    for j in range(period):
+        p = params_g[j]
+        layer = j  # position in the group; the layer's kind is the same in every group
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        if cfg.layer_types[layer] == ATTENTION:
+            pages_per_layer = kv_list[j].k.shape[0] // n_groups
+            h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts)
+        else:
+            slots_per_layer = rec_list[j].shape[0] // n_groups
+            h, conv_list[j], rec_list[j] = gdn_layer(p, h, conv_list[j], rec_list[j], batch,
+                                                     g * slots_per_layer, cfg, opts)
+        x = x + h
+        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        x = x + (dense_mlp(p, h) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg))
+    return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
+
+
+def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions,
+            scan_layers: bool = True):
+    """-> (hidden [R, H] at batch.logits_indices, new caches)."""
+    x = params["embed"][batch.input_ids]
+    rope = rope_tables(batch.positions, cfg)
+    n_groups = cfg.num_layers // cfg.layer_period()
+    if scan_layers and n_groups > 1:
+        def body(carry, xs):
+            x, caches = carry
+            params_g, g = xs
+            return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
+
+        (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
+    else:
+        for g in range(n_groups):
+            params_g = jax.tree.map(lambda a: a[g], params["groups"])
+            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+    x = x[batch.logits_indices]
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
+
+
+def compute_logits(params, hidden):
+    """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head)."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return (hidden @ w).astype(jnp.float32)

@@ -1,0 +1,180 @@
+"""HF tensor names -> our parameter pytree.
+
+Parameters are a plain dict: `embed`, `final_norm`, optional `lm_head`, and `groups`, a tuple
+with one dict per position in the repeating layer group (see ModelConfig.layer_period); each
+leaf there is stacked over groups on axis 0 so the forward pass scans over it. Linear weights
+are stored [in, out]. Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` are re-laid out
+here into Qwen3.5's separate projections, so one forward pass serves both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.config import ATTENTION, ModelConfig
+from models.safetensors_io import CheckpointError
+
+FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the model dtype (GDN decay)
+
+
+class TensorSource(Protocol):
+    def __contains__(self, name: str) -> bool: ...
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray: ...
+
+
+class DictSource:
+    """A TensorSource over an in-memory {hf_name: array} dict (GGUF, tests)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], origin: str):
+        self.tensors, self.origin = tensors, origin
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape=None) -> np.ndarray:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.origin}: tensor {name!r} is missing from the checkpoint")
+        arr = self.tensors[name]
+        if shape is not None and tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {list(arr.shape)}, the config implies {list(shape)}")
+        return arr
+
+
+def _prefix(src: TensorSource) -> str:
+    for p in ("model.language_model.", "model."):
+        if f"{p}embed_tokens.weight" in src:
+            return p
+    return "model."
+
+
+def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, i: int) -> dict[str, np.ndarray]:
+    H, D = cfg.hidden_size, cfg.head_dim
+    p: dict[str, np.ndarray] = {
+        "input_norm": get(f"layers.{i}.input_layernorm.weight", (H,)),
+        "post_norm": get(f"layers.{i}.post_attention_layernorm.weight", (H,)),
+    }
+    if cfg.layer_types[i] == ATTENTION:
+        a = f"layers.{i}.self_attn."
+        q_out = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
+        kv_out = cfg.num_kv_heads * D
+        p["q_proj"] = get(a + "q_proj.weight", (q_out, H)).T
+        p["k_proj"] = get(a + "k_proj.weight", (kv_out, H)).T
+        p["v_proj"] = get(a + "v_proj.weight", (kv_out, H)).T
+        p["o_proj"] = get(a + "o_proj.weight", (H, cfg.num_heads * D)).T
+        if cfg.attention_bias:
+            p["q_bias"] = get(a + "q_proj.bias", (q_out,))
+            p["k_bias"] = get(a + "k_proj.bias", (kv_out,))
+            p["v_bias"] = get(a + "v_proj.bias", (kv_out,))
+            p["o_bias"] = get(a + "o_proj.bias", (H,)) if has(a + "o_proj.bias") else np.zeros((H,), np.float32)
+        if cfg.qk_norm:
+            p["q_norm"] = get(a + "q_norm.weight", (D,))
+            p["k_norm"] = get(a + "k_norm.weight", (D,))
+    else:
+        p.update(_gdn_params(cfg, get, f"layers.{i}.linear_attn."))
+    m = f"layers.{i}.mlp."
+    if cfg.mlp_types[i] == "dense":
+        I = cfg.intermediate_size
+        p["gate_proj"] = get(m + "gate_proj.weight", (I, H)).T
+        p["up_proj"] = get(m + "up_proj.weight", (I, H)).T
+        p["down_proj"] = get(m + "down_proj.weight", (H, I)).T
+        if cfg.mlp_bias:
+            p["gate_bias"] = get(m + "gate_proj.bias", (I,))
+            p["up_bias"] = get(m + "up_proj.bias", (I,))
+            p["down_bias"] = get(m + "down_proj.bias", (H,))
+    else:
+        p.update(_moe_params(cfg, get, has, m))
+    return p
+
+
+def _gdn_params(cfg: ModelConfig, get: Callable, a: str) -> dict[str, np.ndarray]:
+    H = cfg.hidden_size
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    p: dict[str, np.ndarray] = {}
+    if cfg.gdn_fused_qkvz:
+        qkvz = get(a + "in_proj_qkvz.weight", (hk * (2 * dk + 2 * r * dv), H)).reshape(hk, 2 * dk + 2 * r * dv, H)
+        q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        p["in_qkv"] = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]).T
+        p["in_z"] = z.reshape(-1, H).T
+        ba = get(a + "in_proj_ba.weight", (hk * 2 * r, H)).reshape(hk, 2 * r, H)
+        p["in_b"] = ba[:, :r].reshape(-1, H).T
+        p["in_a"] = ba[:, r:].reshape(-1, H).T
+    else:
+        p["in_qkv"] = get(a + "in_proj_qkv.weight", (C, H)).T
+        p["in_z"] = get(a + "in_proj_z.weight", (hv * dv, H)).T
+        p["in_b"] = get(a + "in_proj_b.weight", (hv, H)).T
+        p["in_a"] = get(a + "in_proj_a.weight", (hv, H)).T
+    p["conv_w"] = get(a + "conv1d.weight", (C, 1, W))[:, 0, :]
+    p["A_log"] = get(a + "A_log", (hv,))
+    p["dt_bias"] = get(a + "dt_bias", (hv,))
+    p["gated_norm"] = get(a + "norm.weight", (dv,))
+    p["out_proj"] = get(a + "out_proj.weight", (H, hv * dv)).T
+    return p
+
+
+def _moe_params(cfg: ModelConfig, get: Callable, has: Callable, m: str) -> dict[str, np.ndarray]:
+    H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    p: dict[str, np.ndarray] = {"router": get(m + "gate.weight", (E, H)).T}
+    if has(m + "experts.gate_up_proj"):
+        gate_up = get(m + "experts.gate_up_proj", (E, 2 * I, H))
+        p["experts_gate_up"] = np.swapaxes(gate_up, 1, 2)  # [E, H, 2I]
+        p["experts_down"] = np.swapaxes(get(m + "experts.down_proj", (E, H, I)), 1, 2)  # [E, I, H]
+    else:
+        gates = [get(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)]
+        ups = [get(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)]
+        downs = [get(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)]
+        p["experts_gate_up"] = np.stack([np.concatenate([g, u]).T for g, u in zip(gates, ups)])
+        p["experts_down"] = np.stack([d.T for d in downs])
+    if Is:
+        p["shared_gate_proj"] = get(m + "shared_expert.gate_proj.weight", (Is, H)).T
+        p["shared_up_proj"] = get(m + "shared_expert.up_proj.weight", (Is, H)).T
+        p["shared_down_proj"] = get(m + "shared_expert.down_proj.weight", (H, Is)).T
+        p["shared_expert_gate"] = get(m + "shared_expert_gate.weight", (1, H)).T
+    return p
+
+
+def _cast(name: str, arr: np.ndarray, dtype) -> jnp.ndarray:
+    target = np.float32 if name in FP32_PARAMS else dtype
+    return jnp.asarray(np.asarray(arr, dtype=np.float32).astype(target) if arr.dtype != target else arr)
+
+
+def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", progress: bool = False) -> dict:
+    """Read every parameter of `cfg` from `src` (HF names), cast to `dtype`, stack by layer group."""
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    pre = _prefix(src)
+
+    def get(name, shape=None):
+        return src.get(pre + name, shape)
+
+    def has(name):
+        return (pre + name) in src
+
+    V, H = cfg.vocab_size, cfg.hidden_size
+    period = cfg.layer_period()
+    layers = [
+        _layer_params(cfg, get, has, i)
+        for i in tqdm(range(cfg.num_layers), desc="loading weights", unit="layer", disable=not progress)
+    ]
+    groups = tuple(
+        {k: _cast(k, np.stack([layers[i][k] for i in range(j, cfg.num_layers, period)]), np_dtype) for k in layers[j]}
+        for j in range(period)
+    )
+    params = {
+        "embed": _cast("embed", get("embed_tokens.weight", (V, H)), np_dtype),
+        "final_norm": _cast("final_norm", get("norm.weight", (H,)), np_dtype),
+        "groups": groups,
+    }
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" in src:
+            params["lm_head"] = _cast("lm_head", src.get("lm_head.weight", (V, H)).T, np_dtype)
+        else:
+            raise CheckpointError(f"tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+    return params

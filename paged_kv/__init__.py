@@ -1,0 +1,21 @@
+"""jaxserve paged_kv: device-free bookkeeping for KV pages, prefix caching and GDN state slots."""
+
+from paged_kv.cache_manager import Admission, CacheManager, PrefixHit, SequenceAllocation
+from paged_kv.page_pool import NULL_PAGE, PagePool
+from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_block, hash_full_pages
+from paged_kv.state_slots import NULL_SLOT, StateSlotPool
+
+__all__ = [
+    "Admission",
+    "BlockHash",
+    "BlockIndex",
+    "CacheManager",
+    "NULL_PAGE",
+    "NULL_SLOT",
+    "PagePool",
+    "PrefixHit",
+    "SequenceAllocation",
+    "StateSlotPool",
+    "hash_block",
+    "hash_full_pages",
+]

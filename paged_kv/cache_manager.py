@@ -1,0 +1,313 @@
+"""The hybrid cache manager: pages (and, for GDN hybrids, a state slot) per request, atomically.
+
+Owns the page pool, the prefix-cache index of full pages, and the state-slot pool with its
+checkpoints. A request's resources are one `SequenceAllocation` (block table, running state
+slot, a pending checkpoint); the manager keeps them by request id and frees them together.
+
+Prefix caching: full pages are published under their chained block hash once their KV has
+been computed (`commit`); a released published page stays cached and evictable (LRU), and
+allocation takes free uncached pages first, then evicts the LRU cached ones. On hybrids a hit
+is only usable up to the deepest page boundary that has a *checkpoint slot* (the GDN state
+after exactly that many tokens); admission then restores it with `copy_before` (checkpoint ->
+running slot), and `reserve_checkpoint` + `commit` save one with `copy_after`.
+
+Accounting (see `stats`): every allocatable page is exactly one of free (uncached), used
+(referenced by running requests) or cached (referenced by nobody, evictable); every state
+slot is free, used (running or being written as a checkpoint) or cached (a checkpoint).
+Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from paged_kv.page_pool import NULL_PAGE, PagePool
+from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_full_pages
+from paged_kv.state_slots import NULL_SLOT, StateSlotPool
+
+
+@dataclass
+class SequenceAllocation:
+    """What one request holds. `block_table[i]` is the physical page of logical block i."""
+
+    request_id: str
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int = NULL_SLOT
+    extra_keys: tuple = ()
+    block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full pages seen
+    num_published_pages: int = 0  # leading pages already in the prefix index (hits or committed)
+    pending_checkpoint: tuple[int, int] | None = None  # (slot, boundary in tokens) written this step
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest usable cached prefix of a prompt; `num_tokens` is a multiple of page_size."""
+
+    num_tokens: int = 0
+    pages: tuple[int, ...] = ()
+    checkpoint_slot: int | None = None  # hybrids: holds the state after `num_tokens` tokens
+    block_hashes: tuple[BlockHash, ...] = ()  # hashes computed during the lookup, reused later
+
+
+@dataclass
+class Admission:
+    """A successful `allocate`: the allocation plus device slot copies to run before the step."""
+
+    allocation: SequenceAllocation
+    copy_before: list[tuple[int, int]]  # (src_slot, dst_slot)
+
+
+class CacheManager:
+    """Pages + state slots + prefix cache for all requests.
+
+    num_pages and num_state_slots include the null page / null slot; num_state_slots == 0
+    means a pure-attention model (no GDN state).
+    """
+
+    def __init__(
+        self, *, page_size: int, num_pages: int, num_state_slots: int = 0, enable_prefix_caching: bool = True
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.pages = PagePool(num_pages)
+        self.page_index = BlockIndex()
+        self.slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocations: dict[str, SequenceAllocation] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def is_hybrid(self) -> bool:
+        return self.slots is not None
+
+    @property
+    def checkpoints_enabled(self) -> bool:
+        """Hybrid prefix caching: chunks are cut at page boundaries and states checkpointed."""
+        return self.is_hybrid and self.enable_prefix_caching
+
+    @property
+    def num_allocatable_pages(self) -> int:
+        return self.pages.num_allocatable
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocation(self, request_id: str) -> SequenceAllocation:
+        return self.allocations[request_id]
+
+    # ---- prefix lookup ------------------------------------------------------------------
+    def lookup_prefix(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> PrefixHit:
+        """Longest chain of cached pages for `token_ids`, leaving at least one token to compute.
+
+        Read-only: takes no references and counts no statistics (`allocate` does both).
+        """
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return PrefixHit()
+        max_pages = (len(token_ids) - 1) // self.page_size
+        hashes = hash_full_pages(token_ids[: max_pages * self.page_size], self.page_size, extra_keys)
+        pages: list[int] = []
+        for block_hash in hashes:
+            page = self.page_index.get(block_hash)
+            if page is None:
+                break
+            pages.append(page)
+        checkpoint_slot = None
+        if self.slots is not None:
+            for k in range(len(pages), 0, -1):
+                checkpoint_slot = self.slots.lookup_checkpoint(hashes[k - 1])
+                if checkpoint_slot is not None:
+                    break
+        return PrefixHit(len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes))
+
+    # ---- allocation -------------------------------------------------------------------
+    def _num_obtainable_pages(self, excluding_hits: Sequence[int] = ()) -> int:
+        evictable_hits = sum(1 for page in excluding_hits if page in self.page_index.evictable)
+        return self.pages.num_free + self.page_index.num_evictable - evictable_hits
+
+    def _new_page(self) -> int:
+        if not self.pages.num_free:
+            evicted = self.page_index.evict_lru()
+            assert evicted is not None, "caller checked the obtainable page count"
+            self.pages.put_free(evicted)
+        return self.pages.allocate()
+
+    def _take_cached_page(self, page: int) -> None:
+        self.page_index.unmark_evictable(page)
+        self.pages.take(page)
+
+    def allocate(
+        self, request_id: str, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit = PrefixHit(),
+        extra_keys: tuple = (),
+    ) -> Admission | None:
+        """Pages for the first `num_tokens` tokens (reusing `hit`) and a running slot, or None.
+
+        All or nothing: on None nothing changed. `hit` must come from `lookup_prefix` with no
+        cache mutation in between.
+        """
+        if request_id in self.allocations:
+            raise ValueError(f"request {request_id!r} already holds an allocation")
+        num_new_pages = max(0, self.pages_needed(num_tokens) - len(hit.pages))
+        if self._num_obtainable_pages(hit.pages) < num_new_pages:
+            return None
+        if self.slots is not None and hit.checkpoint_slot is None and self.slots.num_obtainable() < 1:
+            return None
+
+        allocation = SequenceAllocation(request_id, extra_keys=extra_keys, block_hashes=list(hit.block_hashes))
+        for page in hit.pages:
+            self._take_cached_page(page)
+        allocation.block_table = list(hit.pages) + [self._new_page() for _ in range(num_new_pages)]
+        allocation.num_published_pages = len(hit.pages)
+        copy_before: list[tuple[int, int]] = []
+        if self.slots is not None:
+            checkpoint = hit.checkpoint_slot
+            if checkpoint is not None:
+                self.slots.checkpoints.touch(checkpoint)
+            slot = self.slots.acquire(keep=checkpoint)
+            if slot is None:  # the only obtainable slot is the checkpoint itself: continue in it
+                self.slots.adopt_checkpoint(checkpoint)
+                slot = checkpoint
+            elif checkpoint is not None:
+                copy_before.append((checkpoint, slot))
+            allocation.state_slot = slot
+        self.allocations[request_id] = allocation
+        self.num_queried_tokens += len(token_ids)
+        self.num_hit_tokens += hit.num_tokens
+        return Admission(allocation, copy_before)
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Make the block table cover `num_tokens` tokens; False (no change) if pages run out."""
+        allocation = self.allocations[request_id]
+        missing = self.pages_needed(num_tokens) - len(allocation.block_table)
+        if missing <= 0:
+            return True
+        if self._num_obtainable_pages() < missing:
+            return False
+        allocation.block_table.extend(self._new_page() for _ in range(missing))
+        return True
+
+    def reserve_checkpoint(self, request_id: str, token_ids: Sequence[int], boundary: int) -> tuple[int, int] | None:
+        """Reserve a slot to save the running state after `boundary` tokens (page aligned).
+
+        Returns the `copy_after` pair (running slot, checkpoint slot), or None when that
+        boundary is already checkpointed or no slot can be had without preempting anyone.
+        """
+        allocation = self.allocations[request_id]
+        if not self.checkpoints_enabled or boundary <= 0 or boundary % self.page_size:
+            return None
+        if allocation.pending_checkpoint is not None:
+            raise RuntimeError(f"request {request_id!r} already writes a checkpoint this step")
+        hashes = hash_full_pages(token_ids[:boundary], self.page_size, allocation.extra_keys, allocation.block_hashes)
+        existing = self.slots.lookup_checkpoint(hashes[boundary // self.page_size - 1])
+        if existing is not None:
+            self.slots.checkpoints.touch(existing)
+            return None
+        slot = self.slots.acquire()
+        if slot is None:
+            return None
+        allocation.pending_checkpoint = (slot, boundary)
+        return allocation.state_slot, slot
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """The first `num_computed_tokens` tokens now have KV (and state): publish full pages
+        and a checkpoint written this step."""
+        allocation = self.allocations[request_id]
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_computed_tokens // self.page_size
+        hashes = hash_full_pages(
+            token_ids[: num_full * self.page_size], self.page_size, allocation.extra_keys, allocation.block_hashes
+        )
+        for page_index in range(allocation.num_published_pages, num_full):
+            self.page_index.insert(hashes[page_index], allocation.block_table[page_index])  # dup: stays private
+        allocation.num_published_pages = max(allocation.num_published_pages, num_full)
+        if allocation.pending_checkpoint is not None:
+            slot, boundary = allocation.pending_checkpoint
+            if boundary <= num_computed_tokens:
+                allocation.pending_checkpoint = None
+                self.slots.publish_checkpoint(slot, hashes[boundary // self.page_size - 1])
+
+    def free(self, request_id: str) -> None:
+        """Release everything the request holds; published pages stay cached and evictable."""
+        allocation = self.allocations.pop(request_id)
+        for page in reversed(allocation.block_table):  # the tail becomes least recently used
+            if self.pages.release(page) == 0:
+                if self.page_index.is_indexed(page):
+                    self.page_index.mark_evictable(page)
+                else:
+                    self.pages.put_free(page)
+        if self.slots is not None:
+            if allocation.state_slot != NULL_SLOT:
+                self.slots.release(allocation.state_slot)
+            if allocation.pending_checkpoint is not None:
+                self.slots.release(allocation.pending_checkpoint[0])
+
+    # ---- accounting ---------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counts exclude the null page/slot.
+
+        pages_free: allocatable without evicting anything; pages_cached: held only by the
+        prefix cache (evictable); pages_used: referenced by requests. Same for slots, where
+        slots_cached are GDN checkpoints. prefix_cache_hit_rate = hit tokens / queried tokens
+        over all admissions.
+        """
+        pages_total = self.pages.num_allocatable
+        pages_free, pages_cached = self.pages.num_free, self.page_index.num_evictable
+        slots_total = self.slots.num_allocatable if self.slots else 0
+        slots_free = self.slots.num_free if self.slots else 0
+        slots_cached = self.slots.num_checkpoints if self.slots else 0
+        return {
+            "pages_total": pages_total,
+            "pages_free": pages_free,
+            "pages_cached": pages_cached,
+            "pages_used": pages_total - pages_free - pages_cached,
+            "slots_total": slots_total,
+            "slots_free": slots_free,
+            "slots_cached": slots_cached,
+            "slots_used": slots_total - slots_free - slots_cached,
+            "prefix_cache_queried_tokens": self.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.num_hit_tokens,
+            "prefix_cache_hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert that every page and slot is in exactly one state and ref counts match tables."""
+        refs: Counter[int] = Counter()
+        for allocation in self.allocations.values():
+            assert len(set(allocation.block_table)) == len(allocation.block_table), allocation
+            refs.update(allocation.block_table)
+        assert NULL_PAGE not in refs and self.pages.ref_counts[NULL_PAGE] == 0, "null page in use"
+        free = list(self.pages.free_pages)
+        assert len(free) == len(set(free)), "page freed twice"
+        free_set = set(free)
+        for page_id, block_hash in self.page_index.hash_of_id.items():
+            assert self.page_index.id_of_hash[block_hash] == page_id, "prefix index out of sync"
+        assert len(self.page_index.id_of_hash) == len(self.page_index.hash_of_id)
+        for page in range(1, self.pages.num_pages):
+            count = self.pages.ref_counts[page]
+            assert count == refs[page], f"page {page}: ref count {count}, block tables hold it {refs[page]}x"
+            states = (page in free_set) + (count > 0) + (page in self.page_index.evictable)
+            assert states == 1, f"page {page} is in {states} states (free/used/cached)"
+            if page in free_set:
+                assert not self.page_index.is_indexed(page), f"free page {page} still indexed"
+            if page in self.page_index.evictable:
+                assert self.page_index.is_indexed(page)
+        if self.slots is None:
+            assert all(a.state_slot == NULL_SLOT and a.pending_checkpoint is None for a in self.allocations.values())
+            return
+        held = [a.state_slot for a in self.allocations.values()]
+        held += [a.pending_checkpoint[0] for a in self.allocations.values() if a.pending_checkpoint is not None]
+        assert len(held) == len(set(held)), f"a state slot is held twice: {sorted(held)}"
+        assert set(held) == self.slots.held, f"held slots {sorted(self.slots.held)} != requests' {sorted(held)}"
+        free_slots = list(self.slots.free_slots)
+        assert len(free_slots) == len(set(free_slots)), "slot freed twice"
+        checkpoints = set(self.slots.checkpoints.hash_of_id)
+        assert checkpoints == set(self.slots.checkpoints.evictable), "a checkpoint is not evictable"
+        assert NULL_SLOT not in self.slots.held and NULL_SLOT not in free_slots and NULL_SLOT not in checkpoints
+        total = len(free_slots) + len(self.slots.held) + len(checkpoints)
+        union = set(free_slots) | self.slots.held | checkpoints
+        assert total == len(union) == self.slots.num_allocatable, "state slots leaked or in two states"

@@ -1,0 +1,285 @@
+"""Gated DeltaNet (gated delta rule): pure-jnp references and the ragged serving op.
+
+Owns the spec of the GDN recurrence (see /work/shared/GDN.md):
+
+    u_t = beta_t (v_t - alpha_t S_{t-1}^T k_t),  S_t = alpha_t S_{t-1} + k_t u_t^T,  o_t = S_t^T q_t
+
+with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key head h // (H // Hk).
+
+- `gdn_recurrent_reference`: one sequence, per-token `lax.scan` (obviously right).
+- `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
+- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` is the CPU
+  serving path; `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _expand_key_heads(x, num_value_heads):
+  """[T, Hk, K] -> [T, H, K], repeat-interleaved: value head h reads key head h // (H // Hk)."""
+  return jnp.repeat(x, num_value_heads // x.shape[1], axis=1)
+
+
+def _check_shapes(q, k, v, g, beta):
+  t, hk, kd = q.shape
+  h = v.shape[1]
+  if k.shape != q.shape:
+    raise ValueError(f"q {q.shape} and k {k.shape} must match")
+  if v.shape[0] != t or g.shape != (t, h) or beta.shape != (t, h):
+    raise ValueError(f"bad shapes: v {v.shape}, g {g.shape}, beta {beta.shape} for T={t}, H={h}")
+  if h % hk:
+    raise ValueError(f"value heads {h} must be a multiple of key heads {hk}")
+  return t, hk, h, kd, v.shape[2]
+
+
+def recurrent_step(state, q_t, k_t, v_t, g_t, beta_t):
+  """One token of the gated delta rule for all heads.
+
+  state [H,K,V] f32, q_t/k_t [H,K] f32, v_t [H,V] f32, g_t/beta_t [H] f32 -> (state, o_t [H,V]).
+  """
+  decayed = jnp.exp(g_t)[:, None, None] * state
+  predicted = jnp.einsum("hk,hkv->hv", k_t, decayed, precision=HIGHEST)
+  update = beta_t[:, None] * (v_t - predicted)
+  state = decayed + k_t[:, :, None] * update[:, None, :]
+  o_t = jnp.einsum("hk,hkv->hv", q_t, state, precision=HIGHEST)
+  return state, o_t
+
+
+@jax.jit
+def gdn_recurrent_reference(q, k, v, g, beta, initial_state):
+  """Per-token recurrence over ONE sequence.
+
+  q, k [T,Hk,K] (L2-normalised, q pre-scaled), v [T,H,V], g (log-decay <= 0), beta [T,H],
+  initial_state [H,K,V] f32 -> (o [T,H,V] in v.dtype, final_state [H,K,V] f32).
+  """
+  _, _, h, _, _ = _check_shapes(q, k, v, g, beta)
+  f32 = lambda x: x.astype(jnp.float32)
+  xs = (f32(_expand_key_heads(q, h)), f32(_expand_key_heads(k, h)), f32(v), f32(g), f32(beta))
+
+  def step(state, x):
+    return recurrent_step(state, *x)
+
+  final_state, o = lax.scan(step, initial_state.astype(jnp.float32), xs)
+  return o.astype(v.dtype), final_state
+
+
+def chunk_preparation(q, k, v, g, beta):
+  """State-independent part of the WY chunked form, batched over chunks and heads.
+
+  Inputs [N,H,C,K|V] / [N,H,C] f32, padded with identity steps. Returns
+  (decay_in [N,H,C] = e^G, decay_out [N,H,C] = e^{G_C - G}, chunk_decay [N,H] = e^{G_C},
+   w [N,H,C,K], u0 [N,H,C,V], qk_decayed [N,H,C,C] = lower_incl(Gamma * Q K^T)).
+  """
+  c = g.shape[-1]
+  cum_g = jnp.cumsum(g, axis=-1)                              # G: [N,H,C]
+  rows = jnp.arange(c)[:, None]
+  cols = jnp.arange(c)[None, :]
+  inclusive, strict = rows >= cols, rows > cols
+  # Mask before exp: the upper triangle would be exp(positive), which can overflow.
+  gamma = jnp.exp(jnp.where(inclusive, cum_g[..., :, None] - cum_g[..., None, :], -jnp.inf))
+  kk = jnp.einsum("nhrk,nhsk->nhrs", k, k, precision=HIGHEST)
+  a = jnp.where(strict, beta[..., :, None] * gamma * kk, 0.0)
+  decay_in = jnp.exp(cum_g)
+  rhs = jnp.concatenate([(beta * decay_in)[..., None] * k, beta[..., None] * v], axis=-1)
+  eye = jnp.eye(c, dtype=a.dtype)
+  # (I + A) is unit lower-triangular: forward substitution gives [W | U0] = (I + A)^-1 rhs.
+  solved = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+  w, u0 = solved[..., : k.shape[-1]], solved[..., k.shape[-1]:]
+  qk = jnp.einsum("nhrk,nhsk->nhrs", q, k, precision=HIGHEST)
+  qk_decayed = jnp.where(inclusive, gamma * qk, 0.0)
+  chunk_decay = decay_in[..., -1]
+  decay_out = jnp.exp(cum_g[..., -1:] - cum_g)
+  return decay_in, decay_out, chunk_decay, w, u0, qk_decayed
+
+
+def chunk_state_pass(state, q, k, prepared):
+  """The sequential part of one chunk: state [H,K,V], q,k [H,C,K] -> (state, o [H,C,V])."""
+  decay_in, decay_out, chunk_decay, w, u0, qk_decayed = prepared
+  u = u0 - jnp.einsum("hck,hkv->hcv", w, state, precision=HIGHEST)
+  o = decay_in[..., None] * jnp.einsum("hck,hkv->hcv", q, state, precision=HIGHEST)
+  o = o + jnp.einsum("hrs,hsv->hrv", qk_decayed, u, precision=HIGHEST)
+  state = chunk_decay[:, None, None] * state + jnp.einsum(
+      "hck,hcv->hkv", decay_out[..., None] * k, u, precision=HIGHEST)
+  return state, o
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def gdn_chunked_reference(q, k, v, g, beta, initial_state, chunk_size=64):
+  """WY chunked form over ONE sequence; same signature and result as the recurrent reference.
+
+  A ragged last chunk is padded with identity steps (g=0, beta=0, k=0), which leave the
+  state unchanged.
+  """
+  t, _, h, kd, vd = _check_shapes(q, k, v, g, beta)
+  c = chunk_size
+  n = -(-t // c)
+  pad = n * c - t
+
+  def to_chunks(x):  # [T,H,...] -> [N,H,C,...] f32, identity-padded
+    x = jnp.pad(x.astype(jnp.float32), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    x = x.reshape((n, c) + x.shape[1:])
+    return jnp.moveaxis(x, 2, 1) if x.ndim == 4 else jnp.swapaxes(x, 1, 2)
+
+  qc, kc = to_chunks(_expand_key_heads(q, h)), to_chunks(_expand_key_heads(k, h))
+  vc, gc, bc = to_chunks(v), to_chunks(g), to_chunks(beta)
+  prepared = chunk_preparation(qc, kc, vc, gc, bc)
+
+  def step(state, xs):
+    q_n, k_n, prep_n = xs
+    return chunk_state_pass(state, q_n, k_n, prep_n)
+
+  final_state, o = lax.scan(step, initial_state.astype(jnp.float32), (qc, kc, prepared))
+  o = jnp.swapaxes(o, 1, 2).reshape(n * c, h, vd)[:t]
+  return o.astype(v.dtype), final_state
+
+
+def ragged_token_layout(cu_q_lens, num_seqs, num_tokens):
+  """Per flat token: (sequence index [T], is_first [T], is_last [T], is_valid [T])."""
+  num_seqs = jnp.reshape(num_seqs, (-1,))[0]
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  num_seq_slots = cu_q_lens.shape[0] - 1
+  seq = jnp.searchsorted(cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+  seq = jnp.minimum(seq, num_seq_slots - 1)
+  is_valid = tokens < cu_q_lens[num_seqs]
+  is_first = tokens == cu_q_lens[seq]
+  is_last = tokens == cu_q_lens[seq + 1] - 1
+  return seq, is_first, is_last, is_valid
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                               has_initial_state, num_seqs):
+  """Ragged op, pure jnp: one per-token scan over the flat batch.
+
+  The carry holds the current sequence's state: it is loaded from its slot (or zeros) at the
+  sequence's first token and written back at its last token. Padding tokens are replaced by
+  identity steps and write nothing, so NaN poison in padding cannot reach real outputs or slots.
+  """
+  t, _, h, _, _ = _check_shapes(q, k, v, g, beta)
+  seq, is_first, is_last, is_valid = ragged_token_layout(cu_q_lens, num_seqs, t)
+  slot = state_slot_ids[seq]
+  starts_from_slot = has_initial_state[seq]
+
+  def clean(x):
+    mask = is_valid.reshape((t,) + (1,) * (x.ndim - 1))
+    return jnp.where(mask, x.astype(jnp.float32), 0.0)
+
+  xs = (clean(_expand_key_heads(q, h)), clean(_expand_key_heads(k, h)), clean(v), clean(g),
+        clean(beta), slot, starts_from_slot, is_first, is_last & is_valid)
+
+  def step(carry, x):
+    current, pool = carry
+    q_t, k_t, v_t, g_t, b_t, slot_t, from_slot, first, last = x
+    loaded = jnp.where(from_slot, pool[slot_t], 0.0)
+    current = jnp.where(first, loaded, current)
+    current, o_t = recurrent_step(current, q_t, k_t, v_t, g_t, b_t)
+    pool = pool.at[slot_t].set(jnp.where(last, current, pool[slot_t]))
+    return (current, pool), o_t
+
+  init = (jnp.zeros(state.shape[1:], jnp.float32), state)
+  (_, state), o = lax.scan(step, init, xs)
+  return o.astype(v.dtype), state
+
+
+def ragged_chunk_layout(cu_q_lens, num_seqs, num_tokens, chunk_size):
+  """Tiles every real sequence with chunks that never span two sequences.
+
+  At most T // C + S chunks exist (each sequence adds at most one partial chunk). Returns, per
+  chunk slot n: seq [NC], token [NC,C] (flat token of each row), row_valid [NC,C],
+  is_first [NC], is_last [NC] (first / last chunk of its sequence; False for unused slots).
+  """
+  c = chunk_size
+  num_seq_slots = cu_q_lens.shape[0] - 1
+  num_chunk_slots = num_tokens // c + num_seq_slots
+  num_seqs = jnp.reshape(num_seqs, (-1,))[0]
+  lengths = cu_q_lens[1:] - cu_q_lens[:-1]
+  is_real = jnp.arange(num_seq_slots) < num_seqs
+  chunks_per_seq = jnp.where(is_real, (lengths + c - 1) // c, 0)
+  chunk_end = jnp.cumsum(chunks_per_seq)
+  chunk_slots = jnp.arange(num_chunk_slots, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(chunk_end, chunk_slots, side="right"), num_seq_slots - 1)
+  index_in_seq = chunk_slots - (chunk_end - chunks_per_seq)[seq]
+  chunk_used = chunk_slots < chunk_end[-1]
+  first_token = cu_q_lens[seq] + index_in_seq * c
+  rows_used = jnp.where(chunk_used, jnp.clip(cu_q_lens[seq + 1] - first_token, 0, c), 0)
+  token = first_token[:, None] + jnp.arange(c)[None, :]
+  row_valid = jnp.arange(c)[None, :] < rows_used[:, None]
+  is_first = chunk_used & (index_in_seq == 0)
+  is_last = chunk_used & (index_in_seq == chunks_per_seq[seq] - 1)
+  return seq, token, row_valid, is_first, is_last
+
+
+def gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                       has_initial_state, num_seqs, chunk_size=64):
+  """Ragged op, pure jnp, WY chunked form: the fast CPU path for prefill-sized batches.
+
+  Tokens are gathered into per-sequence chunks (rows past a sequence's end are identity
+  steps), the state-independent work runs batched over all chunks, and one `lax.scan` over
+  the chunk slots carries the current sequence's state from and back to its slot.
+  """
+  t, _, h, _, vd = _check_shapes(q, k, v, g, beta)
+  seq, token, row_valid, is_first, is_last = ragged_chunk_layout(
+      cu_q_lens, num_seqs, t, chunk_size)
+  gather_at = jnp.clip(token, 0, t - 1)
+
+  def to_chunks(x):  # [T,H,...] -> [NC,H,C,...] f32, identity rows where invalid
+    rows = x[gather_at].astype(jnp.float32)
+    rows = jnp.where(row_valid.reshape(row_valid.shape + (1,) * (x.ndim - 1)), rows, 0.0)
+    return jnp.swapaxes(rows, 1, 2)
+
+  qc, kc = to_chunks(_expand_key_heads(q, h)), to_chunks(_expand_key_heads(k, h))
+  prepared = chunk_preparation(qc, kc, to_chunks(v), to_chunks(g), to_chunks(beta))
+
+  def step(carry, xs):
+    current, pool = carry
+    q_n, k_n, prep_n, slot_n, from_slot_n, first_n, last_n = xs
+    current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n], 0.0), current)
+    current, o_n = chunk_state_pass(current, q_n, k_n, prep_n)
+    pool = pool.at[slot_n].set(jnp.where(last_n, current, pool[slot_n]))
+    return (current, pool), o_n
+
+  xs = (qc, kc, prepared, state_slot_ids[seq], has_initial_state[seq], is_first, is_last)
+  init = (jnp.zeros(state.shape[1:], jnp.float32), state)
+  (_, state), o = lax.scan(step, init, xs)
+  o = jnp.swapaxes(o, 1, 2)                                              # [NC,C,H,V]
+  scatter_at = jnp.where(row_valid, token, t)                            # t: dropped
+  o = jnp.zeros((t, h, vd), jnp.float32).at[scatter_at].set(o, mode="drop")
+  return o.astype(v.dtype), state
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "interpret", "chunk_size"))
+def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
+                     num_seqs, *, impl="reference", interpret=False, chunk_size=64):
+  """Gated delta rule over a ragged batch of sequences, from and back to state slots.
+
+  q, k [T,Hk,K] (L2-normalised, q scaled by K^-1/2), v [T,H,V], g [T,H] f32 log-decay,
+  beta [T,H] f32, state [N,H,K,V] f32 slot pool, cu_q_lens [S+1] int32, state_slot_ids [S]
+  int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
+  Returns (o [T,H,V] in v.dtype, zero on padding tokens for the reference, state pool).
+
+  impl: "reference" (pure jnp, the CPU path), "pallas" (TPU kernel on TPU and CPU, GPU kernel on
+  GPU), "pallas_tpu", "pallas_gpu". interpret: False, True, or a `pltpu.InterpretParams()`
+  (TPU kernel only). chunk_size is the WY chunk length of the kernels.
+  """
+  if state.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
+    raise ValueError(f"state {state.shape} does not match heads/dims of q {q.shape}, v {v.shape}")
+  if impl == "reference":
+    return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                      has_initial_state, num_seqs)
+  if impl == "pallas":
+    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_tpu"
+  num_seqs = jnp.reshape(num_seqs, (-1,))[:1].astype(jnp.int32)
+  args = (q, k, v, g, beta, state, cu_q_lens.astype(jnp.int32),
+          state_slot_ids.astype(jnp.int32), has_initial_state.astype(jnp.int32), num_seqs)
+  if impl == "pallas_tpu":
+    from pallas_kernels import gdn_kernel_tpu
+    return gdn_kernel_tpu.gated_delta_rule_tpu(*args, interpret=interpret, chunk_size=chunk_size)
+  if impl == "pallas_gpu":
+    from pallas_kernels import gdn_kernel_gpu
+    return gdn_kernel_gpu.gated_delta_rule_gpu(*args, interpret=interpret, chunk_size=chunk_size)
+  raise ValueError(f"unknown impl {impl!r}")

@@ -1,0 +1,110 @@
+"""Paged KV storage for one attention layer: the `KVPages` pytree and FP8 quantize helpers.
+
+Pages are head-major, `[P, Hkv, ps, D]`, so the minor tile `(ps, D)` stays dense for every
+dtype. FP8 pages carry one float32 scale per (page, kv head); the scales are arrays (data,
+never static Python floats), so a new scale never recompiles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+SUPPORTED_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), *FP8_DTYPES)
+
+
+def is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def fp8_max(dtype) -> float:
+  """Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+  return float(jnp.finfo(jnp.dtype(dtype)).max)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """Returns `clip(x / scale, -fmax, fmax)` cast to `dtype`; `scale` broadcasts against `x`.
+
+  The clip matters: float8_e4m3fn has no inf, so an unclipped 500.0 becomes NaN.
+  """
+  limit = fp8_max(dtype)
+  scaled = x.astype(jnp.float32) / scale.astype(jnp.float32)
+  return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(x: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
+  """Returns `x * scale` in `dtype` (`scale=None`: plain cast); `scale` broadcasts against `x`."""
+  values = x.astype(jnp.float32)
+  if scale is not None:
+    values = values * scale.astype(jnp.float32)
+  return values.astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPages:
+  """KV pages of one attention layer.
+
+  k, v:             [P, Hkv, ps, D]  float32 / bfloat16 / float8_e4m3fn / float8_e5m2
+  k_scale, v_scale: [P, Hkv] float32 for FP8 pages, None otherwise.
+  Page 0 is the null page: never owned by a request; padding block-table entries point at it.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+  @classmethod
+  def create(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+             dtype=jnp.bfloat16) -> "KVPages":
+    """Zero-filled pages; FP8 scales start at 1.0 (a page's first write at offset 0 resets them)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in SUPPORTED_KV_DTYPES:
+      raise ValueError(f"KV dtype {dtype} not in {[str(d) for d in SUPPORTED_KV_DTYPES]}")
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k = jnp.zeros(shape, dtype)
+    v = jnp.zeros(shape, dtype)
+    if not is_fp8(dtype):
+      return cls(k=k, v=v)
+    scales = jnp.ones((num_pages, num_kv_heads), jnp.float32)
+    return cls(k=k, v=v, k_scale=scales, v_scale=scales)
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def dtype(self):
+    return self.k.dtype
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+  def bytes_per_token(self) -> int:
+    """Bytes one token occupies in these pages (K and V, scales amortised over the page)."""
+    values = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+    scales = 2 * self.num_kv_heads * 4 / self.page_size if self.quantized else 0
+    return int(values + scales + 0.999999)
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """(k, v) as `dtype`, scales applied: [P, Hkv, ps, D] each. For tests and debugging."""
+    k_scale = None if self.k_scale is None else self.k_scale[:, :, None, None]
+    v_scale = None if self.v_scale is None else self.v_scale[:, :, None, None]
+    return dequantize(self.k, k_scale, dtype), dequantize(self.v, v_scale, dtype)

@@ -1,0 +1,78 @@
+"""KV write: scatter this step's K/V into the pages at `slot_mapping`, quantizing to FP8.
+
+Pure jnp (a scatter). FP8 scale rule, per (page, kv head):
+  * a write at offset 0 starts the page fresh: its scale comes from this step's tokens only;
+  * otherwise the scale grows to cover the new tokens (never shrinks while the page lives), and
+    the entries already in the page are requantized to the grown scale;
+  * values are always clipped to the FP8 range before the cast.
+Only pages written this step are touched (gathered, requantized, scattered back), never the pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_cache import KVPages, fp8_max, quantize
+
+# Smallest scale we store: keeps x / scale finite for an all-zero page.
+_MIN_SCALE = 1e-30
+
+
+def _write_plain(pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array):
+  # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
+  return pages.at[page, :, offset].set(new.astype(pages.dtype), mode="drop")
+
+
+def _write_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, page: jax.Array,
+               offset: jax.Array, valid: jax.Array):
+  num_pages = pages.shape[0]
+  limit = fp8_max(pages.dtype)
+  # Per (page, head) amax of this step's tokens, and which pages restart at offset 0.
+  token_amax = jnp.max(jnp.abs(new.astype(jnp.float32)), axis=-1)            # [T, Hkv]
+  token_amax = jnp.where(valid[:, None], token_amax, 0.0)
+  step_amax = jnp.zeros(scale.shape, jnp.float32).at[page].max(token_amax, mode="drop")
+  starts_fresh = jnp.zeros((num_pages,), jnp.int32).at[page].max(
+      (valid & (offset == 0)).astype(jnp.int32), mode="drop") > 0            # [P]
+  written = jnp.zeros((num_pages,), jnp.int32).at[page].max(
+      valid.astype(jnp.int32), mode="drop") > 0                              # [P]
+
+  needed = jnp.maximum(step_amax / limit, _MIN_SCALE)                        # [P, Hkv]
+  grown = jnp.where(starts_fresh[:, None], needed, jnp.maximum(scale, needed))
+  new_scale = jnp.where(written[:, None], grown, scale)
+
+  # Requantize the pages written this step (a page hit by several tokens is gathered several
+  # times; every copy is identical, so the duplicate scatters agree).
+  safe_page = jnp.minimum(page, num_pages - 1)
+  old_pages = pages[safe_page].astype(jnp.float32)                           # [T, Hkv, ps, D]
+  ratio = scale[safe_page] / new_scale[safe_page]                            # [T, Hkv]
+  requantized = jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit).astype(pages.dtype)
+  pages = pages.at[page].set(requantized, mode="drop")
+
+  token_scale = new_scale[safe_page][:, :, None]                             # [T, Hkv, 1]
+  pages = pages.at[page, :, offset].set(quantize(new, token_scale, pages.dtype), mode="drop")
+  return pages, new_scale
+
+
+@jax.jit
+def write_kv(kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
+  """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
+
+  kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
+  Returns the updated KVPages (donate `kv` at the call site to update in place).
+  """
+  if k.shape != v.shape or k.ndim != 3:
+    raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
+  if k.shape[1:] != (kv.num_kv_heads, kv.head_dim):
+    raise ValueError(f"k is {k.shape}, pages hold Hkv={kv.num_kv_heads}, D={kv.head_dim}")
+  if slot_mapping.shape != k.shape[:1]:
+    raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
+  slot_mapping = slot_mapping.astype(jnp.int32)
+  valid = slot_mapping >= 0
+  page = jnp.where(valid, slot_mapping // kv.page_size, kv.num_pages)  # out of range -> dropped
+  offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
+  if not kv.quantized:
+    return KVPages(k=_write_plain(kv.k, k, page, offset), v=_write_plain(kv.v, v, page, offset))
+  k_pages, k_scale = _write_fp8(kv.k, kv.k_scale, k, page, offset, valid)
+  v_pages, v_scale = _write_fp8(kv.v, kv.v_scale, v, page, offset, valid)
+  return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale)

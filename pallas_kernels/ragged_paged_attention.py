@@ -1,0 +1,143 @@
+"""Ragged paged attention: one call for a mixed batch of prefill chunks and decode tokens.
+
+Public op `ragged_paged_attention` dispatches to the pure-jnp reference (the spec, and the CPU
+serving path) or to a Pallas kernel (TPU Mosaic in rpa_kernel_tpu.py, GPU Triton lowering in
+rpa_kernel_gpu.py). All share one signature and the semantics below.
+
+Sequence s owns flat query tokens `cu_q_lens[s] : cu_q_lens[s+1]`; its i-th query sits at
+position `kv_lens[s] - q_len[s] + i` and attends causally to the keys of its pages
+(`block_tables[s]`), optionally only to the last `sliding_window` positions, with optional
+logit soft cap `cap * tanh(scores / cap)`. Query head h reads kv head `h // (Hq // Hkv)`.
+Tokens at or past `cu_q_lens[num_seqs]` are padding: their output is unspecified.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.kv_cache import KVPages, dequantize
+from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, true_num_seqs
+
+IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
+
+
+def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
+                 kv_len: jax.Array) -> jax.Array:
+  """Gathers one sequence's K or V, dequantized to f32, zero past kv_len: [Hkv, MB*ps, D]."""
+  gathered = pages[page_ids]                                                 # [MB, Hkv, ps, D]
+  page_scale = None if scale is None else scale[page_ids][:, :, None, None]  # [MB, Hkv, 1, 1]
+  values = dequantize(gathered, page_scale)
+  num_blocks, num_kv_heads, page_size, head_dim = values.shape
+  values = values.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_blocks * page_size, head_dim)
+  in_context = jnp.arange(num_blocks * page_size) < kv_len
+  # where, not multiply: unused slots and the null page may hold NaN.
+  return jnp.where(in_context[None, :, None], values, 0.0)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
+    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+    sliding_window: int | None = None, soft_cap: float | None = None,
+    block_q: int = 16) -> jax.Array:
+  """Pure-jnp reference, jit-able with static shapes; see the module docstring.
+
+  Loops over the true sequences (padded ones cost nothing) and, inside each, over query blocks
+  of `block_q` tokens, attending to the sequence's gathered pages with a masked softmax in f32.
+  Memory ~ MB * ps * Hkv * D per sequence. Returns [T, Hq, D] in q's dtype.
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = kv.num_kv_heads
+  group = num_q_heads // num_kv_heads
+  context_capacity = block_tables.shape[1] * kv.page_size
+  block_q = max(1, min(block_q, num_tokens))
+  # q_blocks: [T + bq, Hkv, G, D]; the tail keeps every block slice in bounds.
+  q_blocks = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
+      num_tokens + block_q, num_kv_heads, group, head_dim)
+  key_pos = jnp.arange(context_capacity)
+
+  def attend_sequence(s, out):
+    kv_len = kv_lens[s]
+    seq_start = cu_q_lens[s]
+    q_len = cu_q_lens[s + 1] - seq_start
+    keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len)        # [Hkv, L, D]
+    values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len)      # [Hkv, L, D]
+
+    def attend_block(b, out):
+      start = seq_start + b * block_q
+      q_block = lax.dynamic_slice_in_dim(q_blocks, start, block_q).astype(jnp.float32)
+      row_in_seq = b * block_q + jnp.arange(block_q)
+      q_pos = kv_len - q_len + row_in_seq                                    # [bq]
+      scores = jnp.einsum("qhgd,hld->hgql", q_block, keys) * sm_scale        # [Hkv, G, bq, L]
+      if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+      visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
+      if sliding_window is not None:
+        visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+      scores = jnp.where(visible, scores, MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1)
+      o_block = jnp.einsum("hgql,hld->qhgd", probs, values).astype(out.dtype)
+      previous = lax.dynamic_slice_in_dim(out, start, block_q)
+      merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
+      return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
+
+    num_blocks = (q_len + block_q - 1) // block_q
+    return lax.fori_loop(0, num_blocks, attend_block, out)
+
+  out = jnp.zeros_like(q_blocks)
+  out = lax.fori_loop(0, true_num_seqs(num_seqs), attend_sequence, out)
+  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _pick_impl(impl: str, interpret) -> str:
+  if impl != "pallas":
+    return impl
+  backend = jax.default_backend()
+  if backend == "gpu":
+    return "pallas_gpu"
+  if backend == "tpu" or interpret:
+    return "pallas_tpu"
+  raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "impl", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
+    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+    sliding_window: int | None = None, soft_cap: float | None = None,
+    impl: str = "reference", interpret=False) -> jax.Array:
+  """Causal attention of a ragged batch over paged KV.
+
+  q:            [T, Hq, D] float32/bfloat16
+  kv:           KVPages, pages [P, Hkv, ps, D] (FP8 pages carry [P, Hkv] f32 scales)
+  kv_lens:      [S] int32, context length of each sequence including this step's tokens
+  block_tables: [S, MB] int32, logical block -> physical page
+  cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
+  num_seqs:     int32 [] or [1], the true number of sequences
+  impl:         "reference" | "pallas" (kernel for the default backend; on CPU with
+                `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
+  interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
+  Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
+  """
+  check_inputs(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+  if soft_cap is not None and soft_cap <= 0:
+    raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+  args = (q, kv, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+          cu_q_lens.astype(jnp.int32), true_num_seqs(num_seqs))
+  options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  impl = _pick_impl(impl, interpret)
+  if impl == "reference":
+    return ragged_paged_attention_reference(*args, **options)
+  if impl == "pallas_tpu":
+    from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
+    return ragged_paged_attention_tpu(*args, **options, interpret=interpret)
+  from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
+  return ragged_paged_attention_gpu(*args, **options, interpret=interpret)

@@ -1,0 +1,73 @@
+"""Frozen runtime configs for the cache and the scheduler, validated once at construction.
+
+`configs/schema.py` validates the YAML; the engine resolves sizes (e.g. num_pages from a
+memory fraction, num_state_slots from the model) and builds these. Counts include the null
+page / null slot, matching the device arrays. Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_kv.cache_manager import CacheManager
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV pages and GDN state slots. num_state_slots == 0: a pure-attention model."""
+
+    page_size: int = 16
+    num_pages: int = 512
+    num_state_slots: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+        if self.num_state_slots != 0 and self.num_state_slots < 2:
+            raise ValueError(
+                f"num_state_slots must be 0 (no GDN layers) or >= 2 (slot 0 is the null slot), "
+                f"got {self.num_state_slots}"
+            )
+
+    def build_manager(self) -> CacheManager:
+        return CacheManager(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            num_state_slots=self.num_state_slots,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budget and policy.
+
+    long_prefill_token_threshold: if > 0, one prefill chunk takes at most this many tokens, so
+    a long prompt cannot monopolise a step's budget.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        from runtime.policies import POLICIES
+
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs a token per decode step"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")

@@ -1,0 +1,241 @@
+"""On-device sampling: penalties -> temperature -> top-k / top-p / min-p -> one token per row.
+
+Sort-free. One top-k of `max_top_k` candidates (`lax.top_k`, or on GPU a threshold select, see
+`top_k`) is taken and every filter works on those candidates, which arrive best-first:
+  * top-k keeps candidate positions `< top_k`;
+  * top-p keeps position j while the probability mass *before* j is `< top_p`, with
+    probabilities from the full-vocabulary softmax (renormalised over the top-k set when top-k
+    is on, as HF and vLLM do), so it is exact whenever the nucleus fits in `max_top_k`;
+    otherwise the nucleus is truncated to the `max_top_k` most likely tokens;
+  * min-p keeps p_j >= min_p * p_max (a ratio, so normalisation does not matter);
+  * a `top_k` above `max_top_k` is clamped to `max_top_k`.
+Filters apply in the order top-k, top-p, min-p (HF's warper order; vLLM v1 applies min-p first,
+so there top-p renormalises over the min-p survivors).
+
+Rows with temperature > 0 and no filter at all must sample from the whole vocabulary: drawing
+them from the top `max_top_k` would silently drop the tail mass (a few percent on flat
+distributions). They are sampled exactly by Gumbel-max over the full vocabulary, under a
+`lax.cond` so a batch with no such row pays nothing; `exact_unfiltered=False` trades that
+exactness for speed by sampling them among the candidates too.
+
+Greedy rows (temperature 0) take candidate 0 via `where`, so top_k's indices are gathered once
+(using them twice made XLA CPU replace TopK by a full sort; see `hlo_has_full_sort`). Each
+row's randomness is `fold_in(key(seed), step)`, independent of batch size and order.
+Reported logprobs are log_softmax of the raw logits (vLLM's default), before any processing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from runtime.sampling_metadata import SamplingMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """tokens [S] i32; logprobs [S] f32 of each token under the raw model distribution;
+    top_ids [S, n] i32 and top_logprobs [S, n] f32, the n most likely raw tokens, best first."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SamplerOutput,
+    data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Repetition (HF: over prompt + output tokens, positive logits divided, others multiplied),
+    then frequency and presence (OpenAI: over output tokens). logits [S, V] f32 -> [S, V]."""
+    if not meta.has_penalties:
+        return logits
+    num_rows, vocab = logits.shape
+    output_counts = _token_counts(meta.output_ids, num_rows, vocab)  # [S, V]
+    prompt_counts = _token_counts(meta.prompt_ids, num_rows, vocab)  # [S, V]
+    seen = (output_counts > 0) | (prompt_counts > 0)
+    penalty = meta.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+    logits = logits - meta.frequency_penalty[:, None] * output_counts
+    return logits - meta.presence_penalty[:, None] * (output_counts > 0)
+
+
+def _token_counts(ids: jax.Array, num_rows: int, vocab: int) -> jax.Array:
+    # ids [S, W] i32, -1 padded -> occurrences [S, V] f32; out-of-range ids are dropped.
+    counts = jnp.zeros((num_rows, vocab), jnp.float32)
+    if ids.shape[1] == 0:
+        return counts
+    ids = jnp.where((ids < 0) | (ids >= vocab), vocab, ids)
+    rows = jnp.arange(num_rows)[:, None]
+    return counts.at[rows, ids].add(1.0, mode="drop")
+
+
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """One typed PRNG key per row: fold_in(key(seed), step). seeds, steps [S] -> keys [S]."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
+
+
+def candidate_mask(scaled: jax.Array, full_lse: jax.Array, meta: SamplingMetadata,
+                   vocab: int) -> jax.Array:
+    """Which of the best-first candidates survive top-k, top-p and min-p.
+
+    scaled [S, K]: temperature-scaled candidate logits, descending; full_lse [S]: logsumexp of
+    the scaled logits over the full vocabulary. Returns keep [S, K] bool; position 0 is always
+    kept.
+    """
+    num_cand = scaled.shape[1]
+    position = jnp.arange(num_cand)[None, :]
+    top_k = meta.top_k[:, None]
+    keep = (top_k <= 0) | (position < top_k)
+    probs = jnp.exp(scaled - full_lse[:, None])  # [S, K], full-vocabulary softmax
+    kept_mass = jnp.sum(jnp.where(keep, probs, 0.0), axis=1, keepdims=True)
+    top_k_on = (top_k > 0) & (top_k < vocab)
+    probs = jnp.where(top_k_on, probs / kept_mass, probs)
+    mass_before = jnp.cumsum(probs, axis=1) - probs
+    keep &= mass_before < meta.top_p[:, None]
+    keep &= probs >= meta.min_p[:, None] * probs[:, :1]
+    return keep.at[:, 0].set(True)
+
+
+TOP_K_IMPLS = ("auto", "lax", "threshold")
+
+
+def top_k(x: jax.Array, k: int, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """The k largest entries of each row, best first (ties: lower id first), without a sort
+    over the row. x [S, V] f32 -> (values [S, k] f32, ids [S, k] i32).
+
+    impl "lax": `lax.top_k` (XLA's TopK; sort-free on CPU and TPU). "threshold": bisection for
+    the k-th largest value, then a sort of only the k selected entries. XLA GPU lowers a TopK
+    with k > 16 to a full sort of the row (its TopK specialiser stops at 16), so "auto" picks
+    "threshold" on GPU and "lax" elsewhere.
+    """
+    if impl not in TOP_K_IMPLS:
+        raise ValueError(f"impl must be one of {TOP_K_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "threshold" if jax.default_backend() == "gpu" else "lax"
+    if impl == "lax":
+        values, ids = lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    return _threshold_top_k(x, k)
+
+
+def _threshold_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    num_rows, vocab = x.shape
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    # Order-preserving map float -> uint32: flip all bits of negatives, set the sign of the rest.
+    key = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))  # [S, V]
+
+    def raise_threshold(bit, threshold):  # build the k-th largest key one bit at a time
+        candidate = threshold | (jnp.uint32(1) << (31 - bit).astype(jnp.uint32))  # [S]
+        count = jnp.sum(key >= candidate[:, None], axis=1)
+        return jnp.where(count >= k, candidate, threshold)
+
+    kth = lax.fori_loop(0, 32, raise_threshold, jnp.zeros((num_rows,), jnp.uint32))  # [S]
+    above = key > kth[:, None]
+    ties = key == kth[:, None]
+    ties_needed = k - jnp.sum(above, axis=1, keepdims=True)  # [S, 1]
+    chosen = above | (ties & (jnp.cumsum(ties, axis=1) <= ties_needed))  # exactly k per row
+    slot = jnp.where(chosen, jnp.cumsum(chosen, axis=1) - 1, k)  # [S, V]; k = dropped
+    rows = jnp.arange(num_rows)[:, None]
+    vocab_ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (num_rows, vocab))
+    ids = jnp.zeros((num_rows, k), jnp.int32).at[rows, slot].set(vocab_ids, mode="drop")
+    chosen_keys = jnp.take_along_axis(key, ids, axis=1)  # [S, k]
+    _, ids = lax.sort((~chosen_keys, ids), dimension=1, num_keys=2)  # best first, then lower id
+    return jnp.take_along_axis(x, ids, axis=1), ids
+
+
+@functools.partial(jax.jit, static_argnames=("max_top_k", "num_logprobs", "exact_unfiltered",
+                                             "top_k_impl"))
+def sample(
+    logits: jax.Array,
+    meta: SamplingMetadata,
+    *,
+    max_top_k: int = 256,
+    num_logprobs: int = 0,
+    exact_unfiltered: bool = True,
+    top_k_impl: str = "auto",
+) -> SamplerOutput:
+    """Sample one token per row. logits [S, V] (cast to f32); meta holds S rows.
+
+    max_top_k: candidates kept by the single top-k (clamped to V); filters act within them.
+    num_logprobs: how many raw top alternatives to report (0 -> zero-width arrays).
+    exact_unfiltered: sample rows without any filter over the full vocabulary (see module doc).
+    top_k_impl: "auto" | "lax" | "threshold", see `top_k`.
+    """
+    if logits.ndim != 2 or logits.shape[0] != meta.num_rows:
+        raise ValueError(f"logits must be [S, V] with S = {meta.num_rows}, got {logits.shape}")
+    raw = logits.astype(jnp.float32)  # [S, V]
+    num_rows, vocab = raw.shape
+    num_cand = min(max_top_k, vocab)
+
+    penalized = apply_penalties(raw, meta)  # [S, V]
+    greedy = meta.temperature <= 0.0
+    inv_temp = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, meta.temperature))[:, None]
+    cand_logits, cand_ids = top_k(penalized, num_cand, top_k_impl)  # [S, K], [S, K]
+    scaled = cand_logits * inv_temp  # [S, K]
+    full_scaled = penalized * inv_temp  # [S, V]
+    full_lse = jax.nn.logsumexp(full_scaled, axis=1)  # [S]
+    keep = candidate_mask(scaled, full_lse, meta, vocab)  # [S, K]
+
+    keys = row_keys(meta.seeds, meta.steps)  # [S]
+    cand_keys, full_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)  # [S] each
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (num_cand,)))(cand_keys)  # [S, K]
+    sampled_position = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=1)
+    position = jnp.where(greedy, 0, sampled_position)  # [S]
+    tokens = jnp.take_along_axis(cand_ids, position[:, None], axis=1)[:, 0]  # [S]
+
+    if exact_unfiltered and num_cand < vocab:
+        unfiltered = (~greedy & ((meta.top_k <= 0) | (meta.top_k >= vocab))
+                      & (meta.top_p >= 1.0) & (meta.min_p <= 0.0))  # [S]
+        full_tokens = lax.cond(
+            jnp.any(unfiltered),
+            _full_vocab_gumbel_max,
+            lambda scaled_logits, _: jnp.zeros((num_rows,), jnp.int32),
+            full_scaled, full_keys,
+        )
+        tokens = jnp.where(unfiltered, full_tokens, tokens)
+    tokens = tokens.astype(jnp.int32)
+
+    raw_lse = jax.nn.logsumexp(raw, axis=1, keepdims=True)  # [S, 1]
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0] - raw_lse[:, 0]
+    if num_logprobs > 0:
+        top_raw, top_ids = top_k(raw, min(num_logprobs, vocab), top_k_impl)
+        top_logprobs = top_raw - raw_lse
+    else:
+        top_ids = jnp.zeros((num_rows, 0), jnp.int32)
+        top_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
+    return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids.astype(jnp.int32),
+                         top_logprobs=top_logprobs)
+
+
+def _full_vocab_gumbel_max(scaled_logits: jax.Array, keys: jax.Array) -> jax.Array:
+    # scaled_logits [S, V], keys [S] -> [S] i32: one exact categorical draw per row.
+    vocab = scaled_logits.shape[1]
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,)))(keys)  # [S, V]
+    return jnp.argmax(scaled_logits + gumbel, axis=1).astype(jnp.int32)
+
+
+_SHAPE = re.compile(r"\[([0-9,]+)\]")
+_SORT_OP = re.compile(r"\bsort\(|custom_call_target=\"[^\"]*[Ss]ort")
+
+
+def hlo_has_full_sort(hlo_text: str, vocab: int) -> bool:
+    """True when any sort instruction (or sort custom call) in the HLO text has an operand or
+    result with a dimension of size `vocab`. Pass `jit(f).lower(...).compile().as_text()`."""
+    for line in hlo_text.splitlines():
+        if not _SORT_OP.search(line):
+            continue
+        for dims in _SHAPE.findall(line):
+            if vocab in (int(d) for d in dims.split(",") if d):
+                return True
+    return False

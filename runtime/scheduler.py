@@ -1,0 +1,303 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+    cache = CacheConfig(page_size=16, num_pages=512).build_manager()
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), cache)
+    scheduler.add_request(Request("r1", prompt_ids, params))   # ValueError if it can never fit
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()                 # SchedulerOutput
+        sampled = run_step(out)                    # {request_id: [token]} for seqs with .sample
+        finished = scheduler.update_from_output(out, sampled)
+    scheduler.abort(request_id)                    # any time; frees pages and slot
+
+`schedule` and `update_from_output` strictly alternate. Each step, under a budget of
+`max_num_batched_tokens` tokens and `max_num_seqs` running requests:
+
+1. running requests in policy order: a decode feeds 1 token, a request still prefilling
+   feeds its next chunk. When pages run out, the running request last in policy order (not
+   yet scheduled this step; possibly the one asking) is preempted by recompute: everything
+   is freed and it waits again, later prefilling prompt + outputs so far.
+2. if nobody was preempted, waiting requests in policy order are admitted with a prefix-cache
+   lookup, a first prefill chunk, pages and (hybrids) a state slot; the first that does not
+   fit stops admission (no overtaking).
+
+Prefill chunks are capped by the remaining budget and `long_prefill_token_threshold`. On
+hybrid models with prefix caching, chunks end on page boundaries when they can (and always
+at the deepest boundary an identical prompt could reuse), and a chunk ending on a boundary
+saves the running state into a checkpoint slot (`copy_after`). Slot copies run on device:
+every `copy_before` pair before the step's forward pass, every `copy_after` pair after it.
+Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from paged_kv.cache_manager import CacheManager
+from runtime.config import SchedulerConfig
+from runtime.policies import get_policy
+from runtime.request import Request, RequestStatus
+from runtime.types import FinishReason
+
+
+@dataclass
+class ScheduledSequence:
+    """One row of the step: feed `token_ids` at positions start_position, start_position+1, ..."""
+
+    request: Request
+    token_ids: list[int]
+    start_position: int  # tokens already in the KV cache / state
+    block_table: list[int]
+    state_slot: int  # 0 (null) on pure-attention models
+    has_initial_state: bool  # start_position > 0: continue from the slot (hybrids)
+    sample: bool  # this chunk reaches the last known token: sample the next one
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    copy_before: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
+    copy_after: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(seq.num_new_tokens for seq in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.policy = get_policy(config.policy)
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+        self._next_sequence_number = 0
+        self._in_flight: SchedulerOutput | None = None
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if its id is taken or it can never fit the cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {request.request_id!r} must be new (waiting, nothing computed)")
+        self._check_fits(request)
+        request.sequence_number = self._next_sequence_number
+        self._next_sequence_number += 1
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=self.policy.key)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt, max_len = request.num_prompt_tokens, self.config.max_model_len
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {num_prompt} tokens leaves no room for output "
+                f"within max_model_len={max_len}"
+            )
+        max_total = min(request.max_total_tokens or max_len, max_len)
+        pages = self.cache.pages_needed(max_total - 1)  # the last sampled token is never fed
+        if pages > self.cache.num_allocatable_pages:
+            raise ValueError(
+                f"request {request.request_id!r}: up to {max_total} tokens need {pages} KV pages of "
+                f"{self.cache.page_size} tokens, but the pool has only {self.cache.num_allocatable_pages}; "
+                f"lower max_tokens or give the cache more pages"
+            )
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> bool:
+        """End a request wherever it is and free its resources; False if it is unknown/done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.cache.free(request_id)
+            request.allocation = None
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish(request_id, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight is not None:
+            raise RuntimeError("update_from_output() must consume the previous SchedulerOutput first")
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        for request in sorted(self.running, key=self.policy.key):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
+            if self._grow_or_preempt(request, num_new, scheduled, out):
+                scheduled.add(request.request_id)
+                out.sequences.append(self._schedule_chunk(request, num_new, out))
+                budget -= num_new
+
+        while not out.preempted_request_ids and self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            hit = self.cache.lookup_prefix(tokens, request.cache_extra_keys)
+            num_new = self._chunk_size(request, hit.num_tokens, budget)
+            admission = self.cache.allocate(
+                request.request_id, tokens, hit.num_tokens + num_new, hit, request.cache_extra_keys
+            )
+            if admission is None:
+                break
+            self.waiting.pop(0)
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = hit.num_tokens
+            request.allocation = admission.allocation
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.copy_before.extend(admission.copy_before)
+            out.sequences.append(self._schedule_chunk(request, num_new, out))
+            budget -= num_new
+
+        if out.sequences:
+            self._in_flight = out
+        return out
+
+    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+        remaining = request.num_tokens - num_computed
+        num_new = min(remaining, budget)
+        if remaining > 1 and self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if remaining > 1 and self.cache.checkpoints_enabled:
+            num_new = self._align_to_page(request, num_computed, num_new)
+        return num_new
+
+    def _align_to_page(self, request: Request, num_computed: int, num_new: int) -> int:
+        """End the chunk on a page boundary when possible, so its state can be checkpointed."""
+        page_size, end = self.cache.page_size, num_computed + num_new
+        reusable = (request.num_tokens - 1) // page_size * page_size  # deepest boundary a hit may use
+        if num_computed < reusable < end:
+            return reusable - num_computed
+        if end < request.num_tokens and end // page_size * page_size > num_computed:
+            return end // page_size * page_size - num_computed
+        return num_new
+
+    def _grow_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Pages for `request`'s next chunk, preempting others (or itself) until they fit."""
+        while not self.cache.grow(request.request_id, request.num_computed_tokens + num_new):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = self.policy.victim(candidates)
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.free(request.request_id)
+        self.running.remove(request)
+        request.allocation = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=self.policy.key)
+
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledSequence:
+        start, tokens = request.num_computed_tokens, request.all_token_ids
+        end = start + num_new
+        is_prefill = request.num_tokens - start > 1
+        if is_prefill and self.cache.checkpoints_enabled and end % self.cache.page_size == 0:
+            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end)
+            if copy is not None:
+                out.copy_after.append(copy)
+        return ScheduledSequence(
+            request=request,
+            token_ids=tokens[start:end],
+            start_position=start,
+            block_table=list(request.block_table),
+            state_slot=request.state_slot,
+            has_initial_state=start > 0,
+            sample=end == request.num_tokens,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress by the step's tokens, append sampled tokens, apply token-level stops.
+
+        `sampled` holds the new token(s) of each sequence with `.sample` set. Requests aborted
+        since `schedule` are skipped. Returns the requests that finished in this update.
+        """
+        if output is not self._in_flight and output.sequences:
+            raise RuntimeError("this SchedulerOutput is not the one awaiting its update")
+        self._in_flight = None
+        finished = []
+        for seq in output.sequences:
+            request = seq.request
+            if self.requests.get(seq.request_id) is not request or request.status is not RequestStatus.RUNNING:
+                continue
+            assert request.num_computed_tokens == seq.start_position, (request, seq.start_position)
+            request.num_computed_tokens += seq.num_new_tokens
+            self.cache.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if not seq.sample:
+                continue
+            if seq.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {seq.request_id!r}, whose step ended its prefill")
+            for token in sampled[seq.request_id]:
+                request.append_output([int(token)])
+                stop = request.stop_check(self.config.max_model_len)
+                if stop is not None:
+                    self.finish(request.request_id, *stop)
+                    finished.append(request)
+                    break
+        return finished
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            **self.cache.stats(),
+            "num_preemptions": self.num_preemptions,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }
+
+    def check_invariants(self) -> None:
+        """The cache's accounting plus: running <=> allocated, waiting holds nothing."""
+        self.cache.check_invariants()
+        running_ids = {r.request_id for r in self.running}
+        assert running_ids == set(self.cache.allocations), (running_ids, set(self.cache.allocations))
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            assert request.allocation is self.cache.allocations[request.request_id]
+            assert len(request.block_table) >= self.cache.pages_needed(request.num_computed_tokens)
+        keys = [self.policy.key(r) for r in self.waiting]
+        assert keys == sorted(keys), "waiting queue out of policy order"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.allocation is None and request.request_id not in self.cache.allocations
+        assert len(self.requests) == len(self.running) + len(self.waiting)

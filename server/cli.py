@@ -1,0 +1,79 @@
+"""The `jaxserve` command line: the HTTP side.
+
+    jaxserve serve [--config FILE] [--set KEY=VALUE ...] [--fake-engine]
+    jaxserve config [--config FILE] [--set KEY=VALUE ...]   # print the validated config
+
+`serve` loads and validates the launch config, builds the engine and runs the server until
+SIGTERM/SIGINT (graceful drain, exit 0). The JAX engine is built by
+`runtime.engine_client.create_engine_client(config)`, imported only when needed;
+`--fake-engine` serves `server.testing.FakeEngine` instead (no model, no JAX) for exercising
+clients and load generators against the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
+
+ENGINE_FACTORY = "runtime.engine_client:create_engine_client"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA, OpenAI-compatible API")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("serve", "run the server"), ("config", "print the validated launch config")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--config", default=None, help="launch YAML (default: configs/cpu-demo.yaml)")
+        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config field, e.g. --set cache.page_size=32 (repeatable)")
+        if name == "serve":
+            sub.add_argument("--fake-engine", action="store_true",
+                             help="serve the hand-computable FakeEngine instead of a model")
+            sub.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _load(args) -> LaunchConfig:
+    overrides = dict(parse_override(item) for item in args.overrides)
+    return load_config(args.config, overrides)
+
+
+def _build_engine(config: LaunchConfig, fake: bool):
+    if fake:
+        from server.testing import FakeEngine, build_test_tokenizer
+
+        return FakeEngine(build_test_tokenizer(), model_name=config.model.served_model_name or "fake-model",
+                          max_model_len=config.model.max_model_len or 2048,
+                          num_slots=config.scheduler.max_num_seqs)
+    module_name, _, attribute = ENGINE_FACTORY.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise SystemExit(f"jaxserve: the engine factory {ENGINE_FACTORY} is not available ({err}); "
+                         "use --fake-engine to run the HTTP layer alone") from None
+    return factory(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = _load(args)
+    except ConfigError as err:
+        print(f"jaxserve: invalid config: {err}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.runner import serve
+
+    return serve(_build_engine(config, args.fake_engine), config.server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

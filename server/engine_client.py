@@ -1,0 +1,42 @@
+"""The only door between the HTTP server and an engine: the `EngineClient` protocol.
+
+The server codes against this protocol and nothing else of the runtime, so the real JAX
+engine, the in-process `FakeEngine` of `server.testing`, or a remote engine proxy can sit
+behind the same routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from runtime.types import EngineRequest, RequestOutput
+
+STATS_KEYS = (
+    "pages_total", "pages_free", "pages_cached",
+    "slots_total", "slots_free", "slots_cached",
+    "prefix_cache_hit_rate", "num_preemptions", "num_running", "num_waiting",
+)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server needs from an engine.
+
+    `generate` yields *cumulative* outputs for one request (text and token ids so far; the
+    engine detokenizes and applies stop strings, holding back a possible partial stop string)
+    and its last output has `finished=True`. One EngineRequest is always one completion (n=1):
+    the server fans `n > 1` out into several requests. `abort` ends a request early and frees
+    its pages and state slot; it is harmless for an unknown or already finished id.
+    """
+
+    model_name: str  # the served model id reported by /v1/models
+    max_model_len: int
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict: ...  # the STATS_KEYS above
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,119 @@
+"""OpenAI response shapes: completion and chat bodies, SSE chunks, logprobs, usage.
+
+Pure functions over plain values; no I/O. A token's text in logprobs is
+`tokenizer.decode([token_id])` (a lone byte of a multi-byte character shows as U+FFFD; the
+`bytes` field of chat logprobs is that text's UTF-8 encoding).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from runtime.types import TokenLogprob
+
+
+class TokenTexts:
+    """Memoized `decode([token_id])` for logprobs."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, text_offset: int) -> dict:
+    """Legacy completions shape: parallel lists; top_logprobs holds up to k+1 entries (k + sampled)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        token = texts(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(entry.logprob)
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:  # best first: on a text collision the better one stays
+            top.setdefault(texts(token_id), logprob)
+        top.setdefault(token, entry.logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict:
+    """Chat shape: `{"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": None}`."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        token = texts(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = [
+        {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in entry.top]}
+        for entry in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_, "system_fingerprint": None}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_, "system_fingerprint": None}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None) -> dict:
+    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def completion_chunk(response_id: str, model: str, created: int, choices: list[dict],
+                     include_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(response_id: str, model: str, created: int, choices: list[dict], include_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices, "system_fingerprint": None}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+def now() -> int:
+    return int(time.time())

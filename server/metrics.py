@@ -1,0 +1,107 @@
+"""Prometheus metrics of one server: its own CollectorRegistry, never the global one.
+
+Request-side series (latency histograms, token counters) are observed by the server as
+outputs stream by; engine-side gauges (running/waiting, pages, slots, prefix-cache hit rate)
+are read from `engine.stats()` at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineStatsCollector:
+    """Turns `engine.stats()` into gauges when Prometheus scrapes."""
+
+    def __init__(self, read_stats: Callable[[], dict]):
+        self._read_stats = read_stats
+
+    def collect(self):
+        stats = self._read_stats()
+        gauges = {
+            "jaxserve_num_requests_running": ("Requests in the running batch", stats.get("num_running", 0)),
+            "jaxserve_num_requests_waiting": ("Requests waiting to be scheduled", stats.get("num_waiting", 0)),
+            "jaxserve_kv_pages_total": ("KV cache pages in the pool", stats.get("pages_total", 0)),
+            "jaxserve_kv_pages_free": ("Free KV cache pages", stats.get("pages_free", 0)),
+            "jaxserve_kv_pages_cached": ("Free pages kept by the prefix cache", stats.get("pages_cached", 0)),
+            "jaxserve_state_slots_total": ("Recurrent-state slots", stats.get("slots_total", 0)),
+            "jaxserve_state_slots_free": ("Free recurrent-state slots", stats.get("slots_free", 0)),
+            "jaxserve_state_slots_cached": ("State slots kept by the prefix cache", stats.get("slots_cached", 0)),
+            "jaxserve_prefix_cache_hit_rate": ("Prefix-cache hit rate (tokens)", stats.get("prefix_cache_hit_rate", 0.0)),
+            "jaxserve_kv_cache_usage_ratio": ("Fraction of KV pages in use", _usage(stats, "pages")),
+            "jaxserve_state_slot_usage_ratio": ("Fraction of state slots in use", _usage(stats, "slots")),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        yield CounterMetricFamily("jaxserve_num_preemptions", "Requests preempted for lack of pages",
+                                  value=float(stats.get("num_preemptions", 0)))
+
+
+def _usage(stats: dict, kind: str) -> float:
+    total = stats.get(f"{kind}_total", 0)
+    return 0.0 if not total else 1.0 - stats.get(f"{kind}_free", 0) / total
+
+
+class ServerMetrics:
+    def __init__(self, read_engine_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(read_engine_stats))
+        self.time_to_first_token = Histogram(
+            "jaxserve_time_to_first_token_seconds", "Time from arrival to the first generated token",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "jaxserve_inter_token_latency_seconds", "Time between generated tokens of one completion",
+            buckets=ITL_BUCKETS_S, registry=self.registry)
+        self.e2e_latency = Histogram(
+            "jaxserve_e2e_request_latency_seconds", "Time from arrival to the last token of a completion",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter(
+            "jaxserve_prompt_tokens", "Prompt tokens of admitted completions", registry=self.registry)
+        self.generation_tokens = Counter(
+            "jaxserve_generation_tokens", "Generated tokens", registry=self.registry)
+        self.finished_requests = Counter(
+            "jaxserve_request_success", "Completions finished, by reason", ["finished_reason"],
+            registry=self.registry)
+        self.rejected_requests = Counter(
+            "jaxserve_requests_rejected", "HTTP requests answered with an error, by status", ["status"],
+            registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int) -> "CompletionTimer":
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return CompletionTimer(self)
+
+
+class CompletionTimer:
+    """Latency bookkeeping of one engine request (one choice)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival = self.last_token_time = time.monotonic()
+        self.num_tokens = 0
+
+    def on_output(self, num_tokens: int, finish_reason: str | None) -> None:
+        now = time.monotonic()
+        new_tokens = num_tokens - self.num_tokens
+        if new_tokens > 0:
+            if self.num_tokens == 0:
+                self.metrics.time_to_first_token.observe(now - self.arrival)
+                new_gaps = new_tokens - 1
+            else:
+                new_gaps = new_tokens
+            for _ in range(new_gaps):
+                self.metrics.inter_token_latency.observe((now - self.last_token_time) / new_tokens)
+            self.metrics.generation_tokens.inc(new_tokens)
+            self.num_tokens, self.last_token_time = num_tokens, now
+        if finish_reason is not None:
+            self.metrics.e2e_latency.observe(now - self.arrival)
+            self.metrics.finished_requests.labels(finished_reason=finish_reason).inc()

@@ -1,0 +1,77 @@
+"""Run the app until SIGTERM/SIGINT, then drain: refuse new work (503), let in-flight
+requests finish up to `drain_timeout_s`, shut the engine down, return 0."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from configs.schema import ServerConfig
+from server.app import STATE, create_app
+from server.engine_client import EngineClient
+
+logger = logging.getLogger("jaxserve.server")
+
+
+async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str, int]:
+    """Start serving `app`; returns the runner and the bound host and port (port 0 picks one).
+
+    `handler_cancellation=True` cancels a handler whose client went away, so a non-streaming
+    request aborts its engine work too, not only a streaming one.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, bound_host, bound_port
+
+
+async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s: float) -> bool:
+    """Refuse new requests, wait for in-flight ones, stop the server and the engine.
+
+    Returns True when every in-flight request finished within the timeout.
+    """
+    state = runner.app[STATE]
+    state.draining = True
+    logger.info("draining: %d requests in flight, waiting up to %.0f s", state.in_flight, timeout_s)
+    drained = True
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        drained = False
+        logger.warning("drain timeout: %d requests still in flight are cut off", state.in_flight)
+    await runner.cleanup()
+    await engine.shutdown()
+    return drained
+
+
+async def serve_async(engine: EngineClient, server_config: ServerConfig,
+                      stop: asyncio.Event | None = None) -> int:
+    """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain. Returns the exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    runner, host, port = await start_app(create_app(engine, server_config), server_config.host, server_config.port)
+    logger.info("jaxserve ready at http://%s:%d (model %s)", host, port, engine.model_name)
+    try:
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await drain_and_stop(runner, engine, server_config.drain_timeout_s)
+    logger.info("jaxserve stopped")
+    return 0
+
+
+def serve(engine: EngineClient, server_config: ServerConfig) -> int:
+    """Blocking entry point for the CLI: serve, drain on SIGTERM/SIGINT, return 0."""
+    return asyncio.run(serve_async(engine, server_config))

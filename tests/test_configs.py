@@ -1,0 +1,110 @@
+"""Launch-config schema: the shipped YAMLs validate, errors name the field path, overrides apply."""
+
+import pytest
+import yaml
+
+from configs import CONFIG_DIR, ConfigError, LaunchConfig, load_config, parse_override
+
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+# devices each shipped config is written for (from its name): the mesh must use all of them
+EXPECTED_DEVICES = {
+    "cpu-demo.yaml": 1,
+    "gpu-h200-qwen3_5-9b.yaml": 1,
+    "tpu-v5e-8-qwen3_5-27b.yaml": 8,
+    "tpu-v5p-16-qwen3-next-80b-multihost.yaml": 8,  # v5p-16 = 16 TensorCores = 8 chips
+}
+
+
+def test_all_four_configs_ship():
+    assert {p.name for p in SHIPPED} == set(EXPECTED_DEVICES)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    config = load_config(path)
+    assert isinstance(config, LaunchConfig)
+    assert config.parallel.mesh.data * config.parallel.mesh.model == EXPECTED_DEVICES[path.name]
+    assert config.scheduler.max_num_batched_tokens >= config.scheduler.max_num_seqs
+    raw = yaml.safe_load(path.read_text())
+    assert raw["cache"]["page_size"] == config.cache.page_size  # nothing silently dropped
+
+
+def test_default_is_cpu_demo():
+    config = load_config(None)
+    assert config.model.path is None
+    assert config.kernels.attention_backend == "reference"
+    assert config.cache.num_pages == 512
+
+
+def test_multihost_config_has_one_process_per_host():
+    config = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml")
+    assert config.parallel.multihost.num_processes == 2
+    assert config.parallel.mesh.data == 2
+
+
+@pytest.mark.parametrize("overrides, field, fragment", [
+    ({"cache.page_size": 24}, "cache.page_size", "power of two"),
+    ({"cache.kv_cache_dtype": "int4"}, "cache.kv_cache_dtype", "'fp8_e4m3'"),
+    ({"cache.memory_fraction": 0.5}, "cache", "not both"),
+    ({"scheduler.policy": "lifo"}, "scheduler.policy", "fcfs"),
+    ({"scheduler.max_num_seqs": 1024}, "scheduler", "max_num_batched_tokens"),
+    ({"scheduler.token_buckets": [16, 8, 256]}, "scheduler", "increasing"),
+    ({"scheduler.token_buckets": [16, 128]}, "scheduler", "must end at max_num_batched_tokens"),
+    ({"server.port": 70000}, "server.port", "65535"),
+    ({"server.api_key": " "}, "server.api_key", "non-empty"),
+    ({"server.pot": 1}, "server.pot", "unknown field"),
+    ({"kernels.gdn_backend": "triton"}, "kernels.gdn_backend", "pallas"),
+    ({"parallel.mesh.model": 0}, "parallel.mesh.model", "greater than or equal to 1"),
+    ({"parallel.role": "router"}, "parallel.role", "prefill"),
+    ({"parallel.multihost": {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 2}},
+     "parallel.multihost", "process_id (2) must be < num_processes (2)"),
+    ({"parallel.multihost": {"coordinator_address": "nohost", "num_processes": 2, "process_id": 0}},
+     "parallel.multihost.coordinator_address", "HOST:PORT"),
+    ({"model.dtype": "int8"}, "model.dtype", "bfloat16"),
+])
+def test_errors_name_the_field(overrides, field, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert message.startswith(f"{field}: "), message
+    assert fragment in message, message
+
+
+def test_overrides_apply_dotted_and_nested():
+    config = load_config(None, {"cache.page_size": 32, "server": {"port": 9001, "api_key": "k"},
+                                "parallel.multihost.coordinator_address": "h:1",
+                                "parallel.multihost.num_processes": 2, "parallel.multihost.process_id": 1})
+    assert config.cache.page_size == 32
+    assert config.server.port == 9001 and config.server.api_key == "k"
+    assert config.server.host == "127.0.0.1"  # siblings of an overridden key are kept
+    assert config.parallel.multihost.process_id == 1
+
+
+def test_parse_override_reads_yaml_values():
+    assert parse_override("cache.page_size=32") == ("cache.page_size", 32)
+    assert parse_override("model.path=null") == ("model.path", None)
+    assert parse_override("scheduler.token_buckets=[16, 256]") == ("scheduler.token_buckets", [16, 256])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("cache.page_size")
+
+
+def test_config_is_frozen():
+    config = load_config(None)
+    with pytest.raises(Exception):
+        config.cache.page_size = 64
+
+
+def test_bad_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cache: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listed)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == LaunchConfig()
