@@ -109,7 +109,7 @@ class CacheManager:
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         max_pages = (len(token_ids) - 1) // self.page_size
-        hashes = hash_full_pages(token_ids[: max_pages * self.page_size], self.page_size, extra_keys)
+        hashes = hash_full_pages(token_ids, self.page_size, extra_keys, num_tokens=max_pages * self.page_size)
         pages: list[int] = []
         for block_hash in hashes:
             page = self.page_index.get(block_hash)
@@ -118,10 +118,8 @@ class CacheManager:
             pages.append(page)
         checkpoint_slot = None
         if self.slots is not None:
-            for k in range(len(pages), 0, -1):
-                checkpoint_slot = self.slots.lookup_checkpoint(hashes[k - 1])
-                if checkpoint_slot is not None:
-                    break
+            while pages and (checkpoint_slot := self.slots.lookup_checkpoint(hashes[len(pages) - 1])) is None:
+                pages.pop()
         return PrefixHit(len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes))
 
     # ---- allocation -------------------------------------------------------------------
@@ -201,7 +199,7 @@ class CacheManager:
             return None
         if allocation.pending_checkpoint is not None:
             raise RuntimeError(f"request {request_id!r} already writes a checkpoint this step")
-        hashes = hash_full_pages(token_ids[:boundary], self.page_size, allocation.extra_keys, allocation.block_hashes)
+        hashes = hash_full_pages(token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, boundary)
         existing = self.slots.lookup_checkpoint(hashes[boundary // self.page_size - 1])
         if existing is not None:
             self.slots.checkpoints.touch(existing)
@@ -220,7 +218,7 @@ class CacheManager:
             return
         num_full = num_computed_tokens // self.page_size
         hashes = hash_full_pages(
-            token_ids[: num_full * self.page_size], self.page_size, allocation.extra_keys, allocation.block_hashes
+            token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, num_computed_tokens
         )
         for page_index in range(allocation.num_published_pages, num_full):
             self.page_index.insert(hashes[page_index], allocation.block_table[page_index])  # dup: stays private

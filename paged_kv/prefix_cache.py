@@ -30,11 +30,17 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 
 
 def hash_full_pages(
-    token_ids: Sequence[int], page_size: int, extra_keys: tuple = (), known: list[BlockHash] | None = None
+    token_ids: Sequence[int], page_size: int, extra_keys: tuple = (), known: list[BlockHash] | None = None,
+    num_tokens: int | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of every full page of `token_ids`, extending the prefix `known` in place."""
+    """Chained hashes of the full pages among the first `num_tokens` (default: all) tokens.
+
+    Extends `known` (hashes of a prefix of the same tokens) in place and returns it, so a
+    request's hashes are computed once however often this is called.
+    """
     hashes = known if known is not None else []
-    for page_index in range(len(hashes), len(token_ids) // page_size):
+    num_tokens = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    for page_index in range(len(hashes), num_tokens // page_size):
         parent = hashes[-1] if hashes else None
         start = page_index * page_size
         hashes.append(hash_block(parent, token_ids[start : start + page_size], extra_keys))

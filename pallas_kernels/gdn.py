@@ -8,8 +8,10 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
 
 - `gdn_recurrent_reference`: one sequence, per-token `lax.scan` (obviously right).
 - `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
-- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` is the CPU
-  serving path; `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
+- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token scan)
+  is the CPU serving path; `impl="reference_chunked"` is the same op in the WY chunked form
+  (matmul-shaped, for accelerators without a kernel; on the 2-core CPU box it measured no faster
+  than the per-token scan); `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
 """
 
 import functools
@@ -262,15 +264,20 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
   int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
   Returns (o [T,H,V] in v.dtype, zero on padding tokens for the reference, state pool).
 
-  impl: "reference" (pure jnp, the CPU path), "pallas" (TPU kernel on TPU and CPU, GPU kernel on
-  GPU), "pallas_tpu", "pallas_gpu". interpret: False, True, or a `pltpu.InterpretParams()`
-  (TPU kernel only). chunk_size is the WY chunk length of the kernels.
+  impl: "reference" (pure jnp per-token scan, the CPU path), "reference_chunked" (pure jnp WY
+  form), "pallas" (TPU kernel on TPU and CPU, GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
+  interpret: False, True, or a `pltpu.InterpretParams()` (TPU kernel only). chunk_size is the
+  WY chunk length (all impls but "reference").
   """
   if state.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
     raise ValueError(f"state {state.shape} does not match heads/dims of q {q.shape}, v {v.shape}")
   if impl == "reference":
     return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
                                       has_initial_state, num_seqs)
+  if impl == "reference_chunked":
+    return gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens,
+                                              state_slot_ids, has_initial_state, num_seqs,
+                                              chunk_size=chunk_size)
   if impl == "pallas":
     impl = "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_tpu"
   num_seqs = jnp.reshape(num_seqs, (-1,))[:1].astype(jnp.int32)

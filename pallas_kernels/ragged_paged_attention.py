@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kv_cache import KVPages, dequantize
-from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, true_num_seqs
+from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, true_num_seqs
 
 IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
 
@@ -38,26 +38,57 @@ def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
   return jnp.where(in_context[None, :, None], values, 0.0)
 
 
-def ragged_paged_attention_reference(
-    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-    sliding_window: int | None = None, soft_cap: float | None = None,
-    block_q: int = 16) -> jax.Array:
-  """Pure-jnp reference, jit-able with static shapes; see the module docstring.
+def _visible(q_pos, key_pos, kv_len, sliding_window):
+  """[..., L] mask of the keys a query at q_pos [...] may attend to."""
+  visible = (key_pos <= q_pos[..., None]) & (key_pos < kv_len)
+  if sliding_window is not None:
+    visible &= key_pos > q_pos[..., None] - sliding_window
+  return visible
 
-  Loops over the true sequences (padded ones cost nothing) and, inside each, over query blocks
-  of `block_q` tokens, attending to the sequence's gathered pages with a masked softmax in f32.
-  Memory ~ MB * ps * Hkv * D per sequence. Returns [T, Hq, D] in q's dtype.
-  """
+
+def _softmax_attend(scores, visible, values, subscripts, sm_scale, soft_cap):
+  scores = scores * sm_scale
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
+  probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
+  return jnp.einsum(subscripts, probs, values)
+
+
+def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
+                  sliding_window, soft_cap):
+  """All sequences at once when every one has at most one query (a pure decode step)."""
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_seqs_padded = kv_lens.shape[0]
+  group = num_q_heads // kv.num_kv_heads
+  token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)                          # [S]
+  q_seq = q[token].astype(jnp.float32).reshape(num_seqs_padded, kv.num_kv_heads, group,
+                                              head_dim)
+  gather = jax.vmap(_sequence_kv, in_axes=(None, None, 0, 0))
+  keys = gather(kv.k, kv.k_scale, block_tables, kv_lens)                     # [S, Hkv, L, D]
+  values = gather(kv.v, kv.v_scale, block_tables, kv_lens)
+  key_pos = jnp.arange(keys.shape[2])
+  visible = _visible(kv_lens - 1, key_pos, kv_lens[:, None], sliding_window)  # [S, L]
+  scores = jnp.einsum("shgd,shld->shgl", q_seq, keys)
+  o_seq = _softmax_attend(scores, visible[:, None, None], values, "shgl,shld->shgd",
+                          sm_scale, soft_cap)
+  writes = (jnp.arange(num_seqs_padded) < num_seqs) & (cu_q_lens[1:] > cu_q_lens[:-1])
+  token = jnp.where(writes, token, num_tokens)                               # -> dropped
+  out = jnp.zeros_like(q)
+  return out.at[token].set(o_seq.reshape(-1, num_q_heads, head_dim).astype(q.dtype),
+                           mode="drop")
+
+
+def _sequence_by_sequence(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
+                          sliding_window, soft_cap, block_q):
+  """Loops over the true sequences, and inside each over query blocks of `block_q` tokens
+  (1 for a decode sequence), attending to the sequence's gathered pages."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = kv.num_kv_heads
   group = num_q_heads // num_kv_heads
-  context_capacity = block_tables.shape[1] * kv.page_size
-  block_q = max(1, min(block_q, num_tokens))
   # q_blocks: [T + bq, Hkv, G, D]; the tail keeps every block slice in bounds.
   q_blocks = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
       num_tokens + block_q, num_kv_heads, group, head_dim)
-  key_pos = jnp.arange(context_capacity)
+  key_pos = jnp.arange(block_tables.shape[1] * kv.page_size)
 
   def attend_sequence(s, out):
     kv_len = kv_lens[s]
@@ -66,30 +97,45 @@ def ragged_paged_attention_reference(
     keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len)        # [Hkv, L, D]
     values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len)      # [Hkv, L, D]
 
-    def attend_block(b, out):
-      start = seq_start + b * block_q
-      q_block = lax.dynamic_slice_in_dim(q_blocks, start, block_q).astype(jnp.float32)
-      row_in_seq = b * block_q + jnp.arange(block_q)
-      q_pos = kv_len - q_len + row_in_seq                                    # [bq]
-      scores = jnp.einsum("qhgd,hld->hgql", q_block, keys) * sm_scale        # [Hkv, G, bq, L]
-      if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-      visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
-      if sliding_window is not None:
-        visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
-      scores = jnp.where(visible, scores, MASK_VALUE)
-      probs = jax.nn.softmax(scores, axis=-1)
-      o_block = jnp.einsum("hgql,hld->qhgd", probs, values).astype(out.dtype)
-      previous = lax.dynamic_slice_in_dim(out, start, block_q)
-      merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
-      return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
+    def attend_blocks(size, out):
+      def attend_block(b, out):
+        start = seq_start + b * size
+        q_block = lax.dynamic_slice_in_dim(q_blocks, start, size).astype(jnp.float32)
+        row_in_seq = b * size + jnp.arange(size)
+        visible = _visible(kv_len - q_len + row_in_seq, key_pos, kv_len, sliding_window)
+        scores = jnp.einsum("qhgd,hld->hgql", q_block, keys)               # [Hkv, G, bq, L]
+        o_block = _softmax_attend(scores, visible, values, "hgql,hld->qhgd", sm_scale,
+                                  soft_cap).astype(out.dtype)
+        previous = lax.dynamic_slice_in_dim(out, start, size)
+        merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
+        return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
+      return lax.fori_loop(0, (q_len + size - 1) // size, attend_block, out)
 
-    num_blocks = (q_len + block_q - 1) // block_q
-    return lax.fori_loop(0, num_blocks, attend_block, out)
+    return lax.cond(q_len <= 1, functools.partial(attend_blocks, 1),
+                    functools.partial(attend_blocks, block_q), out)
 
-  out = jnp.zeros_like(q_blocks)
-  out = lax.fori_loop(0, true_num_seqs(num_seqs), attend_sequence, out)
+  out = lax.fori_loop(0, num_seqs, attend_sequence, jnp.zeros_like(q_blocks))
   return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
+    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+    sliding_window: int | None = None, soft_cap: float | None = None,
+    block_q: int = 16) -> jax.Array:
+  """Pure-jnp reference, jit-able with static shapes; see the module docstring.
+
+  Scores and softmax in f32 over each sequence's gathered, dequantized pages (memory
+  ~ MB * ps * Hkv * D per sequence; a pure decode step gathers all S sequences at once).
+  Returns [T, Hq, D] in q's dtype.
+  """
+  num_seqs = true_num_seqs(num_seqs)
+  options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  args = (q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+  block_q = max(1, min(block_q, q.shape[0]))
+  all_decode = jnp.max(query_lengths(cu_q_lens, num_seqs)) <= 1
+  return lax.cond(all_decode, functools.partial(_decode_batch, **options),
+                  functools.partial(_sequence_by_sequence, **options, block_q=block_q), *args)
 
 
 def _pick_impl(impl: str, interpret) -> str:

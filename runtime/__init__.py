@@ -1,1 +1,23 @@
-"""jaxserve runtime."""
+"""jaxserve runtime: scheduler, compiled steps, sampler, engine loop and the offline `LLM` API.
+
+`LLM` and `LLMEngine` import JAX; `runtime.types` (what the server uses) does not.
+"""
+
+
+def __getattr__(name):  # lazy: `from runtime.types import ...` must not pull in JAX
+    if name == "LLM":
+        from runtime.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from runtime.engine import LLMEngine
+
+        return LLMEngine
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "EngineRequest"):
+        from runtime import types
+
+        return getattr(types, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineRequest"]

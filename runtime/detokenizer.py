@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
     _tokens: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
+    stopped: bool = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -49,14 +50,27 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         i, s = best
+        self.stopped = True
         self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
         return s
 
     def flush(self) -> None:
         """At the end of generation: emit whatever is pending, even an incomplete character."""
-        if self._read_offset < len(self._tokens):
+        if self._read_offset < len(self._tokens) and not self.stopped:
             prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
             full = self._decode(self._tokens[self._prefix_offset :])
             if len(full) > len(prefix):
                 self.text += full[len(prefix) :]
             self._read_offset = len(self._tokens)
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, hold back a tail that may begin a stop string."""
+        if finished or not self.stop:
+            return self.text
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self.text[: len(self.text) - hold]

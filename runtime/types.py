@@ -132,6 +132,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine rejected or failed the request
 
+    # The first completion's fields, for the common n == 1 case: outs[i].text etc.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
 
 @dataclass(frozen=True)
 class EngineRequest:

@@ -87,12 +87,13 @@ def test_split_prefill_equals_one_call():
   x = jnp.float32(rng.normal(size=(length, c)))
   w = jnp.float32(rng.normal(size=(c, width)))
   pool = jnp.zeros((2, width - 1, c), jnp.float32)
-  one = lambda arr, n: (jnp.int32([0, n]), jnp.int32([1]), jnp.bool_([False]), jnp.int32(1))
-  y_full, pool_full = causal_conv1d(x, w, pool, *one(x, length))
-  y_a, pool_a = causal_conv1d(x[:split], w, pool, *one(x, split))
-  cu_b = jnp.int32([0, length - split])
-  y_b, pool_b = causal_conv1d(x[split:], w, pool_a, cu_b, jnp.int32([1]), jnp.bool_([True]),
-                              jnp.int32(1))
+
+  def one_sequence(n, continues):
+    return jnp.int32([0, n]), jnp.int32([1]), jnp.bool_([continues]), jnp.int32(1)
+
+  y_full, pool_full = causal_conv1d(x, w, pool, *one_sequence(length, False))
+  y_a, pool_a = causal_conv1d(x[:split], w, pool, *one_sequence(split, False))
+  y_b, pool_b = causal_conv1d(x[split:], w, pool_a, *one_sequence(length - split, True))
   np.testing.assert_allclose(jnp.concatenate([y_a, y_b]), y_full, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pool_b, pool_full, rtol=0, atol=0)
 

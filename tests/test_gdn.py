@@ -123,12 +123,13 @@ def run_ragged(batch, lengths, **kwargs):
     ([5, 1, 0, 70, 1, 12], 3),
     ([130, 1], 2),
 ])
-def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_head):
+@pytest.mark.parametrize("impl", ["reference", "reference_chunked"])
+def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_head, impl):
   rng = np.random.default_rng(sum(lengths))
   hk, kd, vd = 1, 8, 12
   h = hk * heads_per_key_head
   batch = make_ragged_batch(rng, lengths, 8, 160, 10, hk, h, kd, vd)
-  o, new_pool = run_ragged(batch, lengths)
+  o, new_pool = run_ragged(batch, lengths, impl=impl, chunk_size=16)
   assert_ragged_result(o, new_pool, *batch, lengths)
 
 
@@ -184,6 +185,21 @@ def test_tpu_kernel_pads_batches_shorter_than_a_chunk():
   o, new_pool = run_ragged(batch, lengths, impl="pallas_tpu", interpret=True, chunk_size=8)
   assert o.shape == (6, 2, 8)
   assert_ragged_result(o, new_pool, *batch, lengths)
+
+
+def test_tpu_kernel_bf16_inputs_match_reference():
+  rng = np.random.default_rng(9)
+  lengths = [11, 1, 4]
+  inputs, pool, cu, slots, has_init = make_ragged_batch(rng, lengths, 4, 24, 6, 1, 2, 16, 8)
+  args = [jnp.asarray(x, jnp.bfloat16) for x in inputs[:3]] + [jnp.asarray(x) for x in inputs[3:]]
+  args += [jnp.asarray(pool), jnp.asarray(cu), jnp.asarray(slots), jnp.asarray(has_init),
+           jnp.int32(len(lengths))]
+  o_ref, pool_ref = gated_delta_rule(*args)
+  o, new_pool = gated_delta_rule(*args, impl="pallas_tpu", interpret=True, chunk_size=8)
+  assert o.dtype == jnp.bfloat16
+  valid = slice(0, cu[len(lengths)])
+  np.testing.assert_allclose(np.float32(o[valid]), np.float32(o_ref[valid]), rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(new_pool[1:], pool_ref[1:], rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_kernel_matches_oracle_interpret():

@@ -8,6 +8,7 @@ accepting a divergence only where HF's top-2 logit gap is below 1e-3.
 import numpy as np
 import pytest
 import torch
+from hf_reference import assert_greedy_match, hf_greedy
 
 from models import load_model
 from models.random_checkpoint import FAMILIES
@@ -38,26 +39,6 @@ def test_logits_match_hf(family, tiny_checkpoint, hf_model):
         assert err <= 1e-4, f"{family} T={n}: max abs logit error {err:.2e}"
 
 
-def _hf_greedy(hf, ids: list[int], n: int):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    scores = torch.stack(out.scores)[:, 0].float().numpy()  # [n, vocab]
-    return tokens, scores
-
-
-def assert_greedy_match(got: list[int], expected: list[int], scores: np.ndarray, what: str) -> None:
-    """Equal token for token, or diverging first where HF's top-2 gap is a near tie (< 1e-3)."""
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if a != b:
-            top2 = np.sort(scores[i])[-2:]
-            gap = top2[1] - top2[0]
-            assert gap < 1e-3, f"{what}: token {i} is {a}, HF gives {b} (top-2 gap {gap:.2e})"
-            return
-    assert len(got) == len(expected), what
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_generate(family, tiny_checkpoint, hf_model):
     path = tiny_checkpoint(family)
@@ -65,6 +46,6 @@ def test_greedy_matches_hf_generate(family, tiny_checkpoint, hf_model):
     hf = hf_model(family)
     for n in (5, 70):
         ids = _prompt(ours.cfg.vocab_size, n, seed=100 + n)
-        expected, scores = _hf_greedy(hf, ids, 24)
+        expected, scores = hf_greedy(hf, ids, 24)
         got = ours.greedy(ids, 24)
         assert_greedy_match(got, expected, scores, f"{family} prompt {n}")

@@ -370,3 +370,15 @@ def test_random_workload_keeps_invariants_and_outputs(seed, prefix, hybrid):
             expected = reference_generation(request.prompt_token_ids, request.params)
             assert (request.output_token_ids, request.finish_reason) == expected, request.request_id
     assert stats["num_preemptions"] > 0
+
+
+def test_scheduling_modules_do_not_import_jax():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, paged_kv, runtime.scheduler, runtime.config, runtime.request, runtime.policies; "
+            "print('jax' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,195 @@
+"""LLMEngine: owns all mutable serving state and runs one iteration at a time.
+
+    engine = LLMEngine(EngineConfig(model="/path/to/hf_dir"))
+    engine.add_request(EngineRequest("r1", prompt_ids, SamplingParams(max_tokens=8)))
+    while engine.has_unfinished():
+        for out in engine.step():   # cumulative RequestOutputs of requests that advanced
+            ...
+
+One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbone ->
+(save state checkpoints) -> sample -> commit tokens -> detokenize, stop strings. JAX dispatch
+is asynchronous: the sampler is dispatched right behind the backbone and the host only waits
+when it reads the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import numpy as np
+
+from models.model import Model, load_model
+from models.ops import KernelOptions
+from runtime.buckets import pow2_buckets
+from runtime.config import CacheConfig, SchedulerConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine_config import EngineConfig
+from runtime.inputs import build_batch
+from runtime.request import Request
+from runtime.sampling_metadata import SamplingMetadata
+from runtime.scheduler import Scheduler
+from runtime.step import MAX_LOGPROBS, StepExecutables, enable_persistent_cache
+from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Model | None = None, progress: bool = False):
+        self.config = config
+        if config.compile_cache_dir:
+            enable_persistent_cache(config.compile_cache_dir)
+        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress)
+        cfg = self.model.cfg
+        self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        page_size = config.page_size
+        self.max_blocks_per_seq = -(-self.max_model_len // page_size)
+        num_pages = config.num_pages or self._default_num_pages()
+        num_slots = 0
+        if cfg.is_hybrid:
+            extra = config.max_num_seqs * 2 if config.enable_prefix_caching else 0
+            num_slots = config.num_state_slots or (1 + config.max_num_seqs + extra)
+        self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, policy=config.policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
+        self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype)
+        self.opts = KernelOptions(attention=config.attention_backend, gdn=config.gdn_backend,
+                                  interpret=config.interpret)
+        self.token_buckets = pow2_buckets(config.max_num_batched_tokens, explicit=config.token_buckets)
+        self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
+        self.executables = StepExecutables(
+            self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
+            max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k)
+        if config.aot_compile:
+            self.executables.compile_all(progress=progress)
+        eos = list(cfg.eos_token_ids)
+        self._eos, self._extra_eos = (eos[0] if eos else None), tuple(eos[1:])
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._requests: dict[str, Request] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self.num_steps = 0
+
+    def _default_num_pages(self) -> int:
+        """Enough pages for every sequence at full length, capped by a KV memory budget."""
+        c = self.config
+        want = c.max_num_seqs * self.max_blocks_per_seq + 1
+        per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size
+        budget = c.kv_cache_memory_bytes
+        if budget is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                budget = int(stats["bytes_limit"] * c.memory_fraction) - stats.get("bytes_in_use", 0)
+            else:
+                budget = 2 * 2**30
+        return int(max(2, min(want, budget // (per_page * self.model.num_groups))))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. ValueError (naming the problem) if it can never be served."""
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
+        params = request.params
+        if params.n != 1:
+            raise ValueError(f"request {request.request_id!r}: the engine runs n=1 per request, got n={params.n}")
+        if self._extra_eos and not params.ignore_eos:
+            params = params.replace(stop_token_ids=params.stop_token_ids + self._extra_eos)
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
+        req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
+                      arrival_time=request.arrival_time or time.monotonic(), eos_token_id=self._eos)
+        self.scheduler.add_request(req)
+        self._requests[req.request_id] = req
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+        if params.logprobs is not None:
+            self._logprobs[req.request_id] = []
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.get(request_id)
+        if req is None or not self.scheduler.finish(request_id, "abort"):
+            return None
+        return self._output(req, finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
+                            max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
+        ex, params = self.executables, self.model.params
+        if out.copy_before:
+            self.caches = ex.copy_states(self.caches, out.copy_before)
+        self.caches, hidden = ex.run_backbone(params, self.caches, batch)
+        if out.copy_after:
+            self.caches = ex.copy_states(self.caches, out.copy_after)
+
+        seqs = out.sequences
+        reqs = [s.request for s in seqs]
+        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        n_logprobs = MAX_LOGPROBS if want_logprobs else 0
+        S = next(b for b in self.seq_buckets if b >= len(seqs))
+        meta = SamplingMetadata.from_params(
+            [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng)
+        sampled = ex.run_sampler(params, hidden, meta, n_logprobs)
+        tokens = np.asarray(sampled.tokens)
+        if want_logprobs:
+            lp, top_ids, top_lp = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids),
+                                   np.asarray(sampled.top_logprobs))
+
+        new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(seqs) if s.sample}
+        self.scheduler.update_from_output(out, new_tokens)
+        outputs = []
+        for i, s in enumerate(seqs):
+            req = s.request
+            if not s.sample or req.request_id not in self._requests:
+                continue
+            if req.request_id in self._logprobs:
+                n = req.params.logprobs
+                self._logprobs[req.request_id].append(TokenLogprob(
+                    int(tokens[i]), float(lp[i]), [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])]))
+            detok = self._detok.get(req.request_id)
+            if detok is not None:
+                hit = detok.add(new_tokens[req.request_id])
+                if hit is not None and not req.is_finished:
+                    self.scheduler.finish(req.request_id, "stop", hit)
+            outputs.append(self._output(req, finished=req.is_finished))
+        for rid in out.preempted_request_ids:
+            log.debug("preempted %s", rid)
+        return outputs
+
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        if finished and detok is not None:
+            detok.flush()
+        completion = CompletionOutput(
+            index=0, token_ids=list(req.output_token_ids), text=detok.visible_text(finished) if detok else "",
+            logprobs=list(self._logprobs[req.request_id]) if req.request_id in self._logprobs else None,
+            finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
+        output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
+                               num_cached_tokens=req.num_cached_tokens)
+        if finished:
+            self._requests.pop(req.request_id, None)
+            self._detok.pop(req.request_id, None)
+            self._logprobs.pop(req.request_id, None)
+        return output

@@ -1,0 +1,47 @@
+"""EngineConfig: everything one engine instance needs, frozen and validated once.
+
+The YAML launch config (configs/schema.py) and the offline `LLM(...)` arguments both fill it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    page_size: int = 16
+    num_pages: int | None = None  # per layer, incl. the null page; None: from the memory budget
+    kv_cache_memory_bytes: int | None = None  # KV budget; None: memory_fraction of the device
+    memory_fraction: float = 0.9
+    kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | fp8_e4m3 | fp8_e5m2
+    num_state_slots: int | None = None  # GDN slots incl. null slot; None: from max_num_seqs
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    token_buckets: tuple[int, ...] | None = None
+    attention_backend: str = "auto"
+    gdn_backend: str = "auto"
+    interpret: Any = False
+    aot_compile: bool = True
+    compile_cache_dir: str | None = None
+    max_top_k: int = 256
+    seed: int | None = None
+    load_tokenizer: bool = True
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -1,0 +1,90 @@
+"""The offline API (vLLM-like): batch generation from Python, no server.
+
+    from runtime import LLM, SamplingParams
+    llm = LLM(model="/path/to/hf_dir", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
+    outs = llm.generate(["Hello", [3, 17, 5]], SamplingParams(max_tokens=32, temperature=0.0))
+    outs[0].token_ids, outs[0].text, outs[0].finish_reason
+    llm.stats()
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from runtime.engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.types import EngineRequest, RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str, *, dtype: str = "float32", page_size: int = 16, num_pages: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", attention_backend: str = "auto", gdn_backend: str | None = None,
+                 **engine_kwargs):
+        config = EngineConfig(
+            model=str(model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+            gdn_backend=gdn_backend or attention_backend, **engine_kwargs)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        order: list[tuple[str, int, int]] = []  # (engine request id, prompt index, completion index)
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                ids = self._encode(prompt)
+                for j in range(p.n):
+                    sub = p.replace(n=1, seed=None if p.seed is None else p.seed + j)
+                    rid = f"llm-{next(self._ids)}"
+                    self.engine.add_request(EngineRequest(rid, ids, sub))
+                    added.append(rid)
+                    order.append((rid, i, j))
+            finals: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        results: list[RequestOutput] = []
+        for rid, i, j in order:
+            out = finals[rid]
+            out.outputs[0].index = j
+            if j == 0:
+                out.request_id = f"prompt-{i}"
+                results.append(out)
+            else:
+                results[-1].outputs.append(out.outputs[0])
+        return results
+
+    def stats(self) -> dict:
+        return self.engine.stats()

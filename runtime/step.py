@@ -1,0 +1,163 @@
+"""The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
+
+    backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
+    sampler[S, n_logprobs, penalty widths](params, hidden, meta) -> SamplerOutput
+    copy_states(caches, src, dst) -> caches                                     caches donated
+
+The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
+bar and per-bucket timings); a step whose token count exceeds the largest bucket raises
+`BucketMiss`. Sampler variants for penalties / logprobs compile on first use and are logged.
+JAX's persistent compilation cache makes a restart cheap (`enable_persistent_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.batch import ForwardBatch
+from models.model import Model
+from models.ops import KernelOptions
+from models.transformer import compute_logits, forward
+from runtime.buckets import BucketMiss
+from runtime.sampler import sample
+from runtime.sampling_metadata import SamplingMetadata
+
+log = logging.getLogger("jaxserve.step")
+
+MAX_LOGPROBS = 20
+
+
+def enable_persistent_cache(cache_dir: str | Path) -> None:
+    """JAX persistent compilation cache on local disk; cache every compile, however small."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+class StepExecutables:
+    def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
+                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256):
+        self.model, self.opts = model, opts
+        self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
+        self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
+        self._cache_specs = jax.tree.map(_spec, caches)
+        self._backbones: dict[int, object] = {}
+        self._samplers: dict[tuple, object] = {}
+        self._copy = None
+        self.compile_seconds: dict[str, float] = {}
+        cfg = model.cfg
+
+        def backbone(params, caches, batch):
+            hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
+            return caches, hidden
+
+        self._backbone_jit = jax.jit(backbone, donate_argnums=1)
+
+        def sampler(params, hidden, meta, *, num_rows, num_logprobs):
+            logits = compute_logits(params, hidden[:num_rows])
+            return sample(logits, meta, max_top_k=max_top_k, num_logprobs=num_logprobs)
+
+        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs"))
+        G = model.num_groups
+
+        def copy_states(caches, src, dst):
+            def copy(a):
+                if a is None:
+                    return None
+                per_layer = a.reshape(G, a.shape[0] // G, *a.shape[1:])
+                return per_layer.at[:, dst].set(per_layer[:, src]).reshape(a.shape)
+
+            return {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])),
+                    "rec": tuple(map(copy, caches["rec"]))}
+
+        self._copy_jit = jax.jit(copy_states, donate_argnums=0)
+
+    # ---- specs --------------------------------------------------------------------------
+    def _batch_spec(self, T: int) -> ForwardBatch:
+        S, MB = self.max_num_seqs, self.max_blocks_per_seq
+        i32 = jnp.int32
+        return ForwardBatch(
+            input_ids=jax.ShapeDtypeStruct((T,), i32), positions=jax.ShapeDtypeStruct((T,), i32),
+            slot_mapping=jax.ShapeDtypeStruct((T,), i32), cu_q_lens=jax.ShapeDtypeStruct((S + 1,), i32),
+            kv_lens=jax.ShapeDtypeStruct((S,), i32), block_tables=jax.ShapeDtypeStruct((S, MB), i32),
+            state_slot_ids=jax.ShapeDtypeStruct((S,), i32), has_initial_state=jax.ShapeDtypeStruct((S,), jnp.bool_),
+            num_seqs=jax.ShapeDtypeStruct((), i32), logits_indices=jax.ShapeDtypeStruct((S,), i32))
+
+    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0) -> SamplingMetadata:
+        f32, i32 = jnp.float32, jnp.int32
+        row = lambda dt: jax.ShapeDtypeStruct((S,), dt)  # noqa: E731
+        return SamplingMetadata(
+            temperature=row(f32), top_k=row(i32), top_p=row(f32), min_p=row(f32),
+            presence_penalty=row(f32), frequency_penalty=row(f32), repetition_penalty=row(f32),
+            seeds=row(jnp.uint32), steps=row(i32),
+            output_ids=jax.ShapeDtypeStruct((S, out_width), i32),
+            prompt_ids=jax.ShapeDtypeStruct((S, prompt_width), i32))
+
+    # ---- compile ------------------------------------------------------------------------
+    def _compile_backbone(self, T: int):
+        t0 = time.perf_counter()
+        params = jax.tree.map(_spec, self.model.params)
+        exe = self._backbone_jit.trace(params, self._cache_specs, self._batch_spec(T)).lower().compile()
+        self.compile_seconds[f"backbone[T={T}]"] = time.perf_counter() - t0
+        self._backbones[T] = exe
+        return exe
+
+    def _compile_sampler(self, key):
+        S, n_logprobs, out_w, prompt_w = key
+        t0 = time.perf_counter()
+        params = jax.tree.map(_spec, self.model.params)
+        hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
+        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w), num_rows=S,
+                                      num_logprobs=n_logprobs).lower().compile()
+        self.compile_seconds[f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w}]"] = time.perf_counter() - t0
+        self._samplers[key] = exe
+        return exe
+
+    def compile_all(self, progress: bool = True) -> dict[str, float]:
+        """Compile every backbone bucket and the plain sampler of every sequence bucket."""
+        jobs = [("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
+        for kind, n in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+            if kind == "backbone":
+                self._compile_backbone(n)
+            else:
+                self._compile_sampler((n, 0, 0, 0))
+        return dict(self.compile_seconds)
+
+    # ---- run ----------------------------------------------------------------------------
+    def run_backbone(self, params, caches, batch: ForwardBatch):
+        T = batch.input_ids.shape[0]
+        exe = self._backbones.get(T)
+        if exe is None:
+            if T not in self.token_buckets:
+                raise BucketMiss(f"token count {T} is not a compiled bucket {self.token_buckets}")
+            log.info("compiling backbone bucket T=%d (not compiled ahead of time)", T)
+            exe = self._compile_backbone(T)
+        return exe(params, caches, batch)
+
+    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int):
+        S = meta.temperature.shape[0]
+        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1])
+        exe = self._samplers.get(key)
+        if exe is None:
+            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d", *key)
+            exe = self._compile_sampler(key)
+        return exe(params, hidden, meta)
+
+    def copy_states(self, caches, pairs: list[tuple[int, int]]):
+        src = np.zeros(self.max_num_seqs, np.int32)
+        dst = np.zeros(self.max_num_seqs, np.int32)
+        for i, (s, d) in enumerate(pairs):
+            src[i], dst[i] = s, d
+        return self._copy_jit(caches, src, dst)
