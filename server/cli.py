@@ -1,6 +1,6 @@
 """The `jaxserve` command line: the HTTP side.
 
-    jaxserve serve [--config FILE] [--set KEY=VALUE ...] [--fake-engine]
+    jaxserve serve [MODEL] [--config FILE] [--host H] [--port N] [--api-key K] [--set KEY=VALUE ...] [--fake-engine]
     jaxserve config [--config FILE] [--set KEY=VALUE ...]   # print the validated config
 
 `serve` loads and validates the launch config, builds the engine and runs the server until
@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", default=None, help="launch YAML (default: configs/cpu-demo.yaml)")
         sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config field, e.g. --set cache.page_size=32 (repeatable)")
+        sub.add_argument("model", nargs="?", default=None,
+                         help="HF checkpoint directory or .gguf file (default: the config's, else SmolLM2-135M)")
+        sub.add_argument("--host", default=None, help="bind address (server.host)")
+        sub.add_argument("--port", type=int, default=None, help="port (server.port; 0 picks a free one)")
+        sub.add_argument("--api-key", default=None, help="require this bearer token (server.api_key)")
+        sub.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+        sub.add_argument("--max-model-len", type=int, default=None, help="model.max_model_len")
         if name == "serve":
             sub.add_argument("--fake-engine", action="store_true",
                              help="serve the hand-computable FakeEngine instead of a model")
@@ -40,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args) -> LaunchConfig:
     overrides = dict(parse_override(item) for item in args.overrides)
+    flags = {"model.path": args.model, "server.host": args.host, "server.port": args.port,
+             "server.api_key": args.api_key, "model.served_model_name": args.served_model_name,
+             "model.max_model_len": args.max_model_len}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(args.config, overrides)
 
 

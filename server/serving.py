@@ -141,6 +141,8 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest]) ->
             if item is done_marker:
                 remaining -= 1
                 continue
+            if isinstance(item, ValueError):  # the engine refused the request (e.g. it can never fit)
+                raise RequestError(400, str(item), error_type="invalid_request_error") from item
             if isinstance(item, Exception):
                 raise RequestError(500, f"engine failure: {type(item).__name__}: {item}",
                                    error_type="internal_error") from item

@@ -170,6 +170,19 @@ def test_reference_gqa_window_softcap(group, sliding_window, soft_cap):
                              atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group,sliding_window,soft_cap", [(8, 20, 3.0), (1, None, None)])
+def test_reference_decode_batch(group, sliding_window, soft_cap):
+  """A pure decode step (every sequence has one query) takes the all-sequences-at-once path."""
+  rng = np.random.default_rng(5)
+  seqs = [(1, n) for n in (300, 1, 16, 17, 64)]
+  batch = make_batch(rng, seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=64,
+                     page_size=16, kv_dtype="fp8_e5m2", q_dtype=jnp.float32)
+  batch.num_seqs = batch.num_seqs.reshape(1)   # the contract allows [] or [1]
+  options = dict(sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+  np.testing.assert_allclose(run(batch, **options), oracle(batch, **options),
+                             atol=2e-4, rtol=1e-4)
+
+
 def test_reference_bf16_queries_and_no_nan_leak():
   rng = np.random.default_rng(7)
   seqs = [(1, 300), (63, 64), (15, 15)]
@@ -223,7 +236,8 @@ def test_tpu_kernel_under_tpu_simulator():
   options = dict(sm_scale=128 ** -0.5, sliding_window=30)
   want = run(batch, **options)
   try:
-    got = run(batch, impl="pallas_tpu", interpret=pltpu.InterpretParams(detect_races=True),
+    # impl="pallas" on CPU with an interpreter picks the TPU kernel.
+    got = run(batch, impl="pallas", interpret=pltpu.InterpretParams(detect_races=True),
               **options)
   finally:
     pltpu.reset_tpu_interpret_mode_state()

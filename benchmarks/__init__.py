@@ -1,0 +1,1 @@
+"""Benchmark scripts: offline throughput, online serving load, peers (not part of the installed package)."""
