@@ -1,7 +1,7 @@
 """The offline API (vLLM-like): batch generation from Python, no server.
 
     from runtime import LLM, SamplingParams
-    llm = LLM(model="/path/to/hf_dir", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
+    llm = LLM(model="/path/to/hf_dir",  # or an already loaded models.Model dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
     outs = llm.generate(["Hello", [3, 17, 5]], SamplingParams(max_tokens=32, temperature=0.0))
     outs[0].token_ids, outs[0].text, outs[0].finish_reason
     llm.stats()
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from models.model import Model
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, RequestOutput, SamplingParams
@@ -22,16 +23,17 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "float32", page_size: int = 16, num_pages: int | None = None,
+    def __init__(self, model: "str | Model", *, dtype: str = "float32", page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", attention_backend: str = "auto", gdn_backend: str | None = None,
                  **engine_kwargs):
+        loaded = model if isinstance(model, Model) else None
         config = EngineConfig(
-            model=str(model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+            model=str(loaded.path if loaded else model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
             gdn_backend=gdn_backend or attention_backend, **engine_kwargs)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, model=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

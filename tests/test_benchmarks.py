@@ -1,0 +1,142 @@
+"""Smoke tests of the benchmark scripts (fast, no model): workloads are reproducible data, and the
+serve client measures TTFT / ITL / TPOT / e2e as `vllm bench serve` defines them, against a tiny
+local aiohttp server that streams known tokens with known delays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is scripts, not an installed package
+from benchmarks.serve import RequestResult, arrival_delays, compute_metrics, run_load
+from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range
+
+# ---- workloads ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workload_is_reproducible_and_in_vocab(name):
+    a = make_workload(name, vocab_size=500, seed=3, scale=0.1, max_model_len=256)
+    b = make_workload(name, vocab_size=500, seed=3, scale=0.1, max_model_len=256)
+    c = make_workload(name, vocab_size=500, seed=4, scale=0.1, max_model_len=256)
+    assert a == b
+    assert summarize(a)["sha256"] == summarize(b)["sha256"] != summarize(c)["sha256"]
+    low, high = token_id_range(500)
+    for r in a:
+        assert all(low <= t < high for t in r.prompt_ids)
+        assert r.prompt_len >= 1 and r.max_tokens >= 1
+        assert r.prompt_len + r.max_tokens <= 256
+
+
+def test_workload_shapes():
+    fixed = make_workload("fixed", vocab_size=1000, num_requests=5)
+    assert [(r.prompt_len, r.max_tokens) for r in fixed] == [(128, 128)] * 5
+    mixed = make_workload("mixed", vocab_size=1000, num_requests=400)
+    p = np.array([r.prompt_len for r in mixed])
+    o = np.array([r.max_tokens for r in mixed])
+    assert p.min() >= 16 and p.max() <= 1024 and o.min() >= 16 and o.max() <= 256
+    assert np.mean(p) > np.median(p)  # long tail to the right
+    shared = make_workload("shared_prefix", vocab_size=1000, num_requests=6, max_model_len=4096)
+    assert shared_prefix_len(shared) == 2048
+    assert all(2048 + 16 <= r.prompt_len <= 2048 + 64 for r in shared)
+    long = make_workload("long_context", vocab_size=1000, num_requests=4, max_model_len=512)
+    assert all(512 - 16 - 15 <= r.prompt_len <= 512 - 16 and r.max_tokens == 16 for r in long)
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    gaps = arrival_delays(4000, request_rate=8.0, seed=1)
+    assert abs(np.mean(gaps) - 1 / 8) < 0.01
+    assert abs(np.std(gaps) - 1 / 8) < 0.015  # exponential: std == mean at burstiness 1
+    assert not arrival_delays(3, math.inf).any()
+
+
+# ---- metrics by hand ------------------------------------------------------------------------
+
+
+def test_metrics_definitions_by_hand():
+    results = [
+        RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1, latency=0.5,
+                      itl=[0.1, 0.1, 0.1, 0.1]),
+        RequestResult(prompt_len=20, success=True, output_tokens=1, ttft=0.3, latency=0.3),
+        RequestResult(prompt_len=30, success=False, error="boom"),
+    ]
+    m = compute_metrics(results, duration_s=2.0, slo_ms={"ttft": 200, "tpot": 150})
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 6
+    assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["total_token_throughput"] == pytest.approx(18.0)
+    # TPOT only over requests with > 1 output token: (0.5 - 0.1) / 4
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["p50_ttft_ms"] == pytest.approx(200.0)
+    assert m["p99_ttft_ms"] == pytest.approx(100 + 0.99 * 200)  # linear interpolation
+    # goodput: request 1 meets ttft 100<=200 and tpot 100<=150; request 2 misses ttft (300)
+    assert m["request_goodput"] == pytest.approx(0.5)
+
+
+# ---- the client against a stub server ---------------------------------------------------------
+
+TTFT_S, ITL_S, USAGE_DELAY_S = 0.15, 0.05, 0.2
+
+
+def _stub_app() -> web.Application:
+    """Streams one chunk per token: the first after TTFT_S, the rest every ITL_S, then (after a
+    long pause that must not count as latency) a usage chunk and [DONE]."""
+    async def completions(request: web.Request):
+        body = await request.json()
+        assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
+        n = body["max_tokens"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await asyncio.sleep(TTFT_S if i == 0 else ITL_S)
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await asyncio.sleep(USAGE_DELAY_S)
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def test_client_measures_known_delays():
+    requests = make_workload("fixed", vocab_size=1000, num_requests=3, scale=6 / 128)  # 6 tokens out
+
+    async def scenario():
+        runner = web.AppRunner(_stub_app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_load(f"http://127.0.0.1:{port}", "stub", requests, max_concurrency=3)
+        finally:
+            await runner.cleanup()
+
+    results, duration = asyncio.run(scenario())
+    slack = 0.15  # a shared, loaded machine
+    n = requests[0].max_tokens
+    assert n == 6
+    for r in results:
+        assert r.success, r.error
+        assert r.output_tokens == n
+        assert len(r.itl) == n - 1
+        assert TTFT_S <= r.ttft < TTFT_S + slack
+        assert sum(r.itl) == pytest.approx(r.latency - r.ttft)  # ITL: gaps between consecutive chunks
+        assert ITL_S * 0.95 <= np.mean(r.itl) < ITL_S + slack
+        expected_e2e = TTFT_S + (n - 1) * ITL_S  # the usage chunk after the pause is excluded
+        assert expected_e2e <= r.latency < expected_e2e + slack
+    m = compute_metrics(results, duration)
+    assert m["completed"] == 3 and m["total_output_tokens"] == 3 * n
+    assert ITL_S * 1000 <= m["mean_tpot_ms"] < (ITL_S + slack / (n - 1)) * 1000
+    assert duration >= TTFT_S + (n - 1) * ITL_S + USAGE_DELAY_S  # duration waits for whole responses
