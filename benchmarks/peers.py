@@ -41,8 +41,20 @@ def prepare_hf_checkpoint(out_dir: str | Path, gguf_path: str | Path | None = No
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
+    from safetensors.torch import save_file
+
+    # save_pretrained refuses GGUF-loaded models; the weights are plain fp32 tensors by now.
     staging = out.with_name(out.name + ".partial")
-    model.save_pretrained(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]  # loaders key on it; GGUF configs lack it
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     staging.rename(out)
     return out
@@ -80,7 +92,7 @@ def jaxserve_serve_command(checkpoint: str | Path, port: int, *, max_model_len: 
             "model.served_model_name": "bench-model", "server.port": port,
             "scheduler.max_num_seqs": max_num_seqs, "scheduler.max_num_batched_tokens": max_num_batched_tokens,
             "cache.num_pages": max_num_seqs * -(-max_model_len // 16) + 1, "cache.enable_prefix_caching": str(enable_prefix_caching).lower(),
-            "server.max_waiting_requests": 4096}
+            "server.max_waiting_requests": 4096, "compile.aot": "true"}
     if compile_cache_dir:
         sets["compile.cache_dir"] = compile_cache_dir
     cmd = [sys.executable, "-m", "server.cli", "serve"]

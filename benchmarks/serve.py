@@ -14,7 +14,9 @@ lib/endpoint_request_func.py):
          [DONE] do not count);
   TPOT   (e2e - TTFT) / (output_tokens - 1), only for requests with > 1 output token
          (it excludes the first token); goodput counts such a request's TPOT as 0;
-  output_tokens  the server's `usage.completion_tokens` (stream_options.include_usage);
+  output_tokens  the server's `usage.completion_tokens` (stream_options.include_usage), and
+         prompt tokens its `usage.prompt_tokens` when given;
+  arrivals  cumulative gamma gaps rescaled to end at n/rate (vLLM's `get_request`);
   throughputs    totals over the benchmark's wall duration (first send to last completion);
   goodput        requests/s meeting every given SLO (ttft/tpot/e2el, in ms).
 Percentiles are numpy's linear-interpolation percentiles, as in vLLM.
@@ -87,6 +89,8 @@ async def send_completion(session: aiohttp.ClientSession, url: str, model: str, 
                     most_recent = now
                 elif data.get("usage"):
                     result.output_tokens = int(data["usage"].get("completion_tokens") or 0)
+                    if data["usage"].get("prompt_tokens") is not None:
+                        result.prompt_len = int(data["usage"]["prompt_tokens"])
         if first_chunk:
             result.success = True
             result.latency = most_recent - st
@@ -97,21 +101,23 @@ async def send_completion(session: aiohttp.ClientSession, url: str, model: str, 
     return result
 
 
-def arrival_delays(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    """Gaps (s) before each request: gamma(shape=burstiness, scale=1/(rate*burstiness)); 0 if rate is inf."""
+def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Send times (s from the start), as vLLM schedules them: cumulative gamma(shape=burstiness,
+    scale=1/(rate*burstiness)) gaps, rescaled so the last request goes out at exactly n/rate."""
     if math.isinf(request_rate):
         return np.zeros(n)
     if request_rate <= 0 or burstiness <= 0:
         raise ValueError("request_rate and burstiness must be > 0")
     rng = np.random.default_rng(seed)
-    return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
+    times = np.cumsum(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n))
+    return times * (n / request_rate) / times[-1] if n and times[-1] > 0 else times
 
 
 async def run_load(url: str, model: str, requests: list[BenchRequest], *, request_rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                    api_key: str | None = None) -> tuple[list[RequestResult], float]:
     """Send every request on its arrival schedule; -> (results in request order, duration s)."""
-    delays = arrival_delays(len(requests), request_rate, burstiness, seed)
+    send_at = arrival_times(len(requests), request_rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector) as session:
@@ -123,9 +129,10 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], *, reques
 
         start = time.perf_counter()
         tasks = []
-        for req, delay in zip(requests, delays):
-            if delay > 0:
-                await asyncio.sleep(float(delay))
+        for req, at in zip(requests, send_at):
+            wait = start + float(at) - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(one(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.batch import single_sequence_batch
+from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
@@ -52,8 +53,6 @@ class Model:
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
         """
-        from pallas_kernels.kv_cache import KVPages
-
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []

@@ -13,6 +13,11 @@ from typing import Any
 
 import jax
 
+from pallas_kernels.causal_conv1d import causal_conv1d as _conv
+from pallas_kernels.gdn import gated_delta_rule as _gdr
+from pallas_kernels.kv_write import write_kv as _write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
 BACKENDS = ("auto", "pallas", "reference")
 
 
@@ -35,15 +40,11 @@ class KernelOptions:
 
 
 def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
-    from pallas_kernels.kv_write import write_kv as _write_kv
-
     return _write_kv(kv, k, v, slot_mapping)
 
 
 def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: KernelOptions, *, sm_scale,
                     sliding_window=None, soft_cap=None):
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
     impl = opts.impl("attention")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
     return ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
@@ -51,21 +52,13 @@ def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: Ker
 
 
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
-    from pallas_kernels.gdn import gated_delta_rule as _gdr
-
     impl = opts.impl("gdn")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
     return _gdr(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, impl=impl, **kwargs)
 
 
 def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
-    from pallas_kernels.causal_conv1d import causal_conv1d as _conv
-
     impl = opts.impl("gdn")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
-    try:
-        return _conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, activation="silu",
-                     impl=impl, **kwargs)
-    except NotImplementedError:  # no Pallas conv on this platform: the reference is exact
-        return _conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, activation="silu",
-                     impl="reference")
+    return _conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, activation="silu",
+                 impl=impl, **kwargs)

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is scripts, not an installed package
-from benchmarks.serve import RequestResult, arrival_delays, compute_metrics, run_load
+from benchmarks.serve import RequestResult, arrival_times, compute_metrics, run_load
 from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range
 
 # ---- workloads ----------------------------------------------------------------------------
@@ -51,10 +51,12 @@ def test_workload_shapes():
 
 
 def test_poisson_arrivals_have_the_requested_rate():
-    gaps = arrival_delays(4000, request_rate=8.0, seed=1)
+    times = arrival_times(4000, request_rate=8.0, seed=1)
+    assert times[-1] == pytest.approx(4000 / 8)  # rescaled to end at n / rate, as vLLM does
+    gaps = np.diff(times)
     assert abs(np.mean(gaps) - 1 / 8) < 0.01
     assert abs(np.std(gaps) - 1 / 8) < 0.015  # exponential: std == mean at burstiness 1
-    assert not arrival_delays(3, math.inf).any()
+    assert not arrival_times(3, math.inf).any()
 
 
 # ---- metrics by hand ------------------------------------------------------------------------
@@ -124,7 +126,7 @@ def test_client_measures_known_delays():
             await runner.cleanup()
 
     results, duration = asyncio.run(scenario())
-    slack = 0.15  # a shared, loaded machine
+    slack = 0.3  # a shared, loaded machine
     n = requests[0].max_tokens
     assert n == 6
     for r in results:

