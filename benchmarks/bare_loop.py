@@ -41,12 +41,12 @@ def _slots(block_tables, positions, page_size: int):
 
 
 def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len: int, output_len: int,
-                   page_size: int = 16):
+                   page_size: int = 16, max_model_len: int | None = None):
     """-> (prefill(params, caches, prompts [S, P]) -> (caches, first [S]),
            decode(params, caches, first [S]) -> (caches, tokens [output_len - 1, S]),
            fresh_caches())"""
     cfg, S, P = model.cfg, batch, prompt_len
-    block_tables_np, num_pages = _layout(S, P + output_len, page_size)
+    block_tables_np, num_pages = _layout(S, max(max_model_len or 0, P + output_len), page_size)
     block_tables = jnp.asarray(block_tables_np)
     seq_ids = jnp.arange(S, dtype=jnp.int32)
 
@@ -84,14 +84,17 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
 
 
 def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: KernelOptions | None = None,
-                  page_size: int = 16, repeats: int = 3) -> dict:
-    """Time the bare loop on `prompts [S, P]` int32; -> throughput numbers and the greedy tokens."""
+                  page_size: int = 16, max_model_len: int | None = None, repeats: int = 3) -> dict:
+    """Time the bare loop on `prompts [S, P]` int32; -> throughput numbers and the greedy tokens.
+
+    `max_model_len` sets the block-table width (default: just enough for P + output_len); pass
+    the engine's to give the attention op the same shapes the engine gives it."""
     if output_len < 2:
         raise ValueError("output_len must be >= 2 (one prefill token + at least one decode step)")
     opts = opts or KernelOptions()
     S, P = prompts.shape
     prefill, decode, fresh = make_bare_loop(model, opts, batch=S, prompt_len=P, output_len=output_len,
-                                            page_size=page_size)
+                                            page_size=page_size, max_model_len=max_model_len)
     params = model.params
     prompts = jnp.asarray(prompts, jnp.int32)
     t0 = time.perf_counter()
@@ -117,6 +120,7 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
     all_tokens = np.concatenate([np.asarray(first)[None, :], np.asarray(tokens)], axis=0).T  # [S, output_len]
     return {
         "batch": S, "prompt_len": P, "output_len": output_len, "compile_s": compile_s,
+        "block_table_width": int(-(-max(max_model_len or 0, P + output_len) // page_size)),
         "prefill_s": prefill_s, "decode_s": decode_s,
         "output_tokens_per_s": S * output_len / (prefill_s + decode_s),
         "decode_tokens_per_s": S * (output_len - 1) / decode_s,
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=None, help="block-table width, as the engine's")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     low, high = token_id_range(model.cfg.vocab_size)
     prompts = np.random.default_rng(args.seed).integers(low, high, size=(args.batch, args.prompt_len), dtype=np.int32)
-    result = run_bare_loop(model, prompts, args.output_len, repeats=args.repeats)
+    result = run_bare_loop(model, prompts, args.output_len, max_model_len=args.max_model_len, repeats=args.repeats)
     result.pop("tokens")
     print(json.dumps(result, indent=2))
     if args.json:

@@ -78,7 +78,7 @@ def vllm_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int,
 def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"VLLM_TARGET_DEVICE": "cpu", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
-                "VLLM_CPU_OMP_THREADS_BIND": "all", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)

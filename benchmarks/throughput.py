@@ -101,7 +101,7 @@ def run_hf(checkpoint: str, requests: list[BenchRequest], batch_sizes: list[int]
     return {"best_batch": best, **sweep[best], "sweep": sweep, "tokens": best_tokens}
 
 
-def run_bare(model, requests: list[BenchRequest], batch: int, repeats: int) -> dict:
+def run_bare(model, requests: list[BenchRequest], batch: int, max_model_len: int, repeats: int) -> dict:
     from benchmarks.bare_loop import run_bare_loop
 
     P = int(round(np.mean([r.prompt_len for r in requests])))
@@ -114,7 +114,7 @@ def run_bare(model, requests: list[BenchRequest], batch: int, repeats: int) -> d
 
         low, high = token_id_range(model.cfg.vocab_size)
         prompts = np.random.default_rng(0).integers(low, high, size=(batch, P), dtype=np.int32)
-    return run_bare_loop(model, prompts, max(N, 2), repeats=repeats)
+    return run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -142,7 +142,7 @@ def section_throughput(checkpoint: str, args) -> dict:
            "ours_all_seconds": [r["seconds"] for r in ours_runs]}
     print(f"ours: {ours['output_tokens_per_s']:.1f} tok/s ({ours['seconds']:.2f} s, {ours['steps']} steps)", flush=True)
     if not args.skip_bare:
-        bare = run_bare(llm.engine.model, requests, args.max_num_seqs, args.repeats)
+        bare = run_bare(llm.engine.model, requests, args.max_num_seqs, args.max_model_len, args.repeats)
         bare_tokens = bare.pop("tokens")
         out["bare_loop"] = bare
         print(f"bare loop (S={bare['batch']}, P={bare['prompt_len']}, N={bare['output_len']}): "

@@ -106,6 +106,12 @@ def make_workload(name: str, *, vocab_size: int, seed: int = 0, num_requests: in
     return requests
 
 
+def make_uniform(n: int, prompt_len: int, output_len: int, *, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """n requests of exactly `prompt_len` random prompt tokens and `output_len` output tokens."""
+    rng = np.random.default_rng([seed, prompt_len, output_len])
+    return [BenchRequest(_random_ids(rng, prompt_len, vocab_size), output_len) for _ in range(n)]
+
+
 def shared_prefix_len(requests: list[BenchRequest]) -> int:
     """Length of the prefix every request shares (0 if they share none)."""
     if not requests:

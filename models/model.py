@@ -21,6 +21,7 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.sharding import shard_caches
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward
 from models.weights import DictSource, load_params
@@ -31,6 +32,7 @@ class Model:
         self.cfg, self.params, self.dtype, self.path = cfg, params, dtype, path
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer = None
+        self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
 
     @property
     def tokenizer(self):
@@ -67,7 +69,8 @@ class Model:
                 conv.append(jnp.zeros((G * num_slots, W - 1, C), jnp.float32))
                 rec.append(jnp.zeros((G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                       cfg.linear_value_head_dim), jnp.float32))
-        return {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
+        caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
+        return caches if self.tp is None else shard_caches(caches, cfg, self.tp.mesh)
 
     def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
@@ -86,7 +89,7 @@ class Model:
         bad = [t for t in token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        opts = opts or KernelOptions()
+        opts = self._with_tp(opts)
         T = len(token_ids)
         padded = max(16, 1 << (T - 1).bit_length())  # few shapes, few compiles
         batch = single_sequence_batch(token_ids, page_size, pad_to=padded)
@@ -98,7 +101,7 @@ class Model:
         """Greedy continuation of one sequence: one prefill, then one-token decode steps through the
         paged caches (pages and state slot carried between steps). No EOS handling: exactly
         `max_new_tokens` tokens. The plain reference loop the engine is checked against."""
-        opts = opts or KernelOptions()
+        opts = self._with_tp(opts)
         ids = [int(t) for t in token_ids]
         total = len(ids) + max_new_tokens
         full = single_sequence_batch(list(range(total)), page_size)
@@ -123,6 +126,10 @@ class Model:
                 logits_indices=np.array([0], np.int32),
             )
         return out
+
+    def _with_tp(self, opts: KernelOptions | None) -> KernelOptions:
+        opts = opts or KernelOptions()
+        return opts if self.tp is None else dataclasses.replace(opts, tp=self.tp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,12 +169,12 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False)
         raise CheckpointError(f"{path}: no such file or directory")
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if ggufs and not (path.is_dir() and list(path.glob("*.safetensors"))):
-        from models.gguf import load_gguf_tokenizer, read_gguf
+        from models.gguf import read_gguf
 
-        ckpt = read_gguf(ggufs[0])
+        ckpt = read_gguf(ggufs[0], progress=progress)
         cfg = parse_config(ckpt.config)
         params = load_params(cfg, DictSource(ckpt.tensors, str(ggufs[0])), dtype, progress)
-        return Model(cfg, params, dtype, ggufs[0], tokenizer_loader=lambda: load_gguf_tokenizer(ggufs[0]))
+        return Model(cfg, params, dtype, ggufs[0], tokenizer_loader=ckpt.tokenizer_factory)
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected an HF checkpoint directory or a .gguf file")
     hf = read_json(path / "config.json")

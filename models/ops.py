@@ -4,6 +4,10 @@
 Pallas kernels on TPU and GPU and the pure-jnp references on CPU; `interpret` runs Pallas
 kernels in interpret mode (True, or a `pltpu.InterpretParams()` for the TPU simulator) so the
 whole model can run through the kernels on CPU in tests.
+
+With `tp` (a `models.sharding.TensorParallel`, set when parameters are split over a mesh), the
+Pallas calls run under `jax.shard_map` over the model axis (heads are independent in attention
+and GDN); the pure-jnp references rely on GSPMD. Without `tp` nothing changes.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
+from models.sharding import TensorParallel, unpermute_qkv
 from pallas_kernels.causal_conv1d import causal_conv1d as _conv
 from pallas_kernels.gdn import gated_delta_rule as _gdr
 from pallas_kernels.kv_write import write_kv as _write_kv
@@ -26,6 +32,7 @@ class KernelOptions:
     attention: str = "auto"
     gdn: str = "auto"
     interpret: Any = False
+    tp: TensorParallel | None = None  # tensor-parallel layout of the parameters and caches
 
     def __post_init__(self):
         for field in ("attention", "gdn"):
@@ -39,26 +46,74 @@ class KernelOptions:
         return "reference" if jax.default_backend() == "cpu" and not self.interpret else "pallas"
 
 
+def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):
+    """`fn` under shard_map: `split` -> the given head specs; else every operand replicated."""
+    if not split:
+        in_specs = jax.tree.map(lambda _: P(), in_specs, is_leaf=lambda x: isinstance(x, P))
+        out_specs = jax.tree.map(lambda _: P(), out_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _kv_specs(kv, axis: str):
+    return jax.tree.map(lambda _: P(None, axis), kv)  # k, v [P, Hkv, ps, D]; scales [P, Hkv]
+
+
 def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
-    return _write_kv(kv, k, v, slot_mapping)
+    tp = opts.tp
+    if tp is None or not tp.attention:
+        return _write_kv(kv, k, v, slot_mapping)
+    heads = P(None, tp.axis)
+    return _on_mesh(_write_kv, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()),
+                    _kv_specs(kv, tp.axis))(kv, k, v, slot_mapping)
 
 
 def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: KernelOptions, *, sm_scale,
                     sliding_window=None, soft_cap=None):
     impl = opts.impl("attention")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
-    return ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, **kwargs)
+
+    def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs):
+        return ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, **kwargs)
+
+    tp = opts.tp
+    if tp is not None and impl == "pallas":
+        heads = P(None, tp.axis)  # q [T, Hq, D]
+        attend = _on_mesh(attend, tp, tp.attention, (heads, _kv_specs(kv, tp.axis), P(), P(), P(), P()), heads)
+    return attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
     impl = opts.impl("gdn")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
-    return _gdr(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, impl=impl, **kwargs)
+
+    def rule(*args):
+        return _gdr(*args, impl=impl, **kwargs)
+
+    tp = opts.tp
+    if tp is not None and impl == "pallas":
+        heads = P(None, tp.axis)  # q, k [T, Hk, K]; v [T, H, V]; g, beta [T, H]; state [N, H, K, V]
+        rule = _on_mesh(rule, tp, tp.gdn, (heads,) * 6 + (P(),) * 4, (heads, heads))
+    return rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
 
 
 def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
+    """With `opts.tp.gdn`, x / weight / conv_state channels arrive in the per-shard [Q_i K_i V_i]
+    order (models/sharding.py); y is returned in the canonical [Q | K | V] order."""
     impl = opts.impl("gdn")
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
-    return _conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, activation="silu",
-                 impl=impl, **kwargs)
+
+    def conv(*args):
+        return _conv(*args, activation="silu", impl=impl, **kwargs)
+
+    tp = opts.tp
+    if tp is None:
+        return conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
+    if impl == "pallas":
+        channels = P(None, tp.axis)  # x [T, C]
+        conv = _on_mesh(conv, tp, tp.gdn, (channels, P(tp.axis, None), P(None, None, tp.axis)) + (P(),) * 4,
+                        (channels, P(None, None, tp.axis)))
+    y, conv_state = conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
+    if tp.gdn:
+        y = unpermute_qkv(y, tp.gdn_qkv_widths, tp.size)
+    return y, conv_state

@@ -118,11 +118,21 @@ def _gdn_kernel(cu_ref, slot_ref, has_init_ref, num_seqs_ref,                  #
     dma.wait()
 
   def load_chunk(first_token):
-    copy(q_hbm.at[pl.ds(first_token, c), key_head, :], q_buf, 0)
-    copy(k_hbm.at[pl.ds(first_token, c), key_head, :], k_buf, 1)
-    copy(v_hbm.at[pl.ds(first_token, c), h, :], v_buf, 2)
-    copy(g_hbm.at[pl.ds(h, 1), pl.ds(first_token, c)], g_buf, 3)
-    copy(beta_hbm.at[pl.ds(h, 1), pl.ds(first_token, c)], beta_buf, 4)
+    # Token arrays are [heads, Tp, 1, ·]: tokens are a leading (untiled) dim, so a chunk may
+    # start at any token (Mosaic rejects unaligned offsets on the two minor, tiled dims).
+    copy(q_hbm.at[key_head, pl.ds(first_token, c)], q_buf, 0)
+    copy(k_hbm.at[key_head, pl.ds(first_token, c)], k_buf, 1)
+    copy(v_hbm.at[h, pl.ds(first_token, c)], v_buf, 2)
+    copy(g_hbm.at[h, pl.ds(first_token, c)], g_buf, 3)
+    copy(beta_hbm.at[h, pl.ds(first_token, c)], beta_buf, 4)
+
+  eye = lax.broadcasted_iota(jnp.int32, (c, c), 0) == lax.broadcasted_iota(jnp.int32, (c, c), 1)
+
+  def matrix(buf):  # [C, 1, D] buffer -> [C, D] f32
+    return buf[...].reshape(c, buf.shape[-1]).astype(F32)
+
+  def row(buf):  # [C, 1, 1] buffer -> [1, C] f32
+    return _column_to_row(buf[...].reshape(c, 1), eye)
 
   @pl.when((s < num_seqs_ref[0]) & (length > 0))
   def _():
@@ -141,11 +151,11 @@ def _gdn_kernel(cu_ref, slot_ref, has_init_ref, num_seqs_ref,                  #
     def full_chunk(i, carry):
       first = start + i * c
       load_chunk(first)
-      o, state = _wy_chunk(state_buf[...], q_buf[...].astype(F32), k_buf[...].astype(F32),
-                           v_buf[...].astype(F32), g_buf[...], beta_buf[...])
+      o, state = _wy_chunk(state_buf[...], matrix(q_buf), matrix(k_buf), matrix(v_buf),
+                           row(g_buf), row(beta_buf))
       state_buf[...] = state
-      o_buf[...] = o.astype(o_buf.dtype)
-      copy(o_buf, o_hbm.at[pl.ds(first, c), h, :], 6)
+      o_buf[...] = o.reshape(o_buf.shape).astype(o_buf.dtype)
+      copy(o_buf, o_hbm.at[h, pl.ds(first, c)], 6)
       return carry
 
     lax.fori_loop(0, num_full, full_chunk, 0)
@@ -158,13 +168,13 @@ def _gdn_kernel(cu_ref, slot_ref, has_init_ref, num_seqs_ref,                  #
       window = jnp.minimum(first, padded_tokens - c)
       offset = first - window
       load_chunk(window)
-      q_t, k_t = q_buf[...].astype(F32).T, k_buf[...].astype(F32).T
-      v, g_row, beta_row = v_buf[...].astype(F32), g_buf[...], beta_buf[...]
+      q_t, k_t = matrix(q_buf).T, matrix(k_buf).T
+      v, g_row, beta_row = matrix(v_buf), row(g_buf), row(beta_buf)
 
       def token(i, state):
         o_row, state = _recurrent_token(state, offset + i, q_t, k_t, v, g_row, beta_row)
-        o_row_buf[...] = o_row.astype(o_row_buf.dtype)
-        copy(o_row_buf, o_hbm.at[pl.ds(first + i, 1), h, :], 6)
+        o_row_buf[...] = o_row.reshape(o_row_buf.shape).astype(o_row_buf.dtype)
+        copy(o_row_buf, o_hbm.at[h, pl.ds(first + i, 1)], 6)
         return state
 
       state_buf[...] = lax.fori_loop(0, remainder, token, state_buf[...])
@@ -188,10 +198,11 @@ def gated_delta_rule_tpu(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has
   padded_tokens = max(num_tokens, c)  # the remainder window needs C rows to exist
   pad = padded_tokens - num_tokens
   pad_tokens = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
-  q, k, v = pad_tokens(q), pad_tokens(k), pad_tokens(v)
-  g_by_head = pad_tokens(g.astype(F32)).T                                    # [H, Tp]
-  beta_by_head = pad_tokens(beta.astype(F32)).T                              # [H, Tp]
-  o_zeros = jnp.zeros((padded_tokens, num_heads, value_dim), v.dtype)
+  head_major = lambda x: pad_tokens(x).swapaxes(0, 1)[:, :, None]          # [heads, Tp, 1, ·]
+  q_heads, k_heads, v_heads = head_major(q), head_major(k), head_major(v)
+  g_heads = head_major(g.astype(F32)[..., None])                             # [H, Tp, 1, 1]
+  beta_heads = head_major(beta.astype(F32)[..., None])                       # [H, Tp, 1, 1]
+  o_zeros = jnp.zeros((num_heads, padded_tokens, 1, value_dim), v.dtype)
 
   any_space = pl.BlockSpec(memory_space=pl.ANY)
   kernel = functools.partial(_gdn_kernel, chunk_size=c,
@@ -203,10 +214,10 @@ def gated_delta_rule_tpu(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has
       in_specs=[any_space] * 7,
       out_specs=[any_space, any_space],
       scratch_shapes=[
-          pltpu.VMEM((c, key_dim), q.dtype), pltpu.VMEM((c, key_dim), k.dtype),
-          pltpu.VMEM((c, value_dim), v.dtype), pltpu.VMEM((1, c), F32),
-          pltpu.VMEM((1, c), F32), pltpu.VMEM((c, value_dim), v.dtype),
-          pltpu.VMEM((1, value_dim), v.dtype), pltpu.VMEM((key_dim, value_dim), F32),
+          pltpu.VMEM((c, 1, key_dim), q.dtype), pltpu.VMEM((c, 1, key_dim), k.dtype),
+          pltpu.VMEM((c, 1, value_dim), v.dtype), pltpu.VMEM((c, 1, 1), F32),
+          pltpu.VMEM((c, 1, 1), F32), pltpu.VMEM((c, 1, value_dim), v.dtype),
+          pltpu.VMEM((1, 1, value_dim), v.dtype), pltpu.VMEM((key_dim, value_dim), F32),
           pltpu.SemaphoreType.DMA((8,)),
       ])
   o, state = pl.pallas_call(
@@ -218,6 +229,6 @@ def gated_delta_rule_tpu(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has
       input_output_aliases={9: 1, 10: 0},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
-  )(cu_q_lens, state_slot_ids, has_initial_state, num_seqs, q, k, v, g_by_head, beta_by_head,
-    state, o_zeros)
-  return o[:num_tokens], state
+  )(cu_q_lens, state_slot_ids, has_initial_state, num_seqs, q_heads, k_heads, v_heads, g_heads,
+    beta_heads, state, o_zeros)
+  return o[:, :num_tokens, 0].swapaxes(0, 1), state

@@ -9,8 +9,11 @@ with double-buffered async copies HBM -> VMEM and an online softmax in f32. FP8 
 converted exactly to the query dtype and their per-(page, head) scales are applied to the
 scores (K) and to the probabilities (V).
 
-Queries are laid out [Hkv, T*G, D] (row = token * G + group member) so a block is a dense
-2-D tile. An item writes all `block_q * G` rows; rows past its sequence's end belong to later
+Layouts follow the real Mosaic compiler's tiling rules (checked by tests/test_kernels_tpu_aot.py):
+every dynamic DMA offset is on a leading, untiled dim. Queries are [Hkv, T, G, D] (a block of
+`block_q` tokens is reshaped in VMEM to rows = token * G + group member), a key block is
+[pages_per_block, ps, D] in VMEM (one page per leading index, so FP8's (32, 128) tiles hold at
+ps = 16), and FP8 scales are [P, 1, Hkv]. An item writes all `block_q` tokens; rows past its sequence's end belong to later
 sequences, which the sequential work axis writes afterwards.
 """
 
@@ -59,7 +62,8 @@ def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_sta
     block_lo = lax.div(kv_lo, keys_per_block)
     block_hi = lax.div(last_pos + keys_per_block, keys_per_block)   # cdiv(last_pos + 1, keys)
 
-    q_copy = pltpu.make_async_copy(q_hbm.at[head, pl.ds(q_start * group, rows)], q_vmem, io_sem)
+    # Tokens are a leading (untiled) dim of q [Hkv, T, G, D]: any start offset is legal.
+    q_copy = pltpu.make_async_copy(q_hbm.at[head, pl.ds(q_start, block_q)], q_vmem, io_sem)
     q_copy.start()
 
     def page_copies(block, slot):
@@ -67,24 +71,23 @@ def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_sta
       for i in range(pages_per_block):
         logical = jnp.minimum(block * pages_per_block + i, max_blocks - 1)
         page = block_tables_ref[seq * max_blocks + logical]
-        dst = pl.ds(i * page_size, page_size)
-        copies.append(pltpu.make_async_copy(k_hbm.at[page, head], k_vmem.at[slot, dst],
+        # One page per leading index: a row offset i * ps would break FP8's (32, 128) tiles.
+        copies.append(pltpu.make_async_copy(k_hbm.at[page, head], k_vmem.at[slot, i],
                                             kv_sems.at[slot]))
-        copies.append(pltpu.make_async_copy(v_hbm.at[page, head], v_vmem.at[slot, dst],
+        copies.append(pltpu.make_async_copy(v_hbm.at[page, head], v_vmem.at[slot, i],
                                             kv_sems.at[slot]))
         if quantized:
-          copies.append(pltpu.make_async_copy(k_scale_hbm.at[head, pl.ds(page, 1)],
-                                              scale_smem.at[0, slot, pl.ds(i, 1)],
+          # Scales are [P, 1, Hkv]: the page is a leading (untiled) dim, so any page is legal.
+          copies.append(pltpu.make_async_copy(k_scale_hbm.at[page], scale_smem.at[0, slot, i],
                                               kv_sems.at[slot]))
-          copies.append(pltpu.make_async_copy(v_scale_hbm.at[head, pl.ds(page, 1)],
-                                              scale_smem.at[1, slot, pl.ds(i, 1)],
+          copies.append(pltpu.make_async_copy(v_scale_hbm.at[page], scale_smem.at[1, slot, i],
                                               kv_sems.at[slot]))
       return copies
 
     for copy in page_copies(block_lo, 0):
       copy.start()
     q_copy.wait()
-    q = q_vmem[...]                                                          # [rows, D]
+    q = q_vmem[...].reshape(rows, q_vmem.shape[-1])                          # [rows, D]
     shape = (rows, keys_per_block)
     row_pos = first_pos + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), group)
     col = lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -94,7 +97,7 @@ def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_sta
       page_of_col = lax.div(lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1), page_size)
       scales = jnp.zeros((1, keys_per_block), jnp.float32)
       for i in range(pages_per_block):
-        scales = jnp.where(page_of_col == i, scale_smem[which, slot, i], scales)
+        scales = jnp.where(page_of_col == i, scale_smem[which, slot, i, 0, head], scales)
       return scales
 
     def attend_block(block, carry):
@@ -108,8 +111,8 @@ def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_sta
 
       for copy in page_copies(block, slot):
         copy.wait()
-      k = k_vmem[slot].astype(q.dtype)                                       # [keys, D]
-      v = v_vmem[slot]
+      k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)           # [keys, D]
+      v = v_vmem[slot].reshape(keys_per_block, -1)
       key_pos = block * keys_per_block + col                                 # [rows, keys]
       scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)           # [rows, keys]
@@ -138,9 +141,8 @@ def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_sta
     init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     _, l_final, acc = lax.fori_loop(block_lo, block_hi, attend_block, init)
-    o_vmem[...] = (acc / l_final).astype(o_vmem.dtype)
-    out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[head, pl.ds(q_start * group, rows)],
-                                     io_sem)
+    o_vmem[...] = (acc / l_final).reshape(o_vmem.shape).astype(o_vmem.dtype)
+    out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[head, pl.ds(q_start, block_q)], io_sem)
     out_copy.start()
     out_copy.wait()
 
@@ -175,20 +177,20 @@ def ragged_paged_attention_tpu(
   num_work = pl.cdiv(num_tokens, block_q) + num_seqs_padded
   work_seq, work_start, num_work_valid = build_work_list(cu_q_lens, num_seqs, block_q, num_work)
 
-  # q_rows: [Hkv, (T + bq) * G, D], row = token * G + member of the head group.
+  # q_heads: [Hkv, T + bq, G, D]; in VMEM a block becomes rows = token * G + group member.
   padded_tokens = num_tokens + block_q
-  q_rows = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
-      padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
-          num_kv_heads, padded_tokens * group, head_dim)
+  q_heads = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
+      padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
 
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  inputs = [q_rows, kv.k, kv.v]
-  scratch = [pltpu.VMEM((rows, head_dim), q.dtype), pltpu.VMEM((rows, head_dim), q.dtype),
-             pltpu.VMEM((2, keys_per_block, head_dim), kv.k.dtype),
-             pltpu.VMEM((2, keys_per_block, head_dim), kv.v.dtype)]
+  inputs = [q_heads, kv.k, kv.v]
+  q_block = (block_q, group, head_dim)
+  scratch = [pltpu.VMEM(q_block, q.dtype), pltpu.VMEM(q_block, q.dtype),
+             pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype),
+             pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.v.dtype)]
   if kv.quantized:
-    inputs += [kv.k_scale.T, kv.v_scale.T]                                   # [Hkv, P]
-    scratch.append(pltpu.SMEM((2, 2, pages_per_block), jnp.float32))
+    inputs += [kv.k_scale[:, None, :], kv.v_scale[:, None, :]]               # [P, 1, Hkv]
+    scratch.append(pltpu.SMEM((2, 2, pages_per_block, 1, num_kv_heads), jnp.float32))
   scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
 
   kernel = functools.partial(
@@ -197,7 +199,7 @@ def ragged_paged_attention_tpu(
       soft_cap=soft_cap, quantized=kv.quantized)
   out_rows = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=6,
           grid=(num_kv_heads, num_work),
@@ -208,5 +210,5 @@ def ragged_paged_attention_tpu(
       interpret=interpret,
   )(kv_lens, block_tables.reshape(-1), cu_q_lens, work_seq, work_start, num_work_valid,
     *inputs)
-  out = out_rows.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
+  out = out_rows.transpose(1, 0, 2, 3)
   return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)

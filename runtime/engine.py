@@ -7,9 +7,9 @@
             ...
 
 One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbone ->
-(save state checkpoints) -> sample -> commit tokens -> detokenize, stop strings. JAX dispatch
-is asynchronous: the sampler is dispatched right behind the backbone and the host only waits
-when it reads the sampled tokens.
+(save state checkpoints) -> sample, all dispatched asynchronously; while the device runs them
+the host detokenizes and emits the previous step's outputs, then waits for this step's tokens
+and commits them (token-level stops) to the scheduler.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ import numpy as np
 
 from models.model import Model, load_model
 from models.ops import KernelOptions
+from models.sharding import shard_model
 from runtime.buckets import pow2_buckets
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.inputs import build_batch
+from runtime.mesh import make_mesh
 from runtime.request import Request
 from runtime.sampling_metadata import SamplingMetadata
-from runtime.scheduler import Scheduler
+from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.step import MAX_LOGPROBS, StepExecutables, enable_persistent_cache
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 
@@ -42,6 +44,8 @@ class LLMEngine:
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
         self.model = model or load_model(config.model, dtype=config.dtype, progress=progress)
+        if config.mesh_shape is not None and self.model.tp is None:
+            shard_model(self.model, make_mesh(*config.mesh_shape))
         cfg = self.model.cfg
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -61,7 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
         self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype)
         self.opts = KernelOptions(attention=config.attention_backend, gdn=config.gdn_backend,
-                                  interpret=config.interpret)
+                                  interpret=config.interpret, tp=self.model.tp)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, explicit=config.token_buckets)
         self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
         self.executables = StepExecutables(
@@ -76,12 +80,16 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
+        self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
 
     def _default_num_pages(self) -> int:
         """Enough pages for every sequence at full length, capped by a KV memory budget."""
         c = self.config
         want = c.max_num_seqs * self.max_blocks_per_seq + 1
         per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size
+        tp = self.model.tp
+        if tp is not None and tp.attention:
+            per_page = -(-per_page // tp.size)  # each device holds its KV heads only
         budget = c.kv_cache_memory_bytes
         if budget is None:
             stats = jax.devices()[0].memory_stats() or {}
@@ -123,16 +131,26 @@ class LLMEngine:
         return self._output(req, finished=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._prev is not None
 
     def stats(self) -> dict:
         return self.scheduler.stats()
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch step n, then — while the device runs it — detokenize and emit the
+        outputs of step n-1; finally wait for step n's tokens and commit them to the scheduler.
+
+        A stop string found while emitting step n-1 finishes its request after step n was
+        dispatched; that one extra token is discarded (the scheduler skips finished requests).
+        """
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        pending = None if out.is_empty else self._dispatch(out)
+        outputs = self._emit(*self._prev) if self._prev is not None else []
+        self._prev = None if pending is None else self._commit(out, pending)
+        return outputs
+
+    def _dispatch(self, out: SchedulerOutput):
         self.num_steps += 1
         batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
                             max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
@@ -142,40 +160,40 @@ class LLMEngine:
         self.caches, hidden = ex.run_backbone(params, self.caches, batch)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
-
-        seqs = out.sequences
-        reqs = [s.request for s in seqs]
-        want_logprobs = any(r.params.logprobs is not None for r in reqs)
-        n_logprobs = MAX_LOGPROBS if want_logprobs else 0
-        S = next(b for b in self.seq_buckets if b >= len(seqs))
+        reqs = [s.request for s in out.sequences]
+        n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
+        S = next(b for b in self.seq_buckets if b >= len(reqs))
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng)
-        sampled = ex.run_sampler(params, hidden, meta, n_logprobs)
-        tokens = np.asarray(sampled.tokens)
-        if want_logprobs:
-            lp, top_ids, top_lp = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids),
-                                   np.asarray(sampled.top_logprobs))
+        return ex.run_sampler(params, hidden, meta, n_logprobs)
 
-        new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(seqs) if s.sample}
+    def _commit(self, out: SchedulerOutput, sampled):
+        tokens = np.asarray(sampled.tokens)  # the only wait on the device
+        logprobs = None
+        if sampled.top_ids.shape[1]:
+            logprobs = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs))
+        new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(out.sequences) if s.sample}
         self.scheduler.update_from_output(out, new_tokens)
+        return out, tokens, logprobs
+
+    def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:
         outputs = []
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(out.sequences):
             req = s.request
             if not s.sample or req.request_id not in self._requests:
                 continue
             if req.request_id in self._logprobs:
+                lp, top_ids, top_lp = logprobs
                 n = req.params.logprobs
                 self._logprobs[req.request_id].append(TokenLogprob(
                     int(tokens[i]), float(lp[i]), [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])]))
             detok = self._detok.get(req.request_id)
             if detok is not None:
-                hit = detok.add(new_tokens[req.request_id])
+                hit = detok.add([int(tokens[i])])
                 if hit is not None and not req.is_finished:
                     self.scheduler.finish(req.request_id, "stop", hit)
             outputs.append(self._output(req, finished=req.is_finished))
-        for rid in out.preempted_request_ids:
-            log.debug("preempted %s", rid)
         return outputs
 
     def _output(self, req: Request, finished: bool) -> RequestOutput:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
+from runtime.mesh import initialize_multihost
 from runtime.types import EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
@@ -138,8 +139,17 @@ class AsyncEngine:
 
 
 def engine_config_from_launch(config, model_path: str) -> EngineConfig:
-    """Map the validated YAML launch config onto the engine's config."""
+    """Map the validated YAML launch config onto the engine's config.
+
+    `parallel`: `role` other than "both" is refused; `multihost` starts `jax.distributed` (so call
+    this before any other JAX work); `mesh` becomes `mesh_shape` when it spans more than one device."""
     cache, sched, kernels, comp = config.cache, config.scheduler, config.kernels, config.compile
+    parallel = config.parallel
+    if parallel.role != "both":
+        raise ValueError(f"parallel.role={parallel.role!r}: prefill/decode disaggregation is not implemented "
+                         f"yet; use role: both")
+    initialize_multihost(parallel)
+    mesh = parallel.mesh
     return EngineConfig(
         model=model_path, dtype=config.model.dtype, max_model_len=config.model.max_model_len,
         page_size=cache.page_size, num_pages=cache.num_pages, memory_fraction=cache.memory_fraction or 0.9,
@@ -147,7 +157,8 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
         policy=sched.policy, token_buckets=tuple(sched.token_buckets) if sched.token_buckets else None,
         attention_backend=kernels.attention_backend, gdn_backend=kernels.gdn_backend,
-        aot_compile=comp.aot, compile_cache_dir=comp.cache_dir)
+        mesh_shape=(mesh.data, mesh.model) if mesh.num_devices > 1 else None, aot_compile=comp.aot,
+        compile_cache_dir=str(Path(comp.cache_dir).expanduser()) if comp.cache_dir else None)
 
 
 def create_engine_client(config) -> AsyncEngine:

@@ -34,6 +34,7 @@ class EngineConfig:
     max_top_k: int = 256
     seed: int | None = None
     load_tokenizer: bool = True
+    mesh_shape: tuple[int, int] | None = None  # (data, model) devices; None: one device, no mesh
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -43,5 +44,7 @@ class EngineConfig:
                              f"({self.max_num_seqs})")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1):
+            raise ValueError(f"mesh_shape must be (data, model) with both >= 1, got {self.mesh_shape}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -46,13 +46,22 @@ def _spec(x):
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
+def _sharded_spec(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+
+
 class StepExecutables:
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
                  max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256):
         self.model, self.opts = model, opts
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
-        self._cache_specs = jax.tree.map(_spec, caches)
+        # Under a mesh (opts.tp) specs carry the arrays' shardings, step inputs are replicated and
+        # outputs are pinned to the input shardings, so donated caches keep their layout.
+        self._specs = _spec if opts.tp is None else _sharded_spec
+        self._replicated = None if opts.tp is None else opts.tp.spec()
+        cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
+        self._cache_specs = jax.tree.map(self._specs, caches)
         self._backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
         self._copy = None
@@ -63,13 +72,15 @@ class StepExecutables:
             hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
             return caches, hidden
 
-        self._backbone_jit = jax.jit(backbone, donate_argnums=1)
+        pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated)}
+        self._backbone_jit = jax.jit(backbone, donate_argnums=1, **pinned)
 
         def sampler(params, hidden, meta, *, num_rows, num_logprobs):
             logits = compute_logits(params, hidden[:num_rows])
             return sample(logits, meta, max_top_k=max_top_k, num_logprobs=num_logprobs)
 
-        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs"))
+        pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
+        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs"), **pinned)
         G = model.num_groups
 
         def copy_states(caches, src, dst):
@@ -82,33 +93,39 @@ class StepExecutables:
             return {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])),
                     "rec": tuple(map(copy, caches["rec"]))}
 
-        self._copy_jit = jax.jit(copy_states, donate_argnums=0)
+        pinned = {} if opts.tp is None else {"out_shardings": cache_shardings}
+        self._copy_jit = jax.jit(copy_states, donate_argnums=0, **pinned)
 
     # ---- specs --------------------------------------------------------------------------
+    def _host_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
     def _batch_spec(self, T: int) -> ForwardBatch:
         S, MB = self.max_num_seqs, self.max_blocks_per_seq
         i32 = jnp.int32
+        spec = self._host_spec
         return ForwardBatch(
-            input_ids=jax.ShapeDtypeStruct((T,), i32), positions=jax.ShapeDtypeStruct((T,), i32),
-            slot_mapping=jax.ShapeDtypeStruct((T,), i32), cu_q_lens=jax.ShapeDtypeStruct((S + 1,), i32),
-            kv_lens=jax.ShapeDtypeStruct((S,), i32), block_tables=jax.ShapeDtypeStruct((S, MB), i32),
-            state_slot_ids=jax.ShapeDtypeStruct((S,), i32), has_initial_state=jax.ShapeDtypeStruct((S,), jnp.bool_),
-            num_seqs=jax.ShapeDtypeStruct((), i32), logits_indices=jax.ShapeDtypeStruct((S,), i32))
+            input_ids=spec((T,), i32), positions=spec((T,), i32),
+            slot_mapping=spec((T,), i32), cu_q_lens=spec((S + 1,), i32),
+            kv_lens=spec((S,), i32), block_tables=spec((S, MB), i32),
+            state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
+            num_seqs=spec((), i32), logits_indices=spec((S,), i32))
 
     def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
-        row = lambda dt: jax.ShapeDtypeStruct((S,), dt)  # noqa: E731
+        spec = self._host_spec
+        row = lambda dt: spec((S,), dt)  # noqa: E731
         return SamplingMetadata(
             temperature=row(f32), top_k=row(i32), top_p=row(f32), min_p=row(f32),
             presence_penalty=row(f32), frequency_penalty=row(f32), repetition_penalty=row(f32),
             seeds=row(jnp.uint32), steps=row(i32),
-            output_ids=jax.ShapeDtypeStruct((S, out_width), i32),
-            prompt_ids=jax.ShapeDtypeStruct((S, prompt_width), i32))
+            output_ids=spec((S, out_width), i32),
+            prompt_ids=spec((S, prompt_width), i32))
 
     # ---- compile ------------------------------------------------------------------------
     def _compile_backbone(self, T: int):
         t0 = time.perf_counter()
-        params = jax.tree.map(_spec, self.model.params)
+        params = jax.tree.map(self._specs, self.model.params)
         exe = self._backbone_jit.trace(params, self._cache_specs, self._batch_spec(T)).lower().compile()
         self.compile_seconds[f"backbone[T={T}]"] = time.perf_counter() - t0
         self._backbones[T] = exe
@@ -117,8 +134,8 @@ class StepExecutables:
     def _compile_sampler(self, key):
         S, n_logprobs, out_w, prompt_w = key
         t0 = time.perf_counter()
-        params = jax.tree.map(_spec, self.model.params)
-        hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
+        params = jax.tree.map(self._specs, self.model.params)
+        hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w), num_rows=S,
                                       num_logprobs=n_logprobs).lower().compile()
         self.compile_seconds[f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w}]"] = time.perf_counter() - t0

@@ -142,3 +142,17 @@ def test_client_measures_known_delays():
     assert m["completed"] == 3 and m["total_output_tokens"] == 3 * n
     assert ITL_S * 1000 <= m["mean_tpot_ms"] < (ITL_S + slack / (n - 1)) * 1000
     assert duration >= TTFT_S + (n - 1) * ITL_S + USAGE_DELAY_S  # duration waits for whole responses
+
+
+def test_jaxserve_command_is_a_valid_launch_config():
+    from benchmarks.peers import jaxserve_serve_command
+    from configs.schema import load_config, parse_override
+
+    cmd = jaxserve_serve_command("/ckpt", 8201, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
+                                 enable_prefix_caching=False, compile_cache_dir="/tmp/cc")
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+    config = load_config(None, dict(parse_override(s) for s in sets))
+    assert config.model.path == "/ckpt" and config.server.port == 8201
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_num_batched_tokens == 128
+    assert config.cache.enable_prefix_caching is False and config.compile.aot is True
+    assert config.cache.num_pages == 8 * 64 + 1  # every sequence can reach max_model_len

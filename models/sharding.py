@@ -1,0 +1,238 @@
+"""Tensor parallelism: which axis of every parameter and cache is split over the mesh's `model` axis.
+
+    plan = tensor_parallel_plan(cfg, mesh)       # what can be split, given head counts
+    params = shard_params(params, cfg, mesh)     # NamedSharding per leaf (Megatron layout)
+    caches = shard_caches(caches, cfg, mesh)
+    shard_model(model, mesh)                     # both, in place on a models.model.Model
+
+Megatron layout: q/k/v/gate/up/in_qkv/in_z/in_b/in_a are column-parallel (output dim = heads or
+FFN columns), o_proj/down/out_proj row-parallel, norms replicated, MoE experts split on the
+expert-intermediate dim. Stacked layer-group axis 0 is never split. Nothing is split over the
+`data` axis: it holds replicas. The embedding and lm_head are split on the vocab: they are the
+largest single tensors of small-hidden, large-vocab models (Qwen3.5: 248k x H), and a
+vocab-split gather / matmul costs one all-reduce of [T, H] / an all-gather of the logits.
+
+GDN's in_qkv is `[Q all | K all | V all]`, so a plain column split would hand one shard only
+Q columns and another only V. When GDN is split, in_qkv's columns, conv_w's rows and the conv
+state's channels are *reordered* to `[Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]` (`qkv_permutation`),
+so shard i holds exactly its own q, k and v heads; `models/ops.causal_conv1d` restores the
+canonical order of its output (`unpermute_qkv`). A tensor whose heads (or columns) do not divide
+by the model axis is replicated instead, and logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+
+log = logging.getLogger("jaxserve.sharding")
+
+MODEL_AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Static (hashable) description of how a model is split; travels in `KernelOptions.tp`."""
+
+    mesh: Mesh
+    attention: bool  # Hq and Hkv split over the model axis (else attention is replicated)
+    gdn: bool  # GDN key and value heads split (else GDN is replicated)
+    gdn_qkv_widths: tuple[int, int, int] = (0, 0, 0)  # (Hk*K, Hk*K, H*V) conv channels
+    axis: str = MODEL_AXIS
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def spec(self, *dims) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*dims))
+
+
+def _divides(n: int, m: int) -> bool:
+    return n > 0 and n % m == 0
+
+
+def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
+    """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication."""
+    m = mesh.shape[MODEL_AXIS]
+    attention = _divides(cfg.num_heads, m) and _divides(cfg.num_kv_heads, m)
+    if m > 1 and cfg.num_attention_layers and not attention:
+        log.warning("attention replicated: %d query / %d KV heads do not divide by model axis %d",
+                    cfg.num_heads, cfg.num_kv_heads, m)
+    gdn, widths = False, (0, 0, 0)
+    if cfg.is_hybrid:
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        gdn = _divides(hk, m) and _divides(hv, m)
+        qk = hk * cfg.linear_key_head_dim
+        widths = (qk, qk, hv * cfg.linear_value_head_dim)
+        if m > 1 and not gdn:
+            log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
+    return TensorParallel(mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths)
+
+
+# ---- GDN channel order --------------------------------------------------------------------------
+def qkv_permutation(widths: tuple[int, int, int], shards: int) -> np.ndarray:
+    """Canonical channel index at each position of the per-shard `[Q_i K_i V_i]` order."""
+    offsets = np.cumsum((0,) + tuple(widths))
+    parts = []
+    for i in range(shards):
+        for offset, width in zip(offsets, widths):
+            step = width // shards
+            parts.append(offset + np.arange(i * step, (i + 1) * step))
+    return np.concatenate(parts)
+
+
+def unpermute_qkv(y: jax.Array, widths: tuple[int, int, int], shards: int) -> jax.Array:
+    """y [T, C] in per-shard `[Q_i K_i V_i]` order -> canonical `[Q | K | V]` order."""
+    T = y.shape[0]
+    blocks = y.reshape(T, shards, -1)  # [T, M, C/M]: one block per shard
+    q, k, v = jnp.split(blocks, np.cumsum([w // shards for w in widths[:2]]), axis=-1)
+    return jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+
+
+# ---- parameters -----------------------------------------------------------------------------------
+COLUMN = "column"  # split the last (output) dim
+ROW = "row"  # split the input dim of a [.., in, out] weight
+VECTOR = "vector"  # split the last dim of a per-head / per-column vector
+REPLICATED = "replicated"
+
+ATTENTION_RULES = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "o_proj": ROW,
+                   "q_bias": VECTOR, "k_bias": VECTOR, "v_bias": VECTOR, "o_bias": REPLICATED,
+                   "q_norm": REPLICATED, "k_norm": REPLICATED}
+GDN_RULES = {"in_qkv": COLUMN, "in_z": COLUMN, "in_b": COLUMN, "in_a": COLUMN, "conv_w": "conv",
+             "A_log": VECTOR, "dt_bias": VECTOR, "gated_norm": REPLICATED, "out_proj": ROW}
+MLP_RULES = {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW, "gate_bias": VECTOR,
+             "up_bias": VECTOR, "down_bias": REPLICATED}
+MOE_RULES = {"router": REPLICATED, "experts_gate_up": COLUMN, "experts_down": ROW,
+             "shared_gate_proj": COLUMN, "shared_up_proj": COLUMN, "shared_down_proj": ROW,
+             "shared_expert_gate": REPLICATED}
+NORM_RULES = {"input_norm": REPLICATED, "post_norm": REPLICATED}
+
+
+def _spec_for(rule: str, ndim: int, axis: str) -> P:
+    dims: list = [None] * ndim
+    if rule in (COLUMN, VECTOR):
+        dims[-1] = axis
+    elif rule == ROW:
+        dims[-2] = axis
+    elif rule == "conv":  # conv_w [G, C, W]
+        dims[-2] = axis
+    return P(*dims)
+
+
+def _split_dim(rule: str, shape: tuple[int, ...]) -> int | None:
+    if rule in (COLUMN, VECTOR):
+        return shape[-1]
+    if rule in (ROW, "conv"):
+        return shape[-2]
+    return None
+
+
+def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: TensorParallel) -> dict[str, P]:
+    """PartitionSpecs of one layer-group position's stacked parameters ({name: [G, ...] array})."""
+    m, axis = plan.size, plan.axis
+    kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
+    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES}
+    specs = {}
+    for name, leaf in params_g.items():
+        rule = rules.get(name)
+        if rule is None:
+            log.warning("no sharding rule for parameter %r: replicated", name)
+            rule = REPLICATED
+        if not kind_ok.get(name, True):
+            rule = REPLICATED
+        width = _split_dim(rule, leaf.shape)
+        if m > 1 and width is not None and width % m:
+            log.warning("%s (layer position %d, shape %s) replicated: %d does not divide by model axis %d",
+                        name, position, tuple(leaf.shape), width, m)
+            rule = REPLICATED
+        specs[name] = _spec_for(rule, leaf.ndim, axis) if m > 1 else P()
+    return specs
+
+
+def param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    """A pytree of PartitionSpecs matching `params`."""
+    m, axis = plan.size, plan.axis
+    vocab_split = m > 1 and cfg.vocab_size % m == 0
+    if m > 1 and not vocab_split:
+        log.warning("embed / lm_head replicated: vocab %d does not divide by model axis %d", cfg.vocab_size, m)
+    specs = {
+        "embed": P(axis, None) if vocab_split else P(),  # [V, H]
+        "final_norm": P(),
+        "groups": tuple(group_param_specs(cfg, g, j, plan) for j, g in enumerate(params["groups"])),
+    }
+    if "lm_head" in params:
+        specs["lm_head"] = P(None, axis) if vocab_split else P()  # [H, V]
+    return specs
+
+
+def _place(x, sharding: NamedSharding):
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)  # every process holds the whole host array; each places its own shards
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _reorder_gdn(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    """in_qkv columns and conv_w rows in per-shard [Q_i K_i V_i] order (see module docstring)."""
+    if not plan.gdn:
+        return params
+    perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
+    groups = []
+    for g in params["groups"]:
+        if "in_qkv" in g:
+            g = {**g, "in_qkv": g["in_qkv"][..., perm], "conv_w": g["conv_w"][:, perm, :]}
+        groups.append(g)
+    return {**params, "groups": tuple(groups)}
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Place every parameter on `mesh` with its Megatron split (GDN qkv channels reordered)."""
+    plan = tensor_parallel_plan(cfg, mesh)
+    specs = param_specs(params, cfg, plan)
+    params = _reorder_gdn(params, cfg, plan)
+    return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
+
+
+def shard_model(model, mesh: Mesh):
+    """Split a loaded `Model` over `mesh` in place: its params, and from now on its caches and the
+    `KernelOptions.tp` of its `logits` / `greedy`. Returns the model."""
+    if model.tp is not None:
+        raise ValueError("model is already sharded")
+    model.params = shard_params(model.params, model.cfg, mesh)
+    model.tp = tensor_parallel_plan(model.cfg, mesh)
+    return model
+
+
+# ---- caches ----------------------------------------------------------------------------------------
+def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    """PartitionSpecs matching `caches` (arrays or ShapeDtypeStructs): KV pages [P, Hkv, ps, D] and
+    scales [P, Hkv] on the KV heads, conv state [N, W-1, C] on channels, rec [N, H, K, V] on value heads."""
+    axis = plan.axis
+    head = P(None, axis) if plan.attention else P()
+    kv = tuple(None if pages is None else jax.tree.map(lambda _: head, pages) for pages in caches["kv"])
+    conv = tuple(None if c is None else (P(None, None, axis) if plan.gdn else P()) for c in caches["conv"])
+    rec = tuple(None if r is None else (P(None, axis) if plan.gdn else P()) for r in caches["rec"])
+    return {"kv": kv, "conv": conv, "rec": rec}
+
+
+def cache_shardings(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    return jax.tree.map(lambda s: NamedSharding(plan.mesh, s), cache_specs(caches, cfg, plan),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Place caches on `mesh`; conv-state channels go to the per-shard [Q_i K_i V_i] order."""
+    plan = tensor_parallel_plan(cfg, mesh)
+    if plan.gdn:
+        perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
+        caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
+    shardings = cache_shardings(caches, cfg, plan)
+    return jax.tree.map(_place, caches, shardings)

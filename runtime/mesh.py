@@ -1,0 +1,56 @@
+"""The device mesh of one engine and multi-host start-up, from the launch config's `parallel` section.
+
+    initialize_multihost(config.parallel)   # before any other JAX call, on every host
+    mesh = make_mesh(data=2, model=4)       # axes ("data", "model"), both AxisType.Auto
+
+The `model` axis carries tensor parallelism (models/sharding.py); the `data` axis holds
+replicas of the same weights. Axes are Auto (GSPMD) because `jax.make_mesh` now defaults to
+Explicit axes, under which a row-parallel matmul raises `ShardingTypeError`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+log = logging.getLogger("jaxserve.mesh")
+
+DATA_AXIS, MODEL_AXIS = "data", "model"
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+    """A (data, model) mesh over `devices` (default: every device of every process)."""
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh axes must be >= 1, got data={data}, model={model}")
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) != data * model:
+        raise ValueError(
+            f"parallel.mesh data={data} x model={model} needs {data * model} devices, but "
+            f"{len(devices)} are visible ({devices[0].platform if devices else 'none'}); set the mesh "
+            f"to the device count, or limit the visible devices")
+    if devices == list(jax.devices()):
+        return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+    grid = np.array(devices, dtype=object).reshape(data, model)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def initialize_multihost(cfg) -> bool:
+    """`jax.distributed.initialize` from a `ParallelConfig` (or its `multihost` section).
+
+    Returns True when it initialised the distributed runtime, False when no multihost section
+    is configured or it was already initialised. Must run before any other JAX computation.
+    """
+    multihost = getattr(cfg, "multihost", cfg)
+    if multihost is None:
+        return False
+    if jax.distributed.is_initialized():
+        log.info("jax.distributed is already initialised; keeping it")
+        return False
+    log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", multihost.coordinator_address,
+             multihost.num_processes, multihost.process_id)
+    jax.distributed.initialize(coordinator_address=multihost.coordinator_address,
+                               num_processes=multihost.num_processes, process_id=multihost.process_id)
+    return True

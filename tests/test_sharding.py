@@ -1,0 +1,199 @@
+"""Tensor parallelism on a simulated 8-device CPU mesh: sharded == single-device.
+
+The multi-device checks run in ONE subprocess (`jax_num_cpu_devices=8` must be set before any
+JAX op, and must not leak into other tests); it prints a JSON report that the tests below read.
+References are the same checkpoint on one device, no mesh (fp32): logits to ~1e-5, greedy tokens
+exactly. Checkpoints have head counts that divide by the model axis (4), except the default tiny
+Llama (6 query heads, vocab 1031) which checks the fall-back to replication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+import numpy as np
+import pytest
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from models.model import load_model
+    from models.ops import KernelOptions
+    from models.sharding import shard_model
+    from runtime.engine import LLMEngine
+    from runtime.engine_config import EngineConfig
+    from runtime.mesh import make_mesh
+    from runtime.types import EngineRequest, SamplingParams
+
+    paths = json.loads(sys.argv[1])
+    ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
+    report = {}
+
+    def mesh(data, model):
+        return make_mesh(data, model, devices=jax.devices()[:data * model])
+
+    def describe(x):
+        return {"spec": str(tuple(x.sharding.spec)), "shape": list(x.shape),
+                "shard": list(x.addressable_shards[0].data.shape)}
+
+    refs = {}
+
+    def logits_error(name, shape, opts=None):
+        if name not in refs:
+            refs[name] = load_model(paths[name]).logits(ids)
+        ref = refs[name]
+        model = shard_model(load_model(paths[name]), mesh(*shape))
+        out = model.logits(ids, opts)
+        g = model.params["groups"]
+        leaves = {k: describe(v) for j in range(len(g)) for k, v in g[j].items()}
+        leaves["embed"] = describe(model.params["embed"])
+        caches = model.init_caches(4, 16, 2)
+        leaves.update({f"cache_{k}_{j}": describe(c.k if k == "kv" else c)
+                       for k in ("kv", "conv", "rec") for j, c in enumerate(caches[k]) if c is not None})
+        return {"err": float(np.abs(out - ref).max()), "scale": float(np.abs(ref).max()),
+                "leaves": leaves, "tp": [model.tp.attention, model.tp.gdn]}
+
+    import time
+    t0 = time.perf_counter()
+    report["dense_2x4"] = logits_error("dense", (2, 4))
+    report["fallback_1x4"] = logits_error("tiny_llama", (1, 4))
+    report["hybrid_2x4"] = logits_error("hybrid", (2, 4))
+    report["pallas_1x4"] = logits_error(
+        "hybrid", (1, 4), KernelOptions(attention="pallas", gdn="pallas", interpret=True))
+
+    def generate(mesh_shape):
+        engine = LLMEngine(EngineConfig(
+            model=paths["hybrid"], page_size=16, num_pages=16, max_num_seqs=4, max_num_batched_tokens=16,
+            token_buckets=(16,), max_model_len=64, aot_compile=True, load_tokenizer=False,
+            enable_prefix_caching=False, mesh_shape=mesh_shape))
+        rng = np.random.default_rng(0)
+        for i, n in enumerate([5, 13, 9]):
+            engine.add_request(EngineRequest(f"r{i}", rng.integers(3, 1000, n).tolist(),
+                                             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        rec = next(r for r in engine.caches["rec"] if r is not None)
+        return done, describe(rec) if mesh_shape else None
+
+    report["engine_single"], _ = generate(None)
+    report["engine_2x4"], report["engine_rec"] = generate((2, 4))
+    print(f"subprocess wall {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    print("REPORT " + json.dumps(report))
+""")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, tiny_checkpoint):
+    from models.random_checkpoint import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    paths = {
+        "dense": write_random_checkpoint("llama", root / "llama", num_attention_heads=8, num_key_value_heads=4,
+                                         vocab_size=1032),
+        "hybrid": write_random_checkpoint("qwen3_5", root / "qwen3_5", num_attention_heads=4, num_key_value_heads=4,
+                                          linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=1032),
+        "tiny_llama": tiny_checkpoint("llama"),
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({k: str(v) for k, v in paths.items()})],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    sys.stderr.write(proc.stderr[-2000:])
+    return json.loads(line[len("REPORT "):])
+
+
+def _assert_close(case):
+    assert case["err"] <= 1e-5 * max(1.0, case["scale"]), case["err"]
+
+
+def test_dense_sharded_logits_match_single_device(report):
+    case = report["dense_2x4"]
+    assert case["tp"][0], "attention should be split: 8 query / 4 KV heads over 4"
+    _assert_close(case)
+
+
+def test_hybrid_sharded_logits_match_single_device(report):
+    case = report["hybrid_2x4"]
+    assert case["tp"] == [True, True]
+    _assert_close(case)
+
+
+def test_pallas_under_shard_map_matches(report):
+    _assert_close(report["pallas_1x4"])
+
+
+def test_heads_that_do_not_divide_fall_back_to_replication(report):
+    case = report["fallback_1x4"]  # 6 query heads, vocab 1031, model axis 4
+    assert case["tp"] == [False, False]
+    leaves = case["leaves"]
+    assert leaves["q_proj"]["shard"] == leaves["q_proj"]["shape"]
+    assert leaves["embed"]["shard"] == leaves["embed"]["shape"]
+    assert leaves["gate_proj"]["shard"][-1] * 4 == leaves["gate_proj"]["shape"][-1]  # FFN 160 still splits
+    _assert_close(case)
+
+
+@pytest.mark.parametrize("name, split_dim", [
+    ("q_proj", 2), ("k_proj", 2), ("o_proj", 1), ("down_proj", 1), ("embed", 0),
+    ("in_qkv", 2), ("conv_w", 1), ("out_proj", 1), ("A_log", 1),
+    ("cache_kv_1", 1), ("cache_conv_0", 2), ("cache_rec_0", 1)])
+def test_leaves_are_really_sharded(report, name, split_dim):
+    leaf = report["hybrid_2x4"]["leaves"][name]
+    expected = [n // 4 if d == split_dim else n for d, n in enumerate(leaf["shape"])]
+    assert leaf["shard"] == expected, leaf
+    assert "model" in leaf["spec"] and "data" not in leaf["spec"]
+
+
+def test_engine_on_a_mesh_generates_the_same_greedy_tokens(report):
+    single, sharded = report["engine_single"], report["engine_2x4"]
+    assert len(single) == 3 and all(len(t) == 5 for t in single.values())
+    assert sharded == single
+    rec = report["engine_rec"]
+    assert rec["shard"][1] * 4 == rec["shape"][1]  # engine caches split by value heads
+
+
+# ---- in-process: layout helpers and config errors (one device is enough) ------------------------------
+def test_qkv_permutation_round_trip_against_numpy():
+    import jax.numpy as jnp
+
+    from models.sharding import qkv_permutation, unpermute_qkv
+
+    widths, shards = (6, 6, 12), 3  # Q, K 3 heads x 2, V 3 heads x 4
+    canonical = np.arange(2 * 24, dtype=np.float32).reshape(2, 24)
+    permuted = canonical[:, qkv_permutation(widths, shards)]
+    # shard 1's block: its Q heads (channels 2-3), K (8-9), V (16-19)
+    np.testing.assert_array_equal(permuted[0, 8:16], [2, 3, 8, 9, 16, 17, 18, 19])
+    np.testing.assert_array_equal(np.asarray(unpermute_qkv(jnp.asarray(permuted), widths, shards)), canonical)
+
+
+def test_make_mesh_names_the_device_mismatch():
+    from runtime.mesh import make_mesh
+
+    with pytest.raises(ValueError, match=r"data=2 x model=64 needs 128 devices"):
+        make_mesh(2, 64)
+
+
+def test_launch_config_parallel_section():
+    from configs.schema import config_from_dict
+    from runtime.engine_client import engine_config_from_launch
+    from runtime.mesh import initialize_multihost
+
+    cfg = config_from_dict({"parallel": {"mesh": {"data": 2, "model": 4}}})
+    assert engine_config_from_launch(cfg, "m").mesh_shape == (2, 4)
+    assert engine_config_from_launch(config_from_dict({}), "m").mesh_shape is None
+    with pytest.raises(ValueError, match="prefill/decode disaggregation is not implemented yet"):
+        engine_config_from_launch(config_from_dict({"parallel": {"role": "prefill"}}), "m")
+    assert initialize_multihost(cfg.parallel) is False  # no multihost section: nothing to start
