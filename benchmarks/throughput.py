@@ -215,7 +215,7 @@ def section_capacity(model, checkpoint: str, args) -> dict:
         pages = engine.cache_config.num_pages
         kv_bytes = sum(int(a.nbytes) for a in _leaves(engine.caches["kv"]))
         blocks_per_seq = -(-seq_len // cfg.page_size)
-        out[kv_dtype] = {"num_pages": pages, "kv_array_bytes": kv_bytes,
+        out[kv_dtype] = {"num_pages": pages, "kv_array_bytes": kv_bytes, "budget_used_fraction": kv_bytes / budget,
                          "bytes_per_token_formula": model.cache_bytes_per_token(kv_dtype),
                          "bytes_per_token_measured": kv_bytes / (pages * cfg.page_size),
                          "concurrent_seqs": (pages - 1) // blocks_per_seq}

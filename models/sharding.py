@@ -23,6 +23,7 @@ by the model axis is replicated instead, and logged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -59,6 +60,7 @@ def _divides(n: int, m: int) -> bool:
     return n > 0 and n % m == 0
 
 
+@functools.lru_cache(maxsize=None)  # one plan (and one set of fall-back warnings) per model and mesh
 def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication."""
     m = mesh.shape[MODEL_AXIS]

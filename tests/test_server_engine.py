@@ -23,6 +23,7 @@ from runtime.types import SamplingParams
 from server.testing import LiveServer
 
 PROMPT = "def fibonacci(n):\n    "
+FAMILY = "qwen3_5"  # a GDN hybrid: requests hold KV pages *and* a state slot
 
 
 def _config(path) -> EngineConfig:
@@ -32,12 +33,12 @@ def _config(path) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint):
-    return load_model(tiny_checkpoint("llama"), dtype="float32")
+    return load_model(tiny_checkpoint(FAMILY), dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-llama")
+    engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-model")
     live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
     yield live
     live.close()
@@ -56,12 +57,12 @@ def client(server):
 
 def test_greedy_completion_equals_offline(client, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=0,
+    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=20, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == ref.text
     assert r.usage.completion_tokens == len(ref.token_ids) == 20
     assert r.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
-    stream = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=0,
+    stream = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=20, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True},
                                        stream_options={"include_usage": True})
     chunks = list(stream)
@@ -74,16 +75,16 @@ def test_chat_equals_offline(client, offline):
     text = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = offline.tokenizer.encode(text, add_special_tokens=False)
     ref = offline.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=16, temperature=0)
+    r = client.chat.completions.create(model="tiny-model", messages=messages, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
-    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=16,
+    stream = client.chat.completions.create(model="tiny-model", messages=messages, max_tokens=16,
                                             temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
 
 
 def test_n2_seed_reproducible(client):
-    kw = dict(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=1.0, n=2, seed=1234)
+    kw = dict(model="tiny-model", prompt=PROMPT, max_tokens=12, temperature=1.0, n=2, seed=1234)
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert len(a.choices) == 2
@@ -96,20 +97,20 @@ def test_stop_string(client, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].text
     stop = ref[len(ref) // 2 : len(ref) // 2 + 3]
     assert stop.strip(), ref
-    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[: ref.index(stop)]
 
 
 def test_logprobs_match_hf(client, model, offline, hf_model):
-    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(len(t) >= 3 for t in lp.top_logprobs)
     prompt_ids = model.tokenizer.encode(PROMPT)
     gen_ids = offline.generate([prompt_ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
-    hf = hf_model("llama")
+    hf = hf_model(FAMILY)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt_ids + gen_ids])).logits[0].float()
     ref = torch.log_softmax(logits, -1).numpy()
@@ -122,12 +123,13 @@ def test_logprobs_match_hf(client, model, offline, hf_model):
 
 def _all_free(stats) -> bool:
     return (stats["num_running"] == 0 and stats["num_waiting"] == 0
-            and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"])
+            and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+            and stats["slots_free"] + stats["slots_cached"] == stats["slots_total"])
 
 
 def test_disconnect_burst_frees_everything(server):
     async def one(session, i):
-        body = {"model": "tiny-llama", "prompt": f"{PROMPT}{i}", "max_tokens": 200, "stream": True,
+        body = {"model": "tiny-model", "prompt": f"{PROMPT}{i}", "max_tokens": 200, "stream": True,
                 "ignore_eos": True}
         async with session.post(server.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
