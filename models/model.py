@@ -109,8 +109,9 @@ class Model:
         out: list[int] = []
         padded = max(16, 1 << (len(ids) - 1).bit_length())
         caches = self.init_caches(2 + (padded + max_new_tokens) // page_size, page_size, num_slots=2)
-        batch = single_sequence_batch(ids, page_size, pad_to=padded)
-        batch.logits_indices = np.array([len(ids) - 1], np.int32)
+        batch = dataclasses.replace(single_sequence_batch(ids, page_size, pad_to=padded),
+                                    block_tables=full.block_tables,  # one table width: fewer compiles
+                                    logits_indices=np.array([len(ids) - 1], np.int32))
         for i in range(max_new_tokens):
             caches, tok = step(self.params, caches, batch)
             out.append(int(tok[0]))

@@ -70,8 +70,11 @@ class KVPages:
     v = jnp.zeros(shape, dtype)
     if not is_fp8(dtype):
       return cls(k=k, v=v)
-    scales = jnp.ones((num_pages, num_kv_heads), jnp.float32)
-    return cls(k=k, v=v, k_scale=scales, v_scale=scales)
+    # Two arrays, not one shared: the engine donates the caches, and donating one buffer
+    # twice is an error.
+    k_scale = jnp.ones((num_pages, num_kv_heads), jnp.float32)
+    v_scale = jnp.ones((num_pages, num_kv_heads), jnp.float32)
+    return cls(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
   @property
   def num_pages(self) -> int:

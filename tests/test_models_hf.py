@@ -44,7 +44,7 @@ def test_greedy_matches_hf_generate(family, tiny_checkpoint, hf_model):
     path = tiny_checkpoint(family)
     ours = load_model(path, dtype="float32")
     hf = hf_model(family)
-    for n in (5, 70):
+    for n in (70,):  # crosses a GDN chunk and several pages; the engine tests cover many more lengths
         ids = _prompt(ours.cfg.vocab_size, n, seed=100 + n)
         expected, scores = hf_greedy(hf, ids, 24)
         got = ours.greedy(ids, 24)
