@@ -137,16 +137,11 @@ def attention_table(rows) -> str:
 
 # ---- end-to-end on the tiny checkpoints -----------------------------------------------------
 
-def _prompt_logits(model, ids, kv_dtype, page_size=16):
+def _prompt_logits(model, ids, kv_dtype):
     """Teacher-forced logits [T, vocab] of one prompt, K/V written to a `kv_dtype` cache."""
-    from models.batch import single_sequence_batch
-    from models.model import _logits_fn
     from models.ops import KernelOptions
 
-    opts = KernelOptions(attention="reference", gdn="reference")
-    caches = model.init_caches(2 + len(ids) // page_size, page_size, num_slots=2, kv_dtype=kv_dtype)
-    batch = single_sequence_batch(ids, page_size)
-    return np.asarray(_logits_fn(model.cfg, opts)(model.params, caches, batch))
+    return model.logits(ids, KernelOptions(attention="reference", gdn="reference"), kv_dtype=kv_dtype)
 
 
 def model_quality(families, *, prompt_len=200, num_prompts=4, new_tokens=16, seed=0):

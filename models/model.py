@@ -81,8 +81,10 @@ class Model:
         per_layer = (c.linear_conv_kernel_dim - 1) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         return 4 * per_layer * c.num_linear_layers
 
-    def logits(self, token_ids, opts: KernelOptions | None = None, page_size: int = 16) -> np.ndarray:
-        """Causal logits [T, vocab] (float32 numpy) for one sequence, from an empty cache."""
+    def logits(self, token_ids, opts: KernelOptions | None = None, page_size: int = 16,
+               kv_dtype: str = "auto") -> np.ndarray:
+        """Causal logits [T, vocab] (float32 numpy) for one sequence, from an empty cache whose KV
+        pages are stored as `kv_dtype` (e.g. "fp8_e4m3" to measure FP8 KV quality)."""
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("token_ids must not be empty")
@@ -93,7 +95,7 @@ class Model:
         T = len(token_ids)
         padded = max(16, 1 << (T - 1).bit_length())  # few shapes, few compiles
         batch = single_sequence_batch(token_ids, page_size, pad_to=padded)
-        caches = self.init_caches(2 + padded // page_size, page_size, num_slots=2)
+        caches = self.init_caches(2 + padded // page_size, page_size, num_slots=2, kv_dtype=kv_dtype)
         return np.asarray(_logits_fn(self.cfg, opts)(self.params, caches, batch))[:T]
 
     def greedy(self, token_ids, max_new_tokens: int, opts: KernelOptions | None = None,

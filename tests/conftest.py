@@ -24,6 +24,9 @@ from pathlib import Path
 # since the test machine's cores are shared (busy-waiting threads made step times bimodal).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Let the TPU topology lookup (real Mosaic AOT compiles on CPU) work while another JAX process
+# on the machine, e.g. a running server, holds libtpu's lock file.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 
