@@ -1,7 +1,8 @@
 """The thin ops layer models call: picks a reference or Pallas implementation per op.
 
 `KernelOptions` is static (hashable) and travels as a jit static argument. `"auto"` picks the
-Pallas kernels on TPU and GPU and the pure-jnp references on CPU; `interpret` runs Pallas
+Pallas kernels on TPU and GPU and jnp on CPU (for attention the context-proportional
+"chunked" implementation; "reference" forces the spec); `interpret` runs Pallas
 kernels in interpret mode (True, or a `pltpu.InterpretParams()` for the TPU simulator) so the
 whole model can run through the kernels on CPU in tests.
 
@@ -43,7 +44,11 @@ class KernelOptions:
         choice = getattr(self, which)
         if choice != "auto":
             return choice
-        return "reference" if jax.default_backend() == "cpu" and not self.interpret else "pallas"
+        if jax.default_backend() == "cpu" and not self.interpret:
+            # attention: the jnp path whose work follows the real context (the reference, the
+            # spec, always gathers the whole block table)
+            return "chunked" if which == "attention" else "reference"
+        return "pallas"
 
 
 def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):

@@ -1,7 +1,8 @@
 """Ragged paged attention: one call for a mixed batch of prefill chunks and decode tokens.
 
-Public op `ragged_paged_attention` dispatches to the pure-jnp reference (the spec, and the CPU
-serving path) or to a Pallas kernel (TPU Mosaic in rpa_kernel_tpu.py, GPU Triton lowering in
+Public op `ragged_paged_attention` dispatches to the pure-jnp reference (the spec), to a jnp
+implementation whose work follows the real context (rpa_chunked.py, the CPU serving path), or
+to a Pallas kernel (TPU Mosaic in rpa_kernel_tpu.py, GPU Triton lowering in
 rpa_kernel_gpu.py). All share one signature and the semantics below.
 
 Sequence s owns flat query tokens `cu_q_lens[s] : cu_q_lens[s+1]`; its i-th query sits at
@@ -22,7 +23,7 @@ from jax import lax
 from pallas_kernels.kv_cache import KVPages, dequantize
 from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, true_num_seqs
 
-IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLS = ("reference", "chunked", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
@@ -164,7 +165,8 @@ def ragged_paged_attention(
   block_tables: [S, MB] int32, logical block -> physical page
   cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
   num_seqs:     int32 [] or [1], the true number of sequences
-  impl:         "reference" | "pallas" (kernel for the default backend; on CPU with
+  impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
+                context: the CPU serving path) | "pallas" (kernel for the default backend; on CPU with
                 `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
   interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
   Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
@@ -182,6 +184,9 @@ def ragged_paged_attention(
   impl = _pick_impl(impl, interpret)
   if impl == "reference":
     return ragged_paged_attention_reference(*args, **options)
+  if impl == "chunked":
+    from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
+    return ragged_paged_attention_chunked(*args, **options)
   if impl == "pallas_tpu":
     from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

@@ -51,11 +51,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
         self.max_blocks_per_seq = -(-self.max_model_len // page_size)
-        num_pages = config.num_pages or self._default_num_pages()
         num_slots = 0
         if cfg.is_hybrid:
             extra = config.max_num_seqs * 2 if config.enable_prefix_caching else 0
             num_slots = config.num_state_slots or (1 + config.max_num_seqs + extra)
+        num_pages = config.num_pages or self._default_num_pages(num_slots)
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
@@ -82,14 +82,18 @@ class LLMEngine:
         self.num_steps = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
 
-    def _default_num_pages(self) -> int:
-        """Enough pages for every sequence at full length, capped by a KV memory budget."""
+    def _default_num_pages(self, num_slots: int) -> int:
+        """Enough pages for every sequence at full length, capped by the memory budget left after
+        the GDN state slots (pages and slots are budgeted together)."""
         c = self.config
         want = c.max_num_seqs * self.max_blocks_per_seq + 1
-        per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size
+        per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size  # all layers
+        state_bytes = num_slots * self.model.state_bytes_per_slot()
         tp = self.model.tp
         if tp is not None and tp.attention:
             per_page = -(-per_page // tp.size)  # each device holds its KV heads only
+        if tp is not None and tp.gdn:
+            state_bytes //= tp.size
         budget = c.kv_cache_memory_bytes
         if budget is None:
             stats = jax.devices()[0].memory_stats() or {}
@@ -97,7 +101,7 @@ class LLMEngine:
                 budget = int(stats["bytes_limit"] * c.memory_fraction) - stats.get("bytes_in_use", 0)
             else:
                 budget = 2 * 2**30
-        return int(max(2, min(want, budget // (per_page * self.model.num_groups))))
+        return int(max(2, min(want, (budget - state_bytes) // per_page)))
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is scripts, not an installed package
-from benchmarks.serve import RequestResult, arrival_times, compute_metrics, run_load
-from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range
+from benchmarks.serve import RequestResult, arrival_times, compute_metrics, run_load  # noqa: E402
+from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range  # noqa: E402
 
 # ---- workloads ----------------------------------------------------------------------------
 

@@ -149,29 +149,32 @@ def random_seqs(rng, kind: str, count: int):
 @pytest.mark.parametrize("kind,kv_dtype", [
     ("decode", "bf16"), ("prefill", "bf16"), ("mixed", "bf16"), ("mixed", "float32"),
     ("decode", "fp8_e4m3fn"), ("prefill", "fp8_e4m3fn"), ("mixed", "fp8_e5m2")])
-def test_reference_matches_oracle(kind, kv_dtype):
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_reference_matches_oracle(kind, kv_dtype, impl):
   rng = np.random.default_rng(hash((kind, kv_dtype)) % 2**32)
   seqs = random_seqs(rng, kind, 4)
   batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype=kv_dtype, q_dtype=jnp.float32)
-  got = run(batch, sm_scale=0.125)
+  got = run(batch, sm_scale=0.125, impl=impl)
   np.testing.assert_allclose(got, oracle(batch, sm_scale=0.125), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("group,sliding_window,soft_cap", [
     (1, None, None), (4, 20, None), (8, None, 3.0), (4, 7, 5.0), (8, 20, None), (1, 7, 5.0)])
-def test_reference_gqa_window_softcap(group, sliding_window, soft_cap):
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_reference_gqa_window_softcap(group, sliding_window, soft_cap, impl):
   rng = np.random.default_rng(group * 100 + (sliding_window or 0))
   seqs = [(65, 65), (1, 300), (17, 63), (16, 16), (5, 15)]
   batch = make_batch(rng, seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=64,
                      page_size=16, kv_dtype="bf16", q_dtype=jnp.float32)
   options = dict(sm_scale=0.3, sliding_window=sliding_window, soft_cap=soft_cap)
-  np.testing.assert_allclose(run(batch, **options), oracle(batch, **options),
+  np.testing.assert_allclose(run(batch, **options, impl=impl), oracle(batch, **options),
                              atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("group,sliding_window,soft_cap", [(8, 20, 3.0), (1, None, None)])
-def test_reference_decode_batch(group, sliding_window, soft_cap):
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_reference_decode_batch(group, sliding_window, soft_cap, impl):
   """A pure decode step (every sequence has one query) takes the all-sequences-at-once path."""
   rng = np.random.default_rng(5)
   seqs = [(1, n) for n in (300, 1, 16, 17, 64)]
@@ -179,7 +182,7 @@ def test_reference_decode_batch(group, sliding_window, soft_cap):
                      page_size=16, kv_dtype="fp8_e5m2", q_dtype=jnp.float32)
   batch.num_seqs = batch.num_seqs.reshape(1)   # the contract allows [] or [1]
   options = dict(sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
-  np.testing.assert_allclose(run(batch, **options), oracle(batch, **options),
+  np.testing.assert_allclose(run(batch, **options, impl=impl), oracle(batch, **options),
                              atol=2e-4, rtol=1e-4)
 
 

@@ -1,0 +1,129 @@
+"""Ragged paged attention in plain jnp, with work proportional to the real context: the CPU
+serving path (impl="chunked").
+
+The reference in ragged_paged_attention.py is the spec: it gathers every page of the block
+table, so a step costs `max_num_seqs x max_model_len` whatever the batch holds. Here keys are
+visited in chunks of `chunk_pages` pages with an online softmax, and the number of chunks is
+a *dynamic* loop bound: the longest live context (decode), or the last key a query block can
+see (prefill). Shapes stay static, so nothing recompiles; a short context costs a short loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.kv_cache import KVPages, dequantize
+from pallas_kernels.rpa_common import MASK_VALUE, query_lengths
+
+
+def _gather_chunk(pages, scale, ids):
+  """ids [..., CP] -> K or V [..., Hkv, CP*ps, D] f32 (dequantized)."""
+  x = pages[ids]                                                    # [..., CP, Hkv, ps, D]
+  s = None if scale is None else scale[ids][..., None, None]        # [..., CP, Hkv, 1, 1]
+  x = dequantize(x, s)
+  *lead, cp, hkv, ps, d = x.shape
+  x = jnp.moveaxis(x, -4, -3)                                       # [..., Hkv, CP, ps, D]
+  return x.reshape(*lead, hkv, cp * ps, d)
+
+
+def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages,
+                   sm_scale, sliding_window, soft_cap, shared_pages: bool):
+  """q [R, Hkv, G, D] f32 at positions q_pos [R]; page_ids [MBp] (shared) or [R, MBp];
+  kv_len [] or [R]. Online softmax over chunks [first_chunk, num_chunks) -> [R, Hkv, G, D]."""
+  R, Hkv, G, D = q.shape
+  L = chunk_pages * kv.page_size
+  kv_len = jnp.broadcast_to(kv_len, (R,))
+
+  def body(c, carry):
+    m, l, acc = carry
+    ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=-1)
+    keys = _gather_chunk(kv.k, kv.k_scale, ids)                     # [(R,) Hkv, L, D]
+    values = _gather_chunk(kv.v, kv.v_scale, ids)
+    key_pos = c * L + jnp.arange(L)
+    visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])  # [R, L]
+    if sliding_window is not None:
+      visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
+    if shared_pages:
+      in_ctx = (key_pos < jnp.max(kv_len))[None, :, None]
+      keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
+      scores = jnp.einsum("rhgd,hld->rhgl", q, keys)
+    else:
+      in_ctx = (key_pos[None, :] < kv_len[:, None])[:, None, :, None]
+      keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)
+      scores = jnp.einsum("rhgd,rhld->rhgl", q, keys)
+    scores = scores * sm_scale
+    if soft_cap is not None:
+      scores = soft_cap * jnp.tanh(scores / soft_cap)
+    vis = visible[:, None, None, :]
+    scores = jnp.where(vis, scores, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    pv = (jnp.einsum("rhgl,hld->rhgd", p, values) if shared_pages
+          else jnp.einsum("rhgl,rhld->rhgd", p, values))
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+  init = (jnp.full((R, Hkv, G), MASK_VALUE, jnp.float32), jnp.zeros((R, Hkv, G), jnp.float32),
+          jnp.zeros((R, Hkv, G, D), jnp.float32))
+  _, l, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
+  return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
+                                   sliding_window=None, soft_cap=None, chunk_pages: int = 8,
+                                   block_q: int = 16):
+  """Same signature and semantics as the reference; padding rows come back as zeros."""
+  T, Hq, D = q.shape
+  S, MB = block_tables.shape
+  Hkv = kv.num_kv_heads
+  G = Hq // Hkv
+  chunk_pages = max(1, min(chunk_pages, MB))
+  L = chunk_pages * kv.page_size
+  tables = jnp.pad(block_tables, ((0, 0), (0, -MB % chunk_pages)))  # whole chunks; pad -> null page
+  q_lens = query_lengths(cu_q_lens, num_seqs)
+  live = jnp.arange(S) < num_seqs
+
+  def first_chunk(lowest_pos):
+    if sliding_window is None:
+      return 0
+    return jnp.maximum(lowest_pos - sliding_window + 1, 0) // L
+
+  def decode(_):
+    token = jnp.minimum(cu_q_lens[:-1], T - 1)                           # [S]
+    rows = q[token].astype(jnp.float32).reshape(S, Hkv, G, D)
+    pos = kv_lens - 1
+    n = (jnp.max(jnp.where(live, kv_lens, 0)) + L - 1) // L
+    start = first_chunk(jnp.min(jnp.where(live & (q_lens > 0), pos, jnp.iinfo(jnp.int32).max)))
+    o = _online_attend(rows, pos, kv, tables, kv_lens, start, n, chunk_pages=chunk_pages, sm_scale=sm_scale,
+                       sliding_window=sliding_window, soft_cap=soft_cap, shared_pages=False)
+    writes = live & (q_lens > 0)
+    return jnp.zeros((T, Hq, D), q.dtype).at[jnp.where(writes, token, T)].set(
+        o.reshape(S, Hq, D).astype(q.dtype), mode="drop")
+
+  def by_sequence(_):
+    bq = max(1, min(block_q, T))
+    q_blocks = jnp.pad(q, ((0, bq), (0, 0), (0, 0))).reshape(T + bq, Hkv, G, D)
+
+    def sequence(s, out):
+      start, q_len, kv_len = cu_q_lens[s], q_lens[s], kv_lens[s]
+
+      def block(b, out):
+        row = b * bq + jnp.arange(bq)
+        pos = kv_len - q_len + row
+        qb = lax.dynamic_slice_in_dim(q_blocks, start + b * bq, bq).astype(jnp.float32)
+        last_visible = jnp.minimum(kv_len, kv_len - q_len + jnp.minimum((b + 1) * bq, q_len))
+        o = _online_attend(qb, pos, kv, tables[s], kv_len, first_chunk(pos[0]), (last_visible + L - 1) // L,
+                           chunk_pages=chunk_pages, sm_scale=sm_scale, sliding_window=sliding_window,
+                           soft_cap=soft_cap, shared_pages=True)
+        prev = lax.dynamic_slice_in_dim(out, start + b * bq, bq)
+        merged = jnp.where((row < q_len)[:, None, None, None], o.astype(out.dtype), prev)
+        return lax.dynamic_update_slice_in_dim(out, merged, start + b * bq, axis=0)
+
+      return lax.fori_loop(0, (q_len + bq - 1) // bq, block, out)
+
+    out = lax.fori_loop(0, num_seqs, sequence, jnp.zeros((T + bq, Hkv, G, D), q.dtype))
+    return out[:T].reshape(T, Hq, D)
+
+  return lax.cond(jnp.max(q_lens) <= 1, decode, by_sequence, None)
