@@ -31,7 +31,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.causal_conv1d import causal_conv1d
 from pallas_kernels.gdn import gated_delta_rule

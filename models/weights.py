@@ -176,5 +176,5 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", pro
         if "lm_head.weight" in src:
             params["lm_head"] = _cast("lm_head", src.get("lm_head.weight", (V, H)).T, np_dtype)
         else:
-            raise CheckpointError(f"tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+            raise CheckpointError("tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
     return params

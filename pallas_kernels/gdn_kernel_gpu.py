@@ -16,24 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-HIGHEST = lax.Precision.HIGHEST
-F32 = jnp.float32
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=F32)
-
-
-def _dot_nt(a, b):
-  """a [M,D], b [N,D] -> a b^T [M,N]."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                         preferred_element_type=F32)
-
-
-def _dot_tn(a, b):
-  """a [D,M], b [D,N] -> a^T b [M,N]."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=HIGHEST,
-                         preferred_element_type=F32)
+from pallas_kernels.kernel_math import F32, dot as _dot, dot_nt as _dot_nt, dot_tn as _dot_tn
 
 
 def _unit_lower_inverse(a):

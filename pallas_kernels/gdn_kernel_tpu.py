@@ -17,18 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-HIGHEST = lax.Precision.HIGHEST
-F32 = jnp.float32
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=F32)
-
-
-def _dot_nt(a, b):
-  """a [M,D], b [N,D] -> a b^T [M,N]."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                         preferred_element_type=F32)
+from pallas_kernels.kernel_math import F32, dot as _dot, dot_nt as _dot_nt
 
 
 def _row_to_column(row, eye):

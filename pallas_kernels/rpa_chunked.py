@@ -10,7 +10,6 @@ see (prefill). Shapes stay static, so nothing recompiles; a short context costs 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -172,8 +172,6 @@ def ragged_paged_attention_tpu(
   group = num_q_heads // num_kv_heads
   block_q = block_q or default_block_q(group)
   pages_per_block = pages_per_block or default_pages_per_block(page_size, max_blocks)
-  rows = block_q * group
-  keys_per_block = pages_per_block * page_size
   num_work = pl.cdiv(num_tokens, block_q) + num_seqs_padded
   work_seq, work_start, num_work_valid = build_work_list(cu_q_lens, num_seqs, block_q, num_work)
 

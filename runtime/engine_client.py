@@ -19,7 +19,7 @@ from pathlib import Path
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.mesh import initialize_multihost
-from runtime.types import EngineRequest, RequestOutput
+from runtime.types import EngineRequest
 
 log = logging.getLogger("jaxserve.engine")
 

@@ -4,7 +4,6 @@ clipping, and no recompilation when scales change. Checked against a numpy model
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
