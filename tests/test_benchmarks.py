@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is scripts, not an installed package
-from benchmarks.serve import RequestResult, arrival_times, compute_metrics, run_load  # noqa: E402
-from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range  # noqa: E402
+from benchmarks.serve import RequestResult, arrival_times, compute_metrics, run_load
+from benchmarks.workloads import WORKLOADS, make_workload, shared_prefix_len, summarize, token_id_range
 
 # ---- workloads ----------------------------------------------------------------------------
 
