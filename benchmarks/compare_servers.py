@@ -1,13 +1,14 @@
-"""jaxserve vs vLLM-CPU, online, side by side in one invocation.
+"""jaxserve vs vLLM-CPU (and llama.cpp's llama-server), online, side by side in one invocation.
 
     bash benchmarks/setup_vllm_cpu.sh                                   # once
     python -m benchmarks.peers checkpoint .cache/peers/smollm2-135m-hf   # once
     python -m benchmarks.compare_servers .cache/peers/smollm2-135m-hf --workload fixed --scale 0.25 \
         --rates 1,2,inf --out-dir .cache/bench/compare
+    bash benchmarks/setup_llama_cpp.sh .cache/peers/smollm2-135m-hf    # once, for --servers ours,vllm,llamacpp
 
 Starts each server on 127.0.0.1 with the same checkpoint, dtype and scheduler limits, runs
 benchmarks/serve.py against it, stops it, then the next (one after the other, never both at
-once). While our server is up it also runs `vllm bench serve` (random dataset, the workload's
+once; `--servers` picks which: ours, vllm, llamacpp). While our server is up it also runs `vllm bench serve` (random dataset, the workload's
 mean lengths, rate inf) against it and then our client with the same settings, so the two
 clients' TTFT/TPOT on the same server can be compared. Writes `compare.json` and
 `compare.png` (latency vs throughput, one line per server) to `--out-dir`.
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--ours-port", type=int, default=8200)
     parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--llamacpp-port", type=int, default=8300)
     parser.add_argument("--ours-url", default=None, help="use this already-running jaxserve instead of starting one")
     parser.add_argument("--vllm-url", default=None, help="use this already-running vLLM instead of starting one")
     parser.add_argument("--skip-client-check", action="store_true")
@@ -110,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
             url = args.vllm_url or f"http://127.0.0.1:{args.vllm_port}"
             cmd = peers.vllm_serve_command(checkpoint, args.vllm_port, **limits)
             env = peers.vllm_env(num_threads=os.cpu_count())
+        elif name == "llamacpp":
+            if not peers.llama_cpp_available(checkpoint):
+                report["servers"].append({"label": "llamacpp",
+                                          "skipped": "not built / no GGUF (benchmarks/setup_llama_cpp.sh)"})
+                continue
+            url = f"http://127.0.0.1:{args.llamacpp_port}"
+            cmd = peers.llama_cpp_serve_command(checkpoint, args.llamacpp_port, **limits,
+                                                num_threads=os.cpu_count())
+            env = None
         else:
-            raise SystemExit(f"unknown server {name!r}; use ours, vllm")
+            raise SystemExit(f"unknown server {name!r}; use ours, vllm, llamacpp")
         print(f"--- {name}: {url}", flush=True)
         external = (name == "ours" and args.ours_url) or (name == "vllm" and args.vllm_url)
         ctx = _no_server() if external else peers.running_server(cmd, url, out_dir / f"{name}_server.log", env=env,
@@ -126,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
 
     measured = [s for s in report["servers"] if "runs" in s]
-    if len(measured) == 2:
-        ours, vllm = measured
-        report["ratio_ours_over_vllm_output_throughput"] = [
-            {"request_rate": a["request_rate"], "max_concurrency": a["max_concurrency"],
-             "ratio": a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]}
-            for a, b in zip(ours["runs"], vllm["runs"])]
-        for row in report["ratio_ours_over_vllm_output_throughput"]:
-            print(f"rate {row['request_rate']} conc {row['max_concurrency']}: ours/vLLM output tok/s = "
+    ours = next((s for s in measured if s["label"] == "ours"), None)
+    for peer in (s for s in measured if s["label"] != "ours" and ours is not None):
+        ratios = [{"request_rate": a["request_rate"], "max_concurrency": a["max_concurrency"],
+                   "ratio": a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]}
+                  for a, b in zip(ours["runs"], peer["runs"])]
+        report[f"ratio_ours_over_{peer['label']}_output_throughput"] = ratios
+        for row in ratios:
+            print(f"rate {row['request_rate']} conc {row['max_concurrency']}: ours/{peer['label']} output tok/s = "
                   f"{row['ratio']:.2f}", flush=True)
     (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
     if measured:

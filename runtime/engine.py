@@ -169,8 +169,16 @@ class LLMEngine:
         S = next(b for b in self.seq_buckets if b >= len(reqs))
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng)
+            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng, banned_ids=[self._banned(r) for r in reqs])
         return ex.run_sampler(params, hidden, meta, n_logprobs)
+
+    def _banned(self, req: Request) -> list[int]:
+        """Before `min_tokens` outputs, EOS and the stop tokens must not be sampled."""
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            return []
+        eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
+        return eos + list(p.stop_token_ids)
 
     def _commit(self, out: SchedulerOutput, sampled):
         tokens = np.asarray(sampled.tokens)  # the only wait on the device

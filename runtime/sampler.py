@@ -71,6 +71,16 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return logits - meta.presence_penalty[:, None] * (output_counts > 0)
 
 
+def ban_tokens(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """-inf at each row's banned ids (EOS / stop tokens before `min_tokens`), -1 entries ignored."""
+    if not meta.num_banned:
+        return logits
+    num_rows, vocab = logits.shape
+    ids = jnp.where(meta.banned_ids >= 0, meta.banned_ids, vocab)  # vocab -> dropped
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
 def _token_counts(ids: jax.Array, num_rows: int, vocab: int) -> jax.Array:
     # ids [S, W] i32, -1 padded -> occurrences [S, V] f32; out-of-range ids are dropped.
     counts = jnp.zeros((num_rows, vocab), jnp.float32)
@@ -179,7 +189,7 @@ def sample(
     num_rows, vocab = raw.shape
     num_cand = min(max_top_k, vocab)
 
-    penalized = apply_penalties(raw, meta)  # [S, V]
+    penalized = ban_tokens(apply_penalties(raw, meta), meta)  # [S, V]
     greedy = meta.temperature <= 0.0
     inv_temp = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, meta.temperature))[:, None]
     cand_logits, cand_ids = top_k(penalized, num_cand, top_k_impl)  # [S, K], [S, K]

@@ -49,10 +49,15 @@ class SamplingMetadata:
     steps: jax.Array
     output_ids: jax.Array
     prompt_ids: jax.Array
+    banned_ids: jax.Array | None = None  # [S, B] i32, -1 padded: tokens that must not be sampled
 
     @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def num_banned(self) -> int:
+        return 0 if self.banned_ids is None else self.banned_ids.shape[1]
 
     @property
     def has_penalties(self) -> bool:
@@ -69,6 +74,7 @@ class SamplingMetadata:
         pad_to: int,
         *,
         rng: np.random.Generator | None = None,
+        banned_ids: Sequence[Sequence[int]] | None = None,
     ) -> "SamplingMetadata":
         """Build host (numpy) arrays for `len(params_list)` real rows padded to `pad_to` rows.
 
@@ -76,6 +82,8 @@ class SamplingMetadata:
         prompt_ids[i]: its generated / prompt token ids, read only when a penalty needs them.
         A request without a seed gets a fresh random one (reproducible only with a seed);
         seeds are taken modulo 2**32. `rng` draws those fresh seeds (default: OS entropy).
+        banned_ids[i]: token ids row i must not sample (e.g. EOS and stop tokens until
+        `min_tokens`); the matrix is zero-width when no row bans anything.
         """
         n = len(params_list)
         if not (len(steps) == len(output_ids) == len(prompt_ids) == n):
@@ -121,6 +129,8 @@ class SamplingMetadata:
             steps=column(list(steps), 0, np.int32),
             output_ids=out_matrix,
             prompt_ids=prompt_matrix,
+            banned_ids=_padded_id_matrix(banned_ids or [[]] * n, [True] * n, pad_to,
+                                         pow2_bucket(max((len(b) for b in banned_ids or []), default=0), 4)),
         )
 
 

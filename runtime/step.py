@@ -111,7 +111,7 @@ class StepExecutables:
             state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
             num_seqs=spec((), i32), logits_indices=spec((S,), i32))
 
-    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0) -> SamplingMetadata:
+    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
         spec = self._host_spec
         row = lambda dt: spec((S,), dt)  # noqa: E731
@@ -120,7 +120,8 @@ class StepExecutables:
             presence_penalty=row(f32), frequency_penalty=row(f32), repetition_penalty=row(f32),
             seeds=row(jnp.uint32), steps=row(i32),
             output_ids=spec((S, out_width), i32),
-            prompt_ids=spec((S, prompt_width), i32))
+            prompt_ids=spec((S, prompt_width), i32),
+            banned_ids=spec((S, banned), i32))
 
     # ---- compile ------------------------------------------------------------------------
     def _compile_backbone(self, T: int):
@@ -132,13 +133,14 @@ class StepExecutables:
         return exe
 
     def _compile_sampler(self, key):
-        S, n_logprobs, out_w, prompt_w = key
+        S, n_logprobs, out_w, prompt_w, banned = key
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
-        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w), num_rows=S,
+        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned), num_rows=S,
                                       num_logprobs=n_logprobs).lower().compile()
-        self.compile_seconds[f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w}]"] = time.perf_counter() - t0
+        name = f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned}]"
+        self.compile_seconds[name] = time.perf_counter() - t0
         self._samplers[key] = exe
         return exe
 
@@ -149,7 +151,7 @@ class StepExecutables:
             if kind == "backbone":
                 self._compile_backbone(n)
             else:
-                self._compile_sampler((n, 0, 0, 0))
+                self._compile_sampler((n, 0, 0, 0, 0))
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
@@ -165,10 +167,10 @@ class StepExecutables:
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int):
         S = meta.temperature.shape[0]
-        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1])
+        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned)
         exe = self._samplers.get(key)
         if exe is None:
-            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d", *key)
+            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d", *key)
             exe = self._compile_sampler(key)
         return exe(params, hidden, meta)
 

@@ -62,3 +62,23 @@ def test_bad_requests_rejected_cleanly(engine):
     assert s["num_waiting"] == 0 and s["num_running"] == 0
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
     assert s["slots_free"] + s["slots_cached"] == s["slots_total"]
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(engine, hf_model):
+    """Before min_tokens outputs, a stop token is never sampled: the first token is HF's argmax
+    over the prompt's logits with that token removed; after min_tokens it stops the request."""
+    import torch
+
+    prompt = list(range(40, 70))
+    greedy = _run(engine, [EngineRequest("m0", prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                       ignore_eos=True))])["m0"].token_ids
+    banned = greedy[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=(banned,), min_tokens=2)
+    out = _run(engine, [EngineRequest("m1", prompt, params)])["m1"]
+    with torch.no_grad():
+        logits = hf_model("qwen3_5")(torch.tensor([prompt])).logits[0, -1].float().numpy()
+    logits[banned] = -np.inf
+    assert out.token_ids[0] == int(np.argmax(logits)) != banned
+    assert banned not in out.token_ids[:2]
+    if banned in out.token_ids[2:]:
+        assert out.token_ids[-1] == banned and out.finish_reason == "stop"

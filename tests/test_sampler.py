@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -286,3 +287,21 @@ def test_compiled_hlo_has_no_full_vocabulary_sort():
     # The detector itself must see a full sort when there is one.
     sorting = jax.jit(lambda x: jnp.argsort(x, axis=-1)[:, :8]).lower(logits).compile().as_text()
     assert hlo_has_full_sort(sorting, vocab)
+
+
+def test_banned_ids_are_never_sampled():
+    """EOS / stop tokens banned before min_tokens: greedy takes the best allowed token and random
+    rows never draw a banned one, whatever the temperature."""
+    vocab = 16
+    logits = np.tile(np.linspace(3.0, 0.0, vocab, dtype=np.float32), (4, 1))  # token 0 is the argmax
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0, seed=1),
+              SamplingParams(temperature=5.0, seed=2, top_k=3), SamplingParams(temperature=0.0)]
+    banned = [[0], [0, 1, 2], [0, 5], []]
+    meta = SamplingMetadata.from_params(params, [0] * 4, [[]] * 4, [[]] * 4, pad_to=4, banned_ids=banned)
+    assert meta.banned_ids.shape == (4, 4)
+    out = np.asarray(sample(jnp.asarray(logits), meta, max_top_k=8).tokens)
+    assert out[0] == 1 and out[3] == 0
+    for step in range(200):
+        m = dataclasses.replace(meta, steps=np.full(4, step, np.int32))
+        toks = np.asarray(sample(jnp.asarray(logits), m, max_top_k=8).tokens)
+        assert toks[1] not in (0, 1, 2) and toks[2] not in (0, 5) and toks[2] in (1, 2, 3)
