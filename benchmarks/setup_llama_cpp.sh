@@ -4,8 +4,10 @@
 #
 #   bash benchmarks/setup_llama_cpp.sh [HF_CHECKPOINT_DIR]   # default .cache/peers/smollm2-135m-hf
 #
-# Result: .cache/peers/llama.cpp/bin/llama-server and <checkpoint>/model-f32.gguf.
-# ~8 min on 2 cores. Needs cmake, a C++ compiler, and the `gguf` Python package (in jaxserve's venv).
+# Result: .cache/peers/llama.cpp/bin/llama-server and .cache/peers/llama.cpp/gguf/<checkpoint name>-f32.gguf.
+# ~8 min on 2 idle cores (~30 min on the shared, loaded machine). Needs cmake, ninja, a C++ compiler and
+# the `gguf` Python package (in jaxserve's venv); the converter also imports `sentencepiece` (even for
+# BPE tokenizers), which goes into .cache/peers/llama.cpp/pydeps, not into jaxserve's venv.
 # llama.cpp is never a jaxserve dependency; it only runs as a separate server process.
 set -euo pipefail
 
@@ -36,8 +38,12 @@ if [ ! -x "$OUT/bin/llama-server" ]; then
   rm -rf "$OUT/conversion" && { [ -d "$VENDORED/conversion" ] && cp -r "$VENDORED/conversion" "$OUT/" || true; }
 fi
 
-if [ ! -f "$CKPT/model-f32.gguf" ]; then
-  "$PY" "$OUT/convert_hf_to_gguf.py" "$CKPT" --outtype f32 --outfile "$CKPT/model-f32.gguf"
+GGUF="$OUT/gguf/$(basename "$(cd "$CKPT" && pwd)")-f32.gguf"
+if [ ! -f "$GGUF" ]; then
+  [ -d "$OUT/pydeps/sentencepiece" ] || "$PY" -m pip install --target "$OUT/pydeps" sentencepiece
+  mkdir -p "$OUT/gguf"
+  PYTHONPATH="$OUT/pydeps" "$PY" "$OUT/convert_hf_to_gguf.py" "$CKPT" --outtype f32 --outfile "$GGUF.partial"
+  mv "$GGUF.partial" "$GGUF"
 fi
 echo "llama-server: $OUT/bin/llama-server"
-echo "gguf:         $CKPT/model-f32.gguf"
+echo "gguf:         $GGUF"

@@ -8,6 +8,7 @@ slot is free or held only by the evictable prefix cache.
 
 import numpy as np
 import pytest
+from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
 
 from runtime.engine import LLMEngine
@@ -35,13 +36,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def run_engine(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, params))
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        engine.scheduler.check_invariants()
-    return done
+    return {rid: out.token_ids for rid, out in drain(engine).items()}
 
 
 def assert_all_free(engine: LLMEngine) -> None:

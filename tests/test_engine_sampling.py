@@ -3,6 +3,7 @@ beside it, in whatever order; stop conditions end requests where the reference s
 
 import numpy as np
 import pytest
+from engine_testing import drain
 
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
@@ -18,12 +19,7 @@ def engine(tiny_checkpoint):
 def _run(engine, requests):
     for r in requests:
         engine.add_request(r)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return drain(engine)
 
 
 def test_seeded_sampling_independent_of_batch(engine):

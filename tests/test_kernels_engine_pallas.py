@@ -12,6 +12,7 @@ a page boundary (page size 16) and the GDN chunk length is exercised by the engi
 
 import numpy as np
 import pytest
+from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
 
 from models import load_model
@@ -59,11 +60,7 @@ def test_engine_through_pallas_matches_hf(family, tiny_checkpoint, hf_model):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", prompt, params))
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
+    done = {rid: out.token_ids for rid, out in drain(engine).items()}
     stats = engine.stats()
     assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
 
