@@ -31,9 +31,9 @@ def test_shipped_config_validates(path):
 
 def test_default_is_cpu_demo():
     config = load_config(None)
-    assert config.model.path is None
-    assert config.kernels.attention_backend == "reference"
-    assert config.cache.num_pages == 512
+    assert config == load_config(CONFIG_DIR / "cpu-demo.yaml")
+    assert config.model.path is None  # the default model
+    assert config.parallel.mesh.data * config.parallel.mesh.model == 1  # one CPU device
 
 
 def test_multihost_config_has_one_process_per_host():
