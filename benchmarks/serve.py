@@ -87,7 +87,7 @@ async def send_completion(session: aiohttp.ClientSession, url: str, model: str, 
                     else:
                         result.itl.append(now - most_recent)
                     most_recent = now
-                elif data.get("usage"):
+                if data.get("usage"):
                     result.output_tokens = int(data["usage"].get("completion_tokens") or 0)
                     if data["usage"].get("prompt_tokens") is not None:
                         result.prompt_len = int(data["usage"]["prompt_tokens"])
