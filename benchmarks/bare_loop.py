@@ -78,7 +78,8 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
         return caches, tokens
 
     def fresh_caches():
-        return model.init_caches(num_pages, page_size, S + 1)
+        return model.init_caches(num_pages, page_size, S + 1,
+                                 bit_storage=opts.impl("attention") in ("chunked", "reference"))
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
 

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--ours-dtype", default=None,
+                        help="jaxserve's compute dtype if not --dtype (e.g. float32 on CPU against a bf16-only peer)")
+    parser.add_argument("--vllm-dtype", default=None, help="vLLM's dtype if not --dtype")
     parser.add_argument("--ours-port", type=int, default=8200)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--llamacpp-port", type=int, default=8300)
@@ -96,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()] or [None]
     limits = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+    dtypes = {"ours": args.ours_dtype or args.dtype, "vllm": args.vllm_dtype or args.dtype, "llamacpp": args.dtype}
     report = {"workload": {"name": args.workload, "scale": args.scale, "seed": args.seed, **summarize(requests)},
-              "limits": limits, "cpu_count": os.cpu_count(), "servers": []}
+              "limits": limits, "dtypes": dtypes, "cpu_count": os.cpu_count(), "servers": []}
 
     for name in [s.strip() for s in args.servers.split(",") if s.strip()]:
         if name == "ours":
             url = args.ours_url or f"http://127.0.0.1:{args.ours_port}"
-            cmd = peers.jaxserve_serve_command(checkpoint, args.ours_port, **limits,
+            cmd = peers.jaxserve_serve_command(checkpoint, args.ours_port, **{**limits, "dtype": dtypes["ours"]},
                                                compile_cache_dir=str(out_dir / "jax-cache"))
             env = None
         elif name == "vllm":
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["servers"].append({"label": "vllm", "skipped": "not installed (benchmarks/setup_vllm_cpu.sh)"})
                 continue
             url = args.vllm_url or f"http://127.0.0.1:{args.vllm_port}"
-            cmd = peers.vllm_serve_command(checkpoint, args.vllm_port, **limits)
+            cmd = peers.vllm_serve_command(checkpoint, args.vllm_port, **{**limits, "dtype": dtypes["vllm"]})
             env = peers.vllm_env(num_threads=os.cpu_count())
         elif name == "llamacpp":
             if not peers.llama_cpp_available(checkpoint):
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "ours" and not args.skip_client_check and peers.vllm_available():
                 result["client_check"] = client_check(url, checkpoint, requests, vocab, out_dir)
                 print("client check (same server):", json.dumps(result["client_check"], indent=1), flush=True)
+        result["dtype"] = dtypes.get(name)
         report["servers"].append(result)
         (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
 

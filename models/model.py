@@ -50,17 +50,21 @@ class Model:
     def num_groups(self) -> int:
         return self.cfg.num_layers // self.cfg.layer_period()
 
-    def init_caches(self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto") -> dict:
+    def init_caches(self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto",
+                    bit_storage: bool = False) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
+        `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
+        (`KVPages.create`); the Pallas kernels need it off.
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
             if cfg.layer_types[j] == ATTENTION:
-                kv.append(KVPages.create(G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype))
+                kv.append(KVPages.create(G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                         bit_storage=bit_storage))
                 conv.append(None)
                 rec.append(None)
             else:

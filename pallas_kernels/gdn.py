@@ -10,8 +10,9 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
 - `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
 - `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token scan)
   is the CPU serving path; `impl="reference_chunked"` is the same op in the WY chunked form
-  (matmul-shaped, for accelerators without a kernel; on the 2-core CPU box it measured no faster
-  than the per-token scan); `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
+  (matmul-shaped, for accelerators without a kernel; on the 2-core CPU box a 256-token
+  sequence at H=8, K=V=128 took ~95 ms at C=64 and ~45 ms at C=16 against the per-token scan's
+  ~50 ms, whose [H,K,V] state stays in L2, so the scan stays the CPU path); `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
 """
 
 import functools
@@ -71,6 +72,26 @@ def gdn_recurrent_reference(q, k, v, g, beta, initial_state):
   return o.astype(v.dtype), final_state
 
 
+def unit_lower_inverse(a):
+  """(I + A)^-1 for strictly lower-triangular A [..., C, C], by repeated squaring.
+
+  A is nilpotent (A^C = 0), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(2^m)) with
+  2^(m+1) >= C: 2 log2(C) batched matmuls instead of a C-step forward substitution. XLA's
+  batched triangular solve runs row by row on CPU: with it the ragged chunked op took
+  1.39 s for one 256-token sequence (H=8, K=V=128, C=64), with this 0.13 s.
+  """
+  c = a.shape[-1]
+  eye = jnp.eye(c, dtype=a.dtype)
+  inverse = eye - a
+  power = a
+  span = 2
+  while span < c:
+    power = jnp.einsum("...rs,...st->...rt", power, power, precision=HIGHEST)
+    inverse = inverse + jnp.einsum("...rs,...st->...rt", inverse, power, precision=HIGHEST)
+    span *= 2
+  return inverse
+
+
 def chunk_preparation(q, k, v, g, beta):
   """State-independent part of the WY chunked form, batched over chunks and heads.
 
@@ -89,9 +110,7 @@ def chunk_preparation(q, k, v, g, beta):
   a = jnp.where(strict, beta[..., :, None] * gamma * kk, 0.0)
   decay_in = jnp.exp(cum_g)
   rhs = jnp.concatenate([(beta * decay_in)[..., None] * k, beta[..., None] * v], axis=-1)
-  eye = jnp.eye(c, dtype=a.dtype)
-  # (I + A) is unit lower-triangular: forward substitution gives [W | U0] = (I + A)^-1 rhs.
-  solved = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+  solved = jnp.einsum("...rs,...sd->...rd", unit_lower_inverse(a), rhs, precision=HIGHEST)
   w, u0 = solved[..., : k.shape[-1]], solved[..., k.shape[-1]:]
   qk = jnp.einsum("nhrk,nhsk->nhrs", q, k, precision=HIGHEST)
   qk_decayed = jnp.where(inclusive, gamma * qk, 0.0)

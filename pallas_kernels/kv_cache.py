@@ -3,6 +3,13 @@
 Pages are head-major, `[P, Hkv, ps, D]`, so the minor tile `(ps, D)` stays dense for every
 dtype. FP8 pages carry one float32 scale per (page, kv head); the scales are arrays (data,
 never static Python floats), so a new scale never recompiles anything.
+
+Bit storage (the jnp CPU paths): XLA:CPU runs a scatter or dynamic-update-slice into a bfloat16
+or FP8 buffer by converting the whole buffer, so a KV write into a 1 GiB bf16 pool cost a pass
+over the pool every layer of every step (17 ms for 8 MiB of pages, against 0.02 ms for the
+same write into float32 or uint16). With `bit_storage=True` the pages hold the raw bits as
+uint16 / uint8 (`KVPages.view` names the logical dtype): writes scatter integers, and readers
+bitcast only the pages they gathered (`KVPages.load`). The Pallas kernels take float storage.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ import jax.numpy as jnp
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 SUPPORTED_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), *FP8_DTYPES)
+
+
+def _bits_dtype(dtype):
+  return {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
 
 
 def is_fp8(dtype) -> bool:
@@ -57,24 +68,50 @@ class KVPages:
   v: jax.Array
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  # Logical dtype name when k / v hold raw bits (bit storage); None: k / v are that dtype.
+  view: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def create(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.bfloat16) -> "KVPages":
-    """Zero-filled pages; FP8 scales start at 1.0 (a page's first write at offset 0 resets them)."""
+             dtype=jnp.bfloat16, bit_storage: bool = False) -> "KVPages":
+    """Zero-filled pages; FP8 scales start at 1.0 (a page's first write at offset 0 resets them).
+
+    `bit_storage`: hold bfloat16 / FP8 pages as their raw bits (for the jnp CPU paths; see
+    the module docstring). Float32 pages are always stored as float32.
+    """
     dtype = jnp.dtype(dtype)
     if dtype not in SUPPORTED_KV_DTYPES:
       raise ValueError(f"KV dtype {dtype} not in {[str(d) for d in SUPPORTED_KV_DTYPES]}")
     shape = (num_pages, num_kv_heads, page_size, head_dim)
-    k = jnp.zeros(shape, dtype)
-    v = jnp.zeros(shape, dtype)
+    view = dtype.name if bit_storage and dtype != jnp.float32 else None
+    stored = _bits_dtype(dtype) if view else dtype
+    k = jnp.zeros(shape, stored)
+    v = jnp.zeros(shape, stored)
     if not is_fp8(dtype):
-      return cls(k=k, v=v)
+      return cls(k=k, v=v, view=view)
     # Two arrays, not one shared: the engine donates the caches, and donating one buffer
     # twice is an error.
     k_scale = jnp.ones((num_pages, num_kv_heads), jnp.float32)
     v_scale = jnp.ones((num_pages, num_kv_heads), jnp.float32)
-    return cls(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+    return cls(k=k, v=v, k_scale=k_scale, v_scale=v_scale, view=view)
+
+  def load(self, x: jax.Array) -> jax.Array:
+    """Values of (gathered) pages `x` in the logical dtype: a bitcast under bit storage."""
+    return x if self.view is None else jax.lax.bitcast_convert_type(x, self.dtype)
+
+  def store(self, x: jax.Array) -> jax.Array:
+    """`x` cast to the logical dtype, in the form the pages hold (bits under bit storage)."""
+    x = x.astype(self.dtype)
+    return x if self.view is None else jax.lax.bitcast_convert_type(x, self.k.dtype)
+
+  def with_bit_storage(self, bit_storage: bool = True) -> "KVPages":
+    """The same pages with bit storage switched on or off (copies the arrays; tests, tools)."""
+    if bit_storage == (self.view is not None) or self.dtype == jnp.float32:
+      return self
+    if bit_storage:
+      to_bits = lambda x: jax.lax.bitcast_convert_type(x, _bits_dtype(self.dtype))  # noqa: E731
+      return dataclasses.replace(self, k=to_bits(self.k), v=to_bits(self.v), view=self.dtype.name)
+    return dataclasses.replace(self, k=self.load(self.k), v=self.load(self.v), view=None)
 
   @property
   def num_pages(self) -> int:
@@ -94,7 +131,8 @@ class KVPages:
 
   @property
   def dtype(self):
-    return self.k.dtype
+    """The logical dtype of the pages (what `load` returns)."""
+    return self.k.dtype if self.view is None else jnp.dtype(self.view)
 
   @property
   def quantized(self) -> bool:
@@ -110,4 +148,5 @@ class KVPages:
     """(k, v) as `dtype`, scales applied: [P, Hkv, ps, D] each. For tests and debugging."""
     k_scale = None if self.k_scale is None else self.k_scale[:, :, None, None]
     v_scale = None if self.v_scale is None else self.v_scale[:, :, None, None]
-    return dequantize(self.k, k_scale, dtype), dequantize(self.v, v_scale, dtype)
+    return (dequantize(self.load(self.k), k_scale, dtype),
+            dequantize(self.load(self.v), v_scale, dtype))

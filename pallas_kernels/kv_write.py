@@ -19,15 +19,15 @@ from pallas_kernels.kv_cache import KVPages, fp8_max, quantize
 _MIN_SCALE = 1e-30
 
 
-def _write_plain(pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array):
+def _write_plain(kv: KVPages, pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array):
   # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
-  return pages.at[page, :, offset].set(new.astype(pages.dtype), mode="drop")
+  return pages.at[page, :, offset].set(kv.store(new), mode="drop")
 
 
-def _write_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, page: jax.Array,
+def _write_fp8(kv: KVPages, pages: jax.Array, scale: jax.Array, new: jax.Array, page: jax.Array,
                offset: jax.Array, valid: jax.Array):
   num_pages = pages.shape[0]
-  limit = fp8_max(pages.dtype)
+  limit = fp8_max(kv.dtype)
   # Per (page, head) amax of this step's tokens, and which pages restart at offset 0.
   token_amax = jnp.max(jnp.abs(new.astype(jnp.float32)), axis=-1)            # [T, Hkv]
   token_amax = jnp.where(valid[:, None], token_amax, 0.0)
@@ -44,13 +44,13 @@ def _write_fp8(pages: jax.Array, scale: jax.Array, new: jax.Array, page: jax.Arr
   # Requantize the pages written this step (a page hit by several tokens is gathered several
   # times; every copy is identical, so the duplicate scatters agree).
   safe_page = jnp.minimum(page, num_pages - 1)
-  old_pages = pages[safe_page].astype(jnp.float32)                           # [T, Hkv, ps, D]
+  old_pages = kv.load(pages[safe_page]).astype(jnp.float32)                  # [T, Hkv, ps, D]
   ratio = scale[safe_page] / new_scale[safe_page]                            # [T, Hkv]
-  requantized = jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit).astype(pages.dtype)
-  pages = pages.at[page].set(requantized, mode="drop")
+  requantized = jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit)
+  pages = pages.at[page].set(kv.store(requantized), mode="drop")
 
   token_scale = new_scale[safe_page][:, :, None]                             # [T, Hkv, 1]
-  pages = pages.at[page, :, offset].set(quantize(new, token_scale, pages.dtype), mode="drop")
+  pages = pages.at[page, :, offset].set(kv.store(quantize(new, token_scale, kv.dtype)), mode="drop")
   return pages, new_scale
 
 
@@ -72,7 +72,8 @@ def write_kv(kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -
   page = jnp.where(valid, slot_mapping // kv.page_size, kv.num_pages)  # out of range -> dropped
   offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
   if not kv.quantized:
-    return KVPages(k=_write_plain(kv.k, k, page, offset), v=_write_plain(kv.v, v, page, offset))
-  k_pages, k_scale = _write_fp8(kv.k, kv.k_scale, k, page, offset, valid)
-  v_pages, v_scale = _write_fp8(kv.v, kv.v_scale, v, page, offset, valid)
-  return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale)
+    return KVPages(k=_write_plain(kv, kv.k, k, page, offset), v=_write_plain(kv, kv.v, v, page, offset),
+                   view=kv.view)
+  k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid)
+  v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid)
+  return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale, view=kv.view)

@@ -27,9 +27,9 @@ IMPLS = ("reference", "chunked", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
-                 kv_len: jax.Array) -> jax.Array:
+                 kv_len: jax.Array, load=lambda x: x) -> jax.Array:
   """Gathers one sequence's K or V, dequantized to f32, zero past kv_len: [Hkv, MB*ps, D]."""
-  gathered = pages[page_ids]                                                 # [MB, Hkv, ps, D]
+  gathered = load(pages[page_ids])                                           # [MB, Hkv, ps, D]
   page_scale = None if scale is None else scale[page_ids][:, :, None, None]  # [MB, Hkv, 1, 1]
   values = dequantize(gathered, page_scale)
   num_blocks, num_kv_heads, page_size, head_dim = values.shape
@@ -64,7 +64,7 @@ def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale
   token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)                          # [S]
   q_seq = q[token].astype(jnp.float32).reshape(num_seqs_padded, kv.num_kv_heads, group,
                                               head_dim)
-  gather = jax.vmap(_sequence_kv, in_axes=(None, None, 0, 0))
+  gather = jax.vmap(functools.partial(_sequence_kv, load=kv.load), in_axes=(None, None, 0, 0))
   keys = gather(kv.k, kv.k_scale, block_tables, kv_lens)                     # [S, Hkv, L, D]
   values = gather(kv.v, kv.v_scale, block_tables, kv_lens)
   key_pos = jnp.arange(keys.shape[2])
@@ -95,8 +95,8 @@ def _sequence_by_sequence(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, 
     kv_len = kv_lens[s]
     seq_start = cu_q_lens[s]
     q_len = cu_q_lens[s + 1] - seq_start
-    keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len)        # [Hkv, L, D]
-    values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len)      # [Hkv, L, D]
+    keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len, kv.load)  # [Hkv, L, D]
+    values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len, kv.load)
 
     def attend_blocks(size, out):
       def attend_block(b, out):
@@ -182,6 +182,9 @@ def ragged_paged_attention(
           cu_q_lens.astype(jnp.int32), true_num_seqs(num_seqs))
   options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
   impl = _pick_impl(impl, interpret)
+  if kv.view is not None and impl.startswith("pallas"):
+    raise ValueError("KV pages in bit storage (KVPages.view set) are for the jnp paths "
+                     "('reference', 'chunked'); the Pallas kernels take float pages")
   if impl == "reference":
     return ragged_paged_attention_reference(*args, **options)
   if impl == "chunked":

@@ -17,9 +17,9 @@ from pallas_kernels.kv_cache import KVPages, dequantize
 from pallas_kernels.rpa_common import MASK_VALUE, query_lengths
 
 
-def _gather_chunk(pages, scale, ids):
+def _gather_chunk(pages, scale, ids, load):
   """ids [..., CP] -> K or V [..., Hkv, CP*ps, D] f32 (dequantized)."""
-  x = pages[ids]                                                    # [..., CP, Hkv, ps, D]
+  x = load(pages[ids])                                              # [..., CP, Hkv, ps, D]
   s = None if scale is None else scale[ids][..., None, None]        # [..., CP, Hkv, 1, 1]
   x = dequantize(x, s)
   *lead, cp, hkv, ps, d = x.shape
@@ -38,8 +38,8 @@ def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chu
   def body(c, carry):
     m, l, acc = carry
     ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=-1)
-    keys = _gather_chunk(kv.k, kv.k_scale, ids)                     # [(R,) Hkv, L, D]
-    values = _gather_chunk(kv.v, kv.v_scale, ids)
+    keys = _gather_chunk(kv.k, kv.k_scale, ids, kv.load)            # [(R,) Hkv, L, D]
+    values = _gather_chunk(kv.v, kv.v_scale, ids, kv.load)
     key_pos = c * L + jnp.arange(L)
     visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])  # [R, L]
     if sliding_window is not None:

@@ -44,6 +44,10 @@ class LLMEngine:
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
         self.model = model or load_model(config.model, dtype=config.dtype, progress=progress)
+        if jax.default_backend() == "cpu" and self.model.dtype != "float32":
+            log.warning("serving in %s on the CPU backend: XLA:CPU runs %s matmuls ~2.5-3x slower than float32 "
+                        "(docs/benchmarks.md); set model.dtype: float32 for CPU serving", self.model.dtype,
+                        self.model.dtype)
         if config.mesh_shape is not None and self.model.tp is None:
             shard_model(self.model, make_mesh(*config.mesh_shape))
         cfg = self.model.cfg
@@ -63,9 +67,10 @@ class LLMEngine:
             max_model_len=self.max_model_len, policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
-        self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype)
         self.opts = KernelOptions(attention=config.attention_backend, gdn=config.gdn_backend,
                                   interpret=config.interpret, tp=self.model.tp)
+        self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype,
+                                             bit_storage=self.opts.impl("attention") in ("chunked", "reference"))
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, explicit=config.token_buckets)
         self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
         self.executables = StepExecutables(

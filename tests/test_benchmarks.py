@@ -153,3 +153,57 @@ def test_jaxserve_command_is_a_valid_launch_config():
     assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_num_batched_tokens == 128
     assert config.cache.enable_prefix_caching is False and config.compile.aot is True
     assert config.cache.num_pages == 8 * 64 + 1  # every sequence can reach max_model_len
+
+
+# ---- throughput.py's vLLM leg (no vLLM needed) --------------------------------------------------
+
+
+def _throughput_args(tmp_path, **overrides):
+    """The argparse fields throughput.py's vLLM helpers read."""
+    fields = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, repeats=3,
+                  threads=1, vllm_venv=str(tmp_path / "no-such-venv"), vllm_timeout=60, prefix_caching=False)
+    fields.update(overrides)
+    return type("Args", (), fields)()
+
+
+def test_vllm_spec_round_trips_the_workload(tmp_path):
+    from benchmarks.throughput import write_vllm_spec
+    from benchmarks.vllm_offline import read_spec
+    from benchmarks.workloads import BenchRequest
+
+    requests = make_workload("mixed", vocab_size=4096, seed=5, num_requests=9, scale=0.1, max_model_len=256)
+    assert len({r.prompt_len for r in requests}) > 1  # a non-uniform workload, order matters
+    args = _throughput_args(tmp_path)
+    spec = read_spec(write_vllm_spec(tmp_path / "spec.json", "/ckpt", args, requests))
+    assert [BenchRequest(tuple(ids), n) for ids, n in spec["requests"]] == requests
+    assert summarize([BenchRequest(tuple(ids), n) for ids, n in spec["requests"]]) == summarize(requests)
+    assert (spec["checkpoint"], spec["dtype"], spec["max_num_seqs"], spec["max_num_batched_tokens"],
+            spec["max_model_len"], spec["repeats"]) == ("/ckpt", "float32", 4, 64, 256, 3)
+    assert spec["enable_prefix_caching"] is False and spec["warmup"] == 2
+    (tmp_path / "bad.json").write_text(json.dumps({"checkpoint": "/ckpt", "requests": []}))
+    with pytest.raises(ValueError, match="missing keys"):
+        read_spec(tmp_path / "bad.json")
+
+
+def test_vllm_missing_prints_a_note_instead_of_failing(tmp_path, capsys):
+    from benchmarks.throughput import run_vllm
+
+    requests = make_workload("fixed", vocab_size=1000, num_requests=2, scale=0.05)
+    assert run_vllm("/ckpt", _throughput_args(tmp_path), requests) is None
+    note = capsys.readouterr().out
+    assert "vLLM: skipped" in note and str(tmp_path / "no-such-venv") in note
+
+
+def test_vllm_failure_is_reported_with_its_log(tmp_path, capsys):
+    """A venv whose python exits non-zero: the result carries the error and the log's tail."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: no vllm here'\nexit 3\n")
+    fake.chmod(0o755)
+    from benchmarks.throughput import run_vllm
+
+    requests = make_workload("fixed", vocab_size=1000, num_requests=2, scale=0.05)
+    out = run_vllm("/ckpt", _throughput_args(tmp_path, vllm_venv=str(venv)), requests)
+    assert out["error"] == "exit 3" and "ImportError: no vllm here" in out["log_tail"]
+    assert "vLLM: failed" in capsys.readouterr().out

@@ -119,7 +119,8 @@ def run_ragged(batch, lengths, **kwargs):
 
 
 @pytest.mark.parametrize("lengths,heads_per_key_head", [
-    ([1, 1, 1], 1),
+    ([1, 1, 1], 1),  # pure decode: the batched one-step path
+    ([1, 0, 1, 1], 2),  # an empty sequence: token i is no longer sequence i
     ([5, 1, 0, 70, 1, 12], 3),
     ([130, 1], 2),
 ])

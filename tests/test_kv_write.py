@@ -66,29 +66,33 @@ def step_slots(rng):
   ]
 
 
+@pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plain_write_round_trip(dtype):
+def test_plain_write_round_trip(dtype, bit_storage):
   rng = np.random.default_rng(0)
-  kv = KVPages.create(P, PS, HKV, D, dtype)
+  kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
+  stored = jnp.uint16 if bit_storage and dtype == "bfloat16" else jnp.dtype(dtype)
   model = PageModel()
   for slots in step_slots(rng):
     k, v = random_tokens(rng, len(slots), 3.0)
     kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
     model.write(k.astype(jnp.dtype(dtype)).astype(np.float64),
                 v.astype(jnp.dtype(dtype)).astype(np.float64), slots)
-  assert kv.k_scale is None and kv.k.dtype == jnp.dtype(dtype)
+  assert kv.k_scale is None and kv.dtype == jnp.dtype(dtype) and kv.k.dtype == stored
   got_k, got_v = (np.asarray(x, np.float64) for x in kv.dequantized())
   # Untouched slots stay zero; written slots hold exactly what was written (in dtype).
   np.testing.assert_array_equal(got_k, model.values["k"])
   np.testing.assert_array_equal(got_v, model.values["v"])
 
 
+@pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", list(FP8))
-def test_fp8_write_round_trip_and_scales(dtype):
+def test_fp8_write_round_trip_and_scales(dtype, bit_storage):
   storage, mantissa_bits, min_subnormal = FP8[dtype]
   fmax = float(ml_dtypes.finfo(storage).max)
   rng = np.random.default_rng(1)
-  kv = KVPages.create(P, PS, HKV, D, dtype)
+  kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
+  assert kv.k.dtype == (jnp.uint8 if bit_storage else jnp.dtype(dtype))
   model = PageModel(fmax)
   previous_scale = np.asarray(kv.k_scale)
   for step, slots in enumerate(step_slots(rng)):

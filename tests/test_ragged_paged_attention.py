@@ -149,12 +149,15 @@ def random_seqs(rng, kind: str, count: int):
 @pytest.mark.parametrize("kind,kv_dtype", [
     ("decode", "bf16"), ("prefill", "bf16"), ("mixed", "bf16"), ("mixed", "float32"),
     ("decode", "fp8_e4m3fn"), ("prefill", "fp8_e4m3fn"), ("mixed", "fp8_e5m2")])
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "chunked-bit-storage"])
 def test_reference_matches_oracle(kind, kv_dtype, impl):
   rng = np.random.default_rng(hash((kind, kv_dtype)) % 2**32)
   seqs = random_seqs(rng, kind, 4)
   batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype=kv_dtype, q_dtype=jnp.float32)
+  if impl == "chunked-bit-storage":  # bf16 / FP8 pages held as uint16 / uint8 bits (CPU serving)
+    impl, batch.kv = "chunked", batch.kv.with_bit_storage()
+    assert kv_dtype == "float32" or jnp.issubdtype(batch.kv.k.dtype, jnp.unsignedinteger)
   got = run(batch, sm_scale=0.125, impl=impl)
   np.testing.assert_allclose(got, oracle(batch, sm_scale=0.125), atol=2e-4, rtol=1e-4)
 
@@ -246,6 +249,18 @@ def test_tpu_kernel_under_tpu_simulator():
     pltpu.reset_tpu_interpret_mode_state()
   assert np.isfinite(got).all()
   assert_close_bf16(got, want)
+
+
+def test_bit_storage_is_refused_by_pallas_kernels():
+  rng = np.random.default_rng(3)
+  batch = make_batch(rng, [(1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                     kv_dtype="bf16", q_dtype=jnp.float32)
+  batch.kv = batch.kv.with_bit_storage()
+  with pytest.raises(ValueError, match="bit storage"):
+    run(batch, sm_scale=0.125, impl="pallas_tpu", interpret=True)
+  # ... and the reference reads it like float storage
+  np.testing.assert_allclose(run(batch, sm_scale=0.125, impl="reference"),
+                             oracle(batch, sm_scale=0.125), atol=2e-4, rtol=1e-4)
 
 
 def test_input_validation():
