@@ -8,6 +8,10 @@ the paged caches carried and donated). Each sequence owns a contiguous run of pa
 own state slot, so there is no scheduler, no host round trip and no padding: whatever the
 engine achieves above this is overhead. Both functions are compiled once (timed separately)
 and then run `repeats` times; the result is the median.
+
+`run_bare_loop_requests` is the same limit for a ragged workload's own requests (mixed
+lengths): waves of `batch` requests, each one ragged prefill plus one decode scan to the
+wave's longest output.
 """
 
 from __future__ import annotations
@@ -128,6 +132,99 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
         "decode_step_ms": 1000 * decode_s / (output_len - 1),
         "tokens": all_tokens.tolist(),
     }
+
+
+def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tuple[int, ...], decode_steps: int,
+                          page_size: int = 16, max_model_len: int | None = None):
+    """The bare loop over sequences of different prompt lengths (a wave of a ragged workload):
+    one ragged prefill `forward` of every prompt, then `decode_steps` decode steps of all
+    sequences in one `lax.scan` (a sequence that needs fewer tokens keeps decoding as dead
+    weight, as in any static batch). -> (prefill, decode, fresh_caches) like `make_bare_loop`."""
+    cfg, S = model.cfg, len(prompt_lens)
+    lens = np.asarray(prompt_lens, np.int32)
+    block_tables_np, num_pages = _layout(S, max(max_model_len or 0, int(lens.max()) + decode_steps + 1), page_size)
+    block_tables = jnp.asarray(block_tables_np)
+    seq_ids = jnp.arange(S, dtype=jnp.int32)
+    cu_np = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    seq_of_token = np.repeat(np.arange(S), lens)
+    pos_np = (np.arange(cu_np[-1]) - cu_np[seq_of_token]).astype(np.int32)
+    page_np = block_tables_np[seq_of_token, pos_np // page_size]
+    slots_np = (page_np * page_size + pos_np % page_size).astype(np.int32)
+    p0 = jnp.asarray(lens)
+
+    def prefill(params, caches, flat_prompts):
+        fb = ForwardBatch(
+            input_ids=flat_prompts, positions=jnp.asarray(pos_np), slot_mapping=jnp.asarray(slots_np),
+            cu_q_lens=jnp.asarray(cu_np), kv_lens=p0, block_tables=block_tables, state_slot_ids=seq_ids + 1,
+            has_initial_state=jnp.zeros((S,), bool), num_seqs=jnp.asarray(S, jnp.int32),
+            logits_indices=jnp.asarray(cu_np[1:] - 1))
+        hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
+        return caches, jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
+
+    def decode(params, caches, first):
+        def step(carry, i):
+            caches, tokens = carry
+            pos = p0 + i  # [S]
+            fb = ForwardBatch(
+                input_ids=tokens, positions=pos, slot_mapping=_slots(block_tables, pos, page_size),
+                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), kv_lens=pos + 1, block_tables=block_tables,
+                state_slot_ids=seq_ids + 1, has_initial_state=jnp.ones((S,), bool),
+                num_seqs=jnp.asarray(S, jnp.int32), logits_indices=seq_ids)
+            hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
+            nxt = jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
+            return (caches, nxt), nxt
+
+        (caches, _), tokens = jax.lax.scan(step, (caches, first), jnp.arange(decode_steps, dtype=jnp.int32))
+        return caches, tokens
+
+    def fresh_caches():
+        return model.init_caches(num_pages, page_size, S + 1,
+                                 bit_storage=opts.impl("attention") in ("chunked", "reference"))
+
+    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
+
+
+def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: list[int], *, batch: int,
+                           opts: KernelOptions | None = None, page_size: int = 16, max_model_len: int | None = None,
+                           repeats: int = 3) -> dict:
+    """The bare loop over a ragged workload's OWN requests: waves of `batch` requests in order, each
+    wave prefilled in one ragged forward and decoded in one scan to its longest `max_tokens`.
+    Throughput counts requested tokens only; compile time is reported apart (one prefill and one
+    decode executable per wave shape). -> numbers and each request's greedy tokens."""
+    opts = opts or KernelOptions()
+    waves = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+    compiled, compile_s = [], 0.0
+    for wave in waves:
+        lens = tuple(len(prompts[i]) for i in wave)
+        steps = max(max(max_tokens[i] for i in wave) - 1, 1)
+        prefill, decode, fresh = make_ragged_bare_loop(model, opts, prompt_lens=lens, decode_steps=steps,
+                                                       page_size=page_size, max_model_len=max_model_len)
+        flat = jnp.asarray(np.concatenate([prompts[i] for i in wave]).astype(np.int32))
+        t0 = time.perf_counter()
+        caches = fresh()
+        prefill_exe = prefill.trace(model.params, caches, flat).lower().compile()
+        decode_exe = decode.trace(model.params, caches, jax.ShapeDtypeStruct((len(wave),), jnp.int32)).lower().compile()
+        compile_s += time.perf_counter() - t0
+        compiled.append((wave, flat, prefill_exe, decode_exe, fresh))
+    run_times, tokens = [], {}
+    for _ in range(repeats):
+        elapsed = 0.0
+        for wave, flat, prefill_exe, decode_exe, fresh in compiled:
+            caches = fresh()
+            jax.block_until_ready(caches)
+            t0 = time.perf_counter()
+            caches, first = prefill_exe(model.params, caches, flat)
+            caches, rest = decode_exe(model.params, caches, first)
+            rest.block_until_ready()
+            elapsed += time.perf_counter() - t0
+            wave_tokens = np.concatenate([np.asarray(first)[None, :], np.asarray(rest)], axis=0).T
+            for row, i in enumerate(wave):
+                tokens[i] = wave_tokens[row, : max_tokens[i]].tolist()
+        run_times.append(elapsed)
+    seconds = float(np.median(run_times))
+    return {"batch": batch, "waves": len(waves), "compile_s": compile_s, "seconds": seconds,
+            "all_seconds": run_times, "output_tokens_per_s": sum(max_tokens) / seconds,
+            "tokens": [tokens[i] for i in range(len(prompts))]}
 
 
 def main(argv: list[str] | None = None) -> int:

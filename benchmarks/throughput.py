@@ -12,8 +12,8 @@ padding waste is not counted as output). HF runs fp32 on CPU with torch threads 
 venv (benchmarks/setup_vllm_cpu.sh) as a subprocess (benchmarks/vllm_offline.py) after ours,
 with the same requests, limits, repeats and warm-up; skipped with a note when the venv is
 missing. The bare loop (benchmarks/bare_loop.py) runs the same model at the engine's
-`max_num_seqs`; on a non-uniform workload (mixed, ...) it runs the workload's MEAN shape
-(mean prompt and output length), not the same requests (`bare_loop_shape`: "mean" vs "same").
+`max_num_seqs` on the workload's own prompts; on a non-uniform workload (mixed, ...) in waves
+of static batches, each decoded to its longest output (`bare_loop_shape`: "ragged" vs "same").
 Sections:
   throughput  ours / HF / vLLM / bare loop, output tok/s, ratios, and greedy-token agreement
   compile     per-bucket compile seconds in a fresh process, cold then warm persistent cache
@@ -110,28 +110,26 @@ def run_hf(checkpoint: str, requests: list[BenchRequest], batch_sizes: list[int]
 
 
 def run_bare(model, requests: list[BenchRequest], batch: int, max_model_len: int, repeats: int) -> dict:
-    """The bare loop at `batch` sequences of the workload's shape. Uniform workload (every request
-    the same prompt and output length, e.g. `fixed`): the first `batch` requests' own prompts,
-    `bare_loop_shape` "same". Otherwise: the MEAN prompt / output length (random prompts when the
-    workload has too few requests of that length), `bare_loop_shape` "mean"; the ratio to ours is
-    then against a stand-in shape, not the same requests. `prompts_from_workload` says whether
-    the bare loop's prompts are the first `batch` requests' (greedy tokens comparable)."""
-    from benchmarks.bare_loop import run_bare_loop
+    """The bare loop on the workload's own requests. Uniform workload (every request the same
+    prompt and output length, e.g. `fixed`): `batch` of them through `bare_loop.run_bare_loop`
+    (`bare_loop_shape` "same"). Otherwise (mixed, ...): every request, in waves of `batch`, each
+    wave one ragged prefill and one decode scan to its longest output
+    (`bare_loop.run_bare_loop_requests`, `bare_loop_shape` "ragged"). Either way the prompts
+    are the workload's, so greedy tokens compare with ours."""
+    from benchmarks.bare_loop import run_bare_loop, run_bare_loop_requests
 
-    P = int(round(np.mean([r.prompt_len for r in requests])))
-    N = int(round(np.mean([r.max_tokens for r in requests])))
-    uniform = all(r.prompt_len == P and r.max_tokens == N for r in requests)
-    same = [r for r in requests if r.prompt_len == P][:batch]
-    if len(same) == batch:
-        prompts = np.array([r.prompt_ids for r in same], np.int32)
-    else:  # too few requests of the mean prompt length: random prompts of that length
-        from benchmarks.workloads import token_id_range
-
-        low, high = token_id_range(model.cfg.vocab_size)
-        prompts = np.random.default_rng(0).integers(low, high, size=(batch, P), dtype=np.int32)
-    out = run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
-    out["bare_loop_shape"] = "same" if uniform else "mean"
-    out["prompts_from_workload"] = uniform and len(same) == batch
+    P, N = requests[0].prompt_len, requests[0].max_tokens
+    uniform = all(r.prompt_len == P and r.max_tokens == N for r in requests) and len(requests) >= batch
+    if uniform:
+        prompts = np.array([r.prompt_ids for r in requests[:batch]], np.int32)
+        out = run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
+        out["bare_loop_shape"] = "same"
+        out["tokens_cover"] = batch
+        return out
+    out = run_bare_loop_requests(model, [list(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
+                                 batch=batch, max_model_len=max_model_len, repeats=repeats)
+    out["bare_loop_shape"] = "ragged"
+    out["tokens_cover"] = len(requests)
     return out
 
 
@@ -207,14 +205,16 @@ def section_throughput(checkpoint: str, args) -> dict:
         bare_tokens = bare.pop("tokens")
         out["bare_loop"] = bare
         out["bare_loop_shape"] = bare["bare_loop_shape"]
-        shape = ("the workload's own shape" if bare["bare_loop_shape"] == "same"
-                 else "the MEAN shape of this non-uniform workload, not its requests")
-        print(f"bare loop (S={bare['batch']}, P={bare['prompt_len']}, N={bare['output_len']}: {shape}): "
-              f"{bare['output_tokens_per_s']:.1f} tok/s incl. prefill, decode {bare['decode_tokens_per_s']:.1f} tok/s",
-              flush=True)
+        if bare["bare_loop_shape"] == "same":
+            print(f"bare loop (S={bare['batch']}, P={bare['prompt_len']}, N={bare['output_len']}): "
+                  f"{bare['output_tokens_per_s']:.1f} tok/s incl. prefill, decode {bare['decode_tokens_per_s']:.1f} tok/s",
+                  flush=True)
+        else:
+            print(f"bare loop (the same requests, {bare['waves']} wave(s) of {bare['batch']}, static batches): "
+                  f"{bare['output_tokens_per_s']:.1f} tok/s", flush=True)
         out["ratio_ours_vs_bare"] = ours["output_tokens_per_s"] / bare["output_tokens_per_s"]
-        if bare["prompts_from_workload"]:
-            out["greedy_agreement_ours_vs_bare"] = agreement(ours["tokens"][: bare["batch"]], bare_tokens)
+        n = bare["tokens_cover"]
+        out["greedy_agreement_ours_vs_bare"] = agreement(ours["tokens"][:n], bare_tokens)
     del llm
     if not args.skip_hf:
         hf = run_hf(checkpoint, requests, [int(b) for b in args.hf_batch_sizes.split(",")], args.threads)

@@ -6,6 +6,9 @@ table, so a step costs `max_num_seqs x max_model_len` whatever the batch holds. 
 visited in chunks of `chunk_pages` pages with an online softmax, and the number of chunks is
 a *dynamic* loop bound: the longest live context (decode), or the last key a query block can
 see (prefill). Shapes stay static, so nothing recompiles; a short context costs a short loop.
+Sequences with one query token (decode) are attended together in one batched pass; only
+sequences with several (prefill chunks) loop over their query blocks, so a mixed step (one
+chunked prefill beside 15 decodes, H=6, D=64, 300-token contexts) costs ~5 ms, not ~13.
 """
 
 from __future__ import annotations
@@ -89,19 +92,20 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
       return 0
     return jnp.maximum(lowest_pos - sliding_window + 1, 0) // L
 
-  def decode(_):
+  one_token = live & (q_lens == 1)          # decode rows: all of them in one batched pass
+  many_tokens = live & (q_lens > 1)         # prefill (chunk) rows: per sequence, per query block
+
+  def decode(out):
     token = jnp.minimum(cu_q_lens[:-1], T - 1)                           # [S]
     rows = q[token].astype(jnp.float32).reshape(S, Hkv, G, D)
     pos = kv_lens - 1
-    n = (jnp.max(jnp.where(live, kv_lens, 0)) + L - 1) // L
-    start = first_chunk(jnp.min(jnp.where(live & (q_lens > 0), pos, jnp.iinfo(jnp.int32).max)))
+    n = (jnp.max(jnp.where(one_token, kv_lens, 0)) + L - 1) // L
+    start = first_chunk(jnp.min(jnp.where(one_token, pos, jnp.iinfo(jnp.int32).max)))
     o = _online_attend(rows, pos, kv, tables, kv_lens, start, n, chunk_pages=chunk_pages, sm_scale=sm_scale,
                        sliding_window=sliding_window, soft_cap=soft_cap, shared_pages=False)
-    writes = live & (q_lens > 0)
-    return jnp.zeros((T, Hq, D), q.dtype).at[jnp.where(writes, token, T)].set(
-        o.reshape(S, Hq, D).astype(q.dtype), mode="drop")
+    return out.at[jnp.where(one_token, token, T)].set(o.reshape(S, Hq, D).astype(q.dtype), mode="drop")
 
-  def by_sequence(_):
+  def by_sequence(out):
     bq = max(1, min(block_q, T))
     q_blocks = jnp.pad(q, ((0, bq), (0, 0), (0, 0))).reshape(T + bq, Hkv, G, D)
 
@@ -120,9 +124,13 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
         merged = jnp.where((row < q_len)[:, None, None, None], o.astype(out.dtype), prev)
         return lax.dynamic_update_slice_in_dim(out, merged, start + b * bq, axis=0)
 
-      return lax.fori_loop(0, (q_len + bq - 1) // bq, block, out)
+      blocks = jnp.where(many_tokens[s], (q_len + bq - 1) // bq, 0)  # decode rows: the batched pass
+      return lax.fori_loop(0, blocks, block, out)
 
-    out = lax.fori_loop(0, num_seqs, sequence, jnp.zeros((T + bq, Hkv, G, D), q.dtype))
-    return out[:T].reshape(T, Hq, D)
+    padded = jnp.pad(out.reshape(T, Hkv, G, D), ((0, bq), (0, 0), (0, 0), (0, 0)))
+    return lax.fori_loop(0, num_seqs, sequence, padded)[:T].reshape(T, Hq, D)
 
-  return lax.cond(jnp.max(q_lens) <= 1, decode, by_sequence, None)
+  # A mixed step (chunked prefill beside decodes) runs both passes; each is skipped when empty.
+  out = jnp.zeros((T, Hq, D), q.dtype)
+  out = lax.cond(jnp.any(many_tokens), by_sequence, lambda o: o, out)
+  return lax.cond(jnp.any(one_token), decode, lambda o: o, out)

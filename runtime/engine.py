@@ -175,7 +175,8 @@ class LLMEngine:
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng, banned_ids=[self._banned(r) for r in reqs])
-        return ex.run_sampler(params, hidden, meta, n_logprobs)
+        all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
+        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy)
 
     def _banned(self, req: Request) -> list[int]:
         """Before `min_tokens` outputs, EOS and the stop tokens must not be sampled."""

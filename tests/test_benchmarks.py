@@ -207,3 +207,27 @@ def test_vllm_failure_is_reported_with_its_log(tmp_path, capsys):
     out = run_vllm("/ckpt", _throughput_args(tmp_path, vllm_venv=str(venv)), requests)
     assert out["error"] == "exit 3" and "ImportError: no vllm here" in out["log_tail"]
     assert "vLLM: failed" in capsys.readouterr().out
+
+
+# ---- bare loop over a ragged workload's own requests -------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_ragged_bare_loop_matches_hf_generate(family, tiny_checkpoint, hf_model):
+    """The bare-loop ceiling for mixed workloads runs the requests themselves: its greedy tokens
+    (two waves, ragged prompts, outputs cut to each request's max_tokens) are HF's."""
+    from benchmarks.bare_loop import run_bare_loop_requests
+    from models.model import load_model
+    from tests.hf_reference import assert_greedy_match, hf_greedy
+
+    model = load_model(tiny_checkpoint(family))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, model.cfg.vocab_size, size=n).tolist() for n in (5, 23, 17)]
+    max_tokens = [6, 3, 9]
+    out = run_bare_loop_requests(model, prompts, max_tokens, batch=2, repeats=1)
+    assert out["waves"] == 2 and out["output_tokens_per_s"] > 0
+    hf = hf_model(family)
+    for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
+        expected, scores = hf_greedy(hf, ids, n)
+        assert len(out["tokens"][i]) == n
+        assert_greedy_match(out["tokens"][i], expected, scores, f"{family} request {i}")

@@ -68,13 +68,14 @@ def test_builder_without_penalties_is_zero_width_and_fresh_seeds_differ():
 # ---------------------------------------------------------------- greedy, logprobs, padding
 
 
-def test_greedy_is_argmax_and_logprobs_match_numpy():
+@pytest.mark.parametrize("all_greedy", [False, True], ids=["general", "all-greedy-variant"])
+def test_greedy_is_argmax_and_logprobs_match_numpy(all_greedy):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 1000)).astype(np.float32) * 3
     params = [SamplingParams(temperature=0.0, top_k=k, top_p=p, seed=s)
               for k, p, s in [(0, 1.0, None), (5, 0.5, 1), (1, 1.0, 2), (50, 0.9, None)]]
     meta = build(params, pad_to=6)
-    out = sample(jnp.asarray(logits), meta, max_top_k=64, num_logprobs=4)
+    out = sample(jnp.asarray(logits), meta, max_top_k=64, num_logprobs=4, all_greedy=all_greedy)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(axis=1))
     ref = np_log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(6), logits.argmax(axis=1)], atol=1e-4)
@@ -217,7 +218,8 @@ def test_unfiltered_rows_without_exact_path_are_truncated_to_candidates():
 # ---------------------------------------------------------------- penalties
 
 
-def test_penalties_match_hf_repetition_and_openai_presence_frequency():
+@pytest.mark.parametrize("all_greedy", [False, True], ids=["general", "all-greedy-variant"])
+def test_penalties_match_hf_repetition_and_openai_presence_frequency(all_greedy):
     vocab = 40
     rng = np.random.default_rng(4)
     logits = (rng.normal(size=(6, vocab)) * 2).astype(np.float32)
@@ -241,7 +243,7 @@ def test_penalties_match_hf_repetition_and_openai_presence_frequency():
     penalized = np.asarray(apply_penalties(jnp.asarray(padded_logits), meta))
     np.testing.assert_allclose(penalized[:6], expected, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(penalized[6:], 0.0)
-    out = sample(jnp.asarray(padded_logits), meta, max_top_k=16)
+    out = sample(jnp.asarray(padded_logits), meta, max_top_k=16, all_greedy=all_greedy)
     tokens = np.asarray(out.tokens)
     np.testing.assert_array_equal(tokens[:6], expected.argmax(axis=1))
     assert tokens[2] == 10
@@ -301,6 +303,9 @@ def test_banned_ids_are_never_sampled():
     assert meta.banned_ids.shape == (4, 4)
     out = np.asarray(sample(jnp.asarray(logits), meta, max_top_k=8).tokens)
     assert out[0] == 1 and out[3] == 0
+    greedy_rows = dataclasses.replace(meta, temperature=np.zeros(4, np.float32))
+    greedy = np.asarray(sample(jnp.asarray(logits), greedy_rows, max_top_k=8, all_greedy=True).tokens)
+    np.testing.assert_array_equal(greedy, [1, 3, 1, 0])  # the best token each row may take
     for step in range(200):
         m = dataclasses.replace(meta, steps=np.full(4, step, np.int32))
         toks = np.asarray(sample(jnp.asarray(logits), m, max_top_k=8).tokens)
