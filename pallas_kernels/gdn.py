@@ -175,7 +175,7 @@ def ragged_token_layout(cu_q_lens, num_seqs, num_tokens):
 
 def gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
                                has_initial_state, num_seqs):
-  """Ragged op, pure jnp: one per-token scan over the flat batch.
+  """Ragged op, pure jnp: one per-token loop over the flat batch's real tokens.
 
   The carry holds the current sequence's state: it is loaded from its slot (or zeros) at the
   sequence's first token and written back at its last token. Padding tokens are replaced by
@@ -193,17 +193,20 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_id
   xs = (clean(_expand_key_heads(q, h)), clean(_expand_key_heads(k, h)), clean(v), clean(g),
         clean(beta), slot, starts_from_slot, is_first, is_last & is_valid)
 
-  def step(carry, x):
-    current, pool = carry
-    q_t, k_t, v_t, g_t, b_t, slot_t, from_slot, first, last = x
+  def step(t, carry):
+    current, pool, o = carry
+    q_t, k_t, v_t, g_t, b_t, slot_t, from_slot, first, last = (x[t] for x in xs)
     loaded = jnp.where(from_slot, pool[slot_t], 0.0)
     current = jnp.where(first, loaded, current)
     current, o_t = recurrent_step(current, q_t, k_t, v_t, g_t, b_t)
     pool = pool.at[slot_t].set(jnp.where(last, current, pool[slot_t]))
-    return (current, pool), o_t
+    return current, pool, o.at[t].set(o_t)
 
-  init = (jnp.zeros(state.shape[1:], jnp.float32), state)
-  (_, state), o = lax.scan(step, init, xs)
+  # The loop runs over the real tokens only (a dynamic bound; padding rows stay zero): a decode
+  # step of one sequence in a 16-token bucket costs one iteration, not sixteen.
+  num_real = cu_q_lens[jnp.reshape(num_seqs, (-1,))[0]]
+  init = (jnp.zeros(state.shape[1:], jnp.float32), state, jnp.zeros(v.shape, jnp.float32))
+  _, state, o = lax.fori_loop(0, jnp.clip(num_real, 0, t), step, init)
   return o.astype(v.dtype), state
 
 
