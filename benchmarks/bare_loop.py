@@ -44,6 +44,31 @@ def _slots(block_tables, positions, page_size: int):
     return (pages * page_size + positions.reshape(pages.shape) % page_size).reshape(-1)
 
 
+def _decode_loop(cfg, opts: KernelOptions, block_tables, start_positions, steps: int, page_size: int):
+    """decode(params, caches, first [S]) -> (caches, tokens [steps, S]): `steps` greedy one-token
+    steps of every sequence in one `lax.scan`; sequence s writes position start_positions[s] + i."""
+    S = block_tables.shape[0]
+    seq_ids = jnp.arange(S, dtype=jnp.int32)
+
+    def decode(params, caches, first):
+        def step(carry, i):
+            caches, tokens = carry
+            pos = start_positions + i  # [S]
+            fb = ForwardBatch(
+                input_ids=tokens, positions=pos, slot_mapping=_slots(block_tables, pos, page_size),
+                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), kv_lens=pos + 1, block_tables=block_tables,
+                state_slot_ids=seq_ids + 1, has_initial_state=jnp.ones((S,), bool),
+                num_seqs=jnp.asarray(S, jnp.int32), logits_indices=seq_ids)
+            hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
+            nxt = jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
+            return (caches, nxt), nxt
+
+        (caches, _), tokens = jax.lax.scan(step, (caches, first), jnp.arange(steps, dtype=jnp.int32))
+        return caches, tokens
+
+    return decode
+
+
 def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len: int, output_len: int,
                    page_size: int = 16, max_model_len: int | None = None):
     """-> (prefill(params, caches, prompts [S, P]) -> (caches, first [S]),
@@ -65,21 +90,7 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
         hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
         return caches, jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
 
-    def decode(params, caches, first):
-        def step(carry, i):
-            caches, tokens = carry
-            pos = jnp.full((S,), P, jnp.int32) + i  # [S]
-            fb = ForwardBatch(
-                input_ids=tokens, positions=pos, slot_mapping=_slots(block_tables, pos, page_size),
-                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), kv_lens=pos + 1, block_tables=block_tables,
-                state_slot_ids=seq_ids + 1, has_initial_state=jnp.ones((S,), bool),
-                num_seqs=jnp.asarray(S, jnp.int32), logits_indices=seq_ids)
-            hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
-            nxt = jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
-            return (caches, nxt), nxt
-
-        (caches, _), tokens = jax.lax.scan(step, (caches, first), jnp.arange(output_len - 1, dtype=jnp.int32))
-        return caches, tokens
+    decode = _decode_loop(cfg, opts, block_tables, jnp.full((S,), P, jnp.int32), output_len - 1, page_size)
 
     def fresh_caches():
         return model.init_caches(num_pages, page_size, S + 1,
@@ -161,21 +172,7 @@ def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tup
         hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
         return caches, jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
 
-    def decode(params, caches, first):
-        def step(carry, i):
-            caches, tokens = carry
-            pos = p0 + i  # [S]
-            fb = ForwardBatch(
-                input_ids=tokens, positions=pos, slot_mapping=_slots(block_tables, pos, page_size),
-                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), kv_lens=pos + 1, block_tables=block_tables,
-                state_slot_ids=seq_ids + 1, has_initial_state=jnp.ones((S,), bool),
-                num_seqs=jnp.asarray(S, jnp.int32), logits_indices=seq_ids)
-            hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
-            nxt = jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
-            return (caches, nxt), nxt
-
-        (caches, _), tokens = jax.lax.scan(step, (caches, first), jnp.arange(decode_steps, dtype=jnp.int32))
-        return caches, tokens
+    decode = _decode_loop(cfg, opts, block_tables, p0, decode_steps, page_size)
 
     def fresh_caches():
         return model.init_caches(num_pages, page_size, S + 1,

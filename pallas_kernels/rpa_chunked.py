@@ -96,14 +96,23 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
   many_tokens = live & (q_lens > 1)         # prefill (chunk) rows: per sequence, per query block
 
   def decode(out):
-    token = jnp.minimum(cu_q_lens[:-1], T - 1)                           # [S]
-    rows = q[token].astype(jnp.float32).reshape(S, Hkv, G, D)
-    pos = kv_lens - 1
-    n = (jnp.max(jnp.where(one_token, kv_lens, 0)) + L - 1) // L
-    start = first_chunk(jnp.min(jnp.where(one_token, pos, jnp.iinfo(jnp.int32).max)))
-    o = _online_attend(rows, pos, kv, tables, kv_lens, start, n, chunk_pages=chunk_pages, sm_scale=sm_scale,
-                       sliding_window=sliding_window, soft_cap=soft_cap, shared_pages=False)
-    return out.at[jnp.where(one_token, token, T)].set(o.reshape(S, Hq, D).astype(q.dtype), mode="drop")
+    if T < S:
+      # Fewer tokens than sequence slots (e.g. 4 live decodes in a 16-token bucket with
+      # max_num_seqs=64): one row per token, so padded sequence slots cost nothing.
+      token = jnp.arange(T, dtype=jnp.int32)
+      seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), S - 1)
+      row_live = (token < cu_q_lens[num_seqs]) & one_token[seq]
+      row_kv_len, row_tables = kv_lens[seq], tables[seq]
+    else:
+      token = jnp.minimum(cu_q_lens[:-1], T - 1)                         # [S]
+      row_live, row_kv_len, row_tables = one_token, kv_lens, tables
+    rows = q[token].astype(jnp.float32).reshape(-1, Hkv, G, D)
+    pos = row_kv_len - 1
+    n = (jnp.max(jnp.where(row_live, row_kv_len, 0)) + L - 1) // L
+    start = first_chunk(jnp.min(jnp.where(row_live, pos, jnp.iinfo(jnp.int32).max)))
+    o = _online_attend(rows, pos, kv, row_tables, row_kv_len, start, n, chunk_pages=chunk_pages,
+                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, shared_pages=False)
+    return out.at[jnp.where(row_live, token, T)].set(o.reshape(-1, Hq, D).astype(q.dtype), mode="drop")
 
   def by_sequence(out):
     bq = max(1, min(block_q, T))

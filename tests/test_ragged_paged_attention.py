@@ -251,6 +251,18 @@ def test_tpu_kernel_under_tpu_simulator():
   assert_close_bf16(got, want)
 
 
+@pytest.mark.parametrize("seqs", [[(1, 40), (1, 7), (1, 130)], [(3, 20), (1, 50), (1, 1)]],
+                         ids=["decode", "mixed"])
+def test_chunked_with_fewer_tokens_than_sequence_slots(seqs):
+  """A small token bucket under a large max_num_seqs: the decode pass runs one row per token."""
+  rng = np.random.default_rng(len(seqs))
+  batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                     kv_dtype="bf16", q_dtype=jnp.float32, pad_tokens=2, pad_seqs=12)
+  assert batch.q.shape[0] < batch.kv_lens.shape[0]
+  np.testing.assert_allclose(run(batch, sm_scale=0.125, impl="chunked"), oracle(batch, sm_scale=0.125),
+                             atol=2e-4, rtol=1e-4)
+
+
 def test_bit_storage_is_refused_by_pallas_kernels():
   rng = np.random.default_rng(3)
   batch = make_batch(rng, [(1, 20)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
