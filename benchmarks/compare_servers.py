@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llamacpp-port", type=int, default=8300)
     parser.add_argument("--ours-url", default=None, help="use this already-running jaxserve instead of starting one")
     parser.add_argument("--vllm-url", default=None, help="use this already-running vLLM instead of starting one")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="send the same prompts at every rate (and warm up on the first 4), as rounds 1-3 "
+                             "did; default: every rate and the warm-up get prompts of their own (same shapes, "
+                             "other seeds), so no prefix cache carries over between runs")
     parser.add_argument("--skip-client-check", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument("--out-dir", default=".cache/bench/compare")
@@ -97,10 +101,23 @@ def main(argv: list[str] | None = None) -> int:
                              scale=args.scale, max_model_len=args.max_model_len)
     rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()] or [None]
+    num_runs = len(rates) * len(concs)
+
+    def workload(seed: int, n: int | None = args.num_requests):
+        return make_workload(args.workload, vocab_size=vocab, seed=seed, num_requests=n, scale=args.scale,
+                             max_model_len=args.max_model_len)
+
+    if args.same_prompts:
+        warmup_requests, request_sets = requests[: min(4, len(requests))], None
+    else:  # seeds seed+1000+i (run i) and seed+2000 (warm-up): the same for every server
+        warmup_requests = workload(args.seed + 2000, min(4, len(requests)))
+        request_sets = [requests] + [workload(args.seed + 1000 + i) for i in range(1, num_runs)]
     limits = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     dtypes = {"ours": args.ours_dtype or args.dtype, "vllm": args.vllm_dtype or args.dtype, "llamacpp": args.dtype}
-    report = {"workload": {"name": args.workload, "scale": args.scale, "seed": args.seed, **summarize(requests)},
+    report = {"workload": {"name": args.workload, "scale": args.scale, "seed": args.seed, **summarize(requests),
+                           "same_prompts_every_run": args.same_prompts,
+                           "run_sha256": [summarize(r)["sha256"] for r in (request_sets or [requests] * num_runs)]},
               "limits": limits, "dtypes": dtypes, "cpu_count": os.cpu_count(), "servers": []}
 
     for name in [s.strip() for s in args.servers.split(",") if s.strip()]:
@@ -133,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  timeout_s=args.startup_timeout)
         with ctx:
             result = benchmark_server(url, name, requests, rates=rates, concurrencies=concs, model="bench-model",
-                                      slo_ms=parse_slo(args.slo), seed=args.seed, warmup=min(4, len(requests)))
+                                      slo_ms=parse_slo(args.slo), seed=args.seed, warmup_requests=warmup_requests,
+                                      request_sets=request_sets)
             if name == "ours" and not args.skip_client_check and peers.vllm_available():
                 result["client_check"] = client_check(url, checkpoint, requests, vocab, out_dir)
                 print("client check (same server):", json.dumps(result["client_check"], indent=1), flush=True)

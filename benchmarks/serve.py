@@ -224,26 +224,37 @@ def parse_slo(items: list[str]) -> dict[str, float]:
 def benchmark_server(url: str, label: str, requests: list[BenchRequest], *, rates: list[float],
                      concurrencies: list[int | None], burstiness: float = 1.0, slo_ms: dict | None = None,
                      seed: int = 0, model: str | None = None, api_key: str | None = None,
-                     warmup: int = 1, verbose: bool = True) -> dict:
-    """Run every (rate, concurrency) point against one server; -> {'label', 'model', 'runs': [...]}."""
+                     warmup: int = 1, verbose: bool = True,
+                     warmup_requests: list[BenchRequest] | None = None,
+                     request_sets: list[list[BenchRequest]] | None = None) -> dict:
+    """Run every (rate, concurrency) point against one server; -> {'label', 'model', 'runs': [...]}.
+
+    Warm-up sends `warmup_requests` if given, else the first `warmup` of `requests`. Every run
+    sends `requests`, or with `request_sets` run i sends `request_sets[i]`: prompts never seen
+    before by the server, so its prefix cache carries nothing from the warm-up or earlier runs."""
     model = model or asyncio.run(fetch_model_info(url))["id"]
-    if warmup:
-        asyncio.run(run_load(url, model, requests[:warmup], api_key=api_key))
+    warm = warmup_requests if warmup_requests is not None else requests[:warmup]
+    if warm:
+        asyncio.run(run_load(url, model, warm, api_key=api_key))
+    points = [(rate, conc) for rate in rates for conc in concurrencies]
+    if request_sets is not None and len(request_sets) < len(points):
+        raise ValueError(f"{len(request_sets)} request sets for {len(points)} runs")
     runs = []
-    for rate in rates:
-        for conc in concurrencies:
-            results, duration = asyncio.run(run_load(url, model, requests, request_rate=rate, burstiness=burstiness,
-                                                     max_concurrency=conc, seed=seed, api_key=api_key))
-            metrics = compute_metrics(results, duration, slo_ms)
-            errors = sorted({r.error for r in results if r.error})[:3]
-            run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": conc,
-                   "burstiness": burstiness, "metrics": metrics, "errors": errors}
-            runs.append(run)
-            if verbose:
-                rate_label = f"rate={run['request_rate']} conc={conc or 'unbounded'}"
-                print(format_metrics(label, rate_label, metrics), flush=True)
-                for e in errors:
-                    print("  error:", e, flush=True)
+    for i, (rate, conc) in enumerate(points):
+        run_requests = requests if request_sets is None else request_sets[i]
+        results, duration = asyncio.run(run_load(url, model, run_requests, request_rate=rate,
+                                                 burstiness=burstiness, max_concurrency=conc, seed=seed,
+                                                 api_key=api_key))
+        metrics = compute_metrics(results, duration, slo_ms)
+        errors = sorted({r.error for r in results if r.error})[:3]
+        run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": conc,
+               "burstiness": burstiness, "metrics": metrics, "errors": errors}
+        runs.append(run)
+        if verbose:
+            rate_label = f"rate={run['request_rate']} conc={conc or 'unbounded'}"
+            print(format_metrics(label, rate_label, metrics), flush=True)
+            for e in errors:
+                print("  error:", e, flush=True)
     return {"label": label, "url": url, "model": model, "slo_ms": slo_ms or {}, "runs": runs}
 
 

@@ -231,3 +231,30 @@ def test_ragged_bare_loop_matches_hf_generate(family, tiny_checkpoint, hf_model)
         expected, scores = hf_greedy(hf, ids, n)
         assert len(out["tokens"][i]) == n
         assert_greedy_match(out["tokens"][i], expected, scores, f"{family} request {i}")
+
+
+def test_benchmark_server_sends_fresh_prompts_per_run(monkeypatch):
+    """compare_servers' default: the warm-up and every rate get prompts of their own, so a
+    server's prefix cache carries nothing from one run to the next."""
+    import benchmarks.serve as serve
+
+    sent = []
+
+    async def fake_run_load(url, model, requests, **kwargs):
+        sent.append(list(requests))
+        return [], 1.0
+
+    monkeypatch.setattr(serve, "run_load", fake_run_load)
+    monkeypatch.setattr(serve, "compute_metrics", lambda results, duration, slo=None: {})
+    sets = [make_workload("mixed", vocab_size=500, seed=s, num_requests=3, scale=0.05) for s in (1, 2)]
+    warm = make_workload("mixed", vocab_size=500, seed=9, num_requests=2, scale=0.05)
+    out = serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, math.inf], concurrencies=[None],
+                                 model="m", warmup_requests=warm, request_sets=sets, verbose=False)
+    assert sent == [warm, sets[0], sets[1]] and len(out["runs"]) == 2
+    sent.clear()
+    serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, 2.0], concurrencies=[None], model="m",
+                           warmup=1, verbose=False)  # the old scheme: warm up on the first request
+    assert sent == [sets[0][:1], sets[0], sets[0]]
+    with pytest.raises(ValueError, match="request sets"):
+        serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, 2.0, 3.0], concurrencies=[None],
+                               model="m", request_sets=sets, verbose=False)
