@@ -75,15 +75,53 @@ def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chu
   return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def _online_attend_shared(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages,
+                          sm_scale, sliding_window, soft_cap):
+  """`_online_attend` for query rows of ONE sequence (page_ids [MBp], kv_len []), computed
+  head-major: the G query heads of a KV head and the R rows form one [R*G, D] x [D, L] matmul
+  per KV head (batch dimension leading), ~1.5x faster than the row-major einsums on CPU."""
+  R, Hkv, G, D = q.shape
+  L = chunk_pages * kv.page_size
+  qh = jnp.moveaxis(q, 1, 0).reshape(Hkv, R * G, D)                 # row r, head g -> r*G + g
+  row_pos = jnp.repeat(q_pos, G)                                     # [R*G]
+
+  def body(c, carry):
+    m, l, acc = carry
+    ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=-1)
+    keys = _gather_chunk(kv.k, kv.k_scale, ids, kv.load)            # [Hkv, L, D]
+    values = _gather_chunk(kv.v, kv.v_scale, ids, kv.load)
+    key_pos = c * L + jnp.arange(L)
+    in_ctx = (key_pos < kv_len)[None, :, None]
+    keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
+    visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)  # [R*G, L]
+    if sliding_window is not None:
+      visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
+    scores = jnp.einsum("hqd,hld->hql", qh, keys) * sm_scale       # [Hkv, R*G, L]
+    if soft_cap is not None:
+      scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible[None], scores, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(visible[None], jnp.exp(scores - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    pv = jnp.einsum("hql,hld->hqd", p, values)
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+  init = (jnp.full((Hkv, R * G), MASK_VALUE, jnp.float32), jnp.zeros((Hkv, R * G), jnp.float32),
+          jnp.zeros((Hkv, R * G, D), jnp.float32))
+  _, l, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]                    # [Hkv, R*G, D]
+  return jnp.moveaxis(out.reshape(Hkv, R, G, D), 0, 1)
+
+
 def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
                                    sliding_window=None, soft_cap=None, chunk_pages: int = 8,
                                    prefill_chunk_pages: int = 16, block_q: int = 32):
   """Same signature and semantics as the reference; padding rows come back as zeros.
 
   chunk_pages: KV pages per online-softmax step of the decode pass; prefill_chunk_pages and
-  block_q: the same, and query rows per block, for prefill sequences (larger blocks amortize
-  the per-iteration cost over long contexts: a 256-token chunk late in a 2000-token prompt,
-  Hq=9, D=64, took 63 ms at 16 rows / 8 pages and ~45 ms at 32-64 rows / 16 pages).
+  block_q: the same, and query rows per block, for prefill sequences. A 256-token chunk late in
+  a 2000-token prompt (Hq=9, Hkv=3, D=64) took 58 ms at 16 rows / 8 pages with row-major
+  einsums, 38 ms at 32 rows / 16 pages, 24 ms with the head-major `_online_attend_shared`.
   """
   T, Hq, D = q.shape
   S, MB = block_tables.shape
@@ -137,10 +175,9 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
         pos = kv_len - q_len + row
         qb = lax.dynamic_slice_in_dim(q_blocks, start + b * bq, bq).astype(jnp.float32)
         last_visible = jnp.minimum(kv_len, kv_len - q_len + jnp.minimum((b + 1) * bq, q_len))
-        o = _online_attend(qb, pos, kv, tables[s], kv_len, first_chunk(pos[0], L_prefill),
-                           (last_visible + L_prefill - 1) // L_prefill,
-                           chunk_pages=prefill_chunk_pages, sm_scale=sm_scale, sliding_window=sliding_window,
-                           soft_cap=soft_cap, shared_pages=True)
+        o = _online_attend_shared(qb, pos, kv, tables[s], kv_len, first_chunk(pos[0], L_prefill),
+                                  (last_visible + L_prefill - 1) // L_prefill, chunk_pages=prefill_chunk_pages,
+                                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         prev = lax.dynamic_slice_in_dim(out, start + b * bq, bq)
         merged = jnp.where((row < q_len)[:, None, None, None], o.astype(out.dtype), prev)
         return lax.dynamic_update_slice_in_dim(out, merged, start + b * bq, axis=0)
