@@ -94,7 +94,7 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
 
     def fresh_caches():
         return model.init_caches(num_pages, page_size, S + 1,
-                                 bit_storage=opts.impl("attention") in ("chunked", "reference"))
+                                 bit_storage=opts.kv_bit_storage)
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
 
@@ -176,7 +176,7 @@ def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tup
 
     def fresh_caches():
         return model.init_caches(num_pages, page_size, S + 1,
-                                 bit_storage=opts.impl("attention") in ("chunked", "reference"))
+                                 bit_storage=opts.kv_bit_storage)
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
 

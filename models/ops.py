@@ -50,6 +50,13 @@ class KernelOptions:
             return "chunked" if which == "attention" else "reference"
         return "pallas"
 
+    @property
+    def kv_bit_storage(self) -> bool:
+        """Whether bf16 / FP8 KV pages should be held as raw bits: the jnp attention paths want it
+        (XLA:CPU would convert the whole pool per write, see pallas_kernels/kv_cache.py); the
+        Pallas kernels read float pages."""
+        return self.impl("attention") in ("chunked", "reference")
+
 
 def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):
     """`fn` under shard_map: `split` -> the given head specs; else every operand replicated."""

@@ -33,31 +33,25 @@ def _gather_chunk(pages, scale, ids, load):
 
 
 def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages,
-                   sm_scale, sliding_window, soft_cap, shared_pages: bool):
-  """q [R, Hkv, G, D] f32 at positions q_pos [R]; page_ids [MBp] (shared) or [R, MBp];
-  kv_len [] or [R]. Online softmax over chunks [first_chunk, num_chunks) -> [R, Hkv, G, D]."""
+                   sm_scale, sliding_window, soft_cap):
+  """One query row per sequence (the decode pass): q [R, Hkv, G, D] f32 at positions q_pos [R],
+  page_ids [R, MBp], kv_len [R]. Online softmax over chunks [first_chunk, num_chunks)
+  -> [R, Hkv, G, D]."""
   R, Hkv, G, D = q.shape
   L = chunk_pages * kv.page_size
-  kv_len = jnp.broadcast_to(kv_len, (R,))
 
   def body(c, carry):
     m, l, acc = carry
     ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=-1)
-    keys = _gather_chunk(kv.k, kv.k_scale, ids, kv.load)            # [(R,) Hkv, L, D]
+    keys = _gather_chunk(kv.k, kv.k_scale, ids, kv.load)            # [R, Hkv, L, D]
     values = _gather_chunk(kv.v, kv.v_scale, ids, kv.load)
     key_pos = c * L + jnp.arange(L)
     visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])  # [R, L]
     if sliding_window is not None:
       visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
-    if shared_pages:
-      in_ctx = (key_pos < jnp.max(kv_len))[None, :, None]
-      keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
-      scores = jnp.einsum("rhgd,hld->rhgl", q, keys)
-    else:
-      in_ctx = (key_pos[None, :] < kv_len[:, None])[:, None, :, None]
-      keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)
-      scores = jnp.einsum("rhgd,rhld->rhgl", q, keys)
-    scores = scores * sm_scale
+    in_ctx = (key_pos[None, :] < kv_len[:, None])[:, None, :, None]
+    keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
+    scores = jnp.einsum("rhgd,rhld->rhgl", q, keys) * sm_scale
     if soft_cap is not None:
       scores = soft_cap * jnp.tanh(scores / soft_cap)
     vis = visible[:, None, None, :]
@@ -65,8 +59,7 @@ def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chu
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     p = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    pv = (jnp.einsum("rhgl,hld->rhgd", p, values) if shared_pages
-          else jnp.einsum("rhgl,rhld->rhgd", p, values))
+    pv = jnp.einsum("rhgl,rhld->rhgd", p, values)
     return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
   init = (jnp.full((R, Hkv, G), MASK_VALUE, jnp.float32), jnp.zeros((R, Hkv, G), jnp.float32),
@@ -77,8 +70,8 @@ def _online_attend(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chu
 
 def _online_attend_shared(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages,
                           sm_scale, sliding_window, soft_cap):
-  """`_online_attend` for query rows of ONE sequence (page_ids [MBp], kv_len []), computed
-  head-major: the G query heads of a KV head and the R rows form one [R*G, D] x [D, L] matmul
+  """The online softmax for a block of query rows of ONE sequence (prefill; page_ids [MBp],
+  kv_len []), computed head-major: the G query heads of a KV head and the R rows form one [R*G, D] x [D, L] matmul
   per KV head (batch dimension leading), ~1.5x faster than the row-major einsums on CPU."""
   R, Hkv, G, D = q.shape
   L = chunk_pages * kv.page_size
@@ -160,7 +153,7 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
     n = (jnp.max(jnp.where(row_live, row_kv_len, 0)) + L - 1) // L
     start = first_chunk(jnp.min(jnp.where(row_live, pos, jnp.iinfo(jnp.int32).max)), L)
     o = _online_attend(rows, pos, kv, row_tables, row_kv_len, start, n, chunk_pages=chunk_pages,
-                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, shared_pages=False)
+                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return out.at[jnp.where(row_live, token, T)].set(o.reshape(-1, Hq, D).astype(q.dtype), mode="drop")
 
   def by_sequence(out):

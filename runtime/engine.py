@@ -70,7 +70,7 @@ class LLMEngine:
         self.opts = KernelOptions(attention=config.attention_backend, gdn=config.gdn_backend,
                                   interpret=config.interpret, tp=self.model.tp)
         self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype,
-                                             bit_storage=self.opts.impl("attention") in ("chunked", "reference"))
+                                             bit_storage=self.opts.kv_bit_storage)
         self.token_buckets = pow2_buckets(config.max_num_batched_tokens, explicit=config.token_buckets)
         self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
         self.executables = StepExecutables(
