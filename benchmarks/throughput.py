@@ -335,7 +335,8 @@ def section_kvdtype(model, checkpoint: str, args) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model, dtype=args.dtype, kv_cache_dtype=kv_dtype, num_pages=num_pages, page_size=16,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, aot_compile=True, seed=0)
+                  max_model_len=args.max_model_len, aot_compile=True, seed=0,
+                  enable_prefix_caching=args.prefix_caching)
         startup = time.perf_counter() - t0
         run_ours(llm, requests[: min(len(requests), 2)])  # warm-up, as in section_throughput
         runs = [run_ours(llm, requests) for _ in range(args.repeats)]
