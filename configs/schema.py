@@ -149,6 +149,14 @@ class CompileConfig(_Section):
 class KernelsConfig(_Section):
     attention_backend: Backend = "auto"
     gdn_backend: Backend = "auto"
+    # How the step runs the layers: one compiled layer group under lax.scan (compile time flat in
+    # depth), or unrolled (weights read in place; faster on CPU for small models). auto: unroll
+    # on the CPU backend for models of up to 16 layers, scan otherwise.
+    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
+    # A second backbone per token bucket with the argmax fused in, used by steps whose requests
+    # are all plain greedy (one dispatch, no sampling metadata). null: on the CPU backend only
+    # (it doubles the backbone compiles).
+    fuse_greedy: bool | None = None
 
 
 class ServerConfig(_Section):

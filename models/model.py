@@ -23,7 +23,7 @@ from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
 from models.sharding import shard_caches
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
-from models.transformer import compute_logits, forward
+from models.transformer import compute_logits, forward, unstack_layers
 from models.weights import DictSource, load_params
 
 
@@ -49,6 +49,16 @@ class Model:
     @property
     def num_groups(self) -> int:
         return self.cfg.num_layers // self.cfg.layer_period()
+
+    @property
+    def unrolled(self) -> bool:
+        return "layers" in self.params
+
+    def unstack_layers(self) -> None:
+        """Hold one array per layer group instead of stacked ones: `forward` then runs the groups
+        unrolled (`models.transformer.unstack_layers`). Call after `shard_model`."""
+        if not self.unrolled:
+            self.params = unstack_layers(self.params)
 
     def init_caches(self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto",
                     bit_storage: bool = False) -> dict:

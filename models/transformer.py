@@ -3,7 +3,9 @@
 `forward(params, caches, batch, cfg=..., opts=...)` embeds the flat token batch, runs the layer
 groups under `lax.scan` (one scan step = one repetition of the hybrid pattern, so compile time
 does not grow with depth), and returns final hidden states at `batch.logits_indices` plus the
-updated caches. Caches hold, per position in the group, the layers of every group stacked along
+updated caches. Params from `unstack_layers` (one array per group instead of stacked ones) run
+unrolled: XLA:CPU copies every weight slice a scan step reads before its matmul, which on a
+small model is a fifth of a decode step; the unrolled loop reads the weights in place. Caches hold, per position in the group, the layers of every group stacked along
 the page (or slot) axis: layer-group g uses pages `[g*P, (g+1)*P)` and slots `[g*N, (g+1)*N)`,
 so the ops see one ordinary page pool and the scan carries each cache in place.
 """
@@ -161,7 +163,10 @@ def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.
     x = params["embed"][batch.input_ids]
     rope = rope_tables(batch.positions, cfg)
     n_groups = cfg.num_layers // cfg.layer_period()
-    if scan_layers and n_groups > 1:
+    if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
+        for g, params_g in enumerate(params["layers"]):
+            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+    elif scan_layers and n_groups > 1:
         def body(carry, xs):
             x, caches = carry
             params_g, g = xs
@@ -174,6 +179,16 @@ def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.
             x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
+
+
+def unstack_layers(params: dict) -> dict:
+    """Stacked `groups` (each leaf [G, ...]) -> `layers`: a tuple of G groups whose leaves are
+    separate arrays (same shardings); `forward` then runs the groups unrolled. The stacked
+    arrays are not kept."""
+    groups = params["groups"]
+    n_groups = jax.tree.leaves(groups)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, g=g: a[g], groups) for g in range(n_groups))
+    return {**{k: v for k, v in params.items() if k != "groups"}, "layers": layers}
 
 
 def compute_logits(params, hidden):

@@ -28,6 +28,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
+    layer_loop: str = "auto"  # scan | unroll | auto (unroll on CPU up to UNROLL_MAX_LAYERS_CPU layers)
+    fuse_greedy: bool | None = None  # greedy backbone per bucket (StepExecutables); None: on the CPU backend
     interpret: Any = False
     aot_compile: bool = True
     compile_cache_dir: str | None = None
@@ -46,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1):
             raise ValueError(f"mesh_shape must be (data, model) with both >= 1, got {self.mesh_shape}")
+        if self.layer_loop not in ("auto", "scan", "unroll"):
+            raise ValueError(f"layer_loop must be auto, scan or unroll, got {self.layer_loop!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

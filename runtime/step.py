@@ -2,7 +2,15 @@
 
     backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
     sampler[S, n_logprobs, penalty widths, all_greedy](params, hidden, meta) -> SamplerOutput
+    greedy_backbone[T](params, caches, batch) -> (caches, tokens [min(T, max_num_seqs)])
     copy_states(caches, src, dst) -> caches                                     caches donated
+
+`greedy_backbone` (with `fuse_greedy=True`) is the backbone with the argmax of the logits
+fused in: the step of a batch whose every request is plain greedy (temperature 0, no
+penalties, banned tokens or logprobs) is one executable and needs no sampling metadata —
+vLLM's all-greedy fast path taken one dispatch further. It returns what the all-greedy
+sampler would (the argmax of the same float32 logits) for the first min(T, max_num_seqs)
+rows, which hold every live sequence (each has at least one token in the step).
 
 The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
 bar and per-bucket timings); a step whose token count exceeds the largest bucket raises
@@ -52,7 +60,7 @@ def _sharded_spec(x):
 
 class StepExecutables:
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256):
+                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False):
         self.model, self.opts = model, opts
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
@@ -62,7 +70,9 @@ class StepExecutables:
         self._replicated = None if opts.tp is None else opts.tp.spec()
         cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
         self._cache_specs = jax.tree.map(self._specs, caches)
+        self.fuse_greedy = fuse_greedy
         self._backbones: dict[int, object] = {}
+        self._greedy_backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
         self._copy = None
         self.compile_seconds: dict[str, float] = {}
@@ -74,6 +84,13 @@ class StepExecutables:
 
         pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated)}
         self._backbone_jit = jax.jit(backbone, donate_argnums=1, **pinned)
+
+        def greedy_backbone(params, caches, batch):
+            caches, hidden = backbone(params, caches, batch)
+            rows = min(batch.input_ids.shape[0], max_num_seqs)
+            return caches, jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
+
+        self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
 
         def sampler(params, hidden, meta, *, num_rows, num_logprobs, all_greedy):
             logits = compute_logits(params, hidden[:num_rows])
@@ -124,12 +141,13 @@ class StepExecutables:
             banned_ids=spec((S, banned), i32))
 
     # ---- compile ------------------------------------------------------------------------
-    def _compile_backbone(self, T: int):
+    def _compile_backbone(self, T: int, greedy: bool = False):
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
-        exe = self._backbone_jit.trace(params, self._cache_specs, self._batch_spec(T)).lower().compile()
-        self.compile_seconds[f"backbone[T={T}]"] = time.perf_counter() - t0
-        self._backbones[T] = exe
+        fn = self._greedy_backbone_jit if greedy else self._backbone_jit
+        exe = fn.trace(params, self._cache_specs, self._batch_spec(T)).lower().compile()
+        self.compile_seconds[f"{'greedy_' if greedy else ''}backbone[T={T}]"] = time.perf_counter() - t0
+        (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
 
     def _compile_sampler(self, key):
@@ -146,12 +164,15 @@ class StepExecutables:
         return exe
 
     def compile_all(self, progress: bool = True) -> dict[str, float]:
-        """Compile every backbone bucket and the plain and all-greedy samplers of every sequence bucket."""
+        """Compile every backbone bucket (and its greedy twin with `fuse_greedy`) and the plain and
+        all-greedy samplers of every sequence bucket."""
         jobs = ([("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
                 + [("greedy sampler", S) for S in self.seq_buckets])
+        if self.fuse_greedy:
+            jobs += [("greedy backbone", T) for T in self.token_buckets]
         for kind, n in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
-            if kind == "backbone":
-                self._compile_backbone(n)
+            if kind in ("backbone", "greedy backbone"):
+                self._compile_backbone(n, greedy=kind == "greedy backbone")
             else:
                 self._compile_sampler((n, 0, 0, 0, 0, kind == "greedy sampler"))
         return dict(self.compile_seconds)
@@ -165,6 +186,19 @@ class StepExecutables:
                 raise BucketMiss(f"token count {T} is not a compiled bucket {self.token_buckets}")
             log.info("compiling backbone bucket T=%d (not compiled ahead of time)", T)
             exe = self._compile_backbone(T)
+        return exe(params, caches, batch)
+
+    def run_greedy_backbone(self, params, caches, batch: ForwardBatch):
+        """-> (caches, argmax tokens of the first min(T, max_num_seqs) rows)."""
+        if not self.fuse_greedy:
+            raise RuntimeError("the greedy backbone is off (StepExecutables(fuse_greedy=False))")
+        T = batch.input_ids.shape[0]
+        exe = self._greedy_backbones.get(T)
+        if exe is None:
+            if T not in self.token_buckets:
+                raise BucketMiss(f"token count {T} is not a compiled bucket {self.token_buckets}")
+            log.info("compiling greedy backbone bucket T=%d (not compiled ahead of time)", T)
+            exe = self._compile_backbone(T, greedy=True)
         return exe(params, caches, batch)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False):

@@ -9,6 +9,9 @@ def test_pow2_buckets_include_limit():
     assert pow2_buckets(8, minimum=16) == (8,)
     assert pow2_buckets(64, minimum=1) == (1, 2, 4, 8, 16, 32, 64)
     assert pow2_buckets(100, explicit=(48, 16, 200)) == (16, 48, 100)
+    assert pow2_buckets(256, minimum=4, fine_until=16) == (4, 6, 8, 12, 16, 32, 64, 128, 256)
+    assert pow2_buckets(16, minimum=4, fine_until=64) == (4, 6, 8, 12, 16)
+    assert pow2_buckets(512, fine_until=16) == pow2_buckets(512)  # nothing below the minimum
 
 
 def test_bucket_for_rounds_up_and_misses_loudly():

@@ -54,6 +54,7 @@ def test_multihost_config_has_one_process_per_host():
     ({"server.api_key": " "}, "server.api_key", "non-empty"),
     ({"server.pot": 1}, "server.pot", "unknown field"),
     ({"kernels.gdn_backend": "triton"}, "kernels.gdn_backend", "pallas"),
+    ({"kernels.layer_loop": "vmap"}, "kernels.layer_loop", "'unroll'"),
     ({"parallel.mesh.model": 0}, "parallel.mesh.model", "greater than or equal to 1"),
     ({"parallel.role": "router"}, "parallel.role", "prefill"),
     ({"parallel.multihost": {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 2}},
@@ -108,3 +109,13 @@ def test_bad_files(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_config(empty) == LaunchConfig()
+
+
+def test_kernels_step_options_reach_the_engine_config():
+    from configs.schema import config_from_dict
+    from runtime.engine_client import engine_config_from_launch
+
+    default = engine_config_from_launch(config_from_dict({}), "m")
+    assert (default.layer_loop, default.fuse_greedy) == ("auto", None)
+    cfg = engine_config_from_launch(config_from_dict({"kernels": {"layer_loop": "scan", "fuse_greedy": False}}), "m")
+    assert (cfg.layer_loop, cfg.fuse_greedy) == ("scan", False)

@@ -46,12 +46,20 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert s["num_running"] == 0 and s["num_waiting"] == 0, s
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_batch_invariance_vs_hf(family, tiny_checkpoint, hf_model):
+@pytest.mark.parametrize("family,step", [("llama", "auto"), ("qwen3_5", "auto"), ("qwen3_5", "scan+sampler")])
+def test_batch_invariance_vs_hf(family, step, tiny_checkpoint, hf_model):
+    """`auto` on CPU: layers unrolled, greedy steps through the fused greedy backbone, token
+    buckets from 4; `scan+sampler`: the accelerator defaults (layer scan, separate sampler)."""
     path = tiny_checkpoint(family)
+    variant = {} if step == "auto" else {"layer_loop": "scan", "fuse_greedy": False}
     engine = LLMEngine(EngineConfig(
         model=str(path), dtype="float32", page_size=16, num_pages=70, max_num_seqs=16,
-        max_num_batched_tokens=128, enable_prefix_caching=True, max_model_len=512))
+        max_num_batched_tokens=128, enable_prefix_caching=True, max_model_len=512, **variant))
+    if step == "auto":
+        assert engine.layer_loop == "unroll" and engine.model.unrolled and engine.executables.fuse_greedy
+        assert engine.token_buckets[0] == 4
+    else:
+        assert engine.layer_loop == "scan" and not engine.model.unrolled and not engine.executables.fuse_greedy
     vocab = engine.model.cfg.vocab_size
     prompts = _prompts(vocab)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
