@@ -49,6 +49,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model.cfg.vocab_size
         self.tokenizer = engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}

@@ -31,6 +31,7 @@ class EngineClient(Protocol):
 
     model_name: str  # the served model id reported by /v1/models
     max_model_len: int
+    vocab_size: int  # rows of the model's embedding: prompt token ids must be below it
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...

@@ -79,7 +79,7 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
               logprobs: int | None, echo_texts: list[str] | None = None) -> Job:
     """Check lengths against max_model_len and fan the prompts out into engine requests."""
     base = sampling_params(body, requested_max_tokens, logprobs)
-    vocab_size = len(engine.tokenizer)
+    vocab_size = engine.vocab_size  # the model's, as vLLM checks (a tokenizer may be smaller or larger)
     max_len = engine.max_model_len
     requests, choices = [], []
     for prompt_index, prompt in enumerate(prompts):

@@ -144,3 +144,18 @@ def test_disconnect_burst_frees_everything(server):
     while not _all_free(server.engine.stats()) and time.time() < deadline:
         time.sleep(0.2)
     assert _all_free(server.engine.stats()), server.engine.stats()
+
+
+def test_prompt_token_ids_are_checked_against_the_model_vocabulary(client, model, offline):
+    """The bound is the model's embedding (vLLM's rule), not the tokenizer's length: the tiny
+    checkpoint's tokenizer is smaller than its vocabulary, and ids between the two are valid input."""
+    vocab = model.cfg.vocab_size
+    prompt = [vocab - 1, 5, vocab - 2]
+    ref = offline.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    r = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4 and r.choices[0].text == ref.text
+    with pytest.raises(openai.BadRequestError, match=rf"token id {vocab} is out of vocabulary \(size {vocab}\)"):
+        client.completions.create(model="tiny-model", prompt=[5, vocab], max_tokens=4)
+    r = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1  # the refused request cost nothing: the server goes on
