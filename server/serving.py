@@ -160,8 +160,9 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest]) ->
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | None]:
-    """Record a new cumulative output; return (new text, new logprob entries, finish reason)."""
+def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | None, int]:
+    """Record a new cumulative output; return (new text, new logprob entries, finish reason,
+    number of new tokens)."""
     completion = output.outputs[0]
     choice.output = completion
     text = completion.text
@@ -171,10 +172,11 @@ def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | No
     if new_text:
         choice.text = text
     new_logprobs = (completion.logprobs or [])[choice.tokens_sent:]
+    new_tokens = len(completion.token_ids) - choice.tokens_sent
     choice.tokens_sent = len(completion.token_ids)
     if choice.timer is not None:
         choice.timer.on_output(len(completion.token_ids), completion.finish_reason)
-    return new_text, new_logprobs, completion.finish_reason
+    return new_text, new_logprobs, completion.finish_reason, new_tokens
 
 
 class Formatter:
@@ -205,7 +207,8 @@ class Formatter:
         make = formats.chat_chunk if self.chat else formats.completion_chunk
         return make(_response_id(job, self.chat), job.model, created, choices, job.include_usage)
 
-    def chunk_choices(self, job: Job, choice: Choice, text: str, entries: list, finish: str | None) -> list[dict]:
+    def chunk_choices(self, job: Job, choice: Choice, text: str, entries: list, finish: str | None,
+                      new_tokens: int = 0) -> list[dict]:
         offset = len(choice.prefix) + len(choice.text) - len(text)
         logprobs = self.logprobs(entries, job, choice, offset) if entries else None
         stop_reason = choice.output.stop_reason if finish else None
@@ -215,8 +218,8 @@ class Formatter:
         if not choice.role_sent:
             choice.role_sent = True
             out.append(formats.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""}, None, None))
-        if text or logprobs or finish:
-            delta = {"content": text} if text else {}
+        if text or logprobs or finish or new_tokens:
+            delta = {"content": text} if text or new_tokens else {}
             out.append(formats.chat_chunk_choice(choice.index, delta, logprobs, finish, stop_reason))
         return out
 
@@ -256,10 +259,13 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
             async for index, output in outputs:
                 choice = job.choices[index]
-                text, entries, finish = _advance(choice, output)
-                if not (text or entries or finish):
+                text, entries, finish, new_tokens = _advance(choice, output)
+                # Like vLLM, a chunk for every step that produced tokens, even when they add no
+                # visible text yet (a partial UTF-8 character, a possible stop string held
+                # back): clients and `vllm bench serve` then see every token's timing.
+                if not (text or entries or finish or new_tokens):
                     continue
-                for choice_chunk in formatter.chunk_choices(job, choice, text, entries, finish):
+                for choice_chunk in formatter.chunk_choices(job, choice, text, entries, finish, new_tokens):
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
         if job.include_usage:
             final = formatter.chunk(job, created, [])

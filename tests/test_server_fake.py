@@ -274,3 +274,32 @@ def test_unknown_model_is_404(server):
 
     error = run(go())
     assert error.body["code"] == "model_not_found" and error.body["param"] == "model"
+
+
+def test_stream_sends_a_chunk_for_every_token_even_without_text(server, tokenizer):
+    """vLLM's rule, which `vllm bench serve`'s TTFT / ITL rely on: a token that adds no visible
+    text (here special token 1, skipped when decoding) still gets its chunk, with empty text."""
+    vocab = len(tokenizer)
+    prompt = [114]  # the first generated token: 7 * 114 + 3 = 801 = 1 (mod 400), a special token
+    tokens = hand_tokens(prompt, 5, None, vocab)
+    assert vocab == 400 and tokens[0] == 1 and hand_text(tokenizer, tokens[:1]) == ""
+    chat_ids = chat_prompt_ids(tokenizer, "x")  # ends with <|assistant|> (id 3): 7 * 3 + 3 + 377 = 401
+    chat_tokens = hand_tokens(chat_ids, 5, 377, vocab)
+    assert chat_tokens[0] == 1
+
+    async def go():
+        async with client(server) as c:
+            stream = await c.completions.create(model="fake-model", prompt=prompt, max_tokens=5, stream=True)
+            completion = [chunk async for chunk in stream]
+            stream = await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=5, seed=377, stream=True)
+            return completion, [chunk async for chunk in stream]
+
+    completion, chat = run(go())
+    texts = [choice.text for chunk in completion for choice in chunk.choices]
+    assert len(texts) == 5 and texts[0] == ""
+    assert "".join(texts) == hand_text(tokenizer, tokens)
+    deltas = [choice.delta for chunk in chat for choice in chunk.choices]
+    assert deltas[0].role == "assistant" and len(deltas) == 1 + 5  # the role chunk, then one per token
+    assert deltas[1].content == ""
+    assert "".join(d.content or "" for d in deltas) == hand_text(tokenizer, chat_tokens)
