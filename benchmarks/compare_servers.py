@@ -38,6 +38,9 @@ def vllm_bench_serve(url: str, tokenizer_dir: str, *, input_len: int, output_len
            "--model", "bench-model", "--tokenizer", tokenizer_dir, "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--random-range-ratio", "0",
            "--num-prompts", str(num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+           # greedy like our client: `vllm bench serve` stopped sending temperature 0 by default
+           # (its requests then sample at the server's default temperature 1.0)
+           "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
     log = out_dir / f"{name}.log"
