@@ -5,8 +5,10 @@ groups under `lax.scan` (one scan step = one repetition of the hybrid pattern, s
 does not grow with depth), and returns final hidden states at `batch.logits_indices` plus the
 updated caches. Params from `unstack_layers` (one array per group instead of stacked ones) run
 unrolled: XLA:CPU copies every weight slice a scan step reads before its matmul, which on a
-small model is a fifth of a decode step; the unrolled loop reads the weights in place. Caches hold, per position in the group, the layers of every group stacked along
-the page (or slot) axis: layer-group g uses pages `[g*P, (g+1)*P)` and slots `[g*N, (g+1)*N)`,
+small model is a fifth of a decode step; the unrolled loop reads the weights in place.
+
+Caches hold, per position in the group, the layers of every group stacked along the page (or
+slot) axis: layer-group g uses pages `[g*P, (g+1)*P)` and slots `[g*N, (g+1)*N)`,
 so the ops see one ordinary page pool and the scan carries each cache in place.
 """
 

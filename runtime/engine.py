@@ -47,7 +47,7 @@ UNROLL_MAX_LAYERS_CPU = 16
 # tail of a mixed batch decodes a few sequences for many steps. For the same reason CPU also
 # gets the 1.5x buckets (6, 12, 24, ...) up to max_num_seqs, the sizes decode steps take
 # (tiny dense mixed workload: ~10% more tokens/s).
-MIN_TOKEN_BUCKET = {"cpu": 4}
+MIN_TOKEN_BUCKET_CPU = 4
 MIN_TOKEN_BUCKET_ACCELERATOR = 16
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
 
@@ -71,9 +71,10 @@ class LLMEngine:
         if config.mesh_shape is not None and self.model.tp is None:
             shard_model(self.model, make_mesh(*config.mesh_shape))
         cfg = self.model.cfg
-        self.layer_loop = resolve_layer_loop(config.layer_loop, cfg.num_layers, jax.default_backend())
-        if self.layer_loop == "unroll":
+        if resolve_layer_loop(config.layer_loop, cfg.num_layers, jax.default_backend()) == "unroll":
             self.model.unstack_layers()
+        # what actually runs: a Model another engine already unstacked stays unrolled
+        self.layer_loop = "unroll" if self.model.unrolled else "scan"
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
@@ -97,7 +98,7 @@ class LLMEngine:
         on_cpu = jax.default_backend() == "cpu"
         self.token_buckets = pow2_buckets(
             config.max_num_batched_tokens, explicit=config.token_buckets,
-            minimum=MIN_TOKEN_BUCKET.get(jax.default_backend(), MIN_TOKEN_BUCKET_ACCELERATOR),
+            minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
             fine_until=config.max_num_seqs if on_cpu else 0)
         self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
         # The greedy backbone doubles the backbone executables; on CPU, where a dispatch and the
