@@ -14,10 +14,11 @@ so there top-p renormalises over the min-p survivors).
 
 Rows with temperature > 0 and no filter at all must sample from the whole vocabulary: drawing
 them from the top `max_top_k` would silently drop the tail mass (a few percent on flat
-distributions). They are sampled exactly by Gumbel-max over the full vocabulary, under a
-`lax.cond` so a batch with no such row pays nothing (when one is present the [S, V] Gumbel
-noise cost ~25 ms at S=8, V=32k on the 2-core CPU); `exact_unfiltered=False` trades that
-exactness for speed by sampling them among the candidates too.
+distributions). They are sampled exactly over the full vocabulary by a two-level inverse CDF
+(`_full_vocab_inverse_cdf`), under a `lax.cond` so a batch with no such row pays nothing
+(Gumbel-max over [S, V] noise cost 18 ms at S=16, V=49152 on the 2-core CPU, the inverse CDF
+4 ms); `exact_unfiltered=False` trades that exactness for speed by sampling them among the
+candidates too.
 
 Greedy rows (temperature 0) take candidate 0 via `where`, so top_k's indices are gathered once
 (using them twice made XLA CPU replace TopK by a full sort; see `hlo_has_full_sort`). Each
@@ -216,7 +217,7 @@ def sample(
                       & (meta.top_p >= 1.0) & (meta.min_p <= 0.0))  # [S]
         full_tokens = lax.cond(
             jnp.any(unfiltered),
-            _full_vocab_gumbel_max,
+            _full_vocab_inverse_cdf,
             lambda scaled_logits, _: jnp.zeros((num_rows,), jnp.int32),
             full_scaled, full_keys,
         )
@@ -238,11 +239,30 @@ def _with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int, top_k_i
                          top_logprobs=top_logprobs)
 
 
-def _full_vocab_gumbel_max(scaled_logits: jax.Array, keys: jax.Array) -> jax.Array:
-    # scaled_logits [S, V], keys [S] -> [S] i32: one exact categorical draw per row.
-    vocab = scaled_logits.shape[1]
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,)))(keys)  # [S, V]
-    return jnp.argmax(scaled_logits + gumbel, axis=1).astype(jnp.int32)
+_CDF_BLOCK = 256
+
+
+def _full_vocab_inverse_cdf(scaled_logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """scaled_logits [S, V], keys [S] -> [S] i32: one exact categorical draw per row, by inverse
+    CDF in two levels (a block of 256 tokens by its probability mass, then a token within the
+    block), so no float32 prefix sum runs longer than max(V / 256, 256) terms. Two uniforms a
+    row instead of V Gumbel draws: at S=16, V=49152 on the 2-core CPU 4 ms instead of 18 ms.
+    A zero-probability token (a -inf logit) is never drawn."""
+    num_rows, vocab = scaled_logits.shape
+    num_blocks = -(-vocab // _CDF_BLOCK)
+    x = jnp.pad(scaled_logits, ((0, 0), (0, num_blocks * _CDF_BLOCK - vocab)), constant_values=-jnp.inf)
+    p = jnp.exp(x - jnp.max(x, axis=1, keepdims=True)).reshape(num_rows, num_blocks, _CDF_BLOCK)
+    block_mass = jnp.sum(p, axis=2)  # [S, nb]
+    block_keys, token_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+
+    def draw(keys, weights):  # weights [S, n] >= 0 -> index [S] with probability weight / sum
+        cdf = jnp.cumsum(weights, axis=1)
+        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * cdf[:, -1]
+        return jnp.minimum(jnp.sum(cdf <= u[:, None], axis=1), weights.shape[1] - 1)
+
+    block = draw(block_keys, block_mass)  # [S]
+    within = draw(token_keys, jnp.take_along_axis(p, block[:, None, None], axis=1)[:, 0])  # [S]
+    return (block * _CDF_BLOCK + within).astype(jnp.int32)
 
 
 _SHAPE = re.compile(r"\[([0-9,]+)\]")

@@ -310,3 +310,23 @@ def test_banned_ids_are_never_sampled():
         m = dataclasses.replace(meta, steps=np.full(4, step, np.int32))
         toks = np.asarray(sample(jnp.asarray(logits), m, max_top_k=8).tokens)
         assert toks[1] not in (0, 1, 2) and toks[2] not in (0, 5) and toks[2] in (1, 2, 3)
+
+
+def test_full_vocabulary_path_spans_blocks_exactly():
+    """The exact unfiltered path draws a 256-token block, then a token in it: over a vocabulary
+    of three blocks (the last one partial) the draws follow softmax, and -inf tokens never come."""
+    vocab, samples = 600, 20_000
+    rng = np.random.default_rng(7)
+    live = np.sort(rng.choice(vocab, size=40, replace=False))
+    live[-1] = vocab - 1  # the last token of the partial block is live too
+    logits = np.full(vocab, -np.inf, np.float32)
+    logits[live] = rng.normal(size=live.size).astype(np.float32) * 1.2
+    meta = build([SamplingParams(temperature=1.0, seed=99)] * samples, samples, steps=list(range(samples)))
+    tokens = np.asarray(sample(jnp.asarray(np.tile(logits, (samples, 1))), meta, max_top_k=8).tokens)
+    counts = np.bincount(tokens, minlength=vocab)
+    assert counts[np.setdiff1d(np.arange(vocab), live)].sum() == 0
+    assert {t // 256 for t in tokens.tolist()} == {0, 1, 2}
+    expected = np.exp(logits[live] - logits[live].max())
+    expected = expected / expected.sum() * samples
+    chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+    assert chi2 < chi_square_critical(live.size - 1), f"chi2 {chi2:.1f} (df {live.size - 1})"
