@@ -153,9 +153,9 @@ class KernelsConfig(_Section):
     # depth), or unrolled (weights read in place; faster on CPU for small models). auto: unroll
     # on the CPU backend for models of up to 16 layers, scan otherwise.
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
-    # A second backbone per token bucket with the argmax fused in, used by steps whose requests
-    # are all plain greedy (one dispatch, no sampling metadata). null: on the CPU backend only
-    # (it doubles the backbone compiles).
+    # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
+    # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
+    # null: on the CPU backend only (it adds compiles).
     fuse_greedy: bool | None = None
 
 

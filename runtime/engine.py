@@ -101,8 +101,8 @@ class LLMEngine:
             minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
             fine_until=config.max_num_seqs if on_cpu else 0)
         self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
-        # The greedy backbone doubles the backbone executables; on CPU, where a dispatch and the
-        # sampling metadata are ~1.5 ms of a ~6 ms small-model decode step, that pays (auto).
+        # The greedy backbones (decode-sized buckets) add executables; on CPU, where a dispatch and
+        # the sampling metadata are ~1.5 ms of a ~6 ms small-model decode step, that pays (auto).
         fuse_greedy = config.fuse_greedy if config.fuse_greedy is not None else on_cpu
         self.executables = StepExecutables(
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
@@ -197,7 +197,8 @@ class LLMEngine:
                             max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        plain_greedy = ex.fuse_greedy and all(self._plain_greedy(r) for r in reqs)
+        plain_greedy = (batch.input_ids.shape[0] in ex.greedy_buckets
+                        and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         if plain_greedy:

@@ -10,7 +10,9 @@ fused in: the step of a batch whose every request is plain greedy (temperature 0
 penalties, banned tokens or logprobs) is one executable and needs no sampling metadata —
 vLLM's all-greedy fast path taken one dispatch further. It returns what the all-greedy
 sampler would (the argmax of the same float32 logits) for the first min(T, max_num_seqs)
-rows, which hold every live sequence (each has at least one token in the step).
+rows, which hold every live sequence (each has at least one token in the step). It exists for
+the decode-sized buckets only (T <= max_num_seqs, `greedy_buckets`), where the sampler's
+dispatch is a real share of the step; larger (prefill) steps keep backbone + sampler.
 
 The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
 bar and per-bucket timings); a step whose token count exceeds the largest bucket raises
@@ -71,6 +73,7 @@ class StepExecutables:
         cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
         self._cache_specs = jax.tree.map(self._specs, caches)
         self.fuse_greedy = fuse_greedy
+        self.greedy_buckets = tuple(T for T in self.token_buckets if T <= max_num_seqs) if fuse_greedy else ()
         self._backbones: dict[int, object] = {}
         self._greedy_backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
@@ -168,8 +171,7 @@ class StepExecutables:
         all-greedy samplers of every sequence bucket."""
         jobs = ([("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
                 + [("greedy sampler", S) for S in self.seq_buckets])
-        if self.fuse_greedy:
-            jobs += [("greedy backbone", T) for T in self.token_buckets]
+        jobs += [("greedy backbone", T) for T in self.greedy_buckets]
         for kind, n in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind in ("backbone", "greedy backbone"):
                 self._compile_backbone(n, greedy=kind == "greedy backbone")
@@ -190,13 +192,11 @@ class StepExecutables:
 
     def run_greedy_backbone(self, params, caches, batch: ForwardBatch):
         """-> (caches, argmax tokens of the first min(T, max_num_seqs) rows)."""
-        if not self.fuse_greedy:
-            raise RuntimeError("the greedy backbone is off (StepExecutables(fuse_greedy=False))")
         T = batch.input_ids.shape[0]
         exe = self._greedy_backbones.get(T)
         if exe is None:
-            if T not in self.token_buckets:
-                raise BucketMiss(f"token count {T} is not a compiled bucket {self.token_buckets}")
+            if T not in self.greedy_buckets:
+                raise BucketMiss(f"token count {T} has no greedy backbone (greedy buckets {self.greedy_buckets})")
             log.info("compiling greedy backbone bucket T=%d (not compiled ahead of time)", T)
             exe = self._compile_backbone(T, greedy=True)
         return exe(params, caches, batch)

@@ -58,6 +58,7 @@ def test_batch_invariance_vs_hf(family, step, tiny_checkpoint, hf_model):
     if step == "auto":
         assert engine.layer_loop == "unroll" and engine.model.unrolled and engine.executables.fuse_greedy
         assert engine.token_buckets[0] == 4
+        assert engine.executables.greedy_buckets == tuple(T for T in engine.token_buckets if T <= 16)
     else:
         assert engine.layer_loop == "scan" and not engine.model.unrolled and not engine.executables.fuse_greedy
     vocab = engine.model.cfg.vocab_size
