@@ -181,24 +181,23 @@ class StepExecutables:
 
     # ---- run ----------------------------------------------------------------------------
     def run_backbone(self, params, caches, batch: ForwardBatch):
-        T = batch.input_ids.shape[0]
-        exe = self._backbones.get(T)
-        if exe is None:
-            if T not in self.token_buckets:
-                raise BucketMiss(f"token count {T} is not a compiled bucket {self.token_buckets}")
-            log.info("compiling backbone bucket T=%d (not compiled ahead of time)", T)
-            exe = self._compile_backbone(T)
-        return exe(params, caches, batch)
+        """-> (caches, hidden [max_num_seqs, H])."""
+        return self._run_backbone(params, caches, batch, greedy=False)
 
     def run_greedy_backbone(self, params, caches, batch: ForwardBatch):
         """-> (caches, argmax tokens of the first min(T, max_num_seqs) rows)."""
+        return self._run_backbone(params, caches, batch, greedy=True)
+
+    def _run_backbone(self, params, caches, batch: ForwardBatch, greedy: bool):
         T = batch.input_ids.shape[0]
-        exe = self._greedy_backbones.get(T)
+        exe = (self._greedy_backbones if greedy else self._backbones).get(T)
         if exe is None:
-            if T not in self.greedy_buckets:
-                raise BucketMiss(f"token count {T} has no greedy backbone (greedy buckets {self.greedy_buckets})")
-            log.info("compiling greedy backbone bucket T=%d (not compiled ahead of time)", T)
-            exe = self._compile_backbone(T, greedy=True)
+            buckets = self.greedy_buckets if greedy else self.token_buckets
+            kind = "greedy backbone" if greedy else "backbone"
+            if T not in buckets:
+                raise BucketMiss(f"token count {T} has no compiled {kind} bucket {buckets}")
+            log.info("compiling %s bucket T=%d (not compiled ahead of time)", kind, T)
+            exe = self._compile_backbone(T, greedy=greedy)
         return exe(params, caches, batch)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False):
