@@ -106,13 +106,15 @@ def ragged_paged_attention_gpu(
     interpret=False) -> jax.Array:
   """GPU kernel; arguments as `ragged_paged_attention` (int32 metadata, num_seqs shape []).
 
-  Triton needs power-of-two tiles of at least 16: page_size >= 16, head_dim in {64, 128, 256},
-  Hq // Hkv a power of two.
+  Triton needs power-of-two tiles of at least 16: page_size >= 16, head_dim in {64, 128, 256}.
+  A head group Hq // Hkv that is not a power of two (SmolLM2: 9 // 3) is padded with zero
+  query heads up to the next one; their rows are computed and dropped.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, page_size = kv.num_kv_heads, kv.page_size
-  group = num_q_heads // num_kv_heads
-  for name, value in (("page_size", page_size), ("head_dim", head_dim), ("Hq // Hkv", group)):
+  true_group = num_q_heads // num_kv_heads
+  group = 1 << (true_group - 1).bit_length()
+  for name, value in (("page_size", page_size), ("head_dim", head_dim)):
     if value & (value - 1):
       raise ValueError(f"GPU kernel needs a power-of-two {name}, got {value}")
   if page_size < 16:
@@ -123,9 +125,9 @@ def ragged_paged_attention_gpu(
 
   # q_rows: [Hkv, (T + bq) * G, D], row = token * G + member of the head group.
   padded_tokens = num_tokens + block_q
-  q_rows = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
-      padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
-          num_kv_heads, padded_tokens * group, head_dim)
+  q_groups = q.reshape(num_tokens, num_kv_heads, true_group, head_dim)
+  q_rows = jnp.pad(q_groups, ((0, block_q), (0, 0), (0, group - true_group), (0, 0))).transpose(
+      1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group, head_dim)
   inputs = [kv_lens, block_tables, cu_q_lens, work_seq, work_start, num_work_valid,
             q_rows, kv.k, kv.v]
   if kv.quantized:
@@ -142,4 +144,4 @@ def ragged_paged_attention_gpu(
       interpret=interpret,
   )(*inputs)
   out = out_rows.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
-  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+  return out[:num_tokens, :, :true_group].reshape(num_tokens, num_q_heads, head_dim)

@@ -8,6 +8,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gdn import gated_delta_rule, gdn_chunked_reference, gdn_recurrent_reference
+from kernel_testing import gpu_kernel_interpret
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -211,7 +212,7 @@ def test_gpu_kernel_matches_oracle_interpret():
   from pallas_kernels.gdn_kernel_gpu import gated_delta_rule_gpu
   o, new_pool = gated_delta_rule_gpu(
       *(jnp.asarray(x) for x in inputs), jnp.asarray(pool), jnp.asarray(cu), jnp.asarray(slots),
-      jnp.asarray(has_init.astype(np.int32)), jnp.int32([len(lengths)]), interpret=True,
+      jnp.asarray(has_init.astype(np.int32)), jnp.int32([len(lengths)]), interpret=gpu_kernel_interpret(),
       chunk_size=16, block_v=16)
   assert_ragged_result(o, new_pool, *batch, lengths)
 

@@ -16,6 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_cache import KVPages
+from kernel_testing import gpu_kernel_interpret
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 LENGTHS = (1, 15, 16, 17, 63, 64, 65, 300)
@@ -211,6 +212,7 @@ KERNEL_CASES = [
     ("pallas_gpu", "decode", "fp8_e5m2", 4, 128, 16, None, None),
     ("pallas_gpu", "prefill", "fp8_e4m3fn", 8, 64, 16, 20, 4.0),
     ("pallas_gpu", "mixed", "bf16", 4, 256, 32, 33, None),
+    ("pallas_gpu", "mixed", "bf16", 3, 64, 16, None, None),  # group padded to 4 (SmolLM2's GQA)
 ]
 
 
@@ -224,7 +226,7 @@ def test_kernel_matches_reference(case):
   options = dict(sm_scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
   want = run(batch, **options)
   # The TPU kernel runs under the TPU simulator (stricter about DMAs than interpret=True).
-  interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+  interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else gpu_kernel_interpret()
   try:
     got = run(batch, impl=impl, interpret=interpret, **options)
   finally:
