@@ -19,6 +19,7 @@ else
 fi
 stage() {  # stage NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  if [[ ",${GPU_CHECK_SKIP:-}," == *",$name,"* ]]; then return; fi  # GPU_CHECK_SKIP=a,b skips stages
   local start=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -30,9 +31,12 @@ head -n 20 "$OUT/env.txt"
 
 stage kernel_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_paged_attention.py \
   tests/test_gdn.py ${GPU_CHECK_EXTRA_TESTS:-} -k "pallas_gpu or gpu_kernel or gpu"
-stage kernels_pallas 150 python3 -m benchmarks.kernels --impl pallas --repeats 10 --json "$OUT/kernels_pallas.json"
+stage kernels_attention 120 python3 -m benchmarks.kernels --impl pallas --repeats 10 \
+  --only rpa_decode,rpa_prefill,kv_write,hbm_copy --json "$OUT/kernels_attention.json"
+stage kernels_gdn 90 python3 -m benchmarks.kernels --impl pallas --repeats 5 \
+  --only gdn_prefill,gdn_decode,causal_conv --json "$OUT/kernels_gdn.json"
 stage kernels_reference 60 python3 -m benchmarks.kernels --impl reference --repeats 5 \
-  --only rpa_decode,gdn_prefill,gdn_decode --json "$OUT/kernels_reference.json"
+  --only rpa_decode,gdn_prefill,gdn_decode,causal_conv --json "$OUT/kernels_reference.json"
 stage kernels_fp8 45 python3 -m benchmarks.kernels --impl pallas --kv-dtype fp8_e4m3 --only rpa_decode \
   --json "$OUT/kernels_fp8.json"
 
@@ -41,8 +45,8 @@ CKPT=/tmp/smollm2-shape
 python3 -m models.random_checkpoint llama "$CKPT" --hidden-size 576 --intermediate-size 1536 \
   --num-hidden-layers 30 --num-attention-heads 9 --num-key-value-heads 3 --head-dim 64 \
   --vocab-size 49152 --max-position-embeddings 8192 --dtype bfloat16 >"$OUT/checkpoint.log" 2>&1
-stage engine_smollm2_shape 150 python3 -m benchmarks.throughput "$CKPT" --only throughput,compile \
+stage engine_smollm2_shape 140 python3 -m benchmarks.throughput "$CKPT" --only throughput \
   --workload fixed --scale 1 --num-requests 64 --max-num-seqs 64 --max-num-batched-tokens 2048 --dtype bfloat16 \
   --repeats 3 --skip-hf --skip-vllm --json "$OUT/engine_smollm2_shape.json"
-stage engine_hf 90 python3 -m pytest -q -p no:cacheprovider tests/test_engine_hf.py -x -k "llama or qwen3_5"
+stage engine_hf 70 python3 -m pytest -q -p no:cacheprovider tests/test_engine_hf.py -x -k "llama or qwen3_5"
 cat "$OUT/stages.txt"
