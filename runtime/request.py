@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import SequenceAllocation
 from paged_kv.state_slots import NULL_SLOT
-from runtime.types import EngineRequest, FinishReason, SamplingParams
+from runtime.types import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -49,17 +49,6 @@ class Request:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.all_token_ids: list[int] = self.prompt_token_ids + list(self.output_token_ids)
 
-    @classmethod
-    def from_engine_request(cls, request: EngineRequest, eos_token_id: int | None = None) -> "Request":
-        return cls(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            params=request.params,
-            priority=request.priority,
-            arrival_time=request.arrival_time,
-            eos_token_id=eos_token_id,
-        )
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -71,11 +60,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens_to_compute(self) -> int:
-        """1 for a decode; more while (re)prefilling."""
-        return self.num_tokens - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int | None:
