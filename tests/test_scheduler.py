@@ -160,9 +160,9 @@ def test_stop_tokens_eos_and_min_tokens():
     free_run, _ = reference_generation(prompt, SamplingParams(max_tokens=8))
     scheduler, device = make()
     stop = add(scheduler, device, "stop", prompt, max_tokens=8, params={"stop_token_ids": (free_run[1],)})
-    eos = add(scheduler, device, "eos", prompt, max_tokens=8, eos_token_id=free_run[0])
-    late = add(scheduler, device, "late", prompt, max_tokens=8, eos_token_id=free_run[0], params={"min_tokens": 3})
-    ignore = add(scheduler, device, "ignore", prompt, max_tokens=8, eos_token_id=free_run[0],
+    eos = add(scheduler, device, "eos", prompt, max_tokens=8, eos_token_ids=(free_run[0],))
+    late = add(scheduler, device, "late", prompt, max_tokens=8, eos_token_ids=(free_run[0],), params={"min_tokens": 3})
+    ignore = add(scheduler, device, "ignore", prompt, max_tokens=8, eos_token_ids=(free_run[0],),
                  params={"ignore_eos": True})
     run_to_completion(scheduler, device)
     assert (stop.output_token_ids, stop.finish_reason, stop.stop_reason) == (free_run[:2], "stop", free_run[1])
