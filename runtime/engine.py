@@ -299,7 +299,8 @@ class LLMEngine:
     def _record_prompt_logprobs(self, out: SchedulerOutput, scores) -> None:
         """Fill each scored request's prompt logprobs from the step's TokenScores (positions
         scored before a preemption keep their first value)."""
-        logprobs, top_ids, top_lp = (np.asarray(a) for a in (scores.logprobs, scores.top_ids, scores.top_logprobs))
+        logprobs, ranks, top_ids, top_lp = (
+            np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs))
         row = 0
         for s in out.sequences:
             record = self._prompt_logprobs.get(s.request_id)
@@ -310,7 +311,7 @@ class LLMEngine:
                     if position + 1 < len(prompt) and record[position + 1] is None:
                         r = row + j
                         record[position + 1] = TokenLogprob(prompt[position + 1], float(logprobs[r]), [
-                            (int(t), float(v)) for t, v in zip(top_ids[r, :n], top_lp[r, :n])])
+                            (int(t), float(v)) for t, v in zip(top_ids[r, :n], top_lp[r, :n])], int(ranks[r]))
             row += s.num_new_tokens
 
     def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:

@@ -62,14 +62,17 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class TokenScores:
     """Prompt scoring of flat token rows: logprobs [T] f32 of each row's target (the next prompt
-    token; rows without one hold garbage), top_ids [T, n] i32 and top_logprobs [T, n] f32."""
+    token; rows without one hold garbage), its rank [T] i32 (1 = most likely), top_ids [T, n]
+    i32 and top_logprobs [T, n] f32."""
 
     logprobs: jax.Array
+    ranks: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
 
 
-jax.tree_util.register_dataclass(TokenScores, data_fields=["logprobs", "top_ids", "top_logprobs"], meta_fields=[])
+jax.tree_util.register_dataclass(TokenScores, data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"],
+                                 meta_fields=[])
 
 
 def score_tokens(logits: jax.Array, targets: jax.Array, num_top: int, top_k_impl: str = "auto") -> TokenScores:
@@ -77,9 +80,10 @@ def score_tokens(logits: jax.Array, targets: jax.Array, num_top: int, top_k_impl
     plus the num_top most likely tokens of each row."""
     raw = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(raw, axis=1, keepdims=True)  # [T, 1]
-    picked = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0] - lse[:, 0]
+    picked_raw = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)  # [T, 1]
+    ranks = 1 + jnp.sum(raw > picked_raw, axis=1).astype(jnp.int32)  # [T]
     top_raw, top_ids = top_k(raw, min(num_top, raw.shape[1]), top_k_impl)
-    return TokenScores(picked, top_ids.astype(jnp.int32), top_raw - lse)
+    return TokenScores(picked_raw[:, 0] - lse[:, 0], ranks, top_ids.astype(jnp.int32), top_raw - lse)
 
 
 def apply_logit_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:

@@ -128,8 +128,9 @@ class TokenLogprob:
     """Log-probability of one generated token plus the top alternatives at that position."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token, which nothing predicts
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are more likely (prompt logprobs only)
 
 
 @dataclass
