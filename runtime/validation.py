@@ -19,8 +19,7 @@ def validate_request(request: EngineRequest, *, vocab_size: int, max_model_len: 
     """-> the request, normalised; SamplingParamsError (a ValueError, `.param` set) if it cannot be served."""
     params, prompt = request.params, request.prompt_token_ids
     _check(len(prompt) > 0, "prompt", "must not be empty")
-    bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
-    _check(not bad, "prompt", f"token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+    _check_token_ids("prompt", prompt, vocab_size)
     _check(params.n == 1, "n", f"the engine runs one completion per request (fan it out), got n={params.n}")
     room = max_model_len - len(prompt)
     if params.max_tokens == 0:  # scoring only: the prompt must fit, nothing is generated
@@ -35,14 +34,18 @@ def validate_request(request: EngineRequest, *, vocab_size: int, max_model_len: 
     _check(params.min_tokens <= max(room, 0), "min_tokens",
            f"({params.min_tokens}) exceeds the {max(room, 0)} tokens the context leaves after the prompt")
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        _check(not bad, name, f"token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+        _check_token_ids(name, ids, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         _check(value is None or value <= MAX_LOGPROBS, name, f"must be <= {MAX_LOGPROBS}")
     if params.top_k >= vocab_size:  # keeps every token: the same as no top-k, and fits int32
         request = dataclasses.replace(request, params=params.replace(top_k=0))
     return request
+
+
+def _check_token_ids(param: str, ids, vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
+    _check(bad is None, param, f"token id {bad} is out of vocabulary (size {vocab_size})")
 
 
 def _check(ok: bool, param: str, message: str) -> None:
