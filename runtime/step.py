@@ -19,7 +19,8 @@ dispatch is a real share of the step; larger (prefill) steps keep backbone + sam
 same forward pass also keeps the final hidden state of every token row, and scores each row's
 target (the next prompt token, -1 where none is wanted) with log_softmax over the full
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
-pass; the cost is the [T, V] logits of that step, paid only by steps that carry such a request.
+pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
+time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
 It compiles on first use per token bucket.
 
 The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
@@ -38,6 +39,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from tqdm.auto import tqdm
 
 from models.batch import ForwardBatch
@@ -51,6 +53,8 @@ from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
 
+SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
+
 __all__ = ["MAX_LOGPROBS", "StepExecutables", "enable_persistent_cache"]
 
 
@@ -60,6 +64,18 @@ def enable_persistent_cache(cache_dir: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
+    """hidden [T, H], targets [T] -> TokenScores [T]: logits `block` rows at a time (lax.map), so
+    a large prefill bucket never holds [T, V] floats."""
+    T = hidden.shape[0]
+    block = min(T, block)
+    padded = -(-T // block) * block
+    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0))).reshape(padded // block, block, -1)
+    targets = jnp.pad(targets, (0, padded - T), constant_values=-1).reshape(padded // block, block)
+    scores = lax.map(lambda xs: score_tokens(compute_logits(params, xs[0]), xs[1], MAX_LOGPROBS), (hidden, targets))
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)
 
 
 def _spec(x):
@@ -111,7 +127,8 @@ class StepExecutables:
             rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
             hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=rows), cfg=cfg,
                                      opts=opts)
-            return caches, hidden[:S], score_tokens(compute_logits(params, hidden[S:]), targets, MAX_LOGPROBS)
+            return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
+
 
         scoring_pinned = {} if opts.tp is None else {
             "out_shardings": (cache_shardings, self._replicated, self._replicated)}

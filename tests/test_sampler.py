@@ -366,3 +366,24 @@ def test_logit_bias_minus_100_is_never_sampled():
         toks = np.asarray(sample(jnp.asarray(logits), dataclasses.replace(meta, steps=np.full(2, step, np.int32)),
                                  max_top_k=8).tokens)
         assert not set(toks.tolist()) & {0, 1}
+
+
+def test_blockwise_prompt_scoring_matches_numpy_log_softmax():
+    """The scoring backbone's per-row scoring (`score_hidden_rows`), in blocks that do not divide
+    the row count, equals numpy's log_softmax of hidden @ embed.T at each target."""
+    from runtime.step import score_hidden_rows
+
+    rng = np.random.default_rng(3)
+    T, H, V = 13, 8, 50
+    params = {"embed": rng.normal(size=(V, H)).astype(np.float32)}
+    hidden = rng.normal(size=(T, H)).astype(np.float32)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[[2, 12]] = -1  # rows without a target
+    scores = jax.jit(score_hidden_rows, static_argnames="block")(params, hidden, targets, block=4)
+    ref = np_log_softmax(hidden.astype(np.float64) @ params["embed"].T.astype(np.float64))
+    rows = np.flatnonzero(targets >= 0)
+    np.testing.assert_allclose(np.asarray(scores.logprobs)[rows], ref[rows, targets[rows]], atol=1e-5)
+    ranks = 1 + (ref[rows] > ref[rows, targets[rows]][:, None]).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(scores.ranks)[rows], ranks)
+    np.testing.assert_allclose(np.asarray(scores.top_logprobs)[:, :5], -np.sort(-ref, axis=1)[:, :5], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(scores.top_ids)[:, 0], ref.argmax(axis=1))
