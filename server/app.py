@@ -175,9 +175,6 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_json(request, CompletionRequest)
     _check_model(state, body.model)
-    if body.stream and (body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)):
-        raise RequestError(400, "stream: prompt logprobs (prompt_logprobs, or echo with logprobs) are not "
-                                "streamed yet; send stream: false", param="stream")
     if body.max_tokens == 0 and not body.echo:
         raise RequestError(400, "max_tokens: 0 is allowed only with echo (scoring the prompt)", param="max_tokens")
     _check_stream_options(body)

@@ -210,14 +210,27 @@ class Formatter:
     def final_choice(self, job: Job, choice: Choice) -> dict:
         completion = choice.output
         if job.echo_logprobs:  # the prompt's tokens first (the first has no logprob), then the completion's
-            logprobs = formats.completion_logprobs(
-                formats.prompt_entries(job.prompts[choice.prompt_index], choice.prompt_logprobs, job.logprobs)
-                + (completion.logprobs or []), self.texts, 0)
+            logprobs = formats.completion_logprobs(self._echoed(job, choice) + (completion.logprobs or []),
+                                                   self.texts, 0)
         else:
             logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
         make = formats.chat_choice if self.chat else formats.completion_choice
         made = make(choice.index, choice.prefix + completion.text, logprobs,
                     completion.finish_reason, completion.stop_reason)
+        return self._with_prompt_logprobs(job, choice, made)
+
+    def prompt_choice(self, job: Job, choice: Choice) -> dict:
+        """Streaming (completions): the chunk that opens a choice whose prompt is scored: the
+        echoed prompt with its logprobs, and/or vLLM's prompt_logprobs."""
+        logprobs = formats.completion_logprobs(self._echoed(job, choice), self.texts, 0) if job.echo_logprobs else None
+        made = formats.completion_choice(choice.index, choice.prefix if job.echo_logprobs else "", logprobs, None,
+                                         None)
+        return self._with_prompt_logprobs(job, choice, made)
+
+    def _echoed(self, job: Job, choice: Choice) -> list:
+        return formats.prompt_entries(job.prompts[choice.prompt_index], choice.prompt_logprobs, job.logprobs)
+
+    def _with_prompt_logprobs(self, job: Job, choice: Choice, made: dict) -> dict:
         if job.prompt_logprobs is not None:
             made["prompt_logprobs"] = formats.vllm_prompt_logprobs(choice.prompt_logprobs or [], self.texts,
                                                                    job.prompt_logprobs)
@@ -278,12 +291,18 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
         async with contextlib.aclosing(merged_outputs(engine, job.requests)) as outputs:
             for choice in job.choices:  # chat: the role first; completions: the echoed prompt
                 opening = formatter.chunk_choices(job, choice, "", [], None) if formatter.chat else (
-                    [formats.completion_choice(choice.index, choice.prefix, None, None, None)] if choice.prefix else [])
+                    [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
+                    if choice.prefix and not job.echo_logprobs else [])
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
             async for index, output in outputs:
                 choice = job.choices[index]
+                first = choice.output is None
                 text, entries, finish, new_tokens = _advance(choice, output)
+                if first and (job.echo_logprobs or job.prompt_logprobs is not None):
+                    # the prompt is scored once its prefill is done: it leads the choice's stream
+                    prompt_chunk = formatter.prompt_choice(job, choice)
+                    await response.write(formats.sse(formatter.chunk(job, created, [prompt_chunk])))
                 # Like vLLM, a chunk for every step that produced tokens, even when they add no
                 # visible text yet (a partial UTF-8 character, a possible stop string held
                 # back): clients and `vllm bench serve` then see every token's timing.

@@ -76,7 +76,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "stream"),
     ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
     # issue 11's reproducers: values that overflowed the device arrays or were 500s
     ({"prompt": "Hi", "min_tokens": 2, "stop_token_ids": [1099511627776]}, "stop_token_ids"),

@@ -191,3 +191,28 @@ def test_server_drains_and_exits_1_when_the_engine_dies():
 
     assert asyncio.run(go()) == 1
     assert engine.shutdown_called
+
+
+def test_streamed_prompt_logprobs_equal_the_non_streamed_answer(server):
+    """The scored prompt leads each streamed choice (echoed text + its logprobs, and vLLM's
+    prompt_logprobs); the concatenation equals the non-streamed answer."""
+    body = {"prompt": [list(range(50, 70))], "max_tokens": 3, "logprobs": 2, "echo": True, "temperature": 0,
+            "prompt_logprobs": 1}
+    (status, whole), = _post_all(server.url, [body])
+    assert status == 200, whole
+
+    async def stream():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status == 200
+                events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        import json
+        return [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
+
+    chunks = asyncio.run(stream())
+    expected = whole["choices"][0]
+    assert chunks[0]["prompt_logprobs"] == expected["prompt_logprobs"]
+    assert "".join(c["text"] for c in chunks) == expected["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks if c["logprobs"] for x in c["logprobs"][key]] == expected["logprobs"][key], key
