@@ -14,8 +14,9 @@ and commits them (token-level stops) to the scheduler.
 Failures stay local: a step that raises (in input building, dispatch or on the device) ends
 only the requests scheduled in it, each with an output whose `error` is set and whose
 finish_reason is "error"; their pages and slots are freed and the next `step()` serves the
-rest. Only a failure that consumed the donated caches is fatal (`EngineDeadError`): nothing
-on the device can be trusted any more, and the owner must exit.
+rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
+device can be trusted any more, and the owner must exit), and so are
+MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`) come out of the same steps: a step carrying a
 request that wants them runs the scoring backbone, which also scores every prompt row against
@@ -68,18 +69,30 @@ class EngineDeadError(RuntimeError):
     """A step failed after consuming the device caches: the engine cannot serve any more."""
 
 
-def _prompt_targets(out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
-    """targets [T] i32 for the scoring backbone: at each flat row of a request that wants prompt
-    logprobs, the prompt token that follows it (-1 elsewhere); None when no row is scored."""
-    targets = np.full(num_rows, -1, np.int32)
-    row, scored = 0, False
+# A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
+# fails every step without consuming the caches is as dead as one that lost them.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+def _scored_rows(out: SchedulerOutput):
+    """(flat row, request, prompt position it predicts) for every token row of the step whose
+    request wants prompt logprobs and whose next token is still in the prompt."""
+    row = 0
     for s in out.sequences:
-        prompt = s.request.prompt_token_ids
         if s.request.params.prompt_logprobs is not None:
-            for j, position in enumerate(range(s.start_position, s.start_position + s.num_new_tokens)):
-                if position + 1 < len(prompt):
-                    targets[row + j], scored = prompt[position + 1], True
+            last = min(s.start_position + s.num_new_tokens, s.request.num_prompt_tokens - 1)
+            for position in range(s.start_position, last):
+                yield row + position - s.start_position, s.request, position + 1
         row += s.num_new_tokens
+
+
+def _prompt_targets(out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
+    """targets [T] i32 for the scoring backbone: at each scored row the prompt token that
+    follows it, -1 elsewhere; None when no row is scored."""
+    targets = np.full(num_rows, -1, np.int32)
+    scored = False
+    for row, request, predicted in _scored_rows(out):
+        targets[row], scored = request.prompt_token_ids[predicted], True
     return targets if scored else None
 
 
@@ -148,6 +161,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
+        self._consecutive_failures = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
 
     def _default_num_pages(self, num_slots: int) -> int:
@@ -228,6 +242,8 @@ class LLMEngine:
                 failure = err
         if failure is not None:
             outputs += self._fail_step(out, failure)
+        elif not out.is_empty:
+            self._consecutive_failures = 0
         return outputs
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
@@ -235,14 +251,17 @@ class LLMEngine:
         if the failure took the device caches with it."""
         log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(err).__name__,
                   err, len(out.sequences), exc_info=err)
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
-            raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
         outputs = []
         for req in self.scheduler.abandon(out):
             self.scheduler.finish(req.request_id, "error")
             output = self._output(req, finished=True)
             output.error = f"the engine step failed ({type(err).__name__})"
             outputs.append(output)
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+            raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
         return outputs
 
     def _dispatch(self, out: SchedulerOutput):
@@ -301,18 +320,12 @@ class LLMEngine:
         scored before a preemption keep their first value)."""
         logprobs, ranks, top_ids, top_lp = (
             np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs))
-        row = 0
-        for s in out.sequences:
-            record = self._prompt_logprobs.get(s.request_id)
-            if record is not None:
-                n = s.request.params.prompt_logprobs
-                prompt = s.request.prompt_token_ids
-                for j, position in enumerate(range(s.start_position, s.start_position + s.num_new_tokens)):
-                    if position + 1 < len(prompt) and record[position + 1] is None:
-                        r = row + j
-                        record[position + 1] = TokenLogprob(prompt[position + 1], float(logprobs[r]), [
-                            (int(t), float(v)) for t, v in zip(top_ids[r, :n], top_lp[r, :n])], int(ranks[r]))
-            row += s.num_new_tokens
+        for row, request, predicted in _scored_rows(out):
+            record = self._prompt_logprobs.get(request.request_id)
+            if record is not None and record[predicted] is None:
+                n = request.params.prompt_logprobs
+                record[predicted] = TokenLogprob(request.prompt_token_ids[predicted], float(logprobs[row]), [
+                    (int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])], int(ranks[row]))
 
     def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:
         outputs = []

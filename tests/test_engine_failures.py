@@ -89,3 +89,21 @@ def test_top_k_beyond_int32_is_clipped_to_the_vocabulary(engine):
     plain = _serve(engine, [EngineRequest("plain", prompt, seeded)])["plain"]
     assert huge.error is None and huge.token_ids == plain.token_ids
     assert_nothing_held(engine)
+
+
+def test_a_step_that_always_fails_kills_the_engine(engine):
+    """A device that fails every step (without losing the caches) is as dead as one that lost them."""
+    real = engine.executables
+    engine.executables = FailingStep(real, "run_backbone", times=-1)
+    try:
+        engine.add_request(EngineRequest("forever-0", [5, 6, 7], SamplingParams(max_tokens=2)))
+        errors = engine.step()
+        assert [o.finish_reason for o in errors] == ["error"]
+        engine.add_request(EngineRequest("forever-1", [5, 6, 7], SamplingParams(max_tokens=2)))
+        engine.step()
+        engine.add_request(EngineRequest("forever-2", [5, 6, 7], SamplingParams(max_tokens=2)))
+        with pytest.raises(EngineDeadError, match="3 steps in a row"):
+            engine.step()
+    finally:
+        engine.executables = real
+    assert_nothing_held(engine)  # the fatal step still ended its requests
