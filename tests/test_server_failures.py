@@ -216,3 +216,9 @@ def test_streamed_prompt_logprobs_equal_the_non_streamed_answer(server):
     assert "".join(c["text"] for c in chunks) == expected["text"]
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for c in chunks if c["logprobs"] for x in c["logprobs"][key]] == expected["logprobs"][key], key
+
+
+def test_logit_bias_over_http_forces_a_token(client, model):
+    r = client.completions.create(model="tiny-model", prompt="Hello", max_tokens=3, temperature=0, logprobs=0,
+                                  logit_bias={"17": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [model.tokenizer.decode([17])] * 3
