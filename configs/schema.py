@@ -65,13 +65,6 @@ class CacheConfig(_Section):
             raise ValueError("set num_pages or memory_fraction, not both")
         return self
 
-    @property
-    def effective_memory_fraction(self) -> float | None:
-        """The fraction of free device memory for the pool; 0.9 when neither rule is set."""
-        if self.num_pages is not None:
-            return None
-        return 0.9 if self.memory_fraction is None else self.memory_fraction
-
 
 class SchedulerConfig(_Section):
     """Per-step budget and policy. `token_buckets: null` means powers of two up to the max."""

@@ -26,10 +26,6 @@ class ForwardBatch:
     num_seqs: jax.Array  # [] int32
     logits_indices: jax.Array  # [R] int32, flat token rows whose logits are wanted
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
 
 def single_sequence_batch(token_ids, page_size: int, first_page: int = 1, pad_to: int | None = None) -> ForwardBatch:
     """One whole sequence in consecutive pages starting at `first_page`, logits for every token.

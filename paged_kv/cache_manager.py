@@ -97,9 +97,6 @@ class CacheManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def allocation(self, request_id: str) -> SequenceAllocation:
-        return self.allocations[request_id]
-
     # ---- prefix lookup ------------------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> PrefixHit:
         """Longest chain of cached pages for `token_ids`, leaving at least one token to compute.

@@ -10,6 +10,18 @@ One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbo
 (save state checkpoints) -> sample, all dispatched asynchronously; while the device runs them
 the host detokenizes and emits the previous step's outputs, then waits for this step's tokens
 and commits them (token-level stops) to the scheduler.
+
+Failures stay local: a step that raises (in input building, dispatch or on the device) ends
+only the requests scheduled in it, each with an output whose `error` is set and whose
+finish_reason is "error"; their pages and slots are freed and the next `step()` serves the
+rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
+device can be trusted any more, and the owner must exit), and so are
+MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) come out of the same steps: a step carrying a
+request that wants them runs the scoring backbone, which also scores every prompt row against
+the next prompt token. Such requests skip the prefix cache (every position must be computed);
+after a preemption the recomputed positions are not scored twice.
 """
 
 from __future__ import annotations
@@ -33,8 +45,9 @@ from runtime.request import Request
 from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.step import MAX_LOGPROBS, StepExecutables, enable_persistent_cache
-from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.step import StepExecutables, enable_persistent_cache
+from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.validation import validate_request
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -50,6 +63,37 @@ UNROLL_MAX_LAYERS_CPU = 16
 MIN_TOKEN_BUCKET_CPU = 4
 MIN_TOKEN_BUCKET_ACCELERATOR = 16
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed after consuming the device caches: the engine cannot serve any more."""
+
+
+# A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
+# fails every step without consuming the caches is as dead as one that lost them.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+def _scored_rows(out: SchedulerOutput):
+    """(flat row, request, prompt position it predicts) for every token row of the step whose
+    request wants prompt logprobs and whose next token is still in the prompt."""
+    row = 0
+    for s in out.sequences:
+        if s.request.params.prompt_logprobs is not None:
+            last = min(s.start_position + s.num_new_tokens, s.request.num_prompt_tokens - 1)
+            for position in range(s.start_position, last):
+                yield row + position - s.start_position, s.request, position + 1
+        row += s.num_new_tokens
+
+
+def _prompt_targets(out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
+    """targets [T] i32 for the scoring backbone: at each scored row the prompt token that
+    follows it, -1 elsewhere; None when no row is scored."""
+    targets = np.full(num_rows, -1, np.int32)
+    scored = False
+    for row, request, predicted in _scored_rows(out):
+        targets[row], scored = request.prompt_token_ids[predicted], True
+    return targets if scored else None
 
 
 def resolve_layer_loop(layer_loop: str, num_layers: int, backend: str) -> str:
@@ -110,13 +154,14 @@ class LLMEngine:
             fuse_greedy=fuse_greedy)
         if config.aot_compile:
             self.executables.compile_all(progress=progress)
-        eos = list(cfg.eos_token_ids)
-        self._eos, self._extra_eos = (eos[0] if eos else None), tuple(eos[1:])
+        self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
+        self._consecutive_failures = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
 
     def _default_num_pages(self, num_slots: int) -> int:
@@ -141,21 +186,16 @@ class LLMEngine:
         return int(max(2, min(want, (budget - state_bytes) // per_page)))
 
     # ---- requests ---------------------------------------------------------------------------
+    def validate_request(self, request: EngineRequest) -> EngineRequest:
+        """The request normalised for this model; `SamplingParamsError` (a ValueError) naming the field."""
+        return validate_request(request, vocab_size=self.model.cfg.vocab_size, max_model_len=self.max_model_len)
+
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. ValueError (naming the problem) if it can never be served."""
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
+        request = self.validate_request(request)
         params = request.params
-        if params.n != 1:
-            raise ValueError(f"request {request.request_id!r}: the engine runs n=1 per request, got n={params.n}")
-        if self._extra_eos and not params.ignore_eos:
-            params = params.replace(stop_token_ids=params.stop_token_ids + self._extra_eos)
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
         req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
-                      arrival_time=request.arrival_time or time.monotonic(), eos_token_id=self._eos)
+                      arrival_time=request.arrival_time or time.monotonic(), eos_token_ids=self._eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
@@ -164,6 +204,8 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output)
         if params.logprobs is not None:
             self._logprobs[req.request_id] = []
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
@@ -186,9 +228,40 @@ class LLMEngine:
         dispatched; that one extra token is discarded (the scheduler skips finished requests).
         """
         out = self.scheduler.schedule()
-        pending = None if out.is_empty else self._dispatch(out)
+        pending = failure = None
+        try:
+            pending = None if out.is_empty else self._dispatch(out)
+        except Exception as err:  # noqa: BLE001 - fail this step's requests, keep serving
+            failure = err
         outputs = self._emit(*self._prev) if self._prev is not None else []
-        self._prev = None if pending is None else self._commit(out, pending)
+        self._prev = None
+        if pending is not None:
+            try:
+                self._prev = self._commit(out, pending)
+            except Exception as err:  # noqa: BLE001
+                failure = err
+        if failure is not None:
+            outputs += self._fail_step(out, failure)
+        elif not out.is_empty:
+            self._consecutive_failures = 0
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+        """End the requests of a failed step with an error output each; raise EngineDeadError
+        if the failure took the device caches with it."""
+        log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(err).__name__,
+                  err, len(out.sequences), exc_info=err)
+        outputs = []
+        for req in self.scheduler.abandon(out):
+            self.scheduler.finish(req.request_id, "error")
+            output = self._output(req, finished=True)
+            output.error = f"the engine step failed ({type(err).__name__})"
+            outputs.append(output)
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+            raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
         return outputs
 
     def _dispatch(self, out: SchedulerOutput):
@@ -197,42 +270,44 @@ class LLMEngine:
                             max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        plain_greedy = (batch.input_ids.shape[0] in ex.greedy_buckets
+        targets = _prompt_targets(out, batch.input_ids.shape[0])
+        plain_greedy = (targets is None and batch.input_ids.shape[0] in ex.greedy_buckets
                         and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
+        scores = None
         if plain_greedy:
             self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch)
+        elif targets is not None:
+            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
         else:
             self.caches, hidden = ex.run_backbone(params, self.caches, batch)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
         if plain_greedy:
-            return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
+            return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
         n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
         S = next(b for b in self.seq_buckets if b >= len(reqs))
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng, banned_ids=[self._banned(r) for r in reqs])
+            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng,
+            banned_ids=[r.banned_token_ids() for r in reqs])
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
-        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy)
+        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy), scores
 
-    def _plain_greedy(self, req: Request) -> bool:
+    @staticmethod
+    def _plain_greedy(req: Request) -> bool:
         """Argmax of the raw logits is this request's next token: the fused greedy backbone applies."""
         p = req.params
         return (p.temperature <= 0.0 and p.logprobs is None and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not self._banned(req))
+                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
+                and not req.banned_token_ids())
 
-    def _banned(self, req: Request) -> list[int]:
-        """Before `min_tokens` outputs, EOS and the stop tokens must not be sampled."""
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            return []
-        eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
-        return eos + list(p.stop_token_ids)
-
-    def _commit(self, out: SchedulerOutput, sampled):
+    def _commit(self, out: SchedulerOutput, pending):
+        sampled, scores = pending
         tokens = np.asarray(sampled.tokens)  # the only wait on the device
+        if scores is not None:
+            self._record_prompt_logprobs(out, scores)
         logprobs = None
         if sampled.top_ids.shape[1]:
             logprobs = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs))
@@ -240,11 +315,26 @@ class LLMEngine:
         self.scheduler.update_from_output(out, new_tokens)
         return out, tokens, logprobs
 
+    def _record_prompt_logprobs(self, out: SchedulerOutput, scores) -> None:
+        """Fill each scored request's prompt logprobs from the step's TokenScores (positions
+        scored before a preemption keep their first value)."""
+        logprobs, ranks, top_ids, top_lp = (
+            np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs))
+        for row, request, predicted in _scored_rows(out):
+            record = self._prompt_logprobs.get(request.request_id)
+            if record is not None and record[predicted] is None:
+                n = request.params.prompt_logprobs
+                record[predicted] = TokenLogprob(request.prompt_token_ids[predicted], float(logprobs[row]), [
+                    (int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])], int(ranks[row]))
+
     def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:
         outputs = []
         for i, s in enumerate(out.sequences):
             req = s.request
             if not s.sample or req.request_id not in self._requests:
+                continue
+            if req.params.max_tokens == 0:  # scored, nothing sampled
+                outputs.append(self._output(req, finished=req.is_finished))
                 continue
             if req.request_id in self._logprobs:
                 lp, top_ids, top_lp = logprobs
@@ -268,9 +358,18 @@ class LLMEngine:
             logprobs=list(self._logprobs[req.request_id]) if req.request_id in self._logprobs else None,
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
-                               num_cached_tokens=req.num_cached_tokens)
+                               num_cached_tokens=req.num_cached_tokens,
+                               prompt_logprobs=self._finished_prompt_logprobs(req))
         if finished:
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)
+            self._prompt_logprobs.pop(req.request_id, None)
         return output
+
+    def _finished_prompt_logprobs(self, req: Request) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs once every prompt position is scored (the first is always None)."""
+        record = self._prompt_logprobs.get(req.request_id)
+        if record is None or any(entry is None for entry in record[1:]):
+            return None
+        return list(record)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.engine import LLMEngine
+from runtime.engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.mesh import initialize_multihost
 from runtime.types import EngineRequest
@@ -55,11 +55,20 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._stats = engine.stats()
         self._stopped = threading.Event()
+        self._death: BaseException | None = None  # why the loop thread died, if it did
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
     # ---- EngineClient -------------------------------------------------------------------------
+    def validate_request(self, request: EngineRequest) -> EngineRequest:
+        return self.engine.validate_request(request)  # pure: reads only immutable model facts
+
+    def is_healthy(self) -> bool:
+        return self._death is None and (self._thread.is_alive() or self._stopped.is_set())
+
     async def generate(self, request: EngineRequest):
+        if not self.is_healthy():
+            raise EngineDeadError(f"the engine loop has died: {self._death!r}")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(request, sink))
         finished = False
@@ -107,6 +116,16 @@ class AsyncEngine:
                 sink.put(out)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - the loop is gone: say so, fail everyone
+            self._death = err
+            log.critical("the engine loop died; failing %d requests", len(self._sinks), exc_info=err)
+            for sink in self._sinks.values():
+                sink.put(EngineDeadError(f"the engine loop died: {type(err).__name__}"))
+            self._sinks.clear()
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             block = not self.engine.has_unfinished()
             try:
@@ -119,15 +138,7 @@ class AsyncEngine:
             if self._stopped.is_set():
                 break
             if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as err:  # noqa: BLE001 - fail the requests, keep serving
-                    log.exception("engine step failed")
-                    for rid, sink in list(self._sinks.items()):
-                        self.engine.abort(rid)
-                        sink.put(RuntimeError(f"engine step failed: {err}"))
-                    self._sinks.clear()
-                    outputs = []
+                outputs = self.engine.step()  # a failed step comes back as error outputs; raising is fatal
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from models.model import Model
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
-from runtime.types import EngineRequest, RequestOutput, SamplingParams
+from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out
 
 Prompt = str | Sequence[int]
 
@@ -59,8 +59,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 ids = self._encode(prompt)
-                for j in range(p.n):
-                    sub = p.replace(n=1, seed=None if p.seed is None else p.seed + j)
+                for j, sub in enumerate(fan_out(p)):
                     rid = f"llm-{next(self._ids)}"
                     self.engine.add_request(EngineRequest(rid, ids, sub))
                     added.append(rid)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import SequenceAllocation
 from paged_kv.state_slots import NULL_SLOT
-from runtime.types import EngineRequest, FinishReason, SamplingParams
+from runtime.types import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -32,7 +32,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (generation_config may list several)
     cache_extra_keys: tuple = ()  # mixed into block hashes (e.g. adapter id, cache salt)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -49,17 +49,6 @@ class Request:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.all_token_ids: list[int] = self.prompt_token_ids + list(self.output_token_ids)
 
-    @classmethod
-    def from_engine_request(cls, request: EngineRequest, eos_token_id: int | None = None) -> "Request":
-        return cls(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            params=request.params,
-            priority=request.priority,
-            arrival_time=request.arrival_time,
-            eos_token_id=eos_token_id,
-        )
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -71,11 +60,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens_to_compute(self) -> int:
-        """1 for a decode; more while (re)prefilling."""
-        return self.num_tokens - self.num_computed_tokens
 
     @property
     def max_total_tokens(self) -> int | None:
@@ -100,16 +84,26 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
-    def stop_check(self, max_model_len: int) -> tuple[FinishReason, int | None] | None:
-        """(reason, stop token) if the last output token ends the request, else None.
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end the request once `min_tokens` are out: stop_token_ids, then EOS."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return self.params.stop_token_ids + eos
 
-        Covers token-level stops only; stop strings need the detokenizer and are the engine's.
+    def banned_token_ids(self) -> list[int]:
+        """Tokens the next sample must not be: the end tokens, until `min_tokens` are out."""
+        return list(self.end_token_ids) if self.num_output_tokens < self.params.min_tokens else []
+
+    def stop_check(self, max_model_len: int) -> tuple[FinishReason, int | None] | None:
+        """The finish rule: (reason, stop token) if the request ends here, else None.
+
+        Called after every appended token (and with no output yet, for max_tokens == 0). The
+        only other end is a stop *string*, which the detokenizer finds one step later; the
+        engine then ends the request through `Scheduler.finish` like this rule does.
         """
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.params.min_tokens:
-            if last in self.params.stop_token_ids:
-                return "stop", last
-            if not self.params.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
+        if self.output_token_ids and self.num_output_tokens >= self.params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in self.end_token_ids:
                 return "stop", last
         if self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
             return "length", None

@@ -1,4 +1,4 @@
-"""On-device sampling: penalties -> temperature -> top-k / top-p / min-p -> one token per row.
+"""On-device sampling: logit bias -> penalties -> temperature -> top-k / top-p / min-p -> one token per row.
 
 Sort-free. One top-k of `max_top_k` candidates (`lax.top_k`, or on GPU a threshold select, see
 `top_k`) is taken and every filter works on those candidates, which arrive best-first:
@@ -23,7 +23,9 @@ candidates too.
 Greedy rows (temperature 0) take candidate 0 via `where`, so top_k's indices are gathered once
 (using them twice made XLA CPU replace TopK by a full sort; see `hlo_has_full_sort`). Each
 row's randomness is `fold_in(key(seed), step)`, independent of batch size and order.
-Reported logprobs are log_softmax of the raw logits (vLLM's default), before any processing.
+Reported logprobs are log_softmax of the raw logits (vLLM's default), before any processing
+(logit bias included). `score_tokens` gives prompt logprobs the same way, for the scoring
+backbone (runtime/step.py).
 """
 
 from __future__ import annotations
@@ -55,6 +57,44 @@ jax.tree_util.register_dataclass(
     data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"],
     meta_fields=[],
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenScores:
+    """Prompt scoring of flat token rows: logprobs [T] f32 of each row's target (the next prompt
+    token; rows without one hold garbage), its rank [T] i32 (1 = most likely), top_ids [T, n]
+    i32 and top_logprobs [T, n] f32."""
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(TokenScores, data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"],
+                                 meta_fields=[])
+
+
+def score_tokens(logits: jax.Array, targets: jax.Array, num_top: int, top_k_impl: str = "auto") -> TokenScores:
+    """log_softmax of logits [T, V] at targets [T] (negative -> row 0, ignored by the caller),
+    plus the num_top most likely tokens of each row."""
+    raw = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(raw, axis=1, keepdims=True)  # [T, 1]
+    picked_raw = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)  # [T, 1]
+    ranks = 1 + jnp.sum(raw > picked_raw, axis=1).astype(jnp.int32)  # [T]
+    top_raw, top_ids = top_k(raw, min(num_top, raw.shape[1]), top_k_impl)
+    return TokenScores(picked_raw[:, 0] - lse[:, 0], ranks, top_ids.astype(jnp.int32), top_raw - lse)
+
+
+def apply_logit_bias(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """OpenAI logit_bias: add each row's bias values at its ids ([S, B], -1 padded; zero-width
+    when no row has a bias, and then free). logits [S, V] f32 -> [S, V]."""
+    if not meta.num_logit_bias:
+        return logits
+    num_rows, vocab = logits.shape
+    ids = jnp.where(meta.logit_bias_ids >= 0, meta.logit_bias_ids, vocab)  # vocab -> dropped
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    return logits.at[rows, ids].add(meta.logit_bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -194,7 +234,7 @@ def sample(
     num_rows, vocab = raw.shape
     num_cand = min(max_top_k, vocab)
 
-    penalized = ban_tokens(apply_penalties(raw, meta), meta)  # [S, V]
+    penalized = ban_tokens(apply_penalties(apply_logit_bias(raw, meta), meta), meta)  # [S, V]
     if all_greedy:
         return _with_logprobs(raw, jnp.argmax(penalized, axis=1).astype(jnp.int32), num_logprobs, top_k_impl)
     greedy = meta.temperature <= 0.0

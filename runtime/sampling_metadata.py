@@ -50,6 +50,10 @@ class SamplingMetadata:
     output_ids: jax.Array
     prompt_ids: jax.Array
     banned_ids: jax.Array | None = None  # [S, B] i32, -1 padded: tokens that must not be sampled
+    # OpenAI logit_bias: [S, W] i32 token ids (-1 padded) and [S, W] f32 biases; W = 0 when no
+    # row has one, else a power of two >= 16 (at most 512 for 300 entries).
+    logit_bias_ids: jax.Array | None = None
+    logit_bias_values: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +62,10 @@ class SamplingMetadata:
     @property
     def num_banned(self) -> int:
         return 0 if self.banned_ids is None else self.banned_ids.shape[1]
+
+    @property
+    def num_logit_bias(self) -> int:
+        return 0 if self.logit_bias_ids is None else self.logit_bias_ids.shape[1]
 
     @property
     def has_penalties(self) -> bool:
@@ -115,6 +123,12 @@ class SamplingMetadata:
         prompt_width = pow2_bucket(max(
             (len(ids) for ids, use in zip(prompt_ids, uses_repetition) if use), default=0))
         out_matrix = _padded_id_matrix(output_ids, uses_any_penalty, pad_to, out_width)
+        bias_width = pow2_bucket(max((len(p.logit_bias) for p in params_list), default=0))
+        bias_ids = np.full((pad_to, bias_width), -1, np.int32)
+        bias_values = np.zeros((pad_to, bias_width), np.float32)
+        for i, p in enumerate(params_list):
+            for j, (token, bias) in enumerate(p.logit_bias):
+                bias_ids[i, j], bias_values[i, j] = token, bias
         prompt_matrix = _padded_id_matrix(prompt_ids, uses_repetition, pad_to, prompt_width)
 
         return cls(
@@ -131,6 +145,8 @@ class SamplingMetadata:
             prompt_ids=prompt_matrix,
             banned_ids=_padded_id_matrix(banned_ids or [[]] * n, [True] * n, pad_to,
                                          pow2_bucket(max((len(b) for b in banned_ids or []), default=0), 4)),
+            logit_bias_ids=bias_ids,
+            logit_bias_values=bias_values,
         )
 
 

@@ -20,6 +20,10 @@
    lookup, a first prefill chunk, pages and (hybrids) a state slot; the first that does not
    fit stops admission (no overtaking).
 
+Requests that want prompt logprobs skip the prefix-cache lookup (vLLM's rule): every prompt
+position must go through a step to be scored. A step that failed on the device is dropped with
+`abandon` (its requests are ended by the caller) so the next `schedule` can run.
+
 Prefill chunks are capped by the remaining budget and `long_prefill_token_threshold`. On
 hybrid models with prefix caching, chunks end on page boundaries when they can (and always
 at the deepest boundary an identical prompt could reuse), and a chunk ending on a boundary
@@ -33,7 +37,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from paged_kv.cache_manager import CacheManager
+from paged_kv.cache_manager import CacheManager, PrefixHit
 from runtime.config import SchedulerConfig
 from runtime.policies import get_policy
 from runtime.request import Request, RequestStatus
@@ -106,7 +110,7 @@ class Scheduler:
         num_prompt, max_len = request.num_prompt_tokens, self.config.max_model_len
         if num_prompt == 0:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if num_prompt >= max_len:
+        if num_prompt > max_len or (num_prompt == max_len and request.params.max_tokens != 0):
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {num_prompt} tokens leaves no room for output "
                 f"within max_model_len={max_len}"
@@ -166,7 +170,8 @@ class Scheduler:
                 break
             request = self.waiting[0]
             tokens = request.all_token_ids
-            hit = self.cache.lookup_prefix(tokens, request.cache_extra_keys)
+            hit = (PrefixHit() if request.params.prompt_logprobs is not None
+                   else self.cache.lookup_prefix(tokens, request.cache_extra_keys))
             num_new = self._chunk_size(request, hit.num_tokens, budget)
             admission = self.cache.allocate(
                 request.request_id, tokens, hit.num_tokens + num_new, hit, request.cache_extra_keys
@@ -252,9 +257,7 @@ class Scheduler:
         `sampled` holds the new token(s) of each sequence with `.sample` set. Requests aborted
         since `schedule` are skipped. Returns the requests that finished in this update.
         """
-        if output is not self._in_flight and output.sequences:
-            raise RuntimeError("this SchedulerOutput is not the one awaiting its update")
-        self._in_flight = None
+        self._take_in_flight(output)
         finished = []
         for seq in output.sequences:
             request = seq.request
@@ -267,6 +270,10 @@ class Scheduler:
                 continue
             if seq.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {seq.request_id!r}, whose step ended its prefill")
+            if request.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
+                self.finish(request.request_id, *request.stop_check(self.config.max_model_len))
+                finished.append(request)
+                continue
             for token in sampled[seq.request_id]:
                 request.append_output([int(token)])
                 stop = request.stop_check(self.config.max_model_len)
@@ -275,6 +282,19 @@ class Scheduler:
                     finished.append(request)
                     break
         return finished
+
+    def abandon(self, output: SchedulerOutput) -> list[Request]:
+        """Drop a step whose execution failed: no progress is recorded, and its requests that
+        are still running are returned for the caller to end (`finish(..., "error")`)."""
+        if self._in_flight is output:
+            self._in_flight = None
+        return [s.request for s in output.sequences
+                if self.requests.get(s.request_id) is s.request and s.request.status is RequestStatus.RUNNING]
+
+    def _take_in_flight(self, output: SchedulerOutput) -> None:
+        if output is not self._in_flight and output.sequences:
+            raise RuntimeError("this SchedulerOutput is not the one awaiting its update")
+        self._in_flight = None
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

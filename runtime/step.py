@@ -1,6 +1,7 @@
 """The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
 
     backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
+    scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     sampler[S, n_logprobs, penalty widths, all_greedy](params, hidden, meta) -> SamplerOutput
     greedy_backbone[T](params, caches, batch) -> (caches, tokens [min(T, max_num_seqs)])
     copy_states(caches, src, dst) -> caches                                     caches donated
@@ -14,6 +15,14 @@ rows, which hold every live sequence (each has at least one token in the step). 
 the decode-sized buckets only (T <= max_num_seqs, `greedy_buckets`), where the sampler's
 dispatch is a real share of the step; larger (prefill) steps keep backbone + sampler.
 
+`scoring_backbone` is the backbone of a step in which some request wants prompt logprobs: the
+same forward pass also keeps the final hidden state of every token row, and scores each row's
+target (the next prompt token, -1 where none is wanted) with log_softmax over the full
+vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
+pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
+time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
+It compiles on first use per token bucket.
+
 The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
 bar and per-bucket timings); a step whose token count exceeds the largest bucket raises
 `BucketMiss`. Sampler variants for penalties / logprobs compile on first use and are logged.
@@ -22,6 +31,7 @@ JAX's persistent compilation cache makes a restart cheap (`enable_persistent_cac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -29,6 +39,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from tqdm.auto import tqdm
 
 from models.batch import ForwardBatch
@@ -36,12 +47,15 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.sampler import sample
+from runtime.sampler import sample, score_tokens
 from runtime.sampling_metadata import SamplingMetadata
+from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
 
-MAX_LOGPROBS = 20
+SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
+
+__all__ = ["MAX_LOGPROBS", "StepExecutables", "enable_persistent_cache"]
 
 
 def enable_persistent_cache(cache_dir: str | Path) -> None:
@@ -50,6 +64,18 @@ def enable_persistent_cache(cache_dir: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
+    """hidden [T, H], targets [T] -> TokenScores [T]: logits `block` rows at a time (lax.map), so
+    a large prefill bucket never holds [T, V] floats."""
+    T = hidden.shape[0]
+    block = min(T, block)
+    padded = -(-T // block) * block
+    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0))).reshape(padded // block, block, -1)
+    targets = jnp.pad(targets, (0, padded - T), constant_values=-1).reshape(padded // block, block)
+    scores = lax.map(lambda xs: score_tokens(compute_logits(params, xs[0]), xs[1], MAX_LOGPROBS), (hidden, targets))
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)
 
 
 def _spec(x):
@@ -76,6 +102,7 @@ class StepExecutables:
         self.greedy_buckets = tuple(T for T in self.token_buckets if T <= max_num_seqs) if fuse_greedy else ()
         self._backbones: dict[int, object] = {}
         self._greedy_backbones: dict[int, object] = {}
+        self._scoring_backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
         self._copy = None
         self.compile_seconds: dict[str, float] = {}
@@ -94,6 +121,18 @@ class StepExecutables:
             return caches, jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
 
         self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
+
+        def scoring_backbone(params, caches, batch, targets):
+            S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
+            rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
+            hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=rows), cfg=cfg,
+                                     opts=opts)
+            return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
+
+
+        scoring_pinned = {} if opts.tp is None else {
+            "out_shardings": (cache_shardings, self._replicated, self._replicated)}
+        self._scoring_backbone_jit = jax.jit(scoring_backbone, donate_argnums=1, **scoring_pinned)
 
         def sampler(params, hidden, meta, *, num_rows, num_logprobs, all_greedy):
             logits = compute_logits(params, hidden[:num_rows])
@@ -131,7 +170,8 @@ class StepExecutables:
             state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
             num_seqs=spec((), i32), logits_indices=spec((S,), i32))
 
-    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0) -> SamplingMetadata:
+    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
+                   bias: int = 0) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
         spec = self._host_spec
         row = lambda dt: spec((S,), dt)  # noqa: E731
@@ -141,7 +181,8 @@ class StepExecutables:
             seeds=row(jnp.uint32), steps=row(i32),
             output_ids=spec((S, out_width), i32),
             prompt_ids=spec((S, prompt_width), i32),
-            banned_ids=spec((S, banned), i32))
+            banned_ids=spec((S, banned), i32),
+            logit_bias_ids=spec((S, bias), i32), logit_bias_values=spec((S, bias), f32))
 
     # ---- compile ------------------------------------------------------------------------
     def _compile_backbone(self, T: int, greedy: bool = False):
@@ -153,14 +194,23 @@ class StepExecutables:
         (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
 
+    def _compile_scoring_backbone(self, T: int):
+        t0 = time.perf_counter()
+        params = jax.tree.map(self._specs, self.model.params)
+        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T),
+                                               self._host_spec((T,), jnp.int32)).lower().compile()
+        self.compile_seconds[f"scoring_backbone[T={T}]"] = time.perf_counter() - t0
+        self._scoring_backbones[T] = exe
+        return exe
+
     def _compile_sampler(self, key):
-        S, n_logprobs, out_w, prompt_w, banned, greedy = key
+        S, n_logprobs, out_w, prompt_w, banned, bias, greedy = key
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
-        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned), num_rows=S,
+        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned, bias), num_rows=S,
                                       num_logprobs=n_logprobs, all_greedy=greedy).lower().compile()
-        name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned}"
+        name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
                 f"{',greedy' if greedy else ''}]")
         self.compile_seconds[name] = time.perf_counter() - t0
         self._samplers[key] = exe
@@ -176,7 +226,7 @@ class StepExecutables:
             if kind in ("backbone", "greedy backbone"):
                 self._compile_backbone(n, greedy=kind == "greedy backbone")
             else:
-                self._compile_sampler((n, 0, 0, 0, 0, kind == "greedy sampler"))
+                self._compile_sampler((n, 0, 0, 0, 0, 0, kind == "greedy sampler"))
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
@@ -200,13 +250,26 @@ class StepExecutables:
             exe = self._compile_backbone(T, greedy=greedy)
         return exe(params, caches, batch)
 
+    def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
+        """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32."""
+        T = batch.input_ids.shape[0]
+        exe = self._scoring_backbones.get(T)
+        if exe is None:
+            if T not in self.token_buckets:
+                raise BucketMiss(f"token count {T} has no compiled backbone bucket {self.token_buckets}")
+            log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T)
+            exe = self._compile_scoring_backbone(T)
+        return exe(params, caches, batch, targets)
+
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False):
         """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host."""
         S = meta.temperature.shape[0]
-        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned, bool(all_greedy))
+        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned,
+               meta.num_logit_bias, bool(all_greedy))
         exe = self._samplers.get(key)
         if exe is None:
-            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d greedy=%s", *key)
+            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s",
+                     *key)
             exe = self._compile_sampler(key)
         return exe(params, hidden, meta)
 

@@ -13,13 +13,21 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+MAX_LOGPROBS = 20  # top alternatives the compiled steps can report per token (generated or prompt)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's own limit)
+LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one completion is sampled and when it stops (vLLM / OpenAI semantics).
 
     temperature == 0 means greedy. top_k == 0 (or -1) and top_p == 1 disable those filters.
-    `n` completions of one prompt are separate engine requests that share a prefix.
+    `n` completions of one prompt are separate engine requests that share a prefix (`fan_out`).
+    max_tokens == 0 scores the prompt without generating (with `prompt_logprobs`).
+    `logit_bias` maps token id -> bias in [-100, 100], added to the logits before sampling.
+    Ranges that depend on the model (token ids vs vocabulary, lengths vs max_model_len) are
+    checked by the engine's `runtime.validation.validate_request`.
     """
 
     n: int = 1
@@ -38,6 +46,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0 = sampled token only)
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM); None = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -46,13 +56,15 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            f"must be an integer >= 0, got {self.max_tokens!r}",
         )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                f"must be an integer >= 0, got {self.min_tokens!r}")
@@ -72,8 +84,15 @@ class SamplingParams:
                f"must be in (0, 2], got {self.repetition_penalty}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "repeats a token id")
+        _check(all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for _, b in self.logit_bias), "logit_bias",
+               f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +100,14 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def fan_out(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """The `n` (default `params.n`) single-completion params of one prompt: the i-th samples
+    with seed + i, so a seeded request is reproducible completion by completion. The one
+    fan-out rule of the server and the offline `LLM`."""
+    n = params.n if n is None else n
+    return [params.replace(n=1, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
 class SamplingParamsError(ValueError):
@@ -101,8 +128,9 @@ class TokenLogprob:
     """Log-probability of one generated token plus the top alternatives at that position."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token, which nothing predicts
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are more likely (prompt logprobs only)
 
 
 @dataclass
@@ -131,6 +159,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine rejected or failed the request
+    # With `prompt_logprobs`: one entry per prompt token, the first None (vLLM); set once the
+    # whole prompt has been computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     # The first completion's fields, for the common n == 1 case: outs[i].text etc.
     @property

@@ -175,8 +175,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_json(request, CompletionRequest)
     _check_model(state, body.model)
-    if body.echo and body.logprobs is not None:
-        raise RequestError(400, "echo: echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise RequestError(400, "max_tokens: 0 is allowed only with echo (scoring the prompt)", param="max_tokens")
     _check_stream_options(body)
     tokenizer = state.engine.tokenizer
     raw = body.prompt
@@ -191,7 +191,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     if body.echo:
         echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in raw]
     job = build_job(state.engine, body, request[REQUEST_ID], prompts, body.max_tokens,
-                    DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts)
+                    DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts, prompt_logprobs=body.prompt_logprobs,
+                    echo_logprobs=body.echo and body.logprobs is not None)
     _check_capacity(state, len(job.requests))
     return await run_job(request, state.engine, state.metrics, job, Formatter(False, state.texts))
 
@@ -207,6 +208,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
                                 body.chat_template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens == 0:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise RequestError(400, f"{param}: must be at least 1", param=param)
     job = build_job(state.engine, body, request[REQUEST_ID], [prompt], max_tokens, None, logprobs)
     _check_capacity(state, len(job.requests))
     return await run_job(request, state.engine, state.metrics, job, Formatter(True, state.texts))
@@ -243,6 +247,8 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    if not request.app[STATE].engine.is_healthy():
+        return web.json_response({"status": "unhealthy", "reason": "the engine loop has died"}, status=503)
     return web.json_response({"status": "ok"})
 
 

@@ -27,12 +27,23 @@ class EngineClient(Protocol):
     and its last output has `finished=True`. One EngineRequest is always one completion (n=1):
     the server fans `n > 1` out into several requests. `abort` ends a request early and frees
     its pages and state slot; it is harmless for an unknown or already finished id.
+
+    `validate_request` is the engine's one validation site (`runtime.validation`): it returns
+    the request normalised for the model, or raises `SamplingParamsError` (a ValueError whose
+    `.param` names the field), which the server answers with a 400. A step that fails ends the
+    requests in it with an output whose `error` is set (the server's 500); `is_healthy()` turns
+    False for good when the engine can no longer serve (its loop died): /health answers 503 and
+    the server drains and exits non-zero.
     """
 
     model_name: str  # the served model id reported by /v1/models
     max_model_len: int
     vocab_size: int  # rows of the model's embedding: prompt token ids must be below it
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
+
+    def validate_request(self, request: EngineRequest) -> EngineRequest: ...
+
+    def is_healthy(self) -> bool: ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 

@@ -39,15 +39,42 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, text_off
         token = texts(entry.token_id)
         tokens.append(token)
         token_logprobs.append(entry.logprob)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        if entry.logprob is None:  # an echoed prompt's first token: nothing predicts it
+            top_logprobs.append(None)
+            continue
         top: dict[str, float] = {}
         for token_id, logprob in entry.top:  # best first: on a text collision the better one stays
             top.setdefault(texts(token_id), logprob)
         top.setdefault(token, entry.logprob)
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def prompt_entries(prompt: list[int], scored: list[TokenLogprob | None] | None, k: int) -> list[TokenLogprob]:
+    """Echoed prompt tokens as logprob entries: the first (and any unscored one) with logprob
+    None, the others with their top k alternatives."""
+    scored = scored or [None] * len(prompt)
+    return [TokenLogprob(token, None, []) if entry is None else TokenLogprob(token, entry.logprob, entry.top[:k])
+            for token, entry in zip(prompt, scored)]
+
+
+def vllm_prompt_logprobs(scored: list[TokenLogprob | None], texts: TokenTexts, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token a dict keyed by token id
+    (as a string) of {logprob, rank, decoded_token}: the prompt token itself plus the top k."""
+    out: list[dict | None] = []
+    for entry in scored:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(t): {"logprob": lp, "rank": rank, "decoded_token": texts(t)}
+                  for rank, (t, lp) in enumerate(entry.top[:k], start=1)}
+        ranked.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank,
+                                                "decoded_token": texts(entry.token_id)})
+        out.append(ranked)
+    return out
 
 
 def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict:

@@ -29,7 +29,7 @@ _POST_ROUTES = {
 }
 _GET_ROUTES = {
     "/v1/models": "List the served model",
-    "/health": "200 when serving, 503 while draining",
+    "/health": "200 when serving, 503 while draining or once the engine loop has died",
     "/metrics": "Prometheus metrics (text exposition format)",
     "/version": "Server version",
     "/openapi.json": "This document",

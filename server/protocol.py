@@ -2,7 +2,7 @@
 
 Request models are strict (`"5"` is not an integer, `true` is not a number, NaN is not a
 float) and forbid unknown fields, as the OpenAI API itself does ("Unrecognized request
-argument supplied"). OpenAI fields we do not implement (tools, response_format, logit_bias,
+argument supplied"). OpenAI fields we do not implement (tools, response_format,
 suffix, best_of, ...) are therefore rejected with a 400 naming the field instead of being
 silently ignored. The one place unknown fields are allowed is a chat *message*: templates
 may read extra keys (tool_calls, reasoning_content, ...), so they are passed to
@@ -67,6 +67,7 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
     priority: int = 0  # vLLM extension; lower runs earlier under the priority policy
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -82,7 +83,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt's logprobs come first (first token null)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM extension
 
     @field_validator("prompt", mode="wrap")
     @classmethod

@@ -1,5 +1,7 @@
 """Run the app until SIGTERM/SIGINT, then drain: refuse new work (503), let in-flight
-requests finish up to `drain_timeout_s`, shut the engine down, return 0."""
+requests finish up to `drain_timeout_s`, shut the engine down, return 0. If the engine dies
+(`is_healthy()` turns False; /health already answers 503), drain the same way and return 1, so
+a supervisor restarts the process."""
 
 from __future__ import annotations
 
@@ -62,14 +64,26 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
             installed.append(sig)
     runner, host, port = await start_app(create_app(engine, server_config), server_config.host, server_config.port)
     logger.info("jaxserve ready at http://%s:%d (model %s)", host, port, engine.model_name)
+    watcher = asyncio.create_task(_stop_when_unhealthy(engine, stop))
     try:
         await stop.wait()
     finally:
+        watcher.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
         await drain_and_stop(runner, engine, server_config.drain_timeout_s)
-    logger.info("jaxserve stopped")
-    return 0
+    exit_code = 0 if engine.is_healthy() else 1
+    logger.info("jaxserve stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, period_s: float = 0.2) -> None:
+    while not stop.is_set():
+        if not engine.is_healthy():
+            logger.error("the engine is no longer healthy: draining and exiting with status 1")
+            stop.set()
+            return
+        await asyncio.sleep(period_s)
 
 
 def serve(engine: EngineClient, server_config: ServerConfig) -> int:

@@ -1,8 +1,9 @@
 """The life of one generation request: validate, tokenize, fan out, stream or collect.
 
-`serve_completion` and `serve_chat` turn a validated body into n x prompts `EngineRequest`s
-(choice index = prompt_index * n + i, engine id `<request id>-<choice index>`, seed + i for
-the i-th sample of a prompt), merge their cumulative outputs, and answer with one JSON body
+`build_job` turns a parsed body into n x prompts `EngineRequest`s (choice index =
+prompt_index * n + i, engine id `<request id>-<choice index>`, `runtime.types.fan_out` for the
+n samples of a prompt), each checked by the engine's own `validate_request` (its
+`SamplingParamsError` becomes a 400 naming the field), merges their cumulative outputs, and answer with one JSON body
 or an SSE stream. Whatever ends the handler early (client disconnect, error, shutdown)
 aborts every engine request that has not finished.
 """
@@ -17,7 +18,7 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from runtime.types import EngineRequest, RequestOutput, SamplingParams, SamplingParamsError
+from runtime.types import EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, TokenLogprob, fan_out
 from server import formats
 from server.engine_client import EngineClient
 from server.metrics import CompletionTimer, ServerMetrics
@@ -37,6 +38,7 @@ class Choice:
     tokens_sent: int = 0
     role_sent: bool = False
     output: object = None  # the latest CompletionOutput
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once the engine has scored the prompt
     timer: CompletionTimer | None = field(default=None, repr=False)
 
 
@@ -52,10 +54,12 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    echo_logprobs: bool = False  # completions: echo + logprobs puts the prompt's logprobs first
+    prompt_logprobs: int | None = None  # vLLM's extension: a `prompt_logprobs` list per choice
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams; an out-of-range value becomes a 400 naming the field."""
     stop = body.stop if body.stop is not None else ()
     optional = {name: getattr(body, name) for name in (
@@ -66,48 +70,57 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             n=1, max_tokens=max_tokens, min_tokens=body.min_tokens, seed=body.seed, stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, **optional)
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(body), **optional)
     except SamplingParamsError as err:
-        param = err.param
-        if param == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-            param = "max_completion_tokens"
-        raise RequestError(400, f"{param}: {str(err).removeprefix(err.param + ' ')}", param=param) from None
+        raise _field_error(body, err) from None
+
+
+def _logit_bias(body) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    try:
+        return {int(token): bias for token, bias in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise RequestError(400, "logit_bias: keys must be token ids (integers)", param="logit_bias") from None
+
+
+def _field_error(body, err: SamplingParamsError) -> RequestError:
+    param = err.param
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        param = "max_completion_tokens"
+    return RequestError(400, f"{param}: {str(err).removeprefix(err.param + ' ')}", param=param)
 
 
 def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[int]],
               requested_max_tokens: int | None, default_max_tokens: int | None,
-              logprobs: int | None, echo_texts: list[str] | None = None) -> Job:
-    """Check lengths against max_model_len and fan the prompts out into engine requests."""
-    base = sampling_params(body, requested_max_tokens, logprobs)
-    vocab_size = engine.vocab_size  # the model's, as vLLM checks (a tokenizer may be smaller or larger)
-    max_len = engine.max_model_len
+              logprobs: int | None, echo_texts: list[str] | None = None, prompt_logprobs: int | None = None,
+              echo_logprobs: bool = False) -> Job:
+    """Fan the prompts out into engine requests, each validated by the engine (400 on a bad field).
+
+    Without `max_tokens` a request generates `default_max_tokens` (None: up to the context limit).
+    `prompt_logprobs` (vLLM's field) and `echo_logprobs` (echo + logprobs) both make the engine
+    score the prompt, with the larger of the two top-k widths."""
     requests, choices = [], []
     for prompt_index, prompt in enumerate(prompts):
-        room = max_len - len(prompt)
-        if room < 1:
-            raise RequestError(400, f"prompt: {len(prompt)} tokens leave no room to generate within the "
-                                    f"model's maximum context length of {max_len} tokens", param="prompt")
-        if max(prompt) >= vocab_size:
-            raise RequestError(400, f"prompt: token id {max(prompt)} is out of vocabulary (size {vocab_size})",
-                               param="prompt")
-        if requested_max_tokens is None:
+        max_tokens = requested_max_tokens
+        if max_tokens is None:
+            room = max(engine.max_model_len - len(prompt), 1)  # no room at all: the engine's 400
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        elif requested_max_tokens > room:
-            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-            raise RequestError(400, f"{param}: {requested_max_tokens} tokens requested but the prompt has "
-                                    f"{len(prompt)} tokens and the maximum context length is {max_len}", param=param)
-        else:
-            max_tokens = requested_max_tokens
-        for i in range(body.n):
+        scored = [k for k in (prompt_logprobs, logprobs if echo_logprobs else None) if k is not None]
+        base = sampling_params(body, max_tokens, logprobs, max(scored) if scored else None)
+        try:
+            checked = engine.validate_request(EngineRequest(f"{request_id}-{prompt_index}", list(prompt), base))
+        except SamplingParamsError as err:
+            raise _field_error(body, err) from None
+        for i, params in enumerate(fan_out(checked.params, body.n)):
             index = prompt_index * body.n + i
-            seed = None if body.seed is None else body.seed + i
-            params = base.replace(max_tokens=max_tokens, seed=seed)
-            requests.append(EngineRequest(f"{request_id}-{index}", list(prompt), params,
+            requests.append(EngineRequest(f"{request_id}-{index}", checked.prompt_token_ids, params,
                                           priority=body.priority, arrival_time=time.time()))
             prefix = echo_texts[prompt_index] if echo_texts else ""
             choices.append(Choice(index=index, prompt_index=prompt_index, prefix=prefix))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(request_id, engine.model_name, prompts, requests, choices, body.stream, include_usage, logprobs)
+    return Job(request_id, engine.model_name, prompts, requests, choices, body.stream, include_usage, logprobs,
+               echo_logprobs=echo_logprobs, prompt_logprobs=prompt_logprobs)
 
 
 async def merged_outputs(engine: EngineClient, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -165,6 +178,8 @@ def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | No
     number of new tokens)."""
     completion = output.outputs[0]
     choice.output = completion
+    if output.prompt_logprobs is not None:
+        choice.prompt_logprobs = output.prompt_logprobs
     text = completion.text
     if not completion.finished:
         text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
@@ -194,10 +209,32 @@ class Formatter:
 
     def final_choice(self, job: Job, choice: Choice) -> dict:
         completion = choice.output
-        logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
+        if job.echo_logprobs:  # the prompt's tokens first (the first has no logprob), then the completion's
+            logprobs = formats.completion_logprobs(self._echoed(job, choice) + (completion.logprobs or []),
+                                                   self.texts, 0)
+        else:
+            logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
         make = formats.chat_choice if self.chat else formats.completion_choice
-        return make(choice.index, choice.prefix + completion.text, logprobs,
+        made = make(choice.index, choice.prefix + completion.text, logprobs,
                     completion.finish_reason, completion.stop_reason)
+        return self._with_prompt_logprobs(job, choice, made)
+
+    def prompt_choice(self, job: Job, choice: Choice) -> dict:
+        """Streaming (completions): the chunk that opens a choice whose prompt is scored: the
+        echoed prompt with its logprobs, and/or vLLM's prompt_logprobs."""
+        logprobs = formats.completion_logprobs(self._echoed(job, choice), self.texts, 0) if job.echo_logprobs else None
+        made = formats.completion_choice(choice.index, choice.prefix if job.echo_logprobs else "", logprobs, None,
+                                         None)
+        return self._with_prompt_logprobs(job, choice, made)
+
+    def _echoed(self, job: Job, choice: Choice) -> list:
+        return formats.prompt_entries(job.prompts[choice.prompt_index], choice.prompt_logprobs, job.logprobs)
+
+    def _with_prompt_logprobs(self, job: Job, choice: Choice, made: dict) -> dict:
+        if job.prompt_logprobs is not None:
+            made["prompt_logprobs"] = formats.vllm_prompt_logprobs(choice.prompt_logprobs or [], self.texts,
+                                                                   job.prompt_logprobs)
+        return made
 
     def body(self, job: Job, created: int, choices: list[dict], usage: dict) -> dict:
         make = formats.chat_body if self.chat else formats.completion_body
@@ -254,12 +291,18 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
         async with contextlib.aclosing(merged_outputs(engine, job.requests)) as outputs:
             for choice in job.choices:  # chat: the role first; completions: the echoed prompt
                 opening = formatter.chunk_choices(job, choice, "", [], None) if formatter.chat else (
-                    [formats.completion_choice(choice.index, choice.prefix, None, None, None)] if choice.prefix else [])
+                    [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
+                    if choice.prefix and not job.echo_logprobs else [])
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
             async for index, output in outputs:
                 choice = job.choices[index]
+                first = choice.output is None
                 text, entries, finish, new_tokens = _advance(choice, output)
+                if first and (job.echo_logprobs or job.prompt_logprobs is not None):
+                    # the prompt is scored once its prefill is done: it leads the choice's stream
+                    prompt_chunk = formatter.prompt_choice(job, choice)
+                    await response.write(formats.sse(formatter.chunk(job, created, [prompt_chunk])))
                 # Like vLLM, a chunk for every step that produced tokens, even when they add no
                 # visible text yet (a partial UTF-8 character, a possible stop string held
                 # back): clients and `vllm bench serve` then see every token's timing.

@@ -18,6 +18,7 @@ import textwrap
 from typing import AsyncIterator
 
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.validation import validate_request
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
@@ -74,7 +75,14 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.shutdown_called = False
+        self.healthy = True  # tests flip it to play a dead engine loop
         self._slot_released: asyncio.Condition | None = None
+
+    def validate_request(self, request: EngineRequest) -> EngineRequest:
+        return validate_request(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+
+    def is_healthy(self) -> bool:
+        return self.healthy
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
@@ -108,6 +116,11 @@ class FakeEngine:
             limit = min(limit, params.max_tokens)
         completion = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
         token = prompt[-1]
+        if params.max_tokens == 0:  # scoring only
+            completion.finish_reason = "length"
+            self.finished.add(request.request_id)
+            yield self._output(request, completion)
+            return
         while True:
             if request.request_id in self.aborted:
                 completion.finish_reason = "abort"

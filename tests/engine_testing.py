@@ -11,3 +11,32 @@ def drain(engine, check_invariants: bool = True) -> dict:
         if check_invariants:
             engine.scheduler.check_invariants()
     return done
+
+
+class FailingStep:
+    """Fault injection (tests only): wraps an engine's `StepExecutables` and makes chosen calls
+    raise. `fail` names the method ("run_backbone", "run_sampler", ...), `times` how many calls
+    fail (-1: every call); `after_real_call=True`
+    runs the real executable first (its donated caches are consumed) and then raises, the way a
+    device failure mid-step would.
+
+        engine.executables = FailingStep(engine.executables, "run_sampler", times=1)
+    """
+
+    def __init__(self, executables, fail: str, *, times: int = 1, after_real_call: bool = False):
+        self._inner, self._fail, self._left, self._after = executables, fail, times, after_real_call
+        self.failures = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name != self._fail or self._left == 0:
+            return attr
+
+        def failing(*args, **kwargs):
+            self._left -= 1
+            self.failures += 1
+            if self._after:
+                attr(*args, **kwargs)
+            raise RuntimeError(f"injected failure in {name}")
+
+        return failing

@@ -40,6 +40,19 @@ def run_engine(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
     return {rid: out.token_ids for rid, out in drain(engine).items()}
 
 
+def record_partial_prefill_chunks(engine: LLMEngine) -> list[str]:
+    """Record the ids of scheduled prefill chunks that stop short of the prompt's end."""
+    partial, schedule = [], engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        partial.extend(s.request_id for s in out.sequences if not s.sample)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    return partial
+
+
 def assert_all_free(engine: LLMEngine) -> None:
     s = engine.stats()
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
@@ -65,12 +78,13 @@ def test_batch_invariance_vs_hf(family, step, tiny_checkpoint, hf_model):
     vocab = engine.model.cfg.vocab_size
     prompts = _prompts(vocab)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    partial_chunks = record_partial_prefill_chunks(engine)
     done = run_engine(engine, prompts, params)
 
     stats = engine.stats()
     assert stats["num_preemptions"] > 0, "the page pool was meant to force preemptions"
     assert stats["prefix_cache_hit_rate"] > 0, "shared prefixes were meant to hit the prefix cache"
-    assert engine.num_steps > NUM_PROMPTS * 300 / 128 / 16, "prefill was meant to be chunked"
+    assert partial_chunks, "prefill was meant to be chunked"
     assert_all_free(engine)
 
     hf = hf_model(family)

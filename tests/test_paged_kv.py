@@ -190,7 +190,7 @@ def test_checkpoint_reservation_skips_existing_and_frees_on_abort():
     cache.allocate("b", tokens, 9)
     assert cache.reserve_checkpoint("b", tokens, 4) is None  # already checkpointed
     copy = cache.reserve_checkpoint("b", tokens, 8)
-    assert copy is not None and copy[0] == cache.allocation("b").state_slot
+    assert copy is not None and copy[0] == cache.allocations["b"].state_slot
     cache.check_invariants()
     cache.free("b")  # aborted before the step committed: the reserved slot is freed
     cache.check_invariants()
@@ -227,11 +227,11 @@ def test_running_slot_evicts_a_checkpoint():
 def test_check_invariants_detects_broken_accounting():
     cache = manager(num_state_slots=3)
     run_request(cache, "a", list(range(9)))
-    cache.pages.ref_counts[cache.allocation("a").block_table[0]] += 1
+    cache.pages.ref_counts[cache.allocations["a"].block_table[0]] += 1
     with pytest.raises(AssertionError):
         cache.check_invariants()
-    cache.pages.ref_counts[cache.allocation("a").block_table[0]] -= 1
-    cache.slots.free_slots.append(cache.allocation("a").state_slot)
+    cache.pages.ref_counts[cache.allocations["a"].block_table[0]] -= 1
+    cache.slots.free_slots.append(cache.allocations["a"].state_slot)
     with pytest.raises(AssertionError):
         cache.check_invariants()
 

@@ -7,6 +7,7 @@ tokens / sequences / page slots / the null page poisoned with NaN; only real tok
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +153,7 @@ def random_seqs(rng, kind: str, count: int):
     ("decode", "fp8_e4m3fn"), ("prefill", "fp8_e4m3fn"), ("mixed", "fp8_e5m2")])
 @pytest.mark.parametrize("impl", ["reference", "chunked", "chunked-bit-storage"])
 def test_reference_matches_oracle(kind, kv_dtype, impl):
-  rng = np.random.default_rng(hash((kind, kv_dtype)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(f"{kind}-{kv_dtype}".encode()))
   seqs = random_seqs(rng, kind, 4)
   batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype=kv_dtype, q_dtype=jnp.float32)
@@ -219,7 +220,7 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kernel_matches_reference(case):
   impl, kind, kv_dtype, group, head_dim, page_size, sliding_window, soft_cap = case
-  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   seqs = random_seqs(rng, kind, 3)
   batch = make_batch(rng, seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
                      page_size=page_size, kv_dtype=kv_dtype)

@@ -330,3 +330,60 @@ def test_full_vocabulary_path_spans_blocks_exactly():
     expected = expected / expected.sum() * samples
     chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
     assert chi2 < chi_square_critical(live.size - 1), f"chi2 {chi2:.1f} (df {live.size - 1})"
+
+
+@pytest.mark.parametrize("all_greedy", [False, True])
+def test_logit_bias_matches_numpy_and_reported_logprobs_stay_raw(all_greedy):
+    """OpenAI logit_bias: added to the logits before sampling (greedy = numpy argmax of logits + bias),
+    padded to a power-of-two width; reported logprobs are the raw distribution's (vLLM)."""
+    rng = np.random.default_rng(11)
+    vocab = 300
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    biases = [{7: 100.0}, {int(np.argmax(logits[1])): -100.0, 5: 2.5, 6: -0.5}, {}]
+    params = [SamplingParams(temperature=0.0, logit_bias=b) for b in biases]
+    meta = build(params, pad_to=4)
+    assert meta.logit_bias_ids.shape == meta.logit_bias_values.shape == (4, 16)
+    padded = np.concatenate([logits, np.zeros((1, vocab), np.float32)])
+    out = sample(jnp.asarray(padded), meta, max_top_k=32, num_logprobs=2, all_greedy=all_greedy)
+    expected = logits.copy()
+    for row, bias in enumerate(biases):
+        for token, value in bias.items():
+            expected[row, token] += value
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:3], np.argmax(expected, axis=1))
+    assert np.asarray(out.tokens)[0] == 7
+    raw = np_log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(out.logprobs)[:3], raw[np.arange(3), np.argmax(expected, axis=1)],
+                               atol=1e-5)
+    assert build([SamplingParams()], pad_to=2).logit_bias_ids.shape == (2, 0)  # nobody biased: free
+
+
+def test_logit_bias_minus_100_is_never_sampled():
+    vocab = 16
+    logits = np.tile(np.linspace(3.0, 0.0, vocab, dtype=np.float32), (2, 1))
+    params = [SamplingParams(temperature=3.0, seed=s, logit_bias={0: -100.0, 1: -100.0}) for s in (1, 2)]
+    meta = build(params, pad_to=2)
+    for step in range(100):
+        toks = np.asarray(sample(jnp.asarray(logits), dataclasses.replace(meta, steps=np.full(2, step, np.int32)),
+                                 max_top_k=8).tokens)
+        assert not set(toks.tolist()) & {0, 1}
+
+
+def test_blockwise_prompt_scoring_matches_numpy_log_softmax():
+    """The scoring backbone's per-row scoring (`score_hidden_rows`), in blocks that do not divide
+    the row count, equals numpy's log_softmax of hidden @ embed.T at each target."""
+    from runtime.step import score_hidden_rows
+
+    rng = np.random.default_rng(3)
+    T, H, V = 13, 8, 50
+    params = {"embed": rng.normal(size=(V, H)).astype(np.float32)}
+    hidden = rng.normal(size=(T, H)).astype(np.float32)
+    targets = rng.integers(0, V, size=T).astype(np.int32)
+    targets[[2, 12]] = -1  # rows without a target
+    scores = jax.jit(score_hidden_rows, static_argnames="block")(params, hidden, targets, block=4)
+    ref = np_log_softmax(hidden.astype(np.float64) @ params["embed"].T.astype(np.float64))
+    rows = np.flatnonzero(targets >= 0)
+    np.testing.assert_allclose(np.asarray(scores.logprobs)[rows], ref[rows, targets[rows]], atol=1e-5)
+    ranks = 1 + (ref[rows] > ref[rows, targets[rows]][:, None]).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(scores.ranks)[rows], ranks)
+    np.testing.assert_allclose(np.asarray(scores.top_logprobs)[:, :5], -np.sort(-ref, axis=1)[:, :5], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(scores.top_ids)[:, 0], ref.argmax(axis=1))

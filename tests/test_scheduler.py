@@ -160,9 +160,9 @@ def test_stop_tokens_eos_and_min_tokens():
     free_run, _ = reference_generation(prompt, SamplingParams(max_tokens=8))
     scheduler, device = make()
     stop = add(scheduler, device, "stop", prompt, max_tokens=8, params={"stop_token_ids": (free_run[1],)})
-    eos = add(scheduler, device, "eos", prompt, max_tokens=8, eos_token_id=free_run[0])
-    late = add(scheduler, device, "late", prompt, max_tokens=8, eos_token_id=free_run[0], params={"min_tokens": 3})
-    ignore = add(scheduler, device, "ignore", prompt, max_tokens=8, eos_token_id=free_run[0],
+    eos = add(scheduler, device, "eos", prompt, max_tokens=8, eos_token_ids=(free_run[0],))
+    late = add(scheduler, device, "late", prompt, max_tokens=8, eos_token_ids=(free_run[0],), params={"min_tokens": 3})
+    ignore = add(scheduler, device, "ignore", prompt, max_tokens=8, eos_token_ids=(free_run[0],),
                  params={"ignore_eos": True})
     run_to_completion(scheduler, device)
     assert (stop.output_token_ids, stop.finish_reason, stop.stop_reason) == (free_run[:2], "stop", free_run[1])
@@ -294,6 +294,8 @@ def test_hybrid_prefix_caching_checkpoints_at_page_boundaries_and_restores():
     add(scheduler, device, "a", prompt, max_tokens=2)
     out, _ = step(scheduler, device)
     assert shape(out) == [("a", 0, 8, False)] and len(out.copy_after) == 1
+    ((running_slot, checkpoint_slot),) = out.copy_after
+    assert checkpoint_slot != running_slot
     out, _ = step(scheduler, device)
     assert shape(out) == [("a", 8, 2, True)] and out.copy_after == []
     run_to_completion(scheduler, device)
@@ -303,7 +305,7 @@ def test_hybrid_prefix_caching_checkpoints_at_page_boundaries_and_restores():
     out, _ = step(scheduler, device)
     (seq,) = out.sequences
     assert (seq.start_position, seq.has_initial_state) == (8, True)
-    assert out.copy_before == [(out.copy_before[0][0], seq.state_slot)]
+    assert out.copy_before == [(checkpoint_slot, seq.state_slot)]  # restored from a's checkpoint
     run_to_completion(scheduler, device)
     assert b.num_cached_tokens == 8
     assert b.output_token_ids == reference_generation(b.prompt_token_ids, b.params)[0]

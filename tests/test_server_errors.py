@@ -76,7 +76,15 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+    # issue 11's reproducers: values that overflowed the device arrays or were 500s
+    ({"prompt": "Hi", "min_tokens": 2, "stop_token_ids": [1099511627776]}, "stop_token_ids"),
+    ({"prompt": "Hi", "min_tokens": 100}, "min_tokens"),  # default max_tokens 16
+    ({"prompt": "x", "logit_bias": {"1099511627776": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "seed": 2**70}, "seed"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
