@@ -1,5 +1,6 @@
 """Run the app until SIGTERM/SIGINT, then drain: refuse new work (503), let in-flight
-requests finish up to `drain_timeout_s`, shut the engine down, return 0."""
+requests finish up to `drain_timeout_s`, end the rest with an error (a stream gets an error
+event and `[DONE]`), shut the engine down, return 0."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from server.app import STATE, create_app
 from server.engine_client import EngineClient
 
 logger = logging.getLogger("jaxserve.server")
+_CUT_GRACE_S = 2.0  # after a drain timeout: time for cut-off requests to send their last words
 
 
 async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str, int]:
@@ -45,6 +47,9 @@ async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s:
     except asyncio.TimeoutError:
         drained = False
         logger.warning("drain timeout: %d requests still in flight are cut off", state.in_flight)
+        state.cut.set()  # each ends with an error (streams: an error event, then [DONE])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), _CUT_GRACE_S)
     await runner.cleanup()
     await engine.shutdown()
     return drained
