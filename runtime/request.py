@@ -110,7 +110,7 @@ class Request:
             if last in self.params.stop_token_ids:
                 return "stop", last
             if not self.params.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
-                return "stop", last
+                return "stop", None  # vLLM: stop_reason is null when EOS ended it
         if self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
             return "length", None
         if self.num_tokens >= max_model_len:

@@ -10,6 +10,7 @@ import logging
 import signal
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from configs.schema import ServerConfig
 from server.app import STATE, create_app
@@ -19,13 +20,26 @@ logger = logging.getLogger("jaxserve.server")
 _CUT_GRACE_S = 2.0  # after a drain timeout: time for cut-off requests to send their last words
 
 
+class _ServerLog(logging.LoggerAdapter):
+    """aiohttp's low-level server logger, except that malformed HTTP (the client's fault, and
+    noise on any exposed port) is one WARNING line without a traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            first_line = next((line.strip() for line in str(exc_info.message).splitlines() if line.strip()), "")
+            self.logger.warning(msg + ": malformed HTTP (%d %s)", *args, exc_info.code, first_line)
+        else:
+            self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str, int]:
     """Start serving `app`; returns the runner and the bound host and port (port 0 picks one).
 
     `handler_cancellation=True` cancels a handler whose client went away, so a non-streaming
     request aborts its engine work too, not only a streaming one.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                           logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
