@@ -138,7 +138,8 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
         if request.content_length is not None and request.content_length > state.config.max_body_bytes:
             raise RequestError(413, f"The request body ({request.content_length} bytes) exceeds the limit of "
                                     f"{state.config.max_body_bytes} bytes", code="request_too_large")
-        if request.method == "POST" and request.content_type.lower() != JSON_CONTENT_TYPE:
+        route_exists = request.match_info.http_exception is None  # else the 404/405 comes first
+        if request.method == "POST" and route_exists and request.content_type.lower() != JSON_CONTENT_TYPE:
             raise RequestError(415, f"Content-Type must be {JSON_CONTENT_TYPE}, got "
                                     f"{request.headers.get('Content-Type', 'none')!r}", code="unsupported_media_type")
         state.in_flight += 1

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_SEED = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class RequestError(Exception):
@@ -120,7 +122,9 @@ class _SamplingRequest(IgnoredFields):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Checked by `_prompt_shape`; the annotation states the same rules for the OpenAPI document.
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
@@ -199,6 +203,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: either `prompt` or `messages` (vLLM's shape)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of them, not null
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None
