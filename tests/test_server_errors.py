@@ -208,7 +208,9 @@ def test_disconnect_burst_frees_every_slot(server):
         response = await session.post(server.url + "/v1/chat/completions", json=body,
                                       headers={"X-Request-ID": f"burst-{index}"})
         assert response.status == 200
-        await response.content.readline()  # the first SSE line: the stream is live
+        data_lines = 0
+        while data_lines < 2:  # the role chunk, then a first token: the engine is generating
+            data_lines += (await response.content.readline()).startswith(b"data:")
         response.close()  # drop the connection mid-stream
 
     already = len(engine.requests)
