@@ -92,7 +92,7 @@ def chat_body(response_id: str, model: str, created: int, choices: list[dict], u
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
                 stop_reason: int | str | None) -> dict:
-    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+    message = {"role": "assistant", "content": text, "refusal": None, "annotations": [], "tool_calls": []}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
