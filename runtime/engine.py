@@ -102,6 +102,17 @@ def resolve_layer_loop(layer_loop: str, num_layers: int, backend: str) -> str:
     return "unroll" if backend == "cpu" and num_layers <= UNROLL_MAX_LAYERS_CPU else "scan"
 
 
+def _check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len: int) -> None:
+    """vLLM's start-up rule: a KV pool that cannot hold one max_model_len sequence is refused
+    (otherwise long requests would be admitted and then never fit). Page 0 is the null page."""
+    usable_tokens = (num_pages - 1) * page_size
+    if usable_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {usable_tokens} tokens ({num_pages - 1} usable pages x {page_size}) but one "
+            f"sequence of max_model_len={max_model_len} tokens needs {-(-max_model_len // page_size)} pages; "
+            f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Model | None = None, progress: bool = False):
         self.config = config
@@ -128,6 +139,7 @@ class LLMEngine:
             extra = config.max_num_seqs * 2 if config.enable_prefix_caching else 0
             num_slots = config.num_state_slots or (1 + config.max_num_seqs + extra)
         num_pages = config.num_pages or self._default_num_pages(num_slots)
+        _check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(

@@ -103,8 +103,10 @@ class Request:
         """
         if self.output_token_ids and self.num_output_tokens >= self.params.min_tokens:
             last = self.output_token_ids[-1]
-            if last in self.end_token_ids:
+            if last in self.params.stop_token_ids:
                 return "stop", last
+            if last in self.end_token_ids:
+                return "stop", None  # an EOS id: vLLM's stop_reason is null then
         if self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
             return "length", None
         if self.num_tokens >= max_model_len:

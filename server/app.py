@@ -1,8 +1,11 @@
 """The aiohttp application: OpenAI-compatible routes over an `EngineClient`.
 
 `create_app(engine, server_config)` wires the routes and one middleware that owns the
-cross-cutting rules: request ids (`X-Request-ID`, echoed), the API key, draining (503), body
-limits (413) and turning every error into OpenAI's JSON error shape, never a stack trace.
+cross-cutting rules: request ids (`X-Request-ID`, echoed and logged, never an engine key), the
+API key (401 + `WWW-Authenticate`), draining (503), body limits (413), `Content-Type:
+application/json` on POST (415; a web page cannot send that cross-origin without a CORS
+preflight) and turning every error into OpenAI's JSON error shape: a 405 carries `Allow`, a
+500 says only "internal error" and the request id (the details go to the log).
 Per-app state lives in `app[STATE]`; nothing here is global.
 """
 
@@ -15,20 +18,22 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from configs.schema import ServerConfig
 from server import formats
+from server.chat_template import TemplateTimeout, render_chat_template
 from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
 from server.openapi import openapi_document
 from server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
-    parse_body,
+    ignored_fields_set, internal_error, parse_body,
 )
-from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, build_job, run_job
+from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, Job, build_job, run_job
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -53,9 +58,29 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    cut: asyncio.Event = field(default_factory=asyncio.Event)  # set when a drain times out: end streams now
+    chat_template: str | None = None  # --chat-template (text), replacing the model's
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         self.idle.set()
+        self.chat_template = _load_chat_template(self.config.chat_template)
+        self.fingerprint = formats.system_fingerprint(server_version(), self.engine.model_name)
+
+    def formatter(self, chat: bool) -> Formatter:
+        return Formatter(chat, self.texts, self.fingerprint)
+
+
+def _load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (vLLM's rule)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -75,11 +100,14 @@ def create_app(engine: EngineClient, server_config: ServerConfig | None = None) 
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/version", _version)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/tokenizer_info", _tokenizer_info)
     return app
 
 
 def _error_response(err: RequestError, request_id: str | None) -> web.Response:
-    headers = {"X-Request-ID": request_id} if request_id else None
+    headers = dict(err.headers)
+    if request_id:
+        headers["X-Request-ID"] = request_id
     return web.json_response(err.body(), status=err.status, headers=headers)
 
 
@@ -88,6 +116,7 @@ _HTTP_ERRORS = {
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
 }
+JSON_CONTENT_TYPE = "application/json"
 
 
 @web.middleware
@@ -109,6 +138,10 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
         if request.content_length is not None and request.content_length > state.config.max_body_bytes:
             raise RequestError(413, f"The request body ({request.content_length} bytes) exceeds the limit of "
                                     f"{state.config.max_body_bytes} bytes", code="request_too_large")
+        route_exists = request.match_info.http_exception is None  # else the 404/405 comes first
+        if request.method == "POST" and route_exists and request.content_type.lower() != JSON_CONTENT_TYPE:
+            raise RequestError(415, f"Content-Type must be {JSON_CONTENT_TYPE}, got "
+                                    f"{request.headers.get('Content-Type', 'none')!r}", code="unsupported_media_type")
         state.in_flight += 1
         state.idle.clear()
         try:
@@ -121,7 +154,7 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
         return response
     except RequestError as err:
         state.metrics.rejected_requests.labels(status=str(err.status)).inc()
-        if err.status >= 500:
+        if err.status >= 500 and err.status != 503:
             logger.error("request %s failed: %s", request_id, err.message)
         return _error_response(err, request_id)
     except web.HTTPException as err:
@@ -131,26 +164,38 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
         message = f"{request.method} {request.path}: {err.reason}"
         if err.status == 413:
             message = f"The request body exceeds the limit of {state.config.max_body_bytes} bytes"
+        headers = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
         state.metrics.rejected_requests.labels(status=str(err.status)).inc()
-        return _error_response(RequestError(err.status, message, code=code, error_type=error_type), request_id)
+        return _error_response(RequestError(err.status, message, code=code, error_type=error_type,
+                                            headers=headers), request_id)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:  # a bug: log it with its traceback, tell the client only that it happened
         logger.exception("request %s: unhandled error", request_id)
         state.metrics.rejected_requests.labels(status="500").inc()
-        return _error_response(RequestError(500, "Internal server error", error_type="internal_error"), request_id)
+        return _error_response(internal_error(request_id), request_id)
 
 
 def _check_api_key(request: web.Request, api_key: str) -> None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise RequestError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'})
 
 
 async def _read_json(request: web.Request, model: type[BaseModel]):
-    body = await request.read()  # raises 413 past client_max_size, also for chunked bodies
-    return parse_body(model, body)
+    timeout_s = request.app[STATE].config.body_read_timeout_s
+    try:  # raises 413 past client_max_size, also for chunked bodies
+        body = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"The request body did not arrive within {timeout_s:g} s",
+                           code="request_timeout") from None
+    parsed = parse_body(model, body)
+    ignored = ignored_fields_set(parsed)
+    if ignored:
+        logger.debug("request %s: ignored fields (they do not change the output): %s",
+                     request[REQUEST_ID], ", ".join(ignored))
+    return parsed
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -161,6 +206,10 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _check_capacity(state: ServerState, num_requests: int) -> None:
+    limit = state.config.max_waiting_requests
+    if num_requests > limit:  # could never be admitted: not a retry-later
+        raise RequestError(400, f"n: this request needs {num_requests} completions (n x prompts) but the server "
+                                f"queues at most {limit} (server.max_waiting_requests)", param="n")
     waiting = int(state.engine.stats().get("num_waiting", 0))
     if waiting + num_requests > state.config.max_waiting_requests:
         raise RequestError(429, f"The waiting queue is full ({waiting} requests waiting); retry later",
@@ -190,11 +239,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     echo_texts = None
     if body.echo:
         echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in raw]
-    job = build_job(state.engine, body, request[REQUEST_ID], prompts, body.max_tokens,
+    job = build_job(state.engine, body, uuid.uuid4().hex, prompts, body.max_tokens,
                     DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts, prompt_logprobs=body.prompt_logprobs,
                     echo_logprobs=body.echo and body.logprobs is not None)
-    _check_capacity(state, len(job.requests))
-    return await run_job(request, state.engine, state.metrics, job, Formatter(False, state.texts))
+    return await _run(request, state, job, chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -204,16 +252,21 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = await _render_chat(state.engine.tokenizer, body.messages, body.add_generation_prompt,
-                                body.chat_template_kwargs)
+    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                body.request_chat_template())
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise RequestError(400, f"{param}: must be at least 1", param=param)
-    job = build_job(state.engine, body, request[REQUEST_ID], [prompt], max_tokens, None, logprobs)
+    job = build_job(state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs)
+    return await _run(request, state, job, chat=True)
+
+
+async def _run(request: web.Request, state: ServerState, job: Job, chat: bool) -> web.StreamResponse:
     _check_capacity(state, len(job.requests))
-    return await run_job(request, state.engine, state.metrics, job, Formatter(True, state.texts))
+    job.client_request_id = request[REQUEST_ID]
+    return await run_job(request, state.engine, state.metrics, job, state.formatter(chat), state.cut)
 
 
 def _check_stream_options(body) -> None:
@@ -221,17 +274,24 @@ def _check_stream_options(body) -> None:
         raise RequestError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
-async def _render_chat(tokenizer, messages, add_generation_prompt: bool, template_kwargs: dict | None) -> list[int]:
-    """Render with the tokenizer's own chat template, then encode without adding special tokens again."""
+async def _render_chat(state: ServerState, messages, add_generation_prompt: bool, template_kwargs: dict | None,
+                       request_template: str | None = None) -> list[int]:
+    """Render with the chat template (the client's if allowed, else --chat-template's, else the
+    model's) in the sandbox under a time limit, then encode without adding special tokens again."""
+    if request_template is not None and not state.config.trust_request_chat_template:
+        raise RequestError(400, "chat_template: client-supplied chat templates are disabled on this server "
+                                "(start it with --trust-request-chat-template to allow them)", param="chat_template")
+    tokenizer = state.engine.tokenizer
     conversation = [message.template_dict() for message in messages]
-
-    def render() -> list[int]:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **(template_kwargs or {}))
-        return tokenizer.encode(text, add_special_tokens=False)
-
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
     try:
-        prompt = await asyncio.to_thread(render)
+        text = await render_chat_template(
+            tokenizer, conversation, template=request_template or state.chat_template,
+            add_generation_prompt=add_generation_prompt, template_kwargs=kwargs,
+            timeout_s=state.config.chat_template_timeout_s)
+        prompt = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+    except TemplateTimeout as err:
+        raise RequestError(400, f"messages: {err}", param="messages") from None
     except Exception as err:  # template errors (e.g. a role order the template refuses) are the client's
         raise RequestError(400, f"messages: the chat template rejected them: {err}", param="messages") from None
     if not prompt:
@@ -273,10 +333,37 @@ async def _tokenize(request: web.Request) -> web.Response:
         raise RequestError(400, "prompt: give exactly one of prompt or messages", param="prompt")
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        tokens = await _render_chat(tokenizer, body.messages, body.add_generation_prompt, None)
+        tokens = await _render_chat(state, body.messages, body.add_generation_prompt, None)
     else:
         tokens = await _encode(tokenizer, body.prompt, body.add_special_tokens)
     return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens})
+
+
+async def _tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's `GET /tokenizer_info`: the tokenizer's configuration (lm-eval reads it)."""
+    state = request.app[STATE]
+    tokenizer = state.engine.tokenizer
+    info = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if _is_json_value(value) and not key.endswith("_file")}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["model_max_length"] = state.engine.max_model_len
+    info["vocab_size"] = len(tokenizer)
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        info["chat_template"] = template
+    return web.json_response(info)
+
+
+def _is_json_value(value) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_json_value(item) for key, item in value.items())
+    return False
 
 
 async def _detokenize(request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ Pure functions over plain values; no I/O. A token's text in logprobs is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -27,9 +28,16 @@ class TokenTexts:
         return text
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI usage; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def system_fingerprint(server_version: str, model: str) -> str:
+    """OpenAI's `fp_...`: changes when the server version or the served model does."""
+    return "fp_" + hashlib.sha256(f"jaxserve {server_version} {model}".encode()).hexdigest()[:10]
 
 
 def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, text_offset: int) -> dict:
@@ -91,9 +99,10 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict) -> dict:
+def completion_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict,
+                    fingerprint: str) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": None}
+            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
@@ -102,30 +111,32 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict) -> dict:
+def chat_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict,
+              fingerprint: str) -> dict:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": None}
+            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
 
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
                 stop_reason: int | str | None) -> dict:
-    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+    message = {"role": "assistant", "content": text, "refusal": None, "annotations": [], "tool_calls": []}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
 def completion_chunk(response_id: str, model: str, created: int, choices: list[dict],
-                     include_usage: bool) -> dict:
+                     include_usage: bool, fingerprint: str) -> dict:
     chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
+             "choices": choices, "system_fingerprint": fingerprint}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_chunk(response_id: str, model: str, created: int, choices: list[dict], include_usage: bool) -> dict:
+def chat_chunk(response_id: str, model: str, created: int, choices: list[dict], include_usage: bool,
+               fingerprint: str) -> dict:
     chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": None}
+             "choices": choices, "system_fingerprint": fingerprint}
     if include_usage:
         chunk["usage"] = None
     return chunk

@@ -67,8 +67,8 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "jaxserve_generation_tokens", "Generated tokens", registry=self.registry)
         self.finished_requests = Counter(
-            "jaxserve_request_success", "Completions finished, by reason", ["finished_reason"],
-            registry=self.registry)
+            "jaxserve_request_success", "Completions finished, by reason (abort: the client went away, "
+            "an error or a shutdown ended it)", ["finished_reason"], registry=self.registry)
         self.rejected_requests = Counter(
             "jaxserve_requests_rejected", "HTTP requests answered with an error, by status", ["status"],
             registry=self.registry)
@@ -88,6 +88,7 @@ class CompletionTimer:
         self.metrics = metrics
         self.arrival = self.last_token_time = time.monotonic()
         self.num_tokens = 0
+        self.finished = False
 
     def on_output(self, num_tokens: int, finish_reason: str | None) -> None:
         now = time.monotonic()
@@ -102,6 +103,13 @@ class CompletionTimer:
                 self.metrics.inter_token_latency.observe((now - self.last_token_time) / new_tokens)
             self.metrics.generation_tokens.inc(new_tokens)
             self.num_tokens, self.last_token_time = num_tokens, now
-        if finish_reason is not None:
+        if finish_reason is not None and not self.finished:
+            self.finished = True
             self.metrics.e2e_latency.observe(now - self.arrival)
             self.metrics.finished_requests.labels(finished_reason=finish_reason).inc()
+
+    def on_abandoned(self) -> None:
+        """The request ended without a finish from the engine (client gone, error, shutdown)."""
+        if not self.finished:
+            self.finished = True
+            self.metrics.finished_requests.labels(finished_reason="abort").inc()

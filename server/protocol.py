@@ -2,9 +2,13 @@
 
 Request models are strict (`"5"` is not an integer, `true` is not a number, NaN is not a
 float) and forbid unknown fields, as the OpenAI API itself does ("Unrecognized request
-argument supplied"). OpenAI fields we do not implement (tools, response_format,
-suffix, best_of, ...) are therefore rejected with a 400 naming the field instead of being
-silently ignored. The one place unknown fields are allowed is a chat *message*: templates
+argument supplied"). OpenAI fields we do not implement and that would change the output
+(tools, response_format, suffix, best_of, ...) are therefore rejected with a 400 naming the
+field instead of being silently ignored. Fields that never change the output (`store`,
+`metadata`, `user`, ...) are accepted and ignored: they are listed once, in `IgnoredFields`,
+and the server logs the ones a request set at DEBUG. Numeric ranges are declared on the
+fields, so `/openapi.json` (generated from these models) states them. The one place unknown
+fields are allowed is a chat *message*: templates
 may read extra keys (tool_calls, reasoning_content, ...), so they are passed to
 `apply_chat_template` as they came.
 """
@@ -17,18 +21,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_SEED = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class RequestError(Exception):
     """An error to send to the client as `{"error": {message, type, param, code}}`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, error_type: str = "invalid_request_error"):
+                 code: str | None = None, error_type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.error_type = status, message, param, code, error_type
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.error_type, self.param, self.code)
+
+
+def internal_error(request_id: str | None) -> RequestError:
+    """What a client sees of a bug or an engine failure: no details (they go to the log)."""
+    return RequestError(500, f"internal error (request id {request_id})", code="internal_error",
+                        error_type="internal_error")
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -41,29 +55,58 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extensions)."""
+class IgnoredFields(_Strict):
+    """OpenAI fields that never change the output: accepted, logged at DEBUG, otherwise ignored.
 
-    model: str | None = None  # None: the served model
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; -1 or 0 disables
-    min_p: float | None = None  # vLLM extension
+    The one list of them; a value outside its OpenAI type is still a 400 (e.g. `modalities:
+    ["audio"]` would change the output, so only `["text"]` is accepted).
+    """
+
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    user: str | None = None  # OpenAI's end-user id
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # no reasoning models yet
+    modalities: list[Literal["text"]] | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+
+
+IGNORED_FIELDS = tuple(IgnoredFields.model_fields)
+
+
+def ignored_fields_set(body: BaseModel) -> list[str]:
+    """The ignored fields this request set (for the debug log)."""
+    return [name for name in IGNORED_FIELDS if name in body.model_fields_set]
+
+
+class _SamplingRequest(IgnoredFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extensions).
+
+    The ranges are those `runtime.types.SamplingParams` enforces (a test keeps them equal).
+    """
+
+    model: str | None = None  # None: the served model (vLLM's choice: a request without `model` is served)
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM extension; -1 or 0 disables
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM extension
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     seed: int | None = Field(default=None, ge=-MAX_SEED - 1, le=MAX_SEED)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM extension
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted (OpenAI end-user id); not used
     ignore_eos: bool = False  # vLLM extension
-    min_tokens: int = 0  # vLLM extension
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extension
     include_stop_str_in_output: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
     priority: int = 0  # vLLM extension; lower runs earlier under the priority policy
@@ -81,7 +124,9 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Checked by `_prompt_shape`; the annotation states the same rules for the OpenAPI document.
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # with logprobs: the prompt's logprobs come first (first token null)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM extension
@@ -150,10 +195,21 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # vLLM extension; refused unless --trust-request-chat-template
+
+    def request_chat_template(self) -> str | None:
+        """The client-supplied template, from `chat_template` or `chat_template_kwargs.chat_template`."""
+        if self.chat_template is not None:
+            return self.chat_template
+        return (self.chat_template_kwargs or {}).get("chat_template")
 
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: either `prompt` or `messages` (vLLM's shape)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of them, not null
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None

@@ -1,7 +1,8 @@
 """Run the app until SIGTERM/SIGINT, then drain: refuse new work (503), let in-flight
-requests finish up to `drain_timeout_s`, shut the engine down, return 0. If the engine dies
-(`is_healthy()` turns False; /health already answers 503), drain the same way and return 1, so
-a supervisor restarts the process."""
+requests finish up to `drain_timeout_s`, end the rest with an error (a stream gets an error
+event and `[DONE]`), shut the engine down, return 0. If the engine dies (`is_healthy()` turns
+False; /health already answers 503), drain the same way and return 1, so a supervisor
+restarts the process."""
 
 from __future__ import annotations
 
@@ -11,12 +12,26 @@ import logging
 import signal
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from configs.schema import ServerConfig
 from server.app import STATE, create_app
 from server.engine_client import EngineClient
 
 logger = logging.getLogger("jaxserve.server")
+_CUT_GRACE_S = 2.0  # after a drain timeout: time for cut-off requests to send their last words
+
+
+class _ServerLog(logging.LoggerAdapter):
+    """aiohttp's low-level server logger, except that malformed HTTP (the client's fault, and
+    noise on any exposed port) is one WARNING line without a traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            first_line = next((line.strip() for line in str(exc_info.message).splitlines() if line.strip()), "")
+            self.logger.warning(msg + ": malformed HTTP (%d %s)", *args, exc_info.code, first_line)
+        else:
+            self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str, int]:
@@ -25,7 +40,8 @@ async def start_app(app: web.Application, host: str, port: int) -> tuple[web.App
     `handler_cancellation=True` cancels a handler whose client went away, so a non-streaming
     request aborts its engine work too, not only a streaming one.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                           logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -47,6 +63,9 @@ async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s:
     except asyncio.TimeoutError:
         drained = False
         logger.warning("drain timeout: %d requests still in flight are cut off", state.in_flight)
+        state.cut.set()  # each ends with an error (streams: an error event, then [DONE])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), _CUT_GRACE_S)
     await runner.cleanup()
     await engine.shutdown()
     return drained

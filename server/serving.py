@@ -1,17 +1,20 @@
 """The life of one generation request: validate, tokenize, fan out, stream or collect.
 
 `build_job` turns a parsed body into n x prompts `EngineRequest`s (choice index =
-prompt_index * n + i, engine id `<request id>-<choice index>`, `runtime.types.fan_out` for the
-n samples of a prompt), each checked by the engine's own `validate_request` (its
-`SamplingParamsError` becomes a 400 naming the field), merges their cumulative outputs, and answer with one JSON body
-or an SSE stream. Whatever ends the handler early (client disconnect, error, shutdown)
-aborts every engine request that has not finished.
+prompt_index * n + i, engine id `<job id>-<choice index>` where the job id is a fresh uuid, never
+the client's `X-Request-ID`; `runtime.types.fan_out` for the n samples of a prompt), each
+checked by the engine's own `validate_request` (its `SamplingParamsError` becomes a 400 naming
+the field); `run_job` merges their cumulative outputs and answers with one JSON body or an SSE
+stream. Whatever ends the handler early (client disconnect, error, shutdown) aborts every
+engine request that has not finished and counts it in
+`jaxserve_request_success{finished_reason="abort"}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -22,7 +25,9 @@ from runtime.types import EngineRequest, RequestOutput, SamplingParams, Sampling
 from server import formats
 from server.engine_client import EngineClient
 from server.metrics import CompletionTimer, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, internal_error
+
+logger = logging.getLogger("jaxserve.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
 
@@ -39,6 +44,7 @@ class Choice:
     role_sent: bool = False
     output: object = None  # the latest CompletionOutput
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the engine has scored the prompt
+    num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     timer: CompletionTimer | None = field(default=None, repr=False)
 
 
@@ -46,7 +52,7 @@ class Choice:
 class Job:
     """A validated request, ready for the engine."""
 
-    request_id: str
+    request_id: str  # unique per job: engine ids and the response id derive from it
     model: str
     prompts: list[list[int]]
     requests: list[EngineRequest]
@@ -56,6 +62,8 @@ class Job:
     logprobs: int | None
     echo_logprobs: bool = False  # completions: echo + logprobs puts the prompt's logprobs first
     prompt_logprobs: int | None = None  # vLLM's extension: a `prompt_logprobs` list per choice
+    client_request_id: str = ""  # the X-Request-ID echoed to the client and named in logs
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -118,15 +126,19 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
                                           priority=body.priority, arrival_time=time.time()))
             prefix = echo_texts[prompt_index] if echo_texts else ""
             choices.append(Choice(index=index, prompt_index=prompt_index, prefix=prefix))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
     return Job(request_id, engine.model_name, prompts, requests, choices, body.stream, include_usage, logprobs,
-               echo_logprobs=echo_logprobs, prompt_logprobs=prompt_logprobs)
+               echo_logprobs=echo_logprobs, prompt_logprobs=prompt_logprobs,
+               continuous_usage=bool(options and options.continuous_usage_stats))
 
 
-async def merged_outputs(engine: EngineClient, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(engine: EngineClient, requests: list[EngineRequest],
+                         client_request_id: str = "") -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the output streams of several engine requests as `(request index, output)`.
 
     Use it under `contextlib.aclosing`: closing it early aborts the unfinished requests.
+    Engine failures reach the client as "internal error (request id ...)"; details go to the log.
     """
     queue: asyncio.Queue = asyncio.Queue()
     unfinished = {request.request_id for request in requests}
@@ -157,10 +169,11 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest]) ->
             if isinstance(item, ValueError):  # the engine refused the request (e.g. it can never fit)
                 raise RequestError(400, str(item), error_type="invalid_request_error") from item
             if isinstance(item, Exception):
-                raise RequestError(500, f"engine failure: {type(item).__name__}: {item}",
-                                   error_type="internal_error") from item
+                logger.error("request %s: engine failure: %s: %s", client_request_id, type(item).__name__, item)
+                raise internal_error(client_request_id) from item
             if item.error:
-                raise RequestError(500, f"engine error: {item.error}", error_type="internal_error")
+                logger.error("request %s: engine error: %s", client_request_id, item.error)
+                raise internal_error(client_request_id)
             if item.finished:
                 unfinished.discard(requests[index].request_id)
             yield index, item
@@ -180,6 +193,7 @@ def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | No
     choice.output = completion
     if output.prompt_logprobs is not None:
         choice.prompt_logprobs = output.prompt_logprobs
+    choice.num_cached_tokens = output.num_cached_tokens
     text = completion.text
     if not completion.finished:
         text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
@@ -197,8 +211,8 @@ def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | No
 class Formatter:
     """Shapes for one endpoint (completions or chat)."""
 
-    def __init__(self, chat: bool, texts: formats.TokenTexts):
-        self.chat, self.texts = chat, texts
+    def __init__(self, chat: bool, texts: formats.TokenTexts, fingerprint: str):
+        self.chat, self.texts, self.fingerprint = chat, texts, fingerprint
 
     def logprobs(self, entries: list, job: Job, choice: Choice, offset: int) -> dict | None:
         if job.logprobs is None:
@@ -238,11 +252,14 @@ class Formatter:
 
     def body(self, job: Job, created: int, choices: list[dict], usage: dict) -> dict:
         make = formats.chat_body if self.chat else formats.completion_body
-        return make(_response_id(job, self.chat), job.model, created, choices, usage)
+        return make(_response_id(job, self.chat), job.model, created, choices, usage, self.fingerprint)
 
     def chunk(self, job: Job, created: int, choices: list[dict]) -> dict:
         make = formats.chat_chunk if self.chat else formats.completion_chunk
-        return make(_response_id(job, self.chat), job.model, created, choices, job.include_usage)
+        chunk = make(_response_id(job, self.chat), job.model, created, choices, job.include_usage, self.fingerprint)
+        if job.continuous_usage and choices:
+            chunk["usage"] = _usage(job)
+        return chunk
 
     def chunk_choices(self, job: Job, choice: Choice, text: str, entries: list, finish: str | None,
                       new_tokens: int = 0) -> list[dict]:
@@ -267,19 +284,55 @@ def _response_id(job: Job, chat: bool) -> str:
 
 def _usage(job: Job) -> dict:
     completion_tokens = sum(len(c.output.token_ids) for c in job.choices if c.output is not None)
-    return formats.usage(sum(len(p) for p in job.prompts), completion_tokens)
+    cached = {}  # per prompt, as prompt_tokens counts each prompt once (its n samples share it)
+    for choice in job.choices:
+        cached[choice.prompt_index] = max(cached.get(choice.prompt_index, 0), choice.num_cached_tokens)
+    return formats.usage(sum(len(p) for p in job.prompts), completion_tokens, sum(cached.values()))
 
 
 async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMetrics, job: Job,
-                  formatter: Formatter) -> web.StreamResponse:
-    """Send the job to the engine and answer with JSON or SSE."""
+                  formatter: Formatter, cut: asyncio.Event | None = None) -> web.StreamResponse:
+    """Send the job to the engine and answer with JSON or SSE; `cut` set: the server stops
+    (drain timeout), so end now with an error (in-band for a stream, then `[DONE]`)."""
     for choice, engine_request in zip(job.choices, job.requests):
         choice.timer = metrics.track(len(engine_request.prompt_token_ids))
+    try:
+        return await _answer(request, engine, job, formatter, cut or asyncio.Event())
+    finally:
+        for choice in job.choices:  # a client gone, an error, a cut: the unfinished were aborted
+            choice.timer.on_abandoned()
+
+
+async def _until_cut(outputs: AsyncIterator, cut: asyncio.Event) -> AsyncIterator:
+    """Yield from `outputs` until `cut` is set, then raise a 503 RequestError."""
+    cut_wait = asyncio.ensure_future(cut.wait())
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(outputs))
+            await asyncio.wait({step, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise RequestError(503, "The server is shutting down; this request was cut off", code="draining",
+                                   error_type="service_unavailable")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        cut_wait.cancel()
+        if step is not None and not step.done():  # cut, or our task cancelled (client gone)
+            step.cancel()  # the generator's own cleanup (aborting its engine requests) runs here
+            await asyncio.gather(step, return_exceptions=True)
+
+
+async def _answer(request: web.Request, engine: EngineClient, job: Job, formatter: Formatter,
+                  cut: asyncio.Event) -> web.StreamResponse:
     created = formats.now()
-    headers = {"X-Request-ID": job.request_id}
+    headers = {"X-Request-ID": job.client_request_id or job.request_id}
     if not job.stream:
-        async with contextlib.aclosing(merged_outputs(engine, job.requests)) as outputs:
-            async for index, output in outputs:
+        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id)) as outputs:
+            async for index, output in _until_cut(outputs, cut):
                 _advance(job.choices[index], output)
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
         return web.json_response(formatter.body(job, created, choices, _usage(job)), headers=headers)
@@ -288,14 +341,14 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
-        async with contextlib.aclosing(merged_outputs(engine, job.requests)) as outputs:
+        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id)) as outputs:
             for choice in job.choices:  # chat: the role first; completions: the echoed prompt
                 opening = formatter.chunk_choices(job, choice, "", [], None) if formatter.chat else (
                     [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
                     if choice.prefix and not job.echo_logprobs else [])
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
-            async for index, output in outputs:
+            async for index, output in _until_cut(outputs, cut):
                 choice = job.choices[index]
                 first = choice.output is None
                 text, entries, finish, new_tokens = _advance(choice, output)

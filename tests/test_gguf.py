@@ -147,6 +147,54 @@ def test_tokenizer_chat_template_comes_from_gguf_metadata(our_checkpoint, tokeni
         assert list(ids) == reference(rendered).input_ids
 
 
+def _tokenizer_test_strings(count: int = 400) -> list[str]:
+    """Awkward strings: specials, whitespace runs, CJK, emoji, digits, random character soup."""
+    import random
+
+    fixed = ["", " ", "  leading", "trailing  ", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+             "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f389 emoji", "tabs\tand\r\nnewlines\n\n\n",
+             "it's we've I'd THEY'LL", "12345678901 3.14159 1,000,000", "a" * 300, "\u00e9\u0301 caf\u00e9",
+             "def f(x):\n    return x ** 2  # comment", "<|im_start|", "<think>not special</think>"]
+    rng = random.Random(1234)
+    alphabet = "abcXYZ 019 \n\t.,;'\"!?-_\u00e9\u4e2d\u6587\U0001f642<|>/\\\u00a0\u200b"
+    fixed += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(count)]
+    return fixed + PROMPTS
+
+
+def test_torch_free_tokenizer_equals_transformers_gguf_converter(tokenizers):
+    """Our `tokenizers`-only build (models/gguf_tokenizer.py) gives the token ids, decodes and
+    special tokens of transformers' (torch-backed) GGUF converter on hundreds of strings."""
+    ours, reference = tokenizers
+    assert len(ours) == len(reference)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    assert sorted(ours.all_special_ids) == sorted(reference.all_special_ids)
+    for text in _tokenizer_test_strings():
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, repr(text)
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+
+
+def test_default_model_tokenizer_needs_no_torch(default_gguf):
+    """`pip install -e .` has no torch: the default model's tokenizer must build without it."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
+              "from models.gguf import load_gguf_tokenizer\n"
+              f"tokenizer = load_gguf_tokenizer({str(default_gguf)!r})\n"
+              "print(tokenizer.encode('The capital of France is Paris.'))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    assert result.stdout.strip() == str(reference.encode("The capital of France is Paris."))
+
+
 # ------------------------------------------------------------------------ synthetic files
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to HF q_proj/k_proj rows."""

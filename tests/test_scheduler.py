@@ -167,6 +167,7 @@ def test_stop_tokens_eos_and_min_tokens():
     run_to_completion(scheduler, device)
     assert (stop.output_token_ids, stop.finish_reason, stop.stop_reason) == (free_run[:2], "stop", free_run[1])
     assert (eos.output_token_ids, eos.finish_reason) == (free_run[:1], "stop")
+    assert eos.stop_reason is None  # vLLM: null when EOS ended it, the token id for stop_token_ids
     assert late.output_token_ids == reference_generation(prompt, late.params, eos=free_run[0])[0]
     assert len(late.output_token_ids) >= 3
     assert (ignore.output_token_ids, ignore.finish_reason) == (free_run, "length")

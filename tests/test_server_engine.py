@@ -159,3 +159,30 @@ def test_prompt_token_ids_are_checked_against_the_model_vocabulary(client, model
         client.completions.create(model="tiny-model", prompt=[5, vocab], max_tokens=4)
     r = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=2, temperature=0)
     assert r.usage.completion_tokens >= 1  # the refused request cost nothing: the server goes on
+
+
+def test_cached_tokens_come_from_prefix_cache_hits(client):
+    prompt = "A cached prefix. " + PROMPT * 12  # several full pages, shared by no other test
+    first = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    page_size = 16
+    assert page_size <= cached < second.usage.prompt_tokens and cached % page_size == 0  # whole pages
+
+
+def test_stop_reason_is_the_stop_token_id(client, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    stop_id = ref.token_ids[1]
+    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.model_extra is not None
+    assert r.choices[0].model_extra["stop_reason"] == stop_id
+    assert r.usage.completion_tokens == 2
+
+
+def test_start_up_refuses_a_kv_pool_smaller_than_one_sequence(model):
+    config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
+                          num_pages=9, max_model_len=512)
+    with pytest.raises(ValueError, match=r"holds 128 tokens \(8 usable pages x 16\).*max_model_len=512.*32 pages"):
+        LLMEngine(config, model=model)

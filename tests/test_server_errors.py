@@ -140,7 +140,8 @@ def test_routes_methods_and_bodies(server):
                 for _ in range(13):
                     yield b" " * (1024 * 1024)
 
-            async with session.post(server.url + "/v1/completions", data=chunks()) as r:
+            async with session.post(server.url + "/v1/completions", data=chunks(),
+                                    headers={"Content-Type": "application/json"}) as r:
                 too_large_chunked = (r.status, await r.read())
         return not_found, wrong_method, too_large, too_large_chunked
 
@@ -215,8 +216,12 @@ def test_disconnect_burst_frees_every_slot(server):
         response = await session.post(server.url + "/v1/chat/completions", json=body,
                                       headers={"X-Request-ID": f"burst-{index}"})
         assert response.status == 200
-        await response.content.readline()  # the first SSE line: the stream is live
+        data_lines = 0
+        while data_lines < 2:  # the role chunk, then a first token: the engine is generating
+            data_lines += (await response.content.readline()).startswith(b"data:")
         response.close()  # drop the connection mid-stream
+
+    already = len(engine.requests)
 
     async def go():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -228,7 +233,8 @@ def test_disconnect_burst_frees_every_slot(server):
             await asyncio.sleep(0.05)
 
     run(go())
-    burst = {f"burst-{i}-0" for i in range(100)}
+    burst = {request.request_id for request in engine.requests[already:]}
+    assert len(burst) == 100  # unique engine ids: X-Request-ID is echoed, never used as the key
     assert engine.slots_free == engine.num_slots and engine.num_waiting == 0
     assert burst <= engine.aborted  # every one was aborted by the server, not run to the end
     assert not burst & engine.finished
@@ -236,6 +242,7 @@ def test_disconnect_burst_frees_every_slot(server):
 
 def test_non_streaming_disconnect_aborts(server):
     engine = server.engine
+    already = len(engine.requests)
 
     async def go():
         async with aiohttp.ClientSession() as session:
@@ -246,11 +253,13 @@ def test_non_streaming_disconnect_aborts(server):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         deadline = time.monotonic() + 10
-        while "gone-0" not in engine.aborted and time.monotonic() < deadline:
+        while not (engine.requests[already:] and engine.requests[already].request_id in engine.aborted) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     run(go())
-    assert "gone-0" in engine.aborted and "gone-0" not in engine.finished
+    (gone,) = [request.request_id for request in engine.requests[already:]]
+    assert gone in engine.aborted and gone not in engine.finished
 
 
 def test_full_queue_is_429_and_auth_is_401(tokenizer):

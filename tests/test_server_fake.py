@@ -131,14 +131,15 @@ def test_n2_seed_and_request_id(server, tokenizer):
 
     raw = run(go())
     result = raw.parse()
-    assert raw.headers["x-request-id"] == "req-n2"
-    assert result.id == "cmpl-req-n2"
+    assert raw.headers["x-request-id"] == "req-n2"  # echoed, but never the engine's key
+    job_id = result.id.removeprefix("cmpl-")
+    assert job_id != "req-n2" and len(job_id) == 32
     prompt_ids = tokenizer.encode("seeded")
     for i, choice in enumerate(sorted(result.choices, key=lambda c: c.index)):
         assert choice.index == i
         assert choice.text == hand_text(tokenizer, hand_tokens(prompt_ids, 5, 11 + i, len(tokenizer)))
-    seen = {r.request_id: r.params.seed for r in server.engine.requests if r.request_id.startswith("req-n2-")}
-    assert seen == {"req-n2-0": 11, "req-n2-1": 12}
+    seen = {r.request_id: r.params.seed for r in server.engine.requests if r.request_id.startswith(job_id)}
+    assert seen == {f"{job_id}-0": 11, f"{job_id}-1": 12}
     assert result.usage.prompt_tokens == len(prompt_ids) and result.usage.completion_tokens == 10
 
 
