@@ -81,7 +81,7 @@ def test_max_tokens_zero_scores_without_generating(engine, hf_model):
 def test_preempted_requests_keep_exact_prompt_logprobs(tiny_checkpoint, hf_model):
     """A pool too small for all four at full length: some are preempted and recomputed."""
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(FAMILY)), dtype="float32", max_num_seqs=4,
-                                    max_num_batched_tokens=32, num_pages=12, page_size=16, max_model_len=256,
+                                    max_num_batched_tokens=32, num_pages=12, page_size=16, max_model_len=176,
                                     enable_prefix_caching=False))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 1000, size=int(n)).tolist() for n in (40, 33, 45, 20)]
