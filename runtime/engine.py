@@ -34,6 +34,7 @@ from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.step import MAX_LOGPROBS, StepExecutables, enable_persistent_cache
+from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 
 log = logging.getLogger("jaxserve.engine")
@@ -108,9 +109,13 @@ class LLMEngine:
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
             fuse_greedy=fuse_greedy)
-        if config.aot_compile:
-            self.executables.compile_all(progress=progress)
         eos = list(cfg.eos_token_ids)
+        # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
+        vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
+        self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
+        self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
+        if config.aot_compile:
+            self.executables.compile_all(progress=progress, bitmask_width=self.bitmask_width)
         self._eos, self._extra_eos = (eos[0] if eos else None), tuple(eos[1:])
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -118,6 +123,17 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Matchers and the step bitmask of grammar-constrained requests (its compiler is shared
+        with the server, which validates grammars before a request reaches the engine)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the tokenizer (load_tokenizer=True)")
+            compiler = build_compiler(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_token_ids))
+            self._structured = StructuredOutputManager(compiler, max_rows=max(self.seq_buckets))
+        return self._structured
 
     def _default_num_pages(self, num_slots: int) -> int:
         """Enough pages for every sequence at full length, capped by the memory budget left after
@@ -156,7 +172,14 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
         req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
                       arrival_time=request.arrival_time or time.monotonic(), eos_token_id=self._eos)
-        self.scheduler.add_request(req)
+        if params.structured_output is not None:  # GrammarError (a ValueError) when invalid
+            self.structured_output.add(req.request_id, params.structured_output)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            if self._structured is not None:
+                self._structured.remove(req.request_id)
+            raise
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
@@ -211,17 +234,22 @@ class LLMEngine:
             return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
         n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
         S = next(b for b in self.seq_buckets if b >= len(reqs))
+        # The device runs the backbone now; the grammar masks are filled meanwhile.
+        bitmask = None
+        if self._structured is not None and len(self._structured):
+            bitmask = self._structured.fill([s.request_id if s.sample else None for s in out.sequences], S)
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng, banned_ids=[self._banned(r) for r in reqs])
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
-        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy)
+        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy, bitmask)
 
     def _plain_greedy(self, req: Request) -> bool:
         """Argmax of the raw logits is this request's next token: the fused greedy backbone applies."""
         p = req.params
         return (p.temperature <= 0.0 and p.logprobs is None and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not self._banned(req))
+                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and p.structured_output is None
+                and not self._banned(req))
 
     def _banned(self, req: Request) -> list[int]:
         """Before `min_tokens` outputs, EOS and the stop tokens must not be sampled."""
@@ -237,7 +265,14 @@ class LLMEngine:
         if sampled.top_ids.shape[1]:
             logprobs = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs))
         new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(out.sequences) if s.sample}
+        grammar_done = []
+        if self._structured is not None and len(self._structured):
+            grammar_done = [rid for rid, (token,) in new_tokens.items() if self._structured.advance(rid, token)]
         self.scheduler.update_from_output(out, new_tokens)
+        for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
+            req = self._requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish(rid, "stop")
         return out, tokens, logprobs
 
     def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:
@@ -270,6 +305,8 @@ class LLMEngine:
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
                                num_cached_tokens=req.num_cached_tokens)
         if finished:
+            if self._structured is not None:
+                self._structured.remove(req.request_id)
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)
