@@ -168,6 +168,8 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(default=256, ge=1)  # 429 beyond this many queued requests
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # 413 beyond this
     drain_timeout_s: float = Field(default=30.0, ge=0.0)  # SIGTERM: wait this long for in-flight requests
+    reasoning_parser: Literal["qwen3"] | None = None  # split <think>...</think> into reasoning_content
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)  # structured output: slower -> 400
 
     @field_validator("api_key")
     @classmethod

@@ -9,6 +9,7 @@ Per-app state lives in `app[STATE]`; nothing here is global.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import re
@@ -29,6 +30,9 @@ from server.protocol import (
     parse_body,
 )
 from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, build_job, run_job
+from server import structured
+from server.chat_output import ChatOutputParser
+from server.reasoning import build_reasoning_parser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -54,8 +58,23 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
+    grammar_compiler: object = None  # built on the first grammar request (runtime.structured_output)
+
     def __post_init__(self) -> None:
         self.idle.set()
+
+    def compiler(self):
+        """The engine's grammar compiler (shared cache), or one of our own for an engine without."""
+        if self.grammar_compiler is None:
+            compiler = getattr(self.engine, "grammar_compiler", None)
+            if compiler is None:
+                from runtime.structured_output import build_compiler
+
+                tokenizer = self.engine.tokenizer
+                compiler = build_compiler(tokenizer, self.engine.vocab_size, (tokenizer.eos_token_id,))
+            compiler.timeout_s = self.config.grammar_compile_timeout_s
+            self.grammar_compiler = compiler
+        return self.grammar_compiler
 
 
 STATE = web.AppKey("jaxserve_state", ServerState)
@@ -190,8 +209,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     echo_texts = None
     if body.echo:
         echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in raw]
+    grammar, param = structured.request_grammar(body)
+    if grammar is not None:
+        await structured.compile_or_400(state.compiler(), grammar, param)
     job = build_job(state.engine, body, request[REQUEST_ID], prompts, body.max_tokens,
-                    DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts)
+                    DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts, structured_output=grammar)
     _check_capacity(state, len(job.requests))
     return await run_job(request, state.engine, state.metrics, job, Formatter(False, state.texts))
 
@@ -203,11 +225,26 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = await _render_chat(state.engine.tokenizer, body.messages, body.add_generation_prompt,
-                                body.chat_template_kwargs)
+    tools = structured.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if tools.functions:
+        template_kwargs["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+    tokenizer = state.engine.tokenizer
+    prompt = await _render_chat(tokenizer, body.messages, body.add_generation_prompt, template_kwargs)
+    grammar, param = structured.request_grammar(body, tools)
+    reasoning = build_reasoning_parser(state.config.reasoning_parser, tokenizer.decode(prompt[-16:]))
+    if grammar is not None and reasoning is not None and template_kwargs.get("enable_thinking") is not False:
+        end_ids = await _encode(tokenizer, reasoning.end_tag, False)
+        grammar = dataclasses.replace(grammar, start_after=tuple(end_ids))  # the grammar starts after </think>
+    if grammar is not None:
+        await structured.compile_or_400(state.compiler(), grammar, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    job = build_job(state.engine, body, request[REQUEST_ID], [prompt], max_tokens, None, logprobs)
+    job = build_job(state.engine, body, request[REQUEST_ID], [prompt], max_tokens, None, logprobs,
+                    structured_output=grammar)
+    if reasoning is not None or tools.parses_calls:
+        for choice in job.choices:
+            choice.parser = ChatOutputParser(reasoning, tools.parses_calls)
     _check_capacity(state, len(job.requests))
     return await run_job(request, state.engine, state.metrics, job, Formatter(True, state.texts))
 

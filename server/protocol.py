@@ -2,7 +2,7 @@
 
 Request models are strict (`"5"` is not an integer, `true` is not a number, NaN is not a
 float) and forbid unknown fields, as the OpenAI API itself does ("Unrecognized request
-argument supplied"). OpenAI fields we do not implement (tools, response_format, logit_bias,
+argument supplied"). OpenAI fields we do not implement (logit_bias,
 suffix, best_of, ...) are therefore rejected with a 400 naming the field instead of being
 silently ignored. The one place unknown fields are allowed is a chat *message*: templates
 may read extra keys (tool_calls, reasoning_content, ...), so they are passed to
@@ -67,6 +67,9 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
     priority: int = 0  # vLLM extension; lower runs earlier under the priority policy
+    # Structured output (checked in server/structured.py, which names the offending field):
+    response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -148,6 +151,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, checked in server/structured.py
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Strict):

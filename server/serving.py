@@ -17,8 +17,9 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from runtime.types import EngineRequest, RequestOutput, SamplingParams, SamplingParamsError
+from runtime.types import EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput
 from server import formats
+from server.chat_output import ChatOutputParser
 from server.engine_client import EngineClient
 from server.metrics import CompletionTimer, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
@@ -38,6 +39,7 @@ class Choice:
     role_sent: bool = False
     output: object = None  # the latest CompletionOutput
     timer: CompletionTimer | None = field(default=None, repr=False)
+    parser: ChatOutputParser | None = field(default=None, repr=False)  # reasoning / tool calls (chat)
 
 
 @dataclass
@@ -76,9 +78,12 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
 
 def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[int]],
               requested_max_tokens: int | None, default_max_tokens: int | None,
-              logprobs: int | None, echo_texts: list[str] | None = None) -> Job:
+              logprobs: int | None, echo_texts: list[str] | None = None,
+              structured_output: StructuredOutput | None = None) -> Job:
     """Check lengths against max_model_len and fan the prompts out into engine requests."""
     base = sampling_params(body, requested_max_tokens, logprobs)
+    if structured_output is not None:
+        base = base.replace(structured_output=structured_output)
     vocab_size = engine.vocab_size  # the model's, as vLLM checks (a tokenizer may be smaller or larger)
     max_len = engine.max_model_len
     requests, choices = [], []
@@ -196,8 +201,12 @@ class Formatter:
         completion = choice.output
         logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
         make = formats.chat_choice if self.chat else formats.completion_choice
-        return make(choice.index, choice.prefix + completion.text, logprobs,
+        made = make(choice.index, choice.prefix + completion.text, logprobs,
                     completion.finish_reason, completion.stop_reason)
+        if choice.parser is not None:  # reasoning_content / tool_calls split out of the text
+            made["message"].update(choice.parser.message(completion.text))
+            made["finish_reason"] = choice.parser.finish_reason(completion.text, completion.finish_reason)
+        return made
 
     def body(self, job: Job, created: int, choices: list[dict], usage: dict) -> dict:
         make = formats.chat_body if self.chat else formats.completion_body
@@ -218,10 +227,25 @@ class Formatter:
         if not choice.role_sent:
             choice.role_sent = True
             out.append(formats.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""}, None, None))
-        if text or logprobs or finish or new_tokens:
+        if choice.parser is not None:
+            out += _parsed_chunk_choices(choice, logprobs, finish, stop_reason)
+        elif text or logprobs or finish or new_tokens:
             delta = {"content": text} if text or new_tokens else {}
             out.append(formats.chat_chunk_choice(choice.index, delta, logprobs, finish, stop_reason))
         return out
+
+
+def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | None,
+                          stop_reason) -> list[dict]:
+    """Chunks of a choice whose text is split by its ChatOutputParser (reasoning, tool calls);
+    a step whose tokens are held back (a possible tag) sends an empty delta."""
+    deltas = choice.parser.deltas(choice.text, finish is not None) or [{}]
+    if finish is not None:
+        finish = choice.parser.finish_reason(choice.text, finish)
+    last = len(deltas) - 1
+    return [formats.chat_chunk_choice(choice.index, delta, logprobs if i == last else None,
+                                      finish if i == last else None, stop_reason if i == last else None)
+            for i, delta in enumerate(deltas)]
 
 
 def _response_id(job: Job, chat: bool) -> str:
