@@ -6,7 +6,8 @@ of the cumulative text, so the non-streaming `message()` and the streaming `delt
 same parse: streamed `delta.reasoning_content`, `delta.content` and `delta.tool_calls` (OpenAI's
 shape: the first chunk of a call carries its index, id, type and name with empty arguments,
 later ones append to `function.arguments`) add up to the message. Whitespace-only content is
-held back and reported as null, as OpenAI does next to tool calls.
+held back and reported as null, as OpenAI does next to tool calls; with tools, so is trailing
+whitespace (it separates the calls).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class ChatOutputParser:
     def parse(self, text: str, final: bool) -> ParsedChat:
         reasoning, content = self.reasoning.split(text, final) if self.reasoning else ("", text)
         calls: list[ParsedToolCall] = []
-        if self.parse_tools:
+        if self.parse_tools:  # trailing whitespace (before or between calls) is not content
             content, calls = parse_tool_calls(content, final)
+            content = content.rstrip()
         if not content.strip():
             content = ""
         return ParsedChat(reasoning, content, calls)
