@@ -178,3 +178,14 @@ def test_forced_tool_choice_with_fake_engine_is_validated(fake):
     assert fake.requests[-1].params.structured_output.kind == "lark"
     assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == \
         {"a": 1, "b": 2}
+
+
+def test_reasoning_parser_from_cli_flag_and_yaml(tmp_path):
+    from configs.schema import ConfigError, load_config
+    from server.cli import _load, _parser
+
+    assert _load(_parser().parse_args(["config", "--reasoning-parser", "qwen3"])).server.reasoning_parser == "qwen3"
+    assert load_config("configs/gpu-h200-qwen3_5-9b.yaml").server.reasoning_parser == "qwen3"
+    assert load_config("configs/cpu-demo.yaml").server.reasoning_parser is None
+    with pytest.raises(ConfigError):
+        load_config(None, {"server.reasoning_parser": "deepseek"})
