@@ -189,3 +189,23 @@ def test_reasoning_parser_from_cli_flag_and_yaml(tmp_path):
     assert load_config("configs/cpu-demo.yaml").server.reasoning_parser is None
     with pytest.raises(ConfigError):
         load_config(None, {"server.reasoning_parser": "deepseek"})
+
+
+def test_mask_allows_eos_when_the_grammar_accepts_and_never_ids_past_the_tokenizer(tokenizer):
+    from runtime.structured_output import StructuredOutputManager, build_compiler
+    from runtime.types import StructuredOutput
+
+    vocab = len(tokenizer) + 45  # the model's embedding has unused rows past the tokenizer
+    manager = StructuredOutputManager(build_compiler(tokenizer, vocab, (tokenizer.eos_token_id,)), max_rows=8)
+    manager.add("r", StructuredOutput("regex", "[0-9]{1,3}"))
+
+    def allowed() -> np.ndarray:
+        bits = np.unpackbits(manager.fill(["r"], 8)[0].view(np.uint8), bitorder="little")
+        assert bits.shape[0] >= vocab and not bits[len(tokenizer):].any()
+        return np.flatnonzero(bits)
+
+    assert tokenizer.eos_token_id not in allowed()  # nothing matched yet: the end is not allowed
+    assert not manager.advance("r", tokenizer.convert_tokens_to_ids("7"))
+    after = allowed()
+    assert tokenizer.eos_token_id in after and all(tokenizer.decode([t]).isdigit() for t in after
+                                                   if t != tokenizer.eos_token_id)
