@@ -227,7 +227,7 @@ class Formatter:
         if not choice.role_sent:
             choice.role_sent = True
             out.append(formats.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""}, None, None))
-        if choice.parser is not None:
+        if choice.parser is not None and (text or logprobs or finish or new_tokens):
             out += _parsed_chunk_choices(choice, logprobs, finish, stop_reason)
         elif text or logprobs or finish or new_tokens:
             delta = {"content": text} if text or new_tokens else {}
