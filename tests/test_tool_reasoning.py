@@ -209,3 +209,15 @@ def test_mask_allows_eos_when_the_grammar_accepts_and_never_ids_past_the_tokeniz
     after = allowed()
     assert tokenizer.eos_token_id in after and all(tokenizer.decode([t]).isdigit() for t in after
                                                    if t != tokenizer.eos_token_id)
+
+
+def test_structured_output_benchmark_sections_without_a_model(tokenizer):
+    from benchmarks.structured_output import SCHEMA, compile_times, mask_fill
+    from runtime.structured_output import build_compiler
+    from runtime.types import StructuredOutput
+
+    compiler = build_compiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    mask = mask_fill(compiler, StructuredOutput("json", json.dumps(SCHEMA)), rows=4, steps=5)
+    assert mask["rows"] == 4 and mask["fill_ms_median"] > 0
+    compiled = compile_times(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), count=2)
+    assert compiled["schemas"] == 2 and compiled["cached_ms_median"] < compiled["cold_ms_median"]
