@@ -7,7 +7,7 @@ Sections (one invocation runs them all):
   offline   the mixed workload through one engine (`LLMEngine`, temperature 1, ignore_eos, so
             every request yields exactly its max_tokens), plain vs every request under a JSON
             schema that cannot complete within max_tokens (so both runs generate the same
-            tokens); output tokens/s each (median of --repeats) and the ratio
+            tokens); output tokens/s each (median of --repeats, the two interleaved) and the ratio
   online    the same requests at saturation (all at once) through the HTTP server and the
             official async `openai` client (`/v1/completions` with token-id prompts), plain vs
             `structured_outputs.json`; tokens/s each and the ratio
@@ -72,8 +72,10 @@ def _run_offline(engine, requests, grammar) -> float:
 def offline(engine, requests, grammar, repeats: int) -> dict:
     _run_offline(engine, requests[:8], grammar)  # warm-up: the grammar compiles, executables are AOT
     _run_offline(engine, requests[:8], None)
-    plain = [_run_offline(engine, requests, None) for _ in range(repeats)]
-    masked = [_run_offline(engine, requests, grammar) for _ in range(repeats)]
+    plain, masked = [], []
+    for _ in range(repeats):  # interleaved: a noisy machine slows both alike
+        plain.append(_run_offline(engine, requests, None))
+        masked.append(_run_offline(engine, requests, grammar))
     p, m = statistics.median(plain), statistics.median(masked)
     return {"plain_tok_s": p, "json_schema_tok_s": m, "ratio": m / p, "plain_runs": plain, "json_schema_runs": masked}
 
@@ -102,8 +104,10 @@ def online(engine, requests, repeats: int) -> dict:
 
     try:
         asyncio.run(wave(True))  # warm-up
-        plain = [asyncio.run(wave(False)) for _ in range(repeats)]
-        masked = [asyncio.run(wave(True)) for _ in range(repeats)]
+        plain, masked = [], []
+        for _ in range(repeats):
+            plain.append(asyncio.run(wave(False)))
+            masked.append(asyncio.run(wave(True)))
     finally:
         live.close()
         asyncio.run(async_engine.shutdown())
