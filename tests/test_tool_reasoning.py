@@ -221,3 +221,15 @@ def test_structured_output_benchmark_sections_without_a_model(tokenizer):
     assert mask["rows"] == 4 and mask["fill_ms_median"] > 0
     compiled = compile_times(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), count=2)
     assert compiled["schemas"] == 2 and compiled["cached_ms_median"] < compiled["cold_ms_median"]
+
+
+def test_server_and_grammar_modules_do_not_import_jax():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, server.app, server.structured, server.chat_output, runtime.structured_output; "
+            "print('jax' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.stdout.strip() == "False"
