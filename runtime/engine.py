@@ -115,7 +115,8 @@ class LLMEngine:
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if config.aot_compile:
-            self.executables.compile_all(progress=progress, bitmask_width=self.bitmask_width)
+            masked = self.bitmask_width if config.aot_grammar_samplers else 0
+            self.executables.compile_all(progress=progress, bitmask_width=masked)
         self._eos, self._extra_eos = (eos[0] if eos else None), tuple(eos[1:])
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
