@@ -15,6 +15,11 @@ Sections (one invocation runs them all):
             advanced by a random allowed token per step: ms per step (median, p90)
   compile   --compile-schemas distinct JSON schemas: ms each on a fresh compiler (cold), then
             again (cached), and the one-off tokenizer view build
+  sampler   no checkpoint: the jitted sampler alone on random logits [--mask-rows, --vocab] on the
+            default device, plain vs with a host bitmask sent every call (half the rows
+            constrained), temperature 1 and all-greedy: ms per call (median) and the ratio
+
+    python -m benchmarks.structured_output --only sampler --vocab 151936   # e.g. on a GPU
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 
 from benchmarks.workloads import make_workload, summarize
 
-SECTIONS = ("offline", "online", "mask", "compile")
+SECTIONS = ("offline", "online", "mask", "compile", "sampler")
 # Never complete within a benchmark's max_tokens (minItems), and bounded strings: every step of
 # the grammar run is masked, like a long structured answer.
 SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 10000, "items": {
@@ -158,9 +163,43 @@ def compile_times(tokenizer, vocab_size: int, eos_ids, count: int) -> dict:
             "cold_ms_max": max(cold), "cached_ms_median": statistics.median(cached), "schemas": count}
 
 
+def sampler_overhead(rows: int, vocab: int, iters: int = 50) -> dict:
+    import jax
+
+    from runtime.sampler import sample
+    from runtime.sampling_metadata import SamplingMetadata
+    from runtime.structured_output import bitmask_width
+    from runtime.types import SamplingParams
+
+    rng = np.random.default_rng(0)
+    logits = jax.device_put(rng.normal(size=(rows, vocab)).astype(np.float32))
+    bitmask = np.full((rows, bitmask_width(vocab)), -1, np.int32)
+    bitmask[: rows // 2] = rng.integers(-2**31, 2**31, size=(rows // 2, bitmask.shape[1]), dtype=np.int64)
+    result = {"rows": rows, "vocab": vocab, "device": str(jax.devices()[0])}
+    for temperature in (1.0, 0.0):
+        params = [SamplingParams(temperature=temperature, seed=i) for i in range(rows)]
+        meta = jax.device_put(SamplingMetadata.from_params(params, [0] * rows, [[]] * rows, [[]] * rows, pad_to=rows))
+        greedy = temperature == 0.0
+
+        def timed(mask) -> float:
+            for _ in range(3):
+                sample(logits, meta, mask, all_greedy=greedy).tokens.block_until_ready()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                sample(logits, meta, mask, all_greedy=greedy).tokens.block_until_ready()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+
+        plain, masked = timed(None), timed(bitmask)
+        key = "greedy" if greedy else "temperature_1"
+        result[key] = {"plain_ms": plain, "masked_ms": masked, "ratio": masked / plain}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", nargs="?", default=None, help="HF checkpoint dir (not needed for sampler)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--workload", default="mixed")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -173,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-rows", type=int, default=64)
     parser.add_argument("--mask-steps", type=int, default=50)
     parser.add_argument("--compile-schemas", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=151936, help="sampler section: logits width")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = [s for s in args.only.split(",") if s]
@@ -180,6 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")
 
+    result: dict = {}
+    if "sampler" in sections:
+        result["sampler"] = sampler_overhead(args.mask_rows, args.vocab)
+        print("sampler", json.dumps(result["sampler"]), flush=True)
+        sections.remove("sampler")
+    if sections and args.checkpoint is None:
+        parser.error(f"sections {sections} need a checkpoint")
+    if sections:
+        result.update(_with_engine(args, sections))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _with_engine(args, sections: list[str]) -> dict:
     from runtime.types import StructuredOutput
 
     grammar = StructuredOutput("json", json.dumps(SCHEMA))
@@ -203,10 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if "online" in sections:  # last: the server takes the engine over
         result["online"] = online(engine, requests, args.repeats)
         print("online", json.dumps(result["online"]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
