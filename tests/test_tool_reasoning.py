@@ -233,3 +233,48 @@ def test_server_and_grammar_modules_do_not_import_jax():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.stdout.strip() == "False"
+
+
+class _SlowBackend:
+    """A grammar back-end stub: compiling takes `delay` seconds; 'bad' grammars are invalid."""
+
+    name, vocab_size = "slow", 64
+
+    def __init__(self, delay: float):
+        self.delay, self.calls = delay, 0
+
+    def compile(self, grammar):
+        import time
+
+        from runtime.structured_output import GrammarError
+
+        self.calls += 1
+        time.sleep(self.delay)
+        if grammar.spec == "bad":
+            raise GrammarError("invalid regex grammar: bad")
+        return object()
+
+
+def test_compiler_caches_results_and_errors_and_bounds_compile_time():
+    import asyncio
+
+    from runtime.structured_output import GrammarCompiler, GrammarError
+    from runtime.types import StructuredOutput
+    from server.protocol import RequestError
+    from server.structured import compile_or_400
+
+    fast = GrammarCompiler(_SlowBackend(0.0), timeout_s=5)
+    good, bad = StructuredOutput("regex", "a+"), StructuredOutput("regex", "bad")
+    assert fast.compile(good) is fast.compile(good)
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            fast.compile(bad)
+    assert fast.backend.calls == 2 and fast.hits == 2  # each grammar compiled once, errors cached too
+
+    slow = GrammarCompiler(_SlowBackend(1.0), timeout_s=0.05)
+    with pytest.raises(GrammarError, match="did not compile within"):
+        slow.compile(good)
+    with pytest.raises(RequestError) as err:
+        asyncio.run(compile_or_400(slow, StructuredOutput("regex", "b+"), "structured_outputs.regex"))
+    assert err.value.status == 400 and err.value.param == "structured_outputs.regex"
+    slow.shutdown()
