@@ -9,7 +9,6 @@ Per-app state lives in `app[STATE]`; nothing here is global.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import re
@@ -32,7 +31,6 @@ from server.protocol import (
 from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, build_job, run_job
 from server import structured
 from server.chat_output import ChatOutputParser
-from server.reasoning import build_reasoning_parser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -231,13 +229,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         template_kwargs["tools"] = [{"type": "function", "function": f} for f in tools.functions]
     tokenizer = state.engine.tokenizer
     prompt = await _render_chat(tokenizer, body.messages, body.add_generation_prompt, template_kwargs)
-    grammar, param = structured.request_grammar(body, tools)
-    reasoning = build_reasoning_parser(state.config.reasoning_parser, tokenizer.decode(prompt[-16:]))
-    if grammar is not None and reasoning is not None and template_kwargs.get("enable_thinking") is not False:
-        end_ids = await _encode(tokenizer, reasoning.end_tag, False)
-        grammar = dataclasses.replace(grammar, start_after=tuple(end_ids))  # the grammar starts after </think>
-    if grammar is not None:
-        await structured.compile_or_400(state.compiler(), grammar, param)
+    grammar, reasoning = await structured.chat_grammar(body, tools, template_kwargs, prompt, tokenizer,
+                                                       state.config.reasoning_parser, state.compiler)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = build_job(state.engine, body, request[REQUEST_ID], [prompt], max_tokens, None, logprobs,

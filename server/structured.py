@@ -15,6 +15,7 @@ arguments constrained by the tool's JSON schema; `server.tool_parser` reads them
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 from runtime.structured_output.backend import GrammarError
 from runtime.types import StructuredOutput
 from server.protocol import RequestError
+from server.reasoning import Qwen3ReasoningParser, build_reasoning_parser
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
@@ -201,3 +203,22 @@ async def compile_or_400(compiler, grammar: StructuredOutput, param: str) -> Non
         raise _bad(param, str(err)) from None
     except Exception as err:  # noqa: BLE001 - whatever the back-end says about this input
         raise _bad(param, f"the grammar failed to compile: {type(err).__name__}: {err}") from None
+
+
+async def chat_grammar(body, tools: ToolPlan, template_kwargs: dict, prompt: list[int], tokenizer,
+                       reasoning_parser: str | None, compiler) -> tuple[StructuredOutput | None,
+                                                                     Qwen3ReasoningParser | None]:
+    """A chat request's grammar (compiled, or a 400) and its reasoning parser. With reasoning on
+    (and not disabled through the template), the grammar starts after `</think>`. `compiler` is
+    called for the compiler only when there is a grammar."""
+    grammar, param = request_grammar(body, tools)
+    reasoning = None
+    if reasoning_parser is not None:  # does the prompt end inside a <think> block?
+        reasoning = build_reasoning_parser(reasoning_parser, tokenizer.decode(prompt[-16:]))
+    if grammar is None:
+        return None, reasoning
+    if reasoning is not None and template_kwargs.get("enable_thinking") is not False:
+        end_ids = await asyncio.to_thread(tokenizer.encode, reasoning.end_tag, add_special_tokens=False)
+        grammar = dataclasses.replace(grammar, start_after=tuple(end_ids))
+    await compile_or_400(compiler(), grammar, param)
+    return grammar, reasoning
