@@ -278,3 +278,14 @@ def test_compiler_caches_results_and_errors_and_bounds_compile_time():
         asyncio.run(compile_or_400(slow, StructuredOutput("regex", "b+"), "structured_outputs.regex"))
     assert err.value.status == 400 and err.value.param == "structured_outputs.regex"
     slow.shutdown()
+
+
+def test_with_reasoning_the_grammar_waits_for_the_end_of_thinking(fake, tokenizer):
+    with LiveServer(fake, ServerConfig(reasoning_parser="qwen3")) as live:
+        client = _client(live)
+        for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            client.chat.completions.create(model="fake-model", messages=USER, max_tokens=2,
+                                           response_format={"type": "json_object"}, extra_body=kwargs)
+            start_after = fake.requests[-1].params.structured_output.start_after
+            expected = () if kwargs else tuple(tokenizer.encode("</think>", add_special_tokens=False))
+            assert start_after == expected
