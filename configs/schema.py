@@ -165,6 +165,8 @@ class ServerConfig(_Section):
     chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
     trust_request_chat_template: bool = False  # allow clients' `chat_template` (vLLM's flag); off: 400
     chat_template_timeout_s: float = Field(default=5.0, gt=0.0)  # a longer render is stopped: 400
+    reasoning_parser: Literal["qwen3"] | None = None  # split <think>...</think> into reasoning_content
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)  # structured output: slower -> 400
 
     @field_validator("api_key")
     @classmethod

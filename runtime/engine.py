@@ -46,6 +46,7 @@ from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.step import StepExecutables, enable_persistent_cache
+from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
 
@@ -164,8 +165,13 @@ class LLMEngine:
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
             fuse_greedy=fuse_greedy)
+        # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
+        vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
+        self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
+        self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if config.aot_compile:
-            self.executables.compile_all(progress=progress)
+            masked = self.bitmask_width if config.aot_grammar_samplers else 0
+            self.executables.compile_all(progress=progress, bitmask_width=masked)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -175,6 +181,17 @@ class LLMEngine:
         self.num_steps = 0
         self._consecutive_failures = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Matchers and the step bitmask of grammar-constrained requests (its compiler is shared
+        with the server, which validates grammars before a request reaches the engine)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the tokenizer (load_tokenizer=True)")
+            compiler = build_compiler(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_token_ids))
+            self._structured = StructuredOutputManager(compiler, max_rows=max(self.seq_buckets))
+        return self._structured
 
     def _default_num_pages(self, num_slots: int) -> int:
         """Enough pages for every sequence at full length, capped by the memory budget left after
@@ -208,7 +225,14 @@ class LLMEngine:
         params = request.params
         req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
                       arrival_time=request.arrival_time or time.monotonic(), eos_token_ids=self._eos_token_ids)
-        self.scheduler.add_request(req)
+        if params.structured_output is not None:  # GrammarError (a ValueError) when invalid
+            self.structured_output.add(req.request_id, params.structured_output)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            if self._structured is not None:
+                self._structured.remove(req.request_id)
+            raise
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
@@ -300,12 +324,16 @@ class LLMEngine:
             return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
         n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
         S = next(b for b in self.seq_buckets if b >= len(reqs))
+        # The device runs the backbone now; the grammar masks are filled meanwhile.
+        bitmask = None
+        if self._structured is not None and len(self._structured):
+            bitmask = self._structured.fill([s.request_id if s.sample else None for s in out.sequences], S)
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng,
             banned_ids=[r.banned_token_ids() for r in reqs])
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
-        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy), scores
+        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy, bitmask), scores
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
@@ -313,7 +341,7 @@ class LLMEngine:
         p = req.params
         return (p.temperature <= 0.0 and p.logprobs is None and p.presence_penalty == 0.0
                 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
-                and not req.banned_token_ids())
+                and p.structured_output is None and not req.banned_token_ids())
 
     def _commit(self, out: SchedulerOutput, pending):
         sampled, scores = pending
@@ -324,7 +352,14 @@ class LLMEngine:
         if sampled.top_ids.shape[1]:
             logprobs = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs))
         new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(out.sequences) if s.sample}
+        grammar_done = []
+        if self._structured is not None and len(self._structured):
+            grammar_done = [rid for rid, (token,) in new_tokens.items() if self._structured.advance(rid, token)]
         self.scheduler.update_from_output(out, new_tokens)
+        for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
+            req = self._requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish(rid, "stop")
         return out, tokens, logprobs
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, scores) -> None:
@@ -373,6 +408,8 @@ class LLMEngine:
                                num_cached_tokens=req.num_cached_tokens,
                                prompt_logprobs=self._finished_prompt_logprobs(req))
         if finished:
+            if self._structured is not None:
+                self._structured.remove(req.request_id)
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)

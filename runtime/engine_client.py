@@ -51,6 +51,8 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model.cfg.vocab_size
         self.tokenizer = engine.tokenizer
+        # Shared with the server, which compiles (and so validates) grammars before submitting.
+        self.grammar_compiler = engine.structured_output.compiler if engine.tokenizer is not None else None
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stats = engine.stats()

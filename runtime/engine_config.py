@@ -32,6 +32,7 @@ class EngineConfig:
     fuse_greedy: bool | None = None  # greedy backbone per bucket (StepExecutables); None: on the CPU backend
     interpret: Any = False
     aot_compile: bool = True
+    aot_grammar_samplers: bool = True  # with aot_compile: also the grammar-masked samplers (structured output)
     compile_cache_dir: str | None = None
     max_top_k: int = 256
     seed: int | None = None

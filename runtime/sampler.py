@@ -122,6 +122,22 @@ def ban_tokens(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
+    """-inf where a row's packed bitmask forbids the token (structured output).
+
+    logits [S, V] f32; bitmask [S, W] i32, W >= ceil(V / 32): bit t % 32 of word t // 32 set when
+    token t is allowed (rows without a grammar are all ones). Unpacked here, inside the jitted
+    sampler, so only S * W words cross to the device.
+    """
+    if bitmask is None:
+        return logits
+    num_rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0  # [S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _token_counts(ids: jax.Array, num_rows: int, vocab: int) -> jax.Array:
     # ids [S, W] i32, -1 padded -> occurrences [S, V] f32; out-of-range ids are dropped.
     counts = jnp.zeros((num_rows, vocab), jnp.float32)
@@ -211,6 +227,7 @@ def _threshold_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def sample(
     logits: jax.Array,
     meta: SamplingMetadata,
+    token_bitmask: jax.Array | None = None,
     *,
     max_top_k: int = 256,
     num_logprobs: int = 0,
@@ -227,6 +244,8 @@ def sample(
     all_greedy: the caller knows every row has temperature 0: tokens are the argmax of the
     penalized, banned logits (the same token the general path picks as candidate 0), with
     no top-k, filters or noise (vLLM's all-greedy fast path; ~4-5 ms less per step on CPU).
+    token_bitmask: None, or [S, ceil(V/32)] i32 allowed tokens per row (`apply_token_bitmask`),
+    applied after penalties and bans, before temperature and filters.
     """
     if logits.ndim != 2 or logits.shape[0] != meta.num_rows:
         raise ValueError(f"logits must be [S, V] with S = {meta.num_rows}, got {logits.shape}")
@@ -234,7 +253,8 @@ def sample(
     num_rows, vocab = raw.shape
     num_cand = min(max_top_k, vocab)
 
-    penalized = ban_tokens(apply_penalties(apply_logit_bias(raw, meta), meta), meta)  # [S, V]
+    penalized = apply_token_bitmask(ban_tokens(apply_penalties(apply_logit_bias(raw, meta), meta), meta),
+                                    token_bitmask)  # [S, V]
     if all_greedy:
         return _with_logprobs(raw, jnp.argmax(penalized, axis=1).astype(jnp.int32), num_logprobs, top_k_impl)
     greedy = meta.temperature <= 0.0

@@ -2,7 +2,7 @@
 
     backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
     scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
-    sampler[S, n_logprobs, penalty widths, all_greedy](params, hidden, meta) -> SamplerOutput
+    sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
     greedy_backbone[T](params, caches, batch) -> (caches, tokens [min(T, max_num_seqs)])
     copy_states(caches, src, dst) -> caches                                     caches donated
 
@@ -129,14 +129,14 @@ class StepExecutables:
                                      opts=opts)
             return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
 
-
         scoring_pinned = {} if opts.tp is None else {
             "out_shardings": (cache_shardings, self._replicated, self._replicated)}
         self._scoring_backbone_jit = jax.jit(scoring_backbone, donate_argnums=1, **scoring_pinned)
 
-        def sampler(params, hidden, meta, *, num_rows, num_logprobs, all_greedy):
+        def sampler(params, hidden, meta, bitmask, *, num_rows, num_logprobs, all_greedy):
             logits = compute_logits(params, hidden[:num_rows])
-            return sample(logits, meta, max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy)
+            return sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs,
+                          all_greedy=all_greedy)
 
         pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
         self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs", "all_greedy"), **pinned)
@@ -204,29 +204,32 @@ class StepExecutables:
         return exe
 
     def _compile_sampler(self, key):
-        S, n_logprobs, out_w, prompt_w, banned, bias, greedy = key
+        S, n_logprobs, out_w, prompt_w, banned, bias, greedy, mask_w = key
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
-        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned, bias), num_rows=S,
-                                      num_logprobs=n_logprobs, all_greedy=greedy).lower().compile()
+        bitmask = self._host_spec((S, mask_w), jnp.int32) if mask_w else None
+        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned, bias), bitmask,
+                                      num_rows=S, num_logprobs=n_logprobs, all_greedy=greedy).lower().compile()
         name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
-                f"{',greedy' if greedy else ''}]")
+                f"{',greedy' if greedy else ''}{',masked' if mask_w else ''}]")
         self.compile_seconds[name] = time.perf_counter() - t0
         self._samplers[key] = exe
         return exe
 
-    def compile_all(self, progress: bool = True) -> dict[str, float]:
+    def compile_all(self, progress: bool = True, bitmask_width: int = 0) -> dict[str, float]:
         """Compile every backbone bucket (and its greedy twin with `fuse_greedy`) and the plain and
-        all-greedy samplers of every sequence bucket."""
-        jobs = ([("backbone", T) for T in self.token_buckets] + [("sampler", S) for S in self.seq_buckets]
-                + [("greedy sampler", S) for S in self.seq_buckets])
-        jobs += [("greedy backbone", T) for T in self.greedy_buckets]
-        for kind, n in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+        all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
+        twins too, so a request with a grammar joining a batch compiles nothing."""
+        jobs = ([("backbone", T, 0) for T in self.token_buckets]
+                + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets
+                   for kind in ("sampler", "greedy sampler")])
+        jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
+        for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind in ("backbone", "greedy backbone"):
                 self._compile_backbone(n, greedy=kind == "greedy backbone")
             else:
-                self._compile_sampler((n, 0, 0, 0, 0, 0, kind == "greedy sampler"))
+                self._compile_sampler((n, 0, 0, 0, 0, 0, kind == "greedy sampler", width))
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
@@ -261,17 +264,20 @@ class StepExecutables:
             exe = self._compile_scoring_backbone(T)
         return exe(params, caches, batch, targets)
 
-    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False):
-        """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host."""
+    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
+                    bitmask: np.ndarray | None = None):
+        """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host.
+        `bitmask`: None, or the step's [S, W] i32 allowed-token bitmask (structured output)."""
         S = meta.temperature.shape[0]
+        mask_w = 0 if bitmask is None else bitmask.shape[1]
         key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned,
-               meta.num_logit_bias, bool(all_greedy))
+               meta.num_logit_bias, bool(all_greedy), mask_w)
         exe = self._samplers.get(key)
         if exe is None:
-            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s",
-                     *key)
+            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s "
+                     "bitmask width=%d", *key)
             exe = self._compile_sampler(key)
-        return exe(params, hidden, meta)
+        return exe(params, hidden, meta, bitmask)
 
     def copy_states(self, caches, pairs: list[tuple[int, int]]):
         src = np.zeros(self.max_num_seqs, np.int32)

@@ -12,6 +12,34 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+GrammarKind = Literal["json", "regex", "choice", "lark", "ebnf"]
+GRAMMAR_KINDS = ("json", "regex", "choice", "lark", "ebnf")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (structured output, forced tool calls).
+
+    kind "json": `spec` is a JSON schema serialized as JSON text; "regex": a regular expression;
+    "choice": a JSON list of the allowed strings; "lark" / "ebnf": grammar text (llguidance's
+    Lark dialect, or GBNF / EBNF converted to it). `start_after`: token ids that must appear in
+    the output before the grammar applies (the end of a reasoning block, e.g. `</think>`);
+    empty means from the first token.
+    """
+
+    kind: GrammarKind
+    spec: str
+    start_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"structured output kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "start_after", tuple(int(t) for t in self.start_after))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (start_after does not change it)."""
+        return self.kind, self.spec
 
 MAX_LOGPROBS = 20  # top alternatives the compiled steps can report per token (generated or prompt)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's own limit)
@@ -49,6 +77,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM); None = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

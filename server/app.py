@@ -34,6 +34,8 @@ from server.protocol import (
     ignored_fields_set, internal_error, parse_body,
 )
 from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, Job, build_job, run_job
+from server import structured
+from server.chat_output import ChatOutputParser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -62,6 +64,8 @@ class ServerState:
     chat_template: str | None = None  # --chat-template (text), replacing the model's
     fingerprint: str = ""
 
+    grammar_compiler: object = None  # built on the first grammar request (runtime.structured_output)
+
     def __post_init__(self) -> None:
         self.idle.set()
         self.chat_template = _load_chat_template(self.config.chat_template)
@@ -69,6 +73,19 @@ class ServerState:
 
     def formatter(self, chat: bool) -> Formatter:
         return Formatter(chat, self.texts, self.fingerprint)
+
+    def compiler(self):
+        """The engine's grammar compiler (shared cache), or one of our own for an engine without."""
+        if self.grammar_compiler is None:
+            compiler = getattr(self.engine, "grammar_compiler", None)
+            if compiler is None:
+                from runtime.structured_output import build_compiler
+
+                tokenizer = self.engine.tokenizer
+                compiler = build_compiler(tokenizer, self.engine.vocab_size, (tokenizer.eos_token_id,))
+            compiler.timeout_s = self.config.grammar_compile_timeout_s
+            self.grammar_compiler = compiler
+        return self.grammar_compiler
 
 
 def _load_chat_template(value: str | None) -> str | None:
@@ -239,9 +256,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     echo_texts = None
     if body.echo:
         echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in raw]
+    grammar, param = structured.request_grammar(body)
+    if grammar is not None:
+        await structured.compile_or_400(state.compiler(), grammar, param)
     job = build_job(state.engine, body, uuid.uuid4().hex, prompts, body.max_tokens,
                     DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts, prompt_logprobs=body.prompt_logprobs,
-                    echo_logprobs=body.echo and body.logprobs is not None)
+                    echo_logprobs=body.echo and body.logprobs is not None, structured_output=grammar)
     return await _run(request, state, job, chat=False)
 
 
@@ -252,14 +272,24 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+    tools = structured.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if tools.functions:
+        template_kwargs["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, template_kwargs,
                                 body.request_chat_template())
+    grammar, reasoning = await structured.chat_grammar(body, tools, template_kwargs, prompt, state.engine.tokenizer,
+                                                       state.config.reasoning_parser, state.compiler)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise RequestError(400, f"{param}: must be at least 1", param=param)
-    job = build_job(state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs)
+    job = build_job(state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs,
+                    structured_output=grammar)
+    if reasoning is not None or tools.parses_calls:
+        for choice in job.choices:
+            choice.parser = ChatOutputParser(reasoning, tools.parses_calls)
     return await _run(request, state, job, chat=True)
 
 

@@ -3,12 +3,12 @@
 Request models are strict (`"5"` is not an integer, `true` is not a number, NaN is not a
 float) and forbid unknown fields, as the OpenAI API itself does ("Unrecognized request
 argument supplied"). OpenAI fields we do not implement and that would change the output
-(tools, response_format, suffix, best_of, ...) are therefore rejected with a 400 naming the
-field instead of being silently ignored. Fields that never change the output (`store`,
-`metadata`, `user`, ...) are accepted and ignored: they are listed once, in `IgnoredFields`,
-and the server logs the ones a request set at DEBUG. Numeric ranges are declared on the
-fields, so `/openapi.json` (generated from these models) states them. The one place unknown
-fields are allowed is a chat *message*: templates
+(suffix, best_of, ...) are therefore rejected with a 400 naming the field instead of being
+silently ignored. Fields that never change the output (`store`, `metadata`, `user`, ...) are
+accepted and ignored: they are listed once, in `IgnoredFields`, and the server logs the ones a
+request set at DEBUG. Numeric ranges are declared on the fields, so `/openapi.json`
+(generated from these models) states them. The one place unknown fields are allowed is a chat
+*message*: templates
 may read extra keys (tool_calls, reasoning_content, ...), so they are passed to
 `apply_chat_template` as they came.
 """
@@ -73,7 +73,6 @@ class IgnoredFields(_Strict):
     user: str | None = None  # OpenAI's end-user id
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # no reasoning models yet
     modalities: list[Literal["text"]] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
 
 
 IGNORED_FIELDS = tuple(IgnoredFields.model_fields)
@@ -111,6 +110,9 @@ class _SamplingRequest(IgnoredFields):
     skip_special_tokens: bool = True  # vLLM extension
     priority: int = 0  # vLLM extension; lower runs earlier under the priority policy
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    # Structured output (checked in server/structured.py, which names the offending field):
+    response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -196,6 +198,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
     chat_template: str | None = None  # vLLM extension; refused unless --trust-request-chat-template
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, checked in server/structured.py
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     def request_chat_template(self) -> str | None:
         """The client-supplied template, from `chat_template` or `chat_template_kwargs.chat_template`."""

@@ -21,8 +21,11 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from runtime.types import EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, TokenLogprob, fan_out
+from runtime.types import (
+    EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob, fan_out,
+)
 from server import formats
+from server.chat_output import ChatOutputParser
 from server.engine_client import EngineClient
 from server.metrics import CompletionTimer, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, internal_error
@@ -46,6 +49,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the engine has scored the prompt
     num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     timer: CompletionTimer | None = field(default=None, repr=False)
+    parser: ChatOutputParser | None = field(default=None, repr=False)  # reasoning / tool calls (chat)
 
 
 @dataclass
@@ -102,12 +106,13 @@ def _field_error(body, err: SamplingParamsError) -> RequestError:
 def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[int]],
               requested_max_tokens: int | None, default_max_tokens: int | None,
               logprobs: int | None, echo_texts: list[str] | None = None, prompt_logprobs: int | None = None,
-              echo_logprobs: bool = False) -> Job:
+              echo_logprobs: bool = False, structured_output: StructuredOutput | None = None) -> Job:
     """Fan the prompts out into engine requests, each validated by the engine (400 on a bad field).
 
     Without `max_tokens` a request generates `default_max_tokens` (None: up to the context limit).
     `prompt_logprobs` (vLLM's field) and `echo_logprobs` (echo + logprobs) both make the engine
-    score the prompt, with the larger of the two top-k widths."""
+    score the prompt, with the larger of the two top-k widths. `structured_output`: the
+    request's grammar (already compiled once by the server, so a bad one was a 400)."""
     requests, choices = [], []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = requested_max_tokens
@@ -116,6 +121,8 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         scored = [k for k in (prompt_logprobs, logprobs if echo_logprobs else None) if k is not None]
         base = sampling_params(body, max_tokens, logprobs, max(scored) if scored else None)
+        if structured_output is not None:
+            base = base.replace(structured_output=structured_output)
         try:
             checked = engine.validate_request(EngineRequest(f"{request_id}-{prompt_index}", list(prompt), base))
         except SamplingParamsError as err:
@@ -231,6 +238,9 @@ class Formatter:
         make = formats.chat_choice if self.chat else formats.completion_choice
         made = make(choice.index, choice.prefix + completion.text, logprobs,
                     completion.finish_reason, completion.stop_reason)
+        if choice.parser is not None:  # reasoning_content / tool_calls split out of the text
+            made["message"].update(choice.parser.message(completion.text))
+            made["finish_reason"] = choice.parser.finish_reason(completion.text, completion.finish_reason)
         return self._with_prompt_logprobs(job, choice, made)
 
     def prompt_choice(self, job: Job, choice: Choice) -> dict:
@@ -272,10 +282,25 @@ class Formatter:
         if not choice.role_sent:
             choice.role_sent = True
             out.append(formats.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""}, None, None))
-        if text or logprobs or finish or new_tokens:
+        if choice.parser is not None and (text or logprobs or finish or new_tokens):
+            out += _parsed_chunk_choices(choice, logprobs, finish, stop_reason)
+        elif text or logprobs or finish or new_tokens:
             delta = {"content": text} if text or new_tokens else {}
             out.append(formats.chat_chunk_choice(choice.index, delta, logprobs, finish, stop_reason))
         return out
+
+
+def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | None,
+                          stop_reason) -> list[dict]:
+    """Chunks of a choice whose text is split by its ChatOutputParser (reasoning, tool calls);
+    a step whose tokens are held back (a possible tag) sends an empty delta."""
+    deltas = choice.parser.deltas(choice.text, finish is not None) or [{}]
+    if finish is not None:
+        finish = choice.parser.finish_reason(choice.text, finish)
+    last = len(deltas) - 1
+    return [formats.chat_chunk_choice(choice.index, delta, logprobs if i == last else None,
+                                      finish if i == last else None, stop_reason if i == last else None)
+            for i, delta in enumerate(deltas)]
 
 
 def _response_id(job: Job, chat: bool) -> str:

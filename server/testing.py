@@ -2,7 +2,8 @@
 
 `FakeEngine` implements `EngineClient` without a model (JetStream's mock-engine idea): after
 the last prompt token `t`, it generates `next_token(t, seed, vocab)` = `(t * 7 + 3 + seed) % vocab`
-(seed None counts as 0), one token per `token_delay_s`. The sampled token's logprob is -0.5
+(seed None counts as 0), one token per `token_delay_s`; or, when a text is queued in
+`scripted_texts`, that text's tokens, then "stop". The sampled token's logprob is -0.5
 and the j-th top alternative is token `(sampled + j) % vocab` with logprob `-0.5 - j`.
 Text is `tokenizer.decode(generated_ids, skip_special_tokens=True)`, cut at the first stop
 string. It owns `num_slots` slots: a request waits for a free one, and `abort` or the end of
@@ -76,6 +77,9 @@ class FakeEngine:
         self.finished: set[str] = set()
         self.shutdown_called = False
         self.healthy = True  # tests flip it to play a dead engine loop
+        # Scripted outputs: each new request takes the next text (if any) and generates its tokens
+        # (tokenizer.encode, no special tokens) one per step, then stops ("stop").
+        self.scripted_texts: list[str] = []
         self._slot_released: asyncio.Condition | None = None
 
     def validate_request(self, request: EngineRequest) -> EngineRequest:
@@ -121,6 +125,10 @@ class FakeEngine:
             self.finished.add(request.request_id)
             yield self._output(request, completion)
             return
+        script = None
+        if self.scripted_texts:
+            script = self.tokenizer.encode(self.scripted_texts.pop(0), add_special_tokens=False)
+            limit = min(limit, len(script))
         while True:
             if request.request_id in self.aborted:
                 completion.finish_reason = "abort"
@@ -128,7 +136,7 @@ class FakeEngine:
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            token = next_token(token, params.seed, self.vocab_size)
+            token = next_token(token, params.seed, self.vocab_size) if script is None else script[len(completion.token_ids)]
             completion.token_ids.append(token)
             if completion.logprobs is not None:
                 top = [((token + j) % self.vocab_size, sampled_logprob(j)) for j in range(params.logprobs)]
@@ -140,7 +148,7 @@ class FakeEngine:
             elif token in params.stop_token_ids:
                 completion.finish_reason, completion.stop_reason = "stop", token
             elif len(completion.token_ids) >= limit:
-                completion.finish_reason = "length"
+                completion.finish_reason = "length" if script is None or limit < len(script) else "stop"
             else:
                 completion.text = _hold_back_partial_stop(completion.text, params.stop)
             if completion.finished:

@@ -104,7 +104,7 @@ BAD_CHATS = [
     ({**CHAT, "logprobs": 3}, "logprobs"),
     ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({**CHAT, "max_completion_tokens": 1000}, "max_completion_tokens"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),  # a function tool without its function
 ]
 
 

@@ -1,0 +1,91 @@
+"""The llguidance back-end: JSON schema, regex, choice and Lark / EBNF grammars.
+
+llguidance (Rust, no torch) builds its tokenizer view from our Hugging Face fast tokenizer
+(`llguidance.hf.from_tokenizer`), with the vocabulary widened to the model's logits width: ids
+past the tokenizer's own entries (unused embedding rows) are never allowed, and the model's
+EOS ids are the grammar's end-of-sequence tokens, allowed exactly when the grammar accepts.
+JSON is compact (`{"a": 1}`, no free whitespace): a model then cannot pad an object with
+thousands of spaces, the failure mode of flexible whitespace under random or weak models.
+Compiling a grammar and computing masks both release the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from runtime.structured_output.backend import GrammarError
+from runtime.types import StructuredOutput
+
+JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}
+
+
+class LLGuidanceMatcher:
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.consume_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+class LLGuidanceGrammar:
+    def __init__(self, matcher):
+        self._template = matcher  # never advanced; each request gets a copy
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = (), num_threads: int = 2):
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.vocab_size = max(int(vocab_size), len(hf_tokenizer))
+        eos = list(eos_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+
+    def grammar_text(self, grammar: StructuredOutput) -> str:
+        """The llguidance grammar of a `StructuredOutput`; GrammarError for malformed input."""
+        LLMatcher = self._ll.LLMatcher
+        kind, spec = grammar.kind, grammar.spec
+        try:
+            if kind == "json":
+                return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
+            if kind == "regex":
+                return LLMatcher.grammar_from_regex(spec)
+            if kind == "choice":
+                choices = json.loads(spec)
+                return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+            if kind == "ebnf":
+                return self._ll.grammar_from("ebnf", spec)
+            return LLMatcher.grammar_from_lark(spec)
+        except (ValueError, TypeError) as err:
+            raise GrammarError(f"invalid {kind} grammar: {err}") from None
+
+    def compile(self, grammar: StructuredOutput) -> LLGuidanceGrammar:
+        matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(grammar), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {grammar.kind} grammar: {_first_lines(matcher.get_error())}")
+        return LLGuidanceGrammar(matcher)
+
+    def fill_bitmask(self, matchers: list[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(self._executor, [(m.matcher, row) for m, row in matchers], bitmask)
+
+
+def _first_lines(message: str, limit: int = 600) -> str:
+    return message if len(message) <= limit else message[:limit] + " ..."
