@@ -87,7 +87,7 @@ class CheckpointPolicy:
                                  f"{', '.join(_INT_OPTIONS)})")
             fields[key] = int(value)
         if name == "align":
-            fields["decode_interval"] = fields["block"]
+            fields["decode_interval"] = fields.get("block", 0)
         if name == "every_page":
             fields["decode_interval"] = 0
         return cls(**fields)
