@@ -147,10 +147,16 @@ class CheckpointPolicy:
             return True
         return boundary in self.prefill_boundaries(boundary - 1, boundary, num_tokens, page_size, divergence)
 
-    @property
-    def rolling_decode(self) -> bool:
-        """Decode checkpoints supersede the request's previous one (only `auto`)."""
-        return self.name == "auto"
+    def is_rolling(self, boundary: int, *, prefill: bool, num_tokens: int, page_size: int, divergence: int = 0) -> bool:
+        """`auto`: a request's newest state (a decode boundary, the end of its known tokens, or
+        its prompt-end boundary) supersedes its previous rolling checkpoint, which a deeper one
+        on the same path dominates; divergence and interval checkpoints are kept."""
+        if self.name != "auto":
+            return False
+        if not prefill or boundary == num_tokens:
+            return True
+        kept = boundary == divergence or (self.interval and boundary % self.interval == 0)
+        return boundary == (num_tokens - 1) // page_size * page_size and not kept
 
 
 def num_checkpoint_slots(budget_fraction: float, cache_bytes: int, state_bytes_per_slot: int,

@@ -227,12 +227,10 @@ class Scheduler:
         end = start + num_new
         is_prefill = request.num_tokens - start > 1
         policy = self.cache.checkpoint_policy
-        if self.cache.checkpoints_enabled and policy.saves(
-            end, prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
-            divergence=request.allocation.divergence
-        ):
-            rolling = policy.rolling_decode and (not is_prefill or end == request.num_tokens)
-            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=rolling)
+        where = dict(prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
+                     divergence=request.allocation.divergence)
+        if self.cache.checkpoints_enabled and policy.saves(end, **where):
+            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where))
             if copy is not None:
                 out.copy_after.append(copy)
         return ScheduledSequence(
