@@ -13,14 +13,16 @@ Named policies (`CheckpointPolicy.parse`):
                chunk end is saved, plus the prompt's deepest reusable boundary; nothing in decode.
   align:<B>    vLLM's "align" mode: chunks are cut at multiples of B tokens and only those
                boundaries are saved (prefill and decode), so a hit is a multiple of B.
-  auto         the default: the prompt's deepest reusable boundary (request re-sent, preemption,
-               next chat turn before an output exists), divergence points (the depth where a new
+  auto         the default: page-aligned chunk ends (as `page`), the prompt's deepest reusable
+               boundary (request re-sent, preemption), divergence points (the depth where a new
                request's cached KV reaches deeper than any checkpoint: the next request with that
                prefix hits fully), a rolling request-end checkpoint refreshed every
-               `decode_interval` tokens (default: every page) in decode; only the newest
-               survives, so a finished request leaves its state at most one interval before
-               its end, where the next chat turn or agent step continues,
-               optionally every `interval` prefill tokens, and at most `per_path_cap`
+               `decode_interval` tokens (default: every page) in decode. Chunk-end, prompt-end
+               and decode checkpoints are *rolling*: a request's newest one replaces its
+               previous one, so a running request holds at most one and a finished request
+               leaves its state at most one interval before its end, where the next chat
+               turn or agent step continues. Divergence (and interval) checkpoints stay.
+               Options: also every `interval` prefill tokens; at most `per_path_cap`
                checkpoints along one request's token path (the least recently used go first).
   every_page   a checkpoint at every page boundary, prefill and decode (the ceiling; slow on a
                device: every prefill chunk is one page).
@@ -43,7 +45,7 @@ class CheckpointPolicy:
 
     name: str = "auto"
     block: int = 0  # align: only multiples of `block` are cut and saved
-    chunk_ends: bool = False  # save every page-aligned prefill chunk end (the `page` policy)
+    chunk_ends: bool = True  # cut prefill chunks at page boundaries and save every chunk end
     prompt_end: bool = True  # save the prompt's deepest reusable page boundary
     divergence: bool = True  # save where a hit's KV reaches deeper than its checkpoint
     interval: int = 0  # also save every `interval` prefill tokens
@@ -69,7 +71,7 @@ class CheckpointPolicy:
         name, _, block = head.partition(":")
         presets = {
             "page": dict(chunk_ends=True, divergence=False, decode=False),
-            "align": dict(prompt_end=False, divergence=False),
+            "align": dict(chunk_ends=False, prompt_end=False, divergence=False),
             "auto": {},
             "every_page": dict(chunk_ends=True, interval=0),
         }
@@ -148,15 +150,14 @@ class CheckpointPolicy:
         return boundary in self.prefill_boundaries(boundary - 1, boundary, num_tokens, page_size, divergence)
 
     def is_rolling(self, boundary: int, *, prefill: bool, num_tokens: int, page_size: int, divergence: int = 0) -> bool:
-        """`auto`: a request's newest state (a decode boundary, the end of its known tokens, or
-        its prompt-end boundary) supersedes its previous rolling checkpoint, which a deeper one
-        on the same path dominates; divergence and interval checkpoints are kept."""
+        """`auto`: a request's newest state (a chunk end, its prompt end, a decode boundary)
+        supersedes its previous rolling checkpoint, which the deeper one on the same path
+        dominates for this request's continuations; divergence and interval checkpoints stay."""
         if self.name != "auto":
             return False
         if not prefill or boundary == num_tokens:
             return True
-        kept = boundary == divergence or (self.interval and boundary % self.interval == 0)
-        return boundary == (num_tokens - 1) // page_size * page_size and not kept
+        return not (boundary == divergence or (self.interval and boundary % self.interval == 0))
 
 
 def num_checkpoint_slots(budget_fraction: float, cache_bytes: int, state_bytes_per_slot: int,
