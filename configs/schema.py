@@ -54,7 +54,7 @@ class CacheConfig(_Section):
     # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
     # align:<tokens>, every_page) and the fraction of cache memory they may use (null: the
     # original 2 x max_num_seqs slots shared with running requests). docs/prefix_caching.md.
-    hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|every_page|align:\d+)(,\w+=\d+)*$")
+    hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|ends|every_page|align:\d+)(,\w+=\d+)*$")
     hybrid_checkpoint_budget: float | None = Field(default=0.1, ge=0.0, lt=1.0)
 
     @field_validator("page_size")

@@ -24,6 +24,9 @@ Named policies (`CheckpointPolicy.parse`):
                turn or agent step continues. Divergence (and interval) checkpoints stay.
                Options: also every `interval` prefill tokens; at most `per_path_cap`
                checkpoints along one request's token path (the least recently used go first).
+  ends         an approximation of SGLang's hybrid radix cache (a state per tree leaf): the
+               prompt's end and the request's end (every decode page, superseded), no chunk
+               ends, no divergence points; prompt-end checkpoints are kept.
   every_page   a checkpoint at every page boundary, prefill and decode (the ceiling; slow on a
                device: every prefill chunk is one page).
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICY_NAMES = ("page", "align", "auto", "every_page")
+POLICY_NAMES = ("page", "align", "auto", "ends", "every_page")
 _INT_OPTIONS = ("block", "interval", "decode_interval", "per_path_cap")
 
 
@@ -73,10 +76,12 @@ class CheckpointPolicy:
             "page": dict(chunk_ends=True, divergence=False, decode=False),
             "align": dict(chunk_ends=False, prompt_end=False, divergence=False),
             "auto": {},
+            "ends": dict(chunk_ends=False, divergence=False),
             "every_page": dict(chunk_ends=True, interval=0),
         }
         if name not in presets:
-            raise ValueError(f"unknown checkpoint policy {spec!r}; choose from page, align:<block>, auto, every_page")
+            raise ValueError(f"unknown checkpoint policy {spec!r}; choose from page, align:<block>, auto, ends, "
+                             f"every_page")
         fields = dict(presets[name], name=name)
         if block:
             if name != "align" or not block.isdigit():
@@ -153,10 +158,12 @@ class CheckpointPolicy:
         """`auto`: a request's newest state (a chunk end, its prompt end, a decode boundary)
         supersedes its previous rolling checkpoint, which the deeper one on the same path
         dominates for this request's continuations; divergence and interval checkpoints stay."""
-        if self.name != "auto":
+        if self.name not in ("auto", "ends"):
             return False
         if not prefill or boundary == num_tokens:
             return True
+        if self.name == "ends":
+            return False
         return not (boundary == divergence or (self.interval and boundary % self.interval == 0))
 
 
