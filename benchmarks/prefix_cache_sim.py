@@ -2,6 +2,7 @@
 
     python benchmarks/prefix_cache_sim.py --model configs/models/qwen3_5-9b.json --trace chat \
         --policy auto --policy page --policy align:528 --budget 0.1 [--json out.json]
+    python benchmarks/prefix_cache_sim.py --render out.json     # the markdown table of docs/prefix_caching.md
 
 Drives the real `paged_kv.CacheManager` and `runtime.scheduler.Scheduler` (no JAX, no weights)
 with a trace of sessions (`benchmarks/prefix_traces.py`): every step is schedule -> a fake
@@ -147,10 +148,27 @@ def ceiling(sessions: list[Session], config: SimConfig) -> dict:
             "prefill_tokens": run["prefill_tokens"]}
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The docs' table: one line per (model, trace, budget, policy) row of `simulate`."""
+    lines = ["| model | trace | budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
+             "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        avg, peak = r["avg_gib"], r["peak_gib"]
+        of = "-" if r["of_ceiling"] is None else f"{r['of_ceiling']:.0%}"
+        budget = "2 x seqs" if r["budget"] < 0 else f"{r['budget']:.0%}"
+        lines.append(f"| {r['model']} | {r['trace']} | {budget} | `{r['policy']}` | {r['hit_rate']:.1%} "
+                     f"| {r['ceiling']:.1%} | {of} | {avg['checkpoints']:.1f} / {peak['checkpoints']:.1f} "
+                     f"| {avg['kv_running']:.1f} / {avg['kv_cached']:.1f} | {avg['slots_running']:.1f} "
+                     f"| {r['checkpoint_evictions']} | {r['page_evictions']} | {r['prefill_tokens']:,} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", action="append", required=True, help="HF config.json (repeatable)")
-    parser.add_argument("--trace", action="append", choices=TRACES, required=True)
+    parser.add_argument("--render", nargs="+", default=None, help="print the markdown table of these JSON results")
+    parser.add_argument("--model", action="append", help="HF config.json (repeatable)")
+    parser.add_argument("--trace", action="append", choices=TRACES)
     parser.add_argument("--policy", action="append", default=None, help="CheckpointPolicy spec (repeatable)")
     parser.add_argument("--budget", type=float, action="append", default=None,
                         help="checkpoint budget, fraction of cache memory (repeatable; -1: original 2 x max_num_seqs)")
@@ -164,6 +182,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.render:
+        print(markdown_table([row for path in args.render for row in json.loads(Path(path).read_text())]))
+        return
+    if not args.model or not args.trace:
+        parser.error("--model and --trace are required (or --render)")
     config = SimConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     rows = []
     for model in args.model:

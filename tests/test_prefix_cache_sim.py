@@ -130,3 +130,14 @@ def test_policies_restore_exact_states_under_a_random_workload(policy, seed):
     assert stats["slots_used"] == 0 and stats["slots_cached"] <= 3 and restores > 0
     for request in requests:
         assert request.output_token_ids == reference_generation(request.prompt_token_ids, request.params)[0]
+
+
+def test_simulator_imports_no_jax():
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, benchmarks.prefix_cache_sim; print('jax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.stdout.strip() == "False"
