@@ -151,8 +151,8 @@ def ceiling(sessions: list[Session], config: SimConfig) -> dict:
 def markdown_table(rows: list[dict]) -> str:
     """The docs' table: one line per (model, trace, budget, policy) row of `simulate`."""
     lines = ["| model | trace | budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
-             "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens | steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         avg, peak = r["avg_gib"], r["peak_gib"]
         of = "-" if r["of_ceiling"] is None else f"{r['of_ceiling']:.0%}"
@@ -160,7 +160,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['trace']} | {budget} | `{r['policy']}` | {r['hit_rate']:.1%} "
                      f"| {r['ceiling']:.1%} | {of} | {avg['checkpoints']:.1f} / {peak['checkpoints']:.1f} "
                      f"| {avg['kv_running']:.1f} / {avg['kv_cached']:.1f} | {avg['slots_running']:.1f} "
-                     f"| {r['checkpoint_evictions']} | {r['page_evictions']} | {r['prefill_tokens']:,} |")
+                     f"| {r['checkpoint_evictions']} | {r['page_evictions']} | {r['prefill_tokens']:,} | {r['steps']:,} |")
     return "\n".join(lines)
 
 
