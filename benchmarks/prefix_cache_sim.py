@@ -9,7 +9,8 @@ with a trace of sessions (`benchmarks/prefix_traces.py`): every step is schedule
 model that "generates" the trace's fixed outputs -> update. Memory is the engine's sizing rule
 at the model's real bytes (`benchmarks/model_shapes.py`): a device of `--device-gib` usable GiB
 (x `--devices` for tensor parallelism) x `--memory-fraction`, minus bf16 weights, split into
-KV pages, one running state slot per sequence and `--budget` of it in checkpoint slots.
+KV pages, one running state slot per sequence and checkpoint slots (2 per sequence, at most
+`--budget` of the cache memory).
 
 Reported per policy: token hit rate (hit tokens / queried prompt tokens over all admissions),
 the ceiling (the same trace with KV pages only, unbounded: every cached page boundary usable,
@@ -150,13 +151,13 @@ def ceiling(sessions: list[Session], config: SimConfig) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     """The docs' table: one line per (model, trace, budget, policy) row of `simulate`."""
-    lines = ["| model | trace | budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
+    lines = ["| model | trace | checkpoint budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
              "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens | steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         avg, peak = r["avg_gib"], r["peak_gib"]
         of = "-" if r["of_ceiling"] is None else f"{r['of_ceiling']:.0%}"
-        budget = "2 x seqs" if r["budget"] < 0 else f"{r['budget']:.0%}"
+        budget = "2 x seqs shared" if r["budget"] < 0 else f"{r['budget']:.0%}: {r['num_checkpoint_slots']} slots"
         lines.append(f"| {r['model']} | {r['trace']} | {budget} | `{r['policy']}` | {r['hit_rate']:.1%} "
                      f"| {r['ceiling']:.1%} | {of} | {avg['checkpoints']:.1f} / {peak['checkpoints']:.1f} "
                      f"| {avg['kv_running']:.1f} / {avg['kv_cached']:.1f} | {avg['slots_running']:.1f} "
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", action="append", choices=TRACES)
     parser.add_argument("--policy", action="append", default=None, help="CheckpointPolicy spec (repeatable)")
     parser.add_argument("--budget", type=float, action="append", default=None,
-                        help="checkpoint budget, fraction of cache memory (repeatable; -1: original 2 x max_num_seqs)")
+                        help="largest fraction of cache memory for checkpoint slots (2 per sequence; repeatable; default "
+                             "0.25 as the engine; -1: the original 2 x max_num_seqs shared slots)")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--device-gib", type=float, default=139.0)
     parser.add_argument("--memory-fraction", type=float, default=0.9)
@@ -195,7 +197,7 @@ def main(argv=None) -> None:
             sessions = make_trace(trace_name, vocab_size=shape.vocab_size, seed=args.seed,
                                   num_sessions=args.num_sessions)
             top = ceiling(sessions, config)
-            for budget in args.budget or [0.1]:
+            for budget in args.budget or [0.25]:
                 plan = plan_memory(shape, device_gib=args.device_gib * args.devices, page_size=config.page_size,
                                    memory_fraction=args.memory_fraction, kv_dtype=args.kv_dtype,
                                    max_num_seqs=config.max_num_seqs, budget_fraction=None if budget < 0 else budget)
