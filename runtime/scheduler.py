@@ -23,8 +23,9 @@
 Prefill chunks are capped by the remaining budget and `long_prefill_token_threshold`. On
 hybrid models with prefix caching, the cache's `CheckpointPolicy` cuts chunks at the
 boundaries it saves (e.g. the deepest boundary an identical prompt could reuse), and a step
-ending on such a boundary saves the running state into a checkpoint slot (`copy_after`). Slot copies run on device:
-every `copy_before` pair before the step's forward pass, every `copy_after` pair after it.
+ending on such a boundary saves the running state into a checkpoint slot (`copy_after`).
+Slot copies run on device: every `copy_before` pair before the step's forward pass, every
+`copy_after` pair after it.
 Plain Python, no JAX.
 """
 
