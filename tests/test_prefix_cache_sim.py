@@ -9,6 +9,7 @@ which checks every restored state against its own record of each request's token
 """
 
 import random
+from pathlib import Path
 
 import pytest
 from test_scheduler import VOCAB, FakeDevice, add, reference_generation, step
@@ -21,6 +22,7 @@ from runtime.config import SchedulerConfig
 from runtime.scheduler import Scheduler
 
 PS = 16
+MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def serial(sessions):
@@ -83,7 +85,7 @@ def test_block_aligned_checkpoints_never_hit_chat_prompts_shorter_than_the_block
 
 
 def test_simulation_is_deterministic_and_reports_memory_by_use():
-    shape = load_shape("configs/models/qwen3_5-9b.json")
+    shape = load_shape(MODELS / "qwen3_5-9b.json")
     plan = plan_memory(shape, max_num_seqs=8, budget_fraction=0.1)
     assert plan.num_checkpoint_slots == 16  # 2 per sequence, within 10% of the cache
     assert plan_memory(shape, max_num_seqs=256, budget_fraction=0.05).num_checkpoint_slots == int(
@@ -98,12 +100,12 @@ def test_simulation_is_deterministic_and_reports_memory_by_use():
 
 
 def test_model_shapes_from_config_json():
-    nine = load_shape("configs/models/qwen3_5-9b.json")
+    nine = load_shape(MODELS / "qwen3_5-9b.json")
     # 8 attention layers x (K, V) x 4 KV heads x 256 x bf16; 24 GDN layers x fp32 (conv 3 x 8192 + 32 x 128 x 128)
     assert nine.kv_bytes_per_token("bfloat16") == 8 * 2 * 4 * 256 * 2
     assert nine.state_bytes_per_slot == 24 * 4 * (3 * 8192 + 32 * 128 * 128)
     assert 8.9e9 < nine.num_params < 9.0e9  # text model of Qwen3.5-9B (no vision tower, no MTP)
-    next80 = load_shape("configs/models/qwen3-next-80b-a3b.json")
+    next80 = load_shape(MODELS / "qwen3-next-80b-a3b.json")
     assert next80.num_linear_layers == 36 and 79e9 < next80.num_params < 80.5e9
     assert next80.state_bytes_per_slot / 2**20 == pytest.approx(75.4, abs=0.1)
 
