@@ -12,6 +12,8 @@ the next turn's prompt contains them exactly, as a chat template would. Turn k+1
 Traces (lengths in tokens):
   chat           multi-turn chat: one shared system prompt (1,500), 2-8 turns per session, user
                  messages 20-400, responses 50-1,000 (log-normal)
+  short_chat     chat with a 200-token system prompt, 2-4 turns, user 10-100, responses 20-200:
+                 most prompts are shorter than vLLM's 528-token align block
   few_shot       one-turn prompts over 4 long few-shot prefixes (instruction 200 + 12 examples of
                  100-400): each takes the first 1-12 examples, so requests share a prefix and
                  diverge at different depths inside pages, then a question of 20-100
@@ -29,7 +31,7 @@ import numpy as np
 
 from benchmarks.workloads import WORKLOADS, make_workload, token_id_range
 
-TRACES = ("chat", "few_shot", "agent", *WORKLOADS)
+TRACES = ("chat", "few_shot", "agent", *WORKLOADS, "short_chat")  # the index seeds each stream: append only
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,21 @@ class _Tokens:
         return int(np.clip(round(self.rng.lognormal(np.log(median), 0.8)), low, high))
 
 
-def _chat(tok: _Tokens, n: int, spread: int) -> list[Session]:
-    system = tok(1500)
+def _chat(tok: _Tokens, n: int, spread: int, system_len: int = 1500, max_turns: int = 8, user=(20, 400, 80),
+          response=(50, 1000, 250)) -> list[Session]:
+    system = tok(system_len)
     sessions = []
     for i in range(n):
         turns = []
-        for k in range(int(tok.rng.integers(2, 9))):
-            user = tok(tok.length(20, 400, 80))
-            turns.append(Turn((system if k == 0 else ()) + user, tok(tok.length(50, 1000, 250))))
+        for k in range(int(tok.rng.integers(2, max_turns + 1))):
+            message = tok(tok.length(*user))
+            turns.append(Turn((system if k == 0 else ()) + message, tok(tok.length(*response))))
         sessions.append(Session(f"chat{i}", tuple(turns), int(tok.rng.integers(0, spread)), think_steps=20))
     return sessions
+
+
+def _short_chat(tok: _Tokens, n: int, spread: int) -> list[Session]:
+    return _chat(tok, n, spread, system_len=200, max_turns=4, user=(10, 100, 40), response=(20, 200, 60))
 
 
 def _few_shot(tok: _Tokens, n: int, spread: int) -> list[Session]:
@@ -114,6 +121,6 @@ def make_trace(name: str, *, vocab_size: int, seed: int = 0, num_sessions: int |
         return [Session(f"{name}{i}", (Turn(r.prompt_ids, tuple(int(t) for t in rng.integers(low, high, r.max_tokens))),))
                 for i, r in enumerate(requests)]
     tok = _Tokens(np.random.default_rng([seed, TRACES.index(name)]), vocab_size)
-    default_n = {"chat": 256, "few_shot": 512, "agent": 64}[name]
-    build = {"chat": _chat, "few_shot": _few_shot, "agent": _agent}[name]
+    default_n = {"chat": 256, "short_chat": 256, "few_shot": 512, "agent": 64}[name]
+    build = {"chat": _chat, "short_chat": _short_chat, "few_shot": _few_shot, "agent": _agent}[name]
     return build(tok, default_n if num_sessions is None else num_sessions, spread_steps)
