@@ -230,6 +230,9 @@ class CacheManager:
         if existing is not None:
             self.slots.checkpoints.touch(existing)
             return None
+        if rolling and allocation.rolling_checkpoint is not None and self._checkpoints_at_budget():
+            self._drop_checkpoint(allocation.rolling_checkpoint)  # replace it in place: evict nobody
+            allocation.rolling_checkpoint = None
         if not self._make_room_for_checkpoint():
             return None
         slot = self.slots.acquire()
@@ -240,11 +243,13 @@ class CacheManager:
         self.num_pending_checkpoints += 1
         return allocation.state_slot, slot
 
+    def _checkpoints_at_budget(self) -> bool:
+        return (self.num_checkpoint_slots is not None
+                and self.slots.num_checkpoints + self.num_pending_checkpoints >= self.num_checkpoint_slots)
+
     def _make_room_for_checkpoint(self) -> bool:
         """Within the budget, one more checkpoint fits (evicting the LRU one if needed)."""
-        if self.num_checkpoint_slots is None:
-            return True
-        while self.slots.num_checkpoints + self.num_pending_checkpoints >= self.num_checkpoint_slots:
+        while self._checkpoints_at_budget():
             if not self._evict_checkpoint(self.slots.checkpoints.evict_lru()):
                 return False
         return True

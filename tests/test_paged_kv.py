@@ -313,3 +313,19 @@ def test_rolling_decode_checkpoint_supersedes_the_previous_one():
         cache.check_invariants()
     assert cache.stats()["slots_cached"] == 1 and cache.stats()["checkpoint_evictions"] == 0
     assert cache.lookup_prefix(tokens + [5]).num_tokens == 12
+
+
+def test_rolling_checkpoint_at_the_budget_replaces_its_own_and_evicts_nobody():
+    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto",
+                         num_checkpoint_slots=2)
+    run_request(cache, "other", [50] * 9, checkpoint_at=(4,))
+    cache.free("other")
+    tokens = list(range(1, 14))
+    cache.allocate("a", tokens, 13, cache.lookup_prefix(tokens))
+    for boundary in (4, 8, 12):
+        assert cache.reserve_checkpoint("a", tokens, boundary, rolling=True) is not None
+        cache.commit("a", tokens, boundary)
+        cache.check_invariants()
+    stats = cache.stats()
+    assert stats["slots_cached"] == 2 and stats["checkpoint_evictions"] == 0
+    assert cache.lookup_prefix([50] * 9).num_tokens == 4 and cache.lookup_prefix(tokens + [5]).num_tokens == 12
