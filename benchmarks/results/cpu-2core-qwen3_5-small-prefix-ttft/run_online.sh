@@ -10,11 +10,13 @@ OUT=benchmarks/results/cpu-2core-qwen3_5-small-prefix-ttft
 POLICY=${POLICY:-auto}
 PORT=${PORT:-8317}
 PY=${PY:-/work/main/.venv/bin/python}
+JIT_CACHE=$(mktemp -d)  # both servers share it: the second compiles nothing
 for prefix in false true; do
   log=$OUT/online-$POLICY-prefix-$prefix-server.log
   PYTHONPATH=$PWD $PY -m server.cli serve --set model.path=$CKPT --set model.dtype=float32 \
     --set model.max_model_len=4096 --set model.served_model_name=bench-model --set server.port=$PORT \
     --set scheduler.max_num_seqs=16 --set scheduler.max_num_batched_tokens=256 \
+    --set 'scheduler.token_buckets=[16, 64, 256]' --set compile.cache_dir=$JIT_CACHE \
     --set cache.enable_prefix_caching=$prefix --set cache.hybrid_checkpoint_policy=$POLICY > $log 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
