@@ -67,7 +67,7 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, spec: "str | CheckpointPolicy") -> "CheckpointPolicy":
-        """`page`, `align:<block>`, `auto`, `every_page`, each optionally followed by `,key=value`."""
+        """`page`, `align:<block>`, `auto`, `ends`, `every_page`, each optionally followed by `,key=value`."""
         if isinstance(spec, CheckpointPolicy):
             return spec
         head, *options = [part.strip() for part in str(spec).split(",")]
@@ -77,7 +77,7 @@ class CheckpointPolicy:
             "align": dict(chunk_ends=False, prompt_end=False, divergence=False),
             "auto": {},
             "ends": dict(chunk_ends=False, divergence=False),
-            "every_page": dict(chunk_ends=True, interval=0),
+            "every_page": {},
         }
         if name not in presets:
             raise ValueError(f"unknown checkpoint policy {spec!r}; choose from page, align:<block>, auto, ends, "
@@ -157,7 +157,8 @@ class CheckpointPolicy:
     def is_rolling(self, boundary: int, *, prefill: bool, num_tokens: int, page_size: int, divergence: int = 0) -> bool:
         """`auto`: a request's newest state (a chunk end, its prompt end, a decode boundary)
         supersedes its previous rolling checkpoint, which the deeper one on the same path
-        dominates for this request's continuations; divergence and interval checkpoints stay."""
+        dominates for this request's continuations; divergence and interval checkpoints stay.
+        `ends`: only decode (request-end) checkpoints roll."""
         if self.name not in ("auto", "ends"):
             return False
         if not prefill or boundary == num_tokens:
