@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICY_NAMES = ("page", "align", "auto", "ends", "every_page")
-_INT_OPTIONS = ("block", "interval", "decode_interval", "per_path_cap")
+_INT_OPTIONS = ("block", "interval", "decode_interval", "per_path_cap", "keep_prompt_end")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class CheckpointPolicy:
     decode: bool = True  # save in decode (and at a prompt end that is a page boundary)
     decode_interval: int = 0  # ... every N tokens (0: every page)
     per_path_cap: int = 0  # at most this many checkpoints on one request's path (0: no cap)
+    keep_prompt_end: int = 0  # 1: the prompt-end checkpoint is kept (not rolling), for re-sent prompts
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -165,7 +166,9 @@ class CheckpointPolicy:
             return True
         if self.name == "ends":
             return False
-        return not (boundary == divergence or (self.interval and boundary % self.interval == 0))
+        reusable = (num_tokens - 1) // page_size * page_size
+        kept = boundary == divergence or (self.interval and boundary % self.interval == 0)
+        return not (kept or (self.keep_prompt_end and boundary == reusable))
 
 
 def num_checkpoint_slots(budget_fraction: float, cache_bytes: int, state_bytes_per_slot: int,

@@ -251,6 +251,10 @@ def test_checkpoint_policy_parsing_and_errors():
     align = CheckpointPolicy.parse("align:528")
     assert (align.block, align.decode_interval, align.prompt_end, align.divergence) == (528, 528, False, False)
     assert CheckpointPolicy.parse("auto,interval=512,per_path_cap=3").interval == 512
+    keep = CheckpointPolicy.parse("auto,keep_prompt_end=1")
+    where = dict(prefill=True, num_tokens=30, page_size=4)
+    assert not keep.is_rolling(28, **where) and CheckpointPolicy().is_rolling(28, **where)  # the prompt end
+    assert keep.is_rolling(8, **where) and not keep.is_rolling(8, divergence=8, **where)  # chunk end / divergence
     page = CheckpointPolicy.parse("page")
     assert page.chunk_ends and not page.decode and not page.divergence
     for bad, match in [("align", "block size"), ("lru", "unknown"), ("auto:16", "only align"),
