@@ -14,16 +14,17 @@ Named policies (`CheckpointPolicy.parse`):
   align:<B>    vLLM's "align" mode: chunks are cut at multiples of B tokens and only those
                boundaries are saved (prefill and decode), so a hit is a multiple of B.
   auto         the default: page-aligned chunk ends (as `page`), the prompt's deepest reusable
-               boundary (request re-sent, preemption), divergence points (the depth where a new
-               request's cached KV reaches deeper than any checkpoint: the next request with that
-               prefix hits fully), a rolling request-end checkpoint refreshed every
-               `decode_interval` tokens (default: every page) in decode. Chunk-end, prompt-end
-               and decode checkpoints are *rolling*: a request's newest one replaces its
-               previous one, so a running request holds at most one and a finished request
-               leaves its state at most one interval before its end, where the next chat
-               turn or agent step continues. Divergence (and interval) checkpoints stay.
-               Options: also every `interval` prefill tokens; at most `per_path_cap`
-               checkpoints along one request's token path (the least recently used go first).
+               boundary, divergence points (the depth where a new request's cached KV reaches
+               deeper than any checkpoint: the next request with that prefix hits fully), a
+               request-end checkpoint refreshed every `decode_interval` tokens (default: every
+               page) in decode. Chunk-end, prompt-end and decode checkpoints are *rolling*: a
+               request's newest one replaces its previous one, so a running request holds at
+               most one and a finished request leaves its state at most one interval before
+               its end, where the next chat turn or agent step continues (an identical re-sent
+               prompt therefore finds no state at its end). Divergence (and interval)
+               checkpoints stay. Options: also every `interval` prefill tokens; at most
+               `per_path_cap` checkpoints along one request's token path (the least recently
+               used go first); `keep_prompt_end=1` keeps prompt-end checkpoints.
   ends         an approximation of SGLang's hybrid radix cache (a state per tree leaf): the
                prompt's end and the request's end (every decode page, superseded), no chunk
                ends, no divergence points; prompt-end checkpoints are kept.
