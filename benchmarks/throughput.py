@@ -384,8 +384,8 @@ def section_prefix(model, checkpoint: str, args) -> dict:
                              max_model_len=args.max_model_len or 2048)
     out = {"shared_prefix_len": shared_prefix_len(requests), "workload": summarize(requests)}
     for enabled in (False, True):
-        engine = LLMEngine(engine_config(checkpoint, args, enable_prefix_caching=enabled, load_tokenizer=False),
-                           model=model)
+        engine = LLMEngine(engine_config(checkpoint, args, enable_prefix_caching=enabled, load_tokenizer=False,
+                                         hybrid_checkpoint_policy=args.hybrid_checkpoint_policy), model=model)
         measure_ttft_sequential(engine, requests[:1])  # warm-up; with caching on, this fills the cache
         ttfts = measure_ttft_sequential(engine, requests[1:])
         key = "prefix_caching_on" if enabled else "prefix_caching_off"
@@ -393,6 +393,7 @@ def section_prefix(model, checkpoint: str, args) -> dict:
                     "ttft_ms": [1000 * t for t in ttfts]}
         print(f"{key}: median TTFT {out[key]['median_ttft_ms']:.1f} ms", flush=True)
         del engine
+    out["hybrid_checkpoint_policy"] = args.hybrid_checkpoint_policy
     out["ttft_ratio_on_over_off"] = out["prefix_caching_on"]["median_ttft_ms"] / out["prefix_caching_off"]["median_ttft_ms"]
     return out
 
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-requests", type=int, default=5)
     parser.add_argument("--prefix-scale", type=float, default=1.0,
                         help="scale of the shared-prefix workload (system prompt = max_model_len/2 * scale)")
+    parser.add_argument("--hybrid-checkpoint-policy", default="auto", help="prefix section: GDN checkpoint policy")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                         help="prefix caching in the throughput section, ours and vLLM alike (default off: the "
                              "timed runs repeat the same prompts, which would then skip their prefills)")

@@ -51,6 +51,12 @@ class CacheConfig(_Section):
     memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
     enable_prefix_caching: bool = True
+    # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
+    # align:<tokens>, ends, every_page) and the largest fraction of cache memory their slots
+    # (2 per sequence) may use (null: the original 2 x max_num_seqs slots shared with running
+    # requests). docs/prefix_caching.md.
+    hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|ends|every_page|align:\d+)(,\w+=\d+)*$")
+    hybrid_checkpoint_budget: float | None = Field(default=0.25, ge=0.0, lt=1.0)
 
     @field_validator("page_size")
     @classmethod

@@ -1,6 +1,7 @@
 """jaxserve paged_kv: device-free bookkeeping for KV pages, prefix caching and GDN state slots."""
 
 from paged_kv.cache_manager import Admission, CacheManager, PrefixHit, SequenceAllocation
+from paged_kv.checkpoint_policy import CheckpointPolicy, num_checkpoint_slots
 from paged_kv.page_pool import NULL_PAGE, PagePool
 from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_block, hash_full_pages
 from paged_kv.state_slots import NULL_SLOT, StateSlotPool
@@ -10,6 +11,7 @@ __all__ = [
     "BlockHash",
     "BlockIndex",
     "CacheManager",
+    "CheckpointPolicy",
     "NULL_PAGE",
     "NULL_SLOT",
     "PagePool",
@@ -18,4 +20,5 @@ __all__ = [
     "StateSlotPool",
     "hash_block",
     "hash_full_pages",
+    "num_checkpoint_slots",
 ]

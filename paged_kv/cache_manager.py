@@ -9,7 +9,11 @@ been computed (`commit`); a released published page stays cached and evictable (
 allocation takes free uncached pages first, then evicts the LRU cached ones. On hybrids a hit
 is only usable up to the deepest page boundary that has a *checkpoint slot* (the GDN state
 after exactly that many tokens); admission then restores it with `copy_before` (checkpoint ->
-running slot), and `reserve_checkpoint` + `commit` save one with `copy_after`.
+running slot), and `reserve_checkpoint` + `commit` save one with `copy_after`. Which
+boundaries are saved is the `CheckpointPolicy`'s decision (paged_kv/checkpoint_policy.py);
+checkpoints (published or being written) never exceed `num_checkpoint_slots` (None: no
+budget, they share the pool with running slots): at the budget the least recently used one
+is evicted first. The policy's per-path cap bounds the checkpoints along one token path.
 
 Accounting (see `stats`): every allocatable page is exactly one of free (uncached), used
 (referenced by running requests) or cached (referenced by nobody, evictable); every state
@@ -23,6 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from paged_kv.checkpoint_policy import CheckpointPolicy
 from paged_kv.page_pool import NULL_PAGE, PagePool
 from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_full_pages
 from paged_kv.state_slots import NULL_SLOT, StateSlotPool
@@ -39,6 +44,9 @@ class SequenceAllocation:
     block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full pages seen
     num_published_pages: int = 0  # leading pages already in the prefix index (hits or committed)
     pending_checkpoint: tuple[int, int] | None = None  # (slot, boundary in tokens) written this step
+    pending_is_rolling: bool = False  # the pending checkpoint supersedes `rolling_checkpoint`
+    rolling_checkpoint: BlockHash | None = None  # the newest decode checkpoint this request wrote
+    divergence: int = 0  # hybrids: its hit's KV reached this deep, deeper than any checkpoint
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class PrefixHit:
     pages: tuple[int, ...] = ()
     checkpoint_slot: int | None = None  # hybrids: holds the state after `num_tokens` tokens
     block_hashes: tuple[BlockHash, ...] = ()  # hashes computed during the lookup, reused later
+    kv_num_tokens: int = 0  # cached KV pages reach this deep (hybrids: maybe past the checkpoint)
 
 
 @dataclass
@@ -67,18 +76,28 @@ class CacheManager:
     """
 
     def __init__(
-        self, *, page_size: int, num_pages: int, num_state_slots: int = 0, enable_prefix_caching: bool = True
+        self, *, page_size: int, num_pages: int, num_state_slots: int = 0, enable_prefix_caching: bool = True,
+        checkpoint_policy: CheckpointPolicy | str = "page", num_checkpoint_slots: int | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_checkpoint_slots is not None and num_checkpoint_slots < 0:
+            raise ValueError(f"num_checkpoint_slots must be >= 0 or None, got {num_checkpoint_slots}")
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         self.page_index = BlockIndex()
         self.slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
+        self.checkpoint_policy = CheckpointPolicy.parse(checkpoint_policy)
+        self.checkpoint_policy.check_page_size(page_size)
+        self.num_checkpoint_slots = num_checkpoint_slots
         self.allocations: dict[str, SequenceAllocation] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_page_evictions = 0
+        self.num_checkpoints_written = 0
+        self.num_checkpoint_evictions = 0  # for the budget or the per-path cap (not superseded ones)
+        self.num_pending_checkpoints = 0
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -113,11 +132,11 @@ class CacheManager:
             if page is None:
                 break
             pages.append(page)
-        checkpoint_slot = None
+        checkpoint_slot, kv_num_tokens = None, len(pages) * self.page_size
         if self.slots is not None:
             while pages and (checkpoint_slot := self.slots.lookup_checkpoint(hashes[len(pages) - 1])) is None:
                 pages.pop()
-        return PrefixHit(len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes))
+        return PrefixHit(len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes), kv_num_tokens)
 
     # ---- allocation -------------------------------------------------------------------
     def _num_obtainable_pages(self, excluding_hits: Sequence[int] = ()) -> int:
@@ -128,6 +147,7 @@ class CacheManager:
         if not self.pages.num_free:
             evicted = self.page_index.evict_lru()
             assert evicted is not None, "caller checked the obtainable page count"
+            self.num_page_evictions += 1
             self.pages.put_free(evicted)
         return self.pages.allocate()
 
@@ -153,6 +173,8 @@ class CacheManager:
             return None
 
         allocation = SequenceAllocation(request_id, extra_keys=extra_keys, block_hashes=list(hit.block_hashes))
+        if self.checkpoints_enabled and self.checkpoint_policy.divergence and hit.kv_num_tokens > hit.num_tokens:
+            allocation.divergence = hit.kv_num_tokens
         for page in hit.pages:
             self._take_cached_page(page)
         allocation.block_table = list(hit.pages) + [self._new_page() for _ in range(num_new_pages)]
@@ -185,11 +207,15 @@ class CacheManager:
         allocation.block_table.extend(self._new_page() for _ in range(missing))
         return True
 
-    def reserve_checkpoint(self, request_id: str, token_ids: Sequence[int], boundary: int) -> tuple[int, int] | None:
+    def reserve_checkpoint(
+        self, request_id: str, token_ids: Sequence[int], boundary: int, rolling: bool = False
+    ) -> tuple[int, int] | None:
         """Reserve a slot to save the running state after `boundary` tokens (page aligned).
 
         Returns the `copy_after` pair (running slot, checkpoint slot), or None when that
-        boundary is already checkpointed or no slot can be had without preempting anyone.
+        boundary is already checkpointed or no slot can be had within the checkpoint budget
+        without preempting anyone. A `rolling` checkpoint, once published, replaces the
+        request's previous rolling one.
         """
         allocation = self.allocations[request_id]
         if not self.checkpoints_enabled or boundary <= 0 or boundary % self.page_size:
@@ -201,11 +227,62 @@ class CacheManager:
         if existing is not None:
             self.slots.checkpoints.touch(existing)
             return None
+        if rolling and allocation.rolling_checkpoint is not None and self._checkpoints_at_budget():
+            self._drop_checkpoint(allocation.rolling_checkpoint)  # replace it in place: evict nobody
+            allocation.rolling_checkpoint = None
+        if not self._make_room_for_checkpoint():
+            return None
         slot = self.slots.acquire()
         if slot is None:
             return None
         allocation.pending_checkpoint = (slot, boundary)
+        allocation.pending_is_rolling = rolling
+        self.num_pending_checkpoints += 1
         return allocation.state_slot, slot
+
+    def _checkpoints_at_budget(self) -> bool:
+        return (self.num_checkpoint_slots is not None
+                and self.slots.num_checkpoints + self.num_pending_checkpoints >= self.num_checkpoint_slots)
+
+    def _make_room_for_checkpoint(self) -> bool:
+        """Within the budget, one more checkpoint fits (evicting the LRU one if needed)."""
+        while self._checkpoints_at_budget():
+            if not self._evict_checkpoint(self.slots.checkpoints.evict_lru()):
+                return False
+        return True
+
+    def _evict_checkpoint(self, slot: int | None) -> bool:
+        """`slot` was just removed from the checkpoint index: free it (False if there was none)."""
+        if slot is None:
+            return False
+        self.slots.free_slots.append(slot)
+        self.num_checkpoint_evictions += 1
+        return True
+
+    def _drop_checkpoint(self, block_hash: BlockHash) -> None:
+        slot = self.slots.lookup_checkpoint(block_hash)
+        if slot is not None:
+            self.slots.checkpoints.remove(slot)
+            self.slots.free_slots.append(slot)
+
+    def _publish_checkpoint(self, allocation: SequenceAllocation, hashes: list[BlockHash]) -> None:
+        slot, boundary = allocation.pending_checkpoint
+        allocation.pending_checkpoint = None
+        self.num_pending_checkpoints -= 1
+        block_hash = hashes[boundary // self.page_size - 1]
+        if not self.slots.publish_checkpoint(slot, block_hash):
+            return
+        self.num_checkpoints_written += 1
+        if allocation.pending_is_rolling:
+            if allocation.rolling_checkpoint is not None:
+                self._drop_checkpoint(allocation.rolling_checkpoint)
+            allocation.rolling_checkpoint = block_hash
+        cap = self.checkpoint_policy.per_path_cap
+        if cap:
+            path = {s for h in hashes[: boundary // self.page_size] if (s := self.slots.lookup_checkpoint(h))}
+            for victim in [s for s in self.slots.checkpoints.evictable if s in path][: max(0, len(path) - cap)]:
+                self.slots.checkpoints.remove(victim)
+                self._evict_checkpoint(victim)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """The first `num_computed_tokens` tokens now have KV (and state): publish full pages
@@ -220,11 +297,8 @@ class CacheManager:
         for page_index in range(allocation.num_published_pages, num_full):
             self.page_index.insert(hashes[page_index], allocation.block_table[page_index])  # dup: stays private
         allocation.num_published_pages = max(allocation.num_published_pages, num_full)
-        if allocation.pending_checkpoint is not None:
-            slot, boundary = allocation.pending_checkpoint
-            if boundary <= num_computed_tokens:
-                allocation.pending_checkpoint = None
-                self.slots.publish_checkpoint(slot, hashes[boundary // self.page_size - 1])
+        if allocation.pending_checkpoint is not None and allocation.pending_checkpoint[1] <= num_computed_tokens:
+            self._publish_checkpoint(allocation, hashes)
 
     def free(self, request_id: str) -> None:
         """Release everything the request holds; published pages stay cached and evictable."""
@@ -240,6 +314,7 @@ class CacheManager:
                 self.slots.release(allocation.state_slot)
             if allocation.pending_checkpoint is not None:
                 self.slots.release(allocation.pending_checkpoint[0])
+                self.num_pending_checkpoints -= 1
 
     # ---- accounting ---------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -267,6 +342,9 @@ class CacheManager:
             "prefix_cache_queried_tokens": self.num_queried_tokens,
             "prefix_cache_hit_tokens": self.num_hit_tokens,
             "prefix_cache_hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0,
+            "page_evictions": self.num_page_evictions,
+            "checkpoints_written": self.num_checkpoints_written,
+            "checkpoint_evictions": self.num_checkpoint_evictions + (self.slots.num_evictions if self.slots else 0),
         }
 
     def check_invariants(self) -> None:
@@ -303,6 +381,10 @@ class CacheManager:
         checkpoints = set(self.slots.checkpoints.hash_of_id)
         assert checkpoints == set(self.slots.checkpoints.evictable), "a checkpoint is not evictable"
         assert NULL_SLOT not in self.slots.held and NULL_SLOT not in free_slots and NULL_SLOT not in checkpoints
+        pending = sum(a.pending_checkpoint is not None for a in self.allocations.values())
+        assert pending == self.num_pending_checkpoints, "pending checkpoint count out of sync"
+        if self.num_checkpoint_slots is not None:
+            assert len(checkpoints) + pending <= self.num_checkpoint_slots, "checkpoints exceed their budget"
         total = len(free_slots) + len(self.slots.held) + len(checkpoints)
         union = set(free_slots) | self.slots.held | checkpoints
         assert total == len(union) == self.slots.num_allocatable, "state slots leaked or in two states"

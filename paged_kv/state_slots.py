@@ -27,6 +27,7 @@ class StateSlotPool:
         self.free_slots: deque[int] = deque(range(1, num_slots))
         self.held: set[int] = set()
         self.checkpoints = BlockIndex()  # every indexed slot is evictable
+        self.num_evictions = 0  # checkpoints evicted to give a running request its slot
 
     @property
     def num_allocatable(self) -> int:
@@ -55,6 +56,7 @@ class StateSlotPool:
             slot = self.checkpoints.evict_lru(keep=keep)
             if slot is None:
                 return None
+            self.num_evictions += 1
         self.held.add(slot)
         return slot
 

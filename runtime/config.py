@@ -20,6 +20,8 @@ class CacheConfig:
     num_pages: int = 512
     num_state_slots: int = 0
     enable_prefix_caching: bool = True
+    checkpoint_policy: str = "page"  # hybrids: paged_kv.CheckpointPolicy spec
+    num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -38,6 +40,8 @@ class CacheConfig:
             num_pages=self.num_pages,
             num_state_slots=self.num_state_slots,
             enable_prefix_caching=self.enable_prefix_caching,
+            checkpoint_policy=self.checkpoint_policy,
+            num_checkpoint_slots=self.num_checkpoint_slots,
         )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
+from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.buckets import pow2_buckets
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.detokenizer import IncrementalDetokenizer
@@ -135,14 +136,20 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
         self.max_blocks_per_seq = -(-self.max_model_len // page_size)
-        num_slots = 0
-        if cfg.is_hybrid:
-            extra = config.max_num_seqs * 2 if config.enable_prefix_caching else 0
-            num_slots = config.num_state_slots or (1 + config.max_num_seqs + extra)
+        num_slots, num_checkpoint_slots = 0, None
+        if cfg.is_hybrid:  # one slot per running sequence + the checkpoint budget (docs/prefix_caching.md)
+            num_slots, num_checkpoint_slots = plan_state_slots(
+                max_num_seqs=config.max_num_seqs, prefix_caching=config.enable_prefix_caching,
+                budget_fraction=config.hybrid_checkpoint_budget, cache_bytes=self._cache_budget_bytes(),
+                state_bytes_per_slot=self.model.state_bytes_per_slot())
+            if config.num_state_slots:
+                num_slots, num_checkpoint_slots = config.num_state_slots, None
         num_pages = config.num_pages or self._default_num_pages(num_slots)
         _check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
-                                        enable_prefix_caching=config.enable_prefix_caching)
+                                        enable_prefix_caching=config.enable_prefix_caching,
+                                        checkpoint_policy=config.hybrid_checkpoint_policy,
+                                        num_checkpoint_slots=num_checkpoint_slots)
         self.scheduler_config = SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, policy=config.policy,
@@ -205,14 +212,19 @@ class LLMEngine:
             per_page = -(-per_page // tp.size)  # each device holds its KV heads only
         if tp is not None and tp.gdn:
             state_bytes //= tp.size
-        budget = c.kv_cache_memory_bytes
+        budget = self._cache_budget_bytes()
+        return int(max(2, min(want, (budget - state_bytes) // per_page)))
+
+    def _cache_budget_bytes(self) -> int:
+        """Device memory for KV pages + state slots (per device)."""
+        budget = self.config.kv_cache_memory_bytes
         if budget is None:
             stats = jax.devices()[0].memory_stats() or {}
             if "bytes_limit" in stats:
-                budget = int(stats["bytes_limit"] * c.memory_fraction) - stats.get("bytes_in_use", 0)
+                budget = int(stats["bytes_limit"] * self.config.memory_fraction) - stats.get("bytes_in_use", 0)
             else:
                 budget = 2 * 2**30
-        return int(max(2, min(want, (budget - state_bytes) // per_page)))
+        return budget
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, request: EngineRequest) -> EngineRequest:

@@ -168,6 +168,7 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         model=model_path, dtype=config.model.dtype, max_model_len=config.model.max_model_len,
         page_size=cache.page_size, num_pages=cache.num_pages, memory_fraction=cache.memory_fraction or 0.9,
         kv_cache_dtype=cache.kv_cache_dtype, enable_prefix_caching=cache.enable_prefix_caching,
+        hybrid_checkpoint_policy=cache.hybrid_checkpoint_policy, hybrid_checkpoint_budget=cache.hybrid_checkpoint_budget,
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
         policy=sched.policy, token_buckets=tuple(sched.token_buckets) if sched.token_buckets else None,
         attention_backend=kernels.attention_backend, gdn_backend=kernels.gdn_backend,

@@ -21,6 +21,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | float32 | fp8_e4m3 | fp8_e5m2
     num_state_slots: int | None = None  # GDN slots incl. null slot; None: from max_num_seqs
     enable_prefix_caching: bool = True
+    hybrid_checkpoint_policy: str = "auto"  # GDN hybrids: paged_kv.CheckpointPolicy spec
+    hybrid_checkpoint_budget: float | None = 0.25  # max fraction of cache memory for checkpoints; None: 2 x max_num_seqs shared
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0

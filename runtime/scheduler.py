@@ -25,10 +25,11 @@ position must go through a step to be scored. A step that failed on the device i
 `abandon` (its requests are ended by the caller) so the next `schedule` can run.
 
 Prefill chunks are capped by the remaining budget and `long_prefill_token_threshold`. On
-hybrid models with prefix caching, chunks end on page boundaries when they can (and always
-at the deepest boundary an identical prompt could reuse), and a chunk ending on a boundary
-saves the running state into a checkpoint slot (`copy_after`). Slot copies run on device:
-every `copy_before` pair before the step's forward pass, every `copy_after` pair after it.
+hybrid models with prefix caching, the cache's `CheckpointPolicy` cuts chunks at the
+boundaries it saves (e.g. the deepest boundary an identical prompt could reuse), and a step
+ending on such a boundary saves the running state into a checkpoint slot (`copy_after`).
+Slot copies run on device: every `copy_before` pair before the step's forward pass, every
+`copy_after` pair after it.
 Plain Python, no JAX.
 """
 
@@ -172,7 +173,7 @@ class Scheduler:
             tokens = request.all_token_ids
             hit = (PrefixHit() if request.params.prompt_logprobs is not None
                    else self.cache.lookup_prefix(tokens, request.cache_extra_keys))
-            num_new = self._chunk_size(request, hit.num_tokens, budget)
+            num_new = self._chunk_size(request, hit.num_tokens, budget, hit.kv_num_tokens)
             admission = self.cache.allocate(
                 request.request_id, tokens, hit.num_tokens + num_new, hit, request.cache_extra_keys
             )
@@ -193,23 +194,17 @@ class Scheduler:
             self._in_flight = out
         return out
 
-    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+    def _chunk_size(self, request: Request, num_computed: int, budget: int, divergence: int | None = None) -> int:
         remaining = request.num_tokens - num_computed
         num_new = min(remaining, budget)
         if remaining > 1 and self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         if remaining > 1 and self.cache.checkpoints_enabled:
-            num_new = self._align_to_page(request, num_computed, num_new)
-        return num_new
-
-    def _align_to_page(self, request: Request, num_computed: int, num_new: int) -> int:
-        """End the chunk on a page boundary when possible, so its state can be checkpointed."""
-        page_size, end = self.cache.page_size, num_computed + num_new
-        reusable = (request.num_tokens - 1) // page_size * page_size  # deepest boundary a hit may use
-        if num_computed < reusable < end:
-            return reusable - num_computed
-        if end < request.num_tokens and end // page_size * page_size > num_computed:
-            return end // page_size * page_size - num_computed
+            if divergence is None:
+                divergence = request.allocation.divergence
+            end = self.cache.checkpoint_policy.chunk_end(
+                num_computed, num_computed + num_new, request.num_tokens, self.cache.page_size, divergence)
+            num_new = end - num_computed
         return num_new
 
     def _grow_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
@@ -237,8 +232,11 @@ class Scheduler:
         start, tokens = request.num_computed_tokens, request.all_token_ids
         end = start + num_new
         is_prefill = request.num_tokens - start > 1
-        if is_prefill and self.cache.checkpoints_enabled and end % self.cache.page_size == 0:
-            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end)
+        policy = self.cache.checkpoint_policy
+        where = dict(prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
+                     divergence=request.allocation.divergence)
+        if self.cache.checkpoints_enabled and policy.saves(end, **where):
+            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where))
             if copy is not None:
                 out.copy_after.append(copy)
         return ScheduledSequence(

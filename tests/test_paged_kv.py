@@ -241,3 +241,95 @@ def test_double_allocation_is_an_error():
     cache.allocate("a", [1, 2], 2)
     with pytest.raises(ValueError, match="already holds"):
         cache.allocate("a", [1, 2], 2)
+
+
+# ---- checkpoint policies -------------------------------------------------------------------------
+def test_checkpoint_policy_parsing_and_errors():
+    from paged_kv import CheckpointPolicy
+
+    assert CheckpointPolicy.parse("auto") == CheckpointPolicy()
+    align = CheckpointPolicy.parse("align:528")
+    assert (align.block, align.decode_interval, align.prompt_end, align.divergence) == (528, 528, False, False)
+    assert CheckpointPolicy.parse("auto,interval=512,per_path_cap=3").interval == 512
+    keep = CheckpointPolicy.parse("auto,keep_prompt_end=1")
+    where = dict(prefill=True, num_tokens=30, page_size=4)
+    assert not keep.is_rolling(28, **where) and CheckpointPolicy().is_rolling(28, **where)  # the prompt end
+    assert keep.is_rolling(8, **where) and not keep.is_rolling(8, divergence=8, **where)  # chunk end / divergence
+    page = CheckpointPolicy.parse("page")
+    assert page.chunk_ends and not page.decode and not page.divergence
+    for bad, match in [("align", "block size"), ("lru", "unknown"), ("auto:16", "only align"),
+                       ("auto,interval=x", "bad option"), ("auto,speed=3", "bad option")]:
+        with pytest.raises(ValueError, match=match):
+            CheckpointPolicy.parse(bad)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        CacheManager(page_size=16, num_pages=4, num_state_slots=3, checkpoint_policy="align:20")
+
+
+def test_policy_cuts_chunks_at_the_boundaries_it_saves():
+    from paged_kv import CheckpointPolicy
+
+    auto = CheckpointPolicy.parse("auto,interval=8")
+    # prompt of 30 tokens, pages of 4: reusable boundary 28, interval 8/16/24, divergence 12
+    assert auto.prefill_boundaries(0, 30, 30, 4, divergence=12) == [8, 12, 16, 24, 28]
+    assert auto.chunk_end(0, 30, 30, 4, divergence=12) == 8
+    assert auto.chunk_end(8, 11, 30, 4, divergence=12) == 11  # nothing to save inside: as proposed
+    page = CheckpointPolicy.parse("page")
+    assert page.chunk_end(0, 10, 30, 4) == 8 and page.chunk_end(0, 30, 30, 4) == 28
+    align = CheckpointPolicy.parse("align:8")
+    assert align.chunk_end(0, 30, 30, 4) == 8 and align.chunk_end(24, 30, 30, 4) == 30
+    assert align.saves(16, prefill=False, num_tokens=40, page_size=4) and not align.saves(12, prefill=False,
+                                                                                          num_tokens=40, page_size=4)
+    assert auto.saves(12, prefill=False, num_tokens=40, page_size=4)  # decode: every page
+    assert not page.saves(12, prefill=False, num_tokens=40, page_size=4)
+
+
+def test_checkpoint_budget_evicts_lru_and_is_never_exceeded():
+    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto",
+                         num_checkpoint_slots=2)
+    for i in range(4):
+        run_request(cache, f"r{i}", [100 + i] * 9, checkpoint_at=(4,))
+        cache.free(f"r{i}")
+        cache.check_invariants()
+    stats = cache.stats()
+    assert stats["slots_cached"] == 2 and stats["checkpoint_evictions"] == 2 and stats["checkpoints_written"] == 4
+    assert cache.lookup_prefix([103] * 9).num_tokens == 4 and cache.lookup_prefix([100] * 9).num_tokens == 0
+    zero = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, num_checkpoint_slots=0)
+    zero.allocate("a", [1] * 9, 9)
+    assert zero.reserve_checkpoint("a", [1] * 9, 4) is None  # no budget: never takes a slot
+
+
+def test_per_path_cap_keeps_the_most_recent_checkpoints_of_a_path():
+    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto,per_path_cap=2")
+    tokens = list(range(1, 18))
+    run_request(cache, "a", tokens, checkpoint_at=(4, 8, 12))
+    assert cache.stats()["slots_cached"] == 2 and cache.stats()["checkpoint_evictions"] == 1
+    assert cache.lookup_prefix(tokens).num_tokens == 12
+    assert cache.lookup_prefix(tokens[:6] + [99] * 8).num_tokens == 0  # the shallowest went first
+
+
+def test_rolling_decode_checkpoint_supersedes_the_previous_one():
+    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto")
+    tokens = list(range(1, 14))
+    cache.allocate("a", tokens, 13, cache.lookup_prefix(tokens))
+    for boundary in (4, 8, 12):
+        assert cache.reserve_checkpoint("a", tokens, boundary, rolling=True) is not None
+        cache.commit("a", tokens, boundary)
+        cache.check_invariants()
+    assert cache.stats()["slots_cached"] == 1 and cache.stats()["checkpoint_evictions"] == 0
+    assert cache.lookup_prefix(tokens + [5]).num_tokens == 12
+
+
+def test_rolling_checkpoint_at_the_budget_replaces_its_own_and_evicts_nobody():
+    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto",
+                         num_checkpoint_slots=2)
+    run_request(cache, "other", [50] * 9, checkpoint_at=(4,))
+    cache.free("other")
+    tokens = list(range(1, 14))
+    cache.allocate("a", tokens, 13, cache.lookup_prefix(tokens))
+    for boundary in (4, 8, 12):
+        assert cache.reserve_checkpoint("a", tokens, boundary, rolling=True) is not None
+        cache.commit("a", tokens, boundary)
+        cache.check_invariants()
+    stats = cache.stats()
+    assert stats["slots_cached"] == 2 and stats["checkpoint_evictions"] == 0
+    assert cache.lookup_prefix([50] * 9).num_tokens == 4 and cache.lookup_prefix(tokens + [5]).num_tokens == 12
