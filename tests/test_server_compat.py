@@ -232,7 +232,7 @@ def test_runaway_template_is_stopped_and_cancelled_with_its_client(trusting_serv
     started = time.monotonic()
     error = error_of(*run(post(trusting_server.url + "/v1/chat/completions", {**CHAT, "chat_template": RUNAWAY}))[:2],
                      400, "messages")
-    assert "0.5 s" in error["message"] and time.monotonic() - started < 5
+    assert "0.5 s" in error["message"] and time.monotonic() - started < 15  # unbounded, it runs for minutes
 
     async def abandon(session):  # more runaway renders than the worker pool has threads
         task = asyncio.create_task(session.post(trusting_server.url + "/v1/chat/completions",
@@ -243,13 +243,15 @@ def test_runaway_template_is_stopped_and_cancelled_with_its_client(trusting_serv
 
     async def go():
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(abandon(session) for _ in range(12)))
+            await asyncio.gather(*(abandon(session) for _ in range(40)))  # > any default pool (<= 32)
             t0 = time.monotonic()
             async with session.post(trusting_server.url + "/tokenize", json={"prompt": "still fast"}) as r:
                 assert r.status == 200
             return time.monotonic() - t0
 
-    assert run(go()) < 2.0  # the pool is not starved (the issue measured 27.5 s)
+    # Starved, this would wait for minutes-long renders (the issue measured 27.5 s); the bound is
+    # loose because the CI machine is shared.
+    assert run(go()) < 10.0
 
 
 # --------------------------------------------------------------------------- HTTP hygiene
