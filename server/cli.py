@@ -2,6 +2,7 @@
 
     jaxserve serve [MODEL] [--config FILE] [--host H] [--port N] [--api-key K] [--set KEY=VALUE ...] [--fake-engine]
     jaxserve config [--config FILE] [--set KEY=VALUE ...]   # print the validated config
+    jaxserve convert HF_DIR OUT_DIR [--dtype bfloat16] [--mesh data=1,model=8]   # orbax checkpoint
     jaxserve plan --config FILE [--set KEY=VALUE ...] [--buckets 16,4096]   # compile for the target chip
 
 vLLM's parallelism flags map onto `parallel.mesh`: `--tensor-parallel-size N` is `model: N`;
@@ -59,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--fake-engine", action="store_true",
                              help="serve the hand-computable FakeEngine instead of a model")
             sub.add_argument("--log-level", default="INFO")
+    convert = commands.add_parser("convert", help="write an HF checkpoint as an orbax checkpoint (fast, sharded loads)")
+    convert.add_argument("source", help="HF checkpoint directory")
+    convert.add_argument("out_dir", help="new directory: params/ (orbax) + config and tokenizer files")
+    convert.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    convert.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                         help="write from this sharding (each process writes its shards); any mesh restores it")
     return parser
 
 
@@ -102,8 +109,33 @@ def _build_engine(config: LaunchConfig, fake: bool):
     return factory(config)
 
 
+def _convert(args) -> int:
+    """`jaxserve convert`: JAX is imported only for this command."""
+    orbax_io = importlib.import_module("models.orbax_io")
+    mesh = None
+    if args.mesh is not None:
+        try:
+            axes = dict(part.split("=") for part in args.mesh.split(","))
+            shape = int(axes.pop("data", 1)), int(axes.pop("model", 1))
+        except ValueError:
+            axes, shape = {"?": args.mesh}, (0, 0)
+        if axes:
+            print(f"jaxserve convert: --mesh must be data=D,model=M, got {args.mesh!r}", file=sys.stderr)
+            return 2
+        mesh = importlib.import_module("runtime.mesh").make_mesh(*shape)
+    try:
+        out = orbax_io.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
+    except (OSError, ValueError) as err:
+        print(f"jaxserve convert: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "convert":
+        return _convert(args)
     try:
         config = _load(args)
     except ConfigError as err:
