@@ -349,30 +349,19 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
 
 
 def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
-    """Lower every backbone bucket for CUDA (no compile: no CUDA device); figures from array sizes."""
-    from models.batch import ForwardBatch  # noqa: F401
-    from models.transformer import forward
-
-    cfg = model.cfg
-    caches_local = caches
-    steps = []
-    exes = StepExecutables(model, caches_local, opts, token_buckets=buckets, seq_buckets=(8,),
+    """Lower every backbone bucket for CUDA (no compile: no CUDA device); memory = the arrays' sizes."""
+    exes = StepExecutables(model, caches, opts, token_buckets=buckets, seq_buckets=(8,),
                            max_num_seqs=sched.max_num_seqs, max_blocks_per_seq=blocks_per_seq)
-    args_bytes = per_device_bytes(model.params) + per_device_bytes(caches)
+    cache_bytes = per_device_bytes(caches)
+    args_bytes = per_device_bytes(model.params) + cache_bytes
+    hidden_bytes = sched.max_num_seqs * model.cfg.hidden_size * jnp.dtype(model.dtype).itemsize
+    steps = []
     for T in buckets:
         batch = exes._batch_spec(T)
-
-        def backbone(params, caches, batch):
-            hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
-            return caches, hidden
-
-        lowered = jax.jit(backbone, donate_argnums=1).trace(model.params, caches, batch).lower(
-            lowering_platforms=("cuda",))
-        batch_bytes = per_device_bytes(batch)
-        hidden_bytes = sched.max_num_seqs * cfg.hidden_size * jnp.dtype(model.dtype).itemsize
+        lowered = exes._backbone_jit.trace(model.params, exes._cache_specs, batch).lower(lowering_platforms=("cuda",))
         assert lowered.as_text()  # the CUDA lowering (Triton kernels included) succeeded
-        steps.append(StepFigures(f"backbone[T={T}]", T, args_bytes + batch_bytes, per_device_bytes(caches) + hidden_bytes,
-                                 per_device_bytes(caches), 0, 0.0, 0.0, analytic=True))
+        steps.append(StepFigures(f"backbone[T={T}]", T, args_bytes + per_device_bytes(batch), cache_bytes + hidden_bytes,
+                                 cache_bytes, 0, 0.0, 0.0, analytic=True))
     return steps
 
 
