@@ -27,7 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 IDS = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
 
 WORKER = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
+    t0 = time.perf_counter()
+    def stage(name):
+        print(f"[{time.perf_counter() - t0:6.1f}s] {name}", file=sys.stderr, flush=True)
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -38,6 +41,7 @@ WORKER = textwrap.dedent("""
     config = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml", {
         "parallel.multihost.coordinator_address": f"127.0.0.1:{port}", "parallel.multihost.process_id": pid})
     assert initialize_multihost(config.parallel)
+    stage("jax.distributed initialised")
     from jax.experimental import multihost_utils
     from models.batch import single_sequence_batch
     from models.model import _logits_fn, load_model
@@ -47,10 +51,12 @@ WORKER = textwrap.dedent("""
     ids = json.loads(sys.argv[4])
     mesh = make_mesh(config.parallel.mesh.data, config.parallel.mesh.model)
     model = shard_model(load_model(src), mesh)
+    stage("model sharded over %d devices" % len(jax.devices()))
     batch = single_sequence_batch(ids, 16, pad_to=16)
     caches = model.init_caches(4, 16, 2)
     opts = KernelOptions(tp=model.tp)
     logits = multihost_utils.process_allgather(_logits_fn(model.cfg, opts)(model.params, caches, batch), tiled=True)
+    stage("logits gathered")
     report = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
               "local_devices": len(jax.local_devices()), "logits": logits[: len(ids)].tolist(),
               "greedy": model.greedy(ids, 4)}
@@ -76,7 +82,7 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint):
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for pid in range(2)]
     try:
-        outputs = [p.communicate(timeout=240) for p in procs]
+        outputs = [p.communicate(timeout=420) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
