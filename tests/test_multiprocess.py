@@ -61,6 +61,8 @@ WORKER = textwrap.dedent("""
     report = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
               "local_devices": len(jax.local_devices()), "logits": logits[: len(ids)].tolist()}
     print("REPORT " + json.dumps(report), flush=True)
+    multihost_utils.sync_global_devices("report printed")  # leave together: shutdown is a barrier too
+    stage("shutting down")
     jax.distributed.shutdown()
 """)
 
