@@ -81,10 +81,6 @@ def abstract_model(cfg: ModelConfig, dtype: str, path: str | Path = "<abstract>"
     return Model(cfg, abstract_params(cfg, dtype), dtype, Path(path))
 
 
-def param_bytes(params) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-
-
 def shard_abstract_model(model: Model, mesh) -> Model:
     """`models.sharding.shard_model` for abstract params: attach each leaf's NamedSharding (the GDN
     channel reorder changes no shape, so there is nothing else to do)."""
