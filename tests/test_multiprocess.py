@@ -5,11 +5,11 @@ shipped v5p-16 config (coordinator on 127.0.0.1 at a free port, 2 processes, its
 through `runtime.mesh.initialize_multihost`, with gloo CPU collectives. Both build the mesh of the
 config (data 2 x model 4) over the 8 devices of both processes, load the tiny hybrid checkpoint and
 shard it (each process places only its own shards), then run the same forward pass (the same
-inputs on every process: the deterministic lockstep a follower would run) and gather the logits.
-They must match the single-process, single-device model to ~1e-5 (same argmax) on both processes.
-Not covered yet: the greedy decode loop across processes (a first attempt hung, most likely on
-the stdout pipe that now goes to a file; not re-run), and the serving side of multi-host
-(process 0 serving HTTP, followers, SIGTERM, /health), which is not built (issue 13).
+inputs on every process: the deterministic lockstep a follower would run), gather the logits and
+run a greedy decode loop through the paged caches. Logits must match the single-process,
+single-device model to ~1e-5 and greedy tokens exactly, on both processes. Not covered: the
+serving side of multi-host (process 0 serving HTTP, followers, SIGTERM, /health), which is not
+built (issue 13).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ WORKER = textwrap.dedent("""
     logits = multihost_utils.process_allgather(_logits_fn(model.cfg, opts)(model.params, caches, batch), tiled=True)
     stage("logits gathered")
     report = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
-              "local_devices": len(jax.local_devices()), "logits": logits[: len(ids)].tolist()}
+              "local_devices": len(jax.local_devices()), "logits": logits[: len(ids)].tolist(),
+              "greedy": model.greedy(ids, 4)}
     print("REPORT " + json.dumps(report), flush=True)
     multihost_utils.sync_global_devices("report printed")  # leave together: shutdown is a barrier too
     stage("shutting down")
@@ -100,7 +101,9 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
         assert p.returncode == 0 and line is not None, err.read_text()[-3000:]
         reports.append(json.loads(line[len("REPORT "):]))
     expected_logits = ref.logits(IDS)
+    expected_tokens = ref.greedy(IDS, 4)
     for i, r in enumerate(reports):
         assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
         np.testing.assert_allclose(np.asarray(r["logits"]), expected_logits, atol=2e-5, rtol=1e-5)
         assert np.argmax(r["logits"], -1).tolist() == np.argmax(expected_logits, -1).tolist()
+        assert r["greedy"] == expected_tokens
