@@ -138,6 +138,26 @@ class ParallelConfig(_Section):
     mesh: MeshConfig = MeshConfig()
     multihost: MultihostConfig | None = None
     role: Literal["prefill", "decode", "both"] = "both"
+    # The accelerator the config is written for (a key of configs/chips.py) and, for a TPU slice,
+    # its topology ("2x4", "2x2x2"): what `jaxserve plan` compiles for. null: the local devices.
+    chip: str | None = None
+    topology: str | None = None
+
+    @field_validator("chip")
+    @classmethod
+    def _known_chip(cls, value: str | None) -> str | None:
+        from configs.chips import CHIPS
+
+        if value is not None and value not in CHIPS:
+            raise ValueError(f"unknown chip {value!r}; known: {', '.join(sorted(CHIPS))}")
+        return value
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_shape(cls, value: str | None) -> str | None:
+        if value is not None and not all(part.isdigit() and int(part) > 0 for part in value.split("x")):
+            raise ValueError(f"must be chip counts joined by 'x', e.g. 2x4 or 2x2x2, got {value!r}")
+        return value
 
 
 class CompileConfig(_Section):

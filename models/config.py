@@ -155,6 +155,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
 )
+# Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
+# the language model's tensors live under `model.language_model.`, see models/weights.py).
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 
 def _rope(hf: dict, head_dim: int) -> dict:
@@ -182,7 +188,7 @@ def _eos(hf: dict, generation: dict | None) -> tuple[int, ...]:
 
 def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
     """Parse an HF config.json dict (plus generation_config.json, for EOS ids) into a ModelConfig."""
-    archs = hf.get("architectures") or []
+    archs = [TEXT_MODEL_OF.get(a, a) for a in hf.get("architectures") or []]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(

@@ -21,7 +21,7 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
-from models.sharding import shard_caches
+from models.sharding import shard_caches, shard_model
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, unstack_layers
 from models.weights import DictSource, load_params
@@ -179,11 +179,26 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
     return jnp.dtype(KV_DTYPES[kv_dtype])
 
 
-def load_model(path: str | Path, dtype: str = "float32", progress: bool = False) -> Model:
-    """Load an HF checkpoint directory (config.json + *.safetensors) or a GGUF file / directory."""
+def load_model(path: str | Path, dtype: str = "float32", progress: bool = False, mesh=None) -> Model:
+    """Load an HF checkpoint directory (config.json + *.safetensors), a GGUF file / directory, or a
+    `jaxserve convert` orbax directory, split over `mesh` when given (`models.sharding.shard_model`;
+    an orbax checkpoint is restored straight into that sharding, each process reading its shards)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    from models.orbax_io import is_orbax_checkpoint, restore_params
+
+    if is_orbax_checkpoint(path):
+        cfg = parse_config(read_json(path / "config.json"), read_json(path / "generation_config.json", required=False))
+        params, tp = restore_params(path, cfg, dtype, mesh)
+        model = Model(cfg, params, dtype, path)
+        model.tp = tp
+        return model
+    model = _load_unsharded(path, dtype, progress)
+    return model if mesh is None else shard_model(model, mesh)
+
+
+def _load_unsharded(path: Path, dtype: str, progress: bool) -> Model:
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if ggufs and not (path.is_dir() and list(path.glob("*.safetensors"))):
         from models.gguf import read_gguf

@@ -25,7 +25,9 @@ from pallas_kernels.gdn import gated_delta_rule as _gdr
 from pallas_kernels.kv_write import write_kv as _write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-BACKENDS = ("auto", "pallas", "reference")
+# "pallas_tpu" / "pallas_gpu" name the target explicitly: `jaxserve plan` compiles for a TPU or GPU
+# from a CPU-only host, where "pallas" would pick by the local backend.
+BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +84,14 @@ def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
 def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: KernelOptions, *, sm_scale,
                     sliding_window=None, soft_cap=None):
     impl = opts.impl("attention")
-    kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
+    kwargs = {"interpret": opts.interpret} if impl.startswith("pallas") else {}
 
     def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs):
         return ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                       sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, **kwargs)
 
     tp = opts.tp
-    if tp is not None and impl == "pallas":
+    if tp is not None and impl.startswith("pallas"):
         heads = P(None, tp.axis)  # q [T, Hq, D]
         attend = _on_mesh(attend, tp, tp.attention, (heads, _kv_specs(kv, tp.axis), P(), P(), P(), P()), heads)
     return attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -97,13 +99,13 @@ def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: Ker
 
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
     impl = opts.impl("gdn")
-    kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
+    kwargs = {"interpret": opts.interpret} if impl.startswith("pallas") else {}
 
     def rule(*args):
         return _gdr(*args, impl=impl, **kwargs)
 
     tp = opts.tp
-    if tp is not None and impl == "pallas":
+    if tp is not None and impl.startswith("pallas"):
         heads = P(None, tp.axis)  # q, k [T, Hk, K]; v [T, H, V]; g, beta [T, H]; state [N, H, K, V]
         rule = _on_mesh(rule, tp, tp.gdn, (heads,) * 6 + (P(),) * 4, (heads, heads))
     return rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
@@ -112,7 +114,7 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_s
 def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
     """With `opts.tp.gdn`, x / weight / conv_state channels arrive in the per-shard [Q_i K_i V_i]
     order (models/sharding.py); y is returned in the canonical [Q | K | V] order."""
-    impl = opts.impl("gdn")
+    impl = "pallas" if opts.impl("gdn").startswith("pallas") else opts.impl("gdn")  # one conv kernel for both
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
 
     def conv(*args):

@@ -120,13 +120,15 @@ class LLMEngine:
         self.config = config
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
-        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress)
+        mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
+        # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
+        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh)
         if jax.default_backend() == "cpu" and self.model.dtype != "float32":
             log.warning("serving in %s on the CPU backend, where XLA runs %s matmuls more slowly than float32 "
                         "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set "
                         "model.dtype: float32 for CPU serving", self.model.dtype, self.model.dtype)
-        if config.mesh_shape is not None and self.model.tp is None:
-            shard_model(self.model, make_mesh(*config.mesh_shape))
+        if mesh is not None and self.model.tp is None:
+            shard_model(self.model, mesh)
         cfg = self.model.cfg
         if resolve_layer_loop(config.layer_loop, cfg.num_layers, jax.default_backend()) == "unroll":
             self.model.unstack_layers()

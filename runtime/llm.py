@@ -26,8 +26,12 @@ class LLM:
     def __init__(self, model: "str | Model", *, dtype: str = "float32", page_size: int = 16, num_pages: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", attention_backend: str = "auto", gdn_backend: str | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  **engine_kwargs):
         loaded = model if isinstance(model, Model) else None
+        mesh_shape = _mesh_shape(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        if mesh_shape is not None:
+            engine_kwargs.setdefault("mesh_shape", mesh_shape)
         config = EngineConfig(
             model=str(loaded.path if loaded else model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
@@ -89,3 +93,16 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _mesh_shape(tensor_parallel_size: int, data_parallel_size: int, enable_expert_parallel: bool):
+    """vLLM's parallelism arguments -> EngineConfig.mesh_shape; DP > 1 and EP are refused (not built yet)."""
+    if data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size}: attention data parallelism is not built yet "
+                         "(issue 13); use tensor_parallel_size")
+    if enable_expert_parallel:
+        raise ValueError("enable_expert_parallel=True: expert parallelism is not built yet (issue 13); MoE experts "
+                         "are split over tensor_parallel_size on their intermediate dimension")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    return None if tensor_parallel_size == 1 else (1, tensor_parallel_size)

@@ -1,0 +1,101 @@
+"""Converted checkpoints: the parameter tree written with orbax-checkpoint, restored into its sharding.
+
+    convert_checkpoint(hf_dir, out_dir, dtype="bfloat16", mesh=None)   # `jaxserve convert`
+    is_orbax_checkpoint(out_dir)                                      # models.model.load_model's test
+    params, tp = restore_params(out_dir, cfg, dtype, mesh=None)
+
+OUT_DIR holds `params/` (orbax, one array per leaf of the tree models/weights.py builds, stacked by
+layer group), the HF side files (config.json, generation_config.json, tokenizer files, chat
+template) and `jaxserve_orbax.json` (the saved dtype). Parameters are saved in their canonical
+layout (GDN qkv channels in HF order), so any mesh restores them. With a mesh, each leaf is
+restored straight into its tensor-parallel sharding: every process reads only the byte ranges of
+its own shards; the GDN channel reorder of models/sharding.py then runs on the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from models.abstract import abstract_params
+from models.config import ModelConfig
+from models.safetensors_io import CheckpointError
+from models.sharding import TensorParallel, _reorder_gdn, param_specs, tensor_parallel_plan
+
+MARKER = "jaxserve_orbax.json"
+PARAMS = "params"
+_NOT_COPIED = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def convert_checkpoint(src: str | Path, out_dir: str | Path, dtype: str = "bfloat16", mesh: Mesh | None = None,
+                       progress: bool = False) -> Path:
+    """Load an HF checkpoint directory, cast to `dtype`, write it with orbax. With `mesh`, the
+    arrays are written from their sharded placement (each process writes its shards)."""
+    from models.model import load_model
+
+    src, out_dir = Path(src), Path(out_dir)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: expected an HF checkpoint directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir}: exists and is not empty")
+    model = load_model(src, dtype=dtype, progress=progress)
+    params = model.params
+    if mesh is not None:  # canonical layout, sharded: the same split restore uses, without the GDN reorder
+        specs = param_specs(params, model.cfg, tensor_parallel_plan(model.cfg, mesh))
+        params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save((out_dir / PARAMS).absolute(), params)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(_NOT_COPIED) and not f.name.endswith(".index.json"):
+            shutil.copy2(f, out_dir / f.name)
+    (out_dir / MARKER).write_text(json.dumps({"format": 1, "dtype": dtype}, indent=2) + "\n")
+    return out_dir
+
+
+def saved_dtype(path: str | Path) -> str:
+    return json.loads((Path(path) / MARKER).read_text())["dtype"]
+
+
+def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
+                   mesh: Mesh | None = None) -> tuple[dict, TensorParallel | None]:
+    """The parameters of an orbax checkpoint (cast to `dtype`), on one device or split over `mesh`
+    (then also its `TensorParallel` plan, as `shard_model` would set it)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path)
+    stored = saved_dtype(path)
+    abstract = abstract_params(cfg, stored)
+    plan = None
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    else:
+        plan = tensor_parallel_plan(cfg, mesh)
+        specs = param_specs(abstract, cfg, plan)
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                              abstract, specs)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore((path / PARAMS).absolute(), target)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        raise CheckpointError(f"{path}: orbax checkpoint does not match config.json: {err}") from None
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+
+    def finish(p):
+        p = _reorder_gdn(p, cfg, plan) if plan is not None else p
+        return jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.dtype(stored) else a, p)
+
+    return jax.jit(finish, out_shardings=shardings)(params), plan
+

@@ -1,0 +1,395 @@
+"""`jaxserve plan`: a launch config's serving steps compiled for its target chip, from shapes alone.
+
+    report = plan_config(load_config("configs/tpu-v5e-8-qwen3_5-27b.yaml"))
+    print(format_report(report)); report.raise_if_unfit()
+
+The model is built from its `config.json` (the checkpoint's, else the shipped copy in
+`configs/models/`) as abstract arrays: no weights are read. TPU targets compile every token
+bucket's backbone and the sampler with libtpu's real compiler through
+`jax.experimental.topologies` (any slice, multi-host included) on this CPU-only host; the
+compiler's `memory_analysis()` and `cost_analysis()` are per device. The KV pool is sized the way
+the engine sizes it (`memory_fraction` of HBM minus the weights, minus the GDN state slots).
+
+GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile-only client):
+the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
+are the arrays' own sizes, marked `analytic`.
+
+Roofline: a step takes max(bytes accessed / HBM bandwidth, flops / peak FLOP/s). The Pallas
+attention and GDN kernels are custom calls the cost analysis does not see, so the KV bytes a
+decode step reads are added analytically at a stated mean context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from configs.chips import CHIPS, ChipSpec
+from configs.schema import CONFIG_DIR, LaunchConfig
+from models.abstract import abstract_caches, abstract_model, shard_abstract_model, unstack_abstract
+from models.config import parse_config
+from models.ops import KernelOptions
+from models.safetensors_io import read_json
+from runtime.buckets import pow2_buckets
+from runtime.mesh import DATA_AXIS, MODEL_AXIS
+from runtime.step import StepExecutables
+
+log = logging.getLogger("jaxserve.plan")
+
+MODELS_DIR = CONFIG_DIR / "models"
+# Checkpoint directory name -> the shipped copy of its config.json (configs/models/, sources there).
+SHIPPED_MODEL_CONFIGS = {
+    "Qwen3.5-9B": "qwen3_5-9b.json",
+    "Qwen3.5-27B": "qwen3_5-27b.json",
+    "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b.json",
+    "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b.json",
+}
+MIN_TOKEN_BUCKET = 16  # runtime/engine.py's MIN_TOKEN_BUCKET_ACCELERATOR
+ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
+
+
+class PlanError(ValueError):
+    """A launch config does not fit its chip (the message names the numbers) or cannot be planned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+    """One compiled executable, per device."""
+
+    name: str
+    tokens: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    analytic: bool = False  # True: not compiled (GPU); array sizes only, no temp / cost figures
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass
+class PlanReport:
+    config_name: str
+    model_name: str
+    chip: ChipSpec
+    num_devices: int
+    num_processes: int
+    mesh: tuple[int, int]
+    param_count: int
+    weight_bytes: int  # per device
+    kv_bytes: int  # per device
+    num_pages: int
+    page_size: int
+    kv_bytes_per_token: int  # per device, all layers
+    state_bytes: int  # per device
+    num_state_slots: int
+    max_num_seqs: int
+    max_model_len: int
+    memory_fraction: float
+    steps: list[StepFigures]
+    problems: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def raise_if_unfit(self) -> None:
+        if self.problems:
+            raise PlanError(f"{self.config_name}: does not fit {self.chip.name}: " + "; ".join(self.problems))
+
+    def step(self, kind: str) -> StepFigures:
+        """"decode": the smallest token bucket holding max_num_seqs; "prefill": the largest bucket."""
+        backbones = [s for s in self.steps if s.name.startswith("backbone")]
+        if kind == "prefill":
+            return backbones[-1]
+        return next((s for s in backbones if s.tokens >= self.max_num_seqs), backbones[-1])
+
+    def hbm_traffic(self, kind: str, context: int = ROOFLINE_CONTEXT) -> float:
+        """Bytes one device must move per step: every weight once, plus for a decode step the KV of
+        max_num_seqs sequences at mean `context` and their GDN states (read and written). The
+        compiler's "bytes accessed" is not used: it counts each in-place cache update as a read and
+        a write of the whole pool."""
+        if kind != "decode":
+            return float(self.weight_bytes)
+        seqs = self.max_num_seqs
+        state = 2 * self.state_bytes / max(self.num_state_slots, 1) * seqs
+        return float(self.weight_bytes + seqs * context * self.kv_bytes_per_token + state)
+
+    def roofline(self, kind: str, context: int = ROOFLINE_CONTEXT) -> dict[str, float]:
+        """Tokens/s per chip of a full decode step (max_num_seqs sequences at mean `context`) or of a
+        full prefill bucket, at the chip's HBM bandwidth and peak FLOP/s."""
+        s = self.step(kind)
+        tokens = min(s.tokens, self.max_num_seqs) if kind == "decode" else s.tokens
+        moved = self.hbm_traffic(kind, context)
+        seconds = max(moved / self.chip.hbm_bytes_per_s, s.flops / self.chip.peak_bf16_flops)
+        bound = "memory" if moved / self.chip.hbm_bytes_per_s >= s.flops / self.chip.peak_bf16_flops else "compute"
+        # every device works on the same step (the data axis holds replicas computing the same batch)
+        per_chip = tokens / seconds / self.num_devices if seconds else float("inf")
+        return {"tokens": tokens, "seconds": seconds, "tokens_per_s_per_chip": per_chip, "bound": bound,
+                "bytes": moved, "flops": s.flops}
+
+
+# ---- the model and the target ----------------------------------------------------------------------
+def model_config_json(launch: LaunchConfig) -> Path:
+    """The checkpoint's config.json when the model directory exists here, else the shipped copy."""
+    path = launch.model.path
+    if path is None:
+        raise PlanError("model.path is null (the CPU demo model): plan a config that names a checkpoint")
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return local
+    shipped = SHIPPED_MODEL_CONFIGS.get(Path(path).name)
+    if shipped is None:
+        raise PlanError(f"{path}: no config.json there and no shipped copy in {MODELS_DIR} "
+                        f"(known: {', '.join(sorted(SHIPPED_MODEL_CONFIGS))})")
+    return MODELS_DIR / shipped
+
+
+def _topology_dims(topology: str) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in topology.split("x"))
+    return dims + (1,) * (3 - len(dims))
+
+
+def target_mesh(launch: LaunchConfig) -> Mesh:
+    """The (data, model) mesh over the target TPU slice's devices (no TPU attached)."""
+    from jax.experimental import topologies
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another JAX process may hold libtpu's lock
+    par = launch.parallel
+    chip = CHIPS[par.chip]
+    if par.topology is None:
+        raise PlanError(f"parallel.topology is required for {chip.name}, e.g. 2x4")
+    kwargs = {}
+    if par.multihost is None:  # the whole slice on one host
+        kwargs["chips_per_host_bounds"] = _topology_dims(par.topology)
+    topology = topologies.get_topology_desc(f"{chip.topology_name}:{par.topology}", platform="tpu", **kwargs)
+    devices = topology.devices
+    hosts = len({d.process_index for d in devices})
+    want_hosts = 1 if par.multihost is None else par.multihost.num_processes
+    if hosts != want_hosts:
+        raise PlanError(f"{chip.name}:{par.topology} spans {hosts} hosts, parallel.multihost says {want_hosts}")
+    mesh = par.mesh
+    if len(devices) != mesh.num_devices:
+        raise PlanError(f"parallel.mesh data={mesh.data} x model={mesh.model} needs {mesh.num_devices} devices; "
+                        f"{chip.name}:{par.topology} has {len(devices)}")
+    grid = np.array(devices, dtype=object).reshape(mesh.data, mesh.model)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+# ---- sizing: the engine's rule ---------------------------------------------------------------------
+def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
+    """runtime/engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
+    if not is_hybrid:
+        return 0
+    s = launch.scheduler.max_num_seqs
+    return 1 + s + (2 * s if launch.cache.enable_prefix_caching else 0)
+
+
+def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
+    fraction = launch.cache.effective_memory_fraction
+    if launch.cache.num_pages is not None:
+        return launch.cache.num_pages, []
+    budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
+    problems = []
+    if budget < 2 * per_page:
+        problems.append(f"weights {_gib(weight_bytes)} + state slots {_gib(state_bytes)} per device exceed "
+                        f"memory_fraction {fraction} x HBM {_gib(chip.hbm_bytes)} = {_gib(int(chip.hbm_bytes * fraction))}")
+    return int(max(2, min(want, budget // per_page))), problems
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ---- compile ---------------------------------------------------------------------------------------
+def _cost(stage) -> tuple[float, float]:
+    """(flops, bytes accessed) from a Compiled's or Lowered's cost analysis."""
+    cost = stage.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per partition
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def _figures(name: str, tokens: int, compiled) -> StepFigures:
+    """Memory of a compiled executable; its cost is filled in by `extrapolated_cost` (see there)."""
+    mem = compiled.memory_analysis()
+    return StepFigures(name, tokens, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                       mem.alias_size_in_bytes, mem.temp_size_in_bytes, 0.0, 0.0)
+
+
+def truncated_config(cfg, groups: int):
+    """`cfg` cut to its first `groups` repetitions of the layer pattern."""
+    n = cfg.layer_period() * groups
+    return dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
+
+
+def extrapolated_cost(cfg, dtype: str, mesh, opts: KernelOptions, T: int, *, num_pages: int, page_size: int,
+                      num_slots: int, kv_dtype: str, max_num_seqs: int, blocks_per_seq: int,
+                      gpu: bool = False) -> tuple[float, float]:
+    """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
+    `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
+    per-group difference is scaled to the real depth: cost(G) = cost(1) + (G - 1) * (cost(2) - cost(1))."""
+    costs = []
+    for groups in (1, 2):
+        model = abstract_model(truncated_config(cfg, groups), dtype)
+        if mesh is not None:
+            shard_abstract_model(model, mesh)
+        caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype)
+        model.params = unstack_abstract(model.params)
+        opts_g = dataclasses.replace(opts, tp=model.tp)
+        exes = StepExecutables(model, caches, opts_g, token_buckets=(T,), seq_buckets=(8,),
+                               max_num_seqs=max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+        traced = exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(T))
+        costs.append(_cost(traced.lower(lowering_platforms=("cuda",)) if gpu else traced.lower().compile()))
+    G = cfg.num_layers // cfg.layer_period()
+    return tuple(c1 + (G - 1) * (c2 - c1) for c1, c2 in zip(*costs))
+
+
+def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_buckets: tuple[int, ...] | None = None,
+                compile_sampler: bool = True, compile_cost: bool = True) -> PlanReport:
+    """Compile `launch` for its chip and report per-device memory and cost (see module docstring).
+
+    `token_buckets`: compile only these (a subset, for quick checks); default every bucket.
+    `compile_cost`: also compile the 1- and 2-group variants that give the whole model's cost
+    (`extrapolated_cost`). Nothing is compiled when the weights and state slots alone overflow."""
+    par, cache, sched = launch.parallel, launch.cache, launch.scheduler
+    if par.chip is None:
+        raise PlanError(f"{config_name}: parallel.chip is not set; plan needs a target chip "
+                        f"({', '.join(sorted(CHIPS))})")
+    chip = CHIPS[par.chip]
+    cfg = parse_config(read_json(model_config_json(launch)))
+    dtype = launch.model.dtype
+    model = abstract_model(cfg, dtype, launch.model.path)
+    gpu = chip.platform == "gpu"
+    mesh = None if gpu else target_mesh(launch)
+    if mesh is not None:
+        shard_abstract_model(model, mesh)
+    tp_size = 1 if model.tp is None else model.tp.size
+    max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    page_size = cache.page_size
+    blocks_per_seq = -(-max_model_len // page_size)
+    slots = num_state_slots(launch, cfg.is_hybrid)
+    kv_dtype = cache.kv_cache_dtype
+    per_token = model.cache_bytes_per_token(kv_dtype)
+    per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
+    state_device = slots * model.state_bytes_per_slot() // (tp_size if model.tp is not None and model.tp.gdn else 1)
+    weights_device = per_device_bytes(model.params)
+    num_pages, problems = _pool_size(launch, chip, weights_device, per_token_device * page_size, state_device,
+                                     sched.max_num_seqs * blocks_per_seq + 1)
+    caches = abstract_caches(model, num_pages, page_size, max(slots, 2), kv_dtype)
+    kv_device = per_device_bytes(caches["kv"])
+    if (num_pages - 1) * page_size < max_model_len:
+        problems.append(f"the KV pool ({num_pages - 1} pages x {page_size} = {(num_pages - 1) * page_size} tokens, "
+                        f"{_gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence")
+    impl = f"pallas_{chip.platform}"
+    opts = KernelOptions(attention=impl, gdn=impl, tp=model.tp)
+    buckets = pow2_buckets(sched.max_num_batched_tokens, explicit=sched.token_buckets, minimum=MIN_TOKEN_BUCKET)
+    buckets = tuple(b for b in buckets if token_buckets is None or b in token_buckets)
+    seq_buckets = pow2_buckets(sched.max_num_seqs, minimum=8)
+    steps: list[StepFigures] = []
+    if problems:
+        pass  # the weights alone overflow: nothing worth compiling
+    elif gpu:
+        steps = _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq)
+    else:
+        exes = StepExecutables(model, caches, opts, token_buckets=buckets, seq_buckets=seq_buckets,
+                               max_num_seqs=sched.max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+        try:
+            for T in buckets:
+                log.info("compiling backbone T=%d for %s", T, chip.name)
+                steps.append(_figures(f"backbone[T={T}]", T, exes._compile_backbone(T)))
+            if compile_sampler:
+                S = seq_buckets[-1]
+                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, False))))
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            problems.append(f"the {chip.name} compiler: {str(err).splitlines()[0]} (weights {_gib(weights_device)}, "
+                            f"KV {_gib(kv_device)}, GDN state {_gib(state_device)} per device)")
+    if steps and compile_cost:
+        decode_T = next((T for T in buckets if T >= sched.max_num_seqs), buckets[-1])
+        for T in sorted({decode_T, buckets[-1]}):
+            flops, moved = extrapolated_cost(
+                cfg, dtype, mesh, opts, T, num_pages=num_pages, page_size=page_size, num_slots=max(slots, 2),
+                kv_dtype=kv_dtype, max_num_seqs=sched.max_num_seqs, blocks_per_seq=blocks_per_seq, gpu=gpu)
+            steps = [dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
+                     for s in steps]
+    worst = max(steps, key=lambda s: s.peak_bytes, default=None)
+    if worst is not None and worst.peak_bytes > chip.hbm_bytes:
+        problems.append(f"{worst.name} needs {_gib(worst.peak_bytes)} per device (arguments "
+                        f"{_gib(worst.argument_bytes)} + outputs {_gib(worst.output_bytes)} - aliased "
+                        f"{_gib(worst.alias_bytes)} + temp {_gib(worst.temp_bytes)}) > HBM {_gib(chip.hbm_bytes)}")
+    processes = 1 if par.multihost is None else par.multihost.num_processes
+    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
+    return PlanReport(config_name, Path(launch.model.path).name, chip, par.mesh.num_devices, processes,
+                      (par.mesh.data, par.mesh.model), param_count, weights_device, kv_device, num_pages, page_size,
+                      per_token_device, state_device, slots, sched.max_num_seqs, max_model_len,
+                      cache.effective_memory_fraction or 0.0, steps, problems)
+
+
+def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
+    """Lower every backbone bucket for CUDA (no compile: no CUDA device); memory = the arrays' sizes."""
+    exes = StepExecutables(model, caches, opts, token_buckets=buckets, seq_buckets=(8,),
+                           max_num_seqs=sched.max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+    cache_bytes = per_device_bytes(caches)
+    args_bytes = per_device_bytes(model.params) + cache_bytes
+    hidden_bytes = sched.max_num_seqs * model.cfg.hidden_size * jnp.dtype(model.dtype).itemsize
+    steps = []
+    for T in buckets:
+        batch = exes._batch_spec(T)
+        lowered = exes._backbone_jit.trace(model.params, exes._cache_specs, batch).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text()  # the CUDA lowering (Triton kernels included) succeeded
+        steps.append(StepFigures(f"backbone[T={T}]", T, args_bytes + per_device_bytes(batch), cache_bytes + hidden_bytes,
+                                 cache_bytes, 0, 0.0, 0.0, analytic=True))
+    return steps
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def format_report(r: PlanReport) -> str:
+    mesh = f"data {r.mesh[0]} x model {r.mesh[1]}"
+    lines = [
+        f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
+        f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
+        f"  per device: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
+        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {_gib(r.state_bytes)} ({r.num_state_slots} slots); "
+        f"memory_fraction {r.memory_fraction} of HBM {_gib(r.chip.hbm_bytes)}",
+        f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
+        f"{'GFLOP':>12}{'GB (XLA)':>11}",
+    ]
+    for s in r.steps:
+        lines.append(f"  {s.name:<22}{_gib(s.argument_bytes):>12}{_gib(s.output_bytes):>12}{_gib(s.alias_bytes):>12}"
+                     f"{(_gib(s.temp_bytes) if not s.analytic else 'n/a'):>12}{_gib(s.peak_bytes):>12}"
+                     + (f"{s.flops / 1e9:>12.1f}{s.bytes_accessed / 1e9:>11.2f}" if s.flops else f"{'-':>12}{'-':>11}"))
+    if any(s.analytic for s in r.steps):
+        lines.append("  (GPU: lowered for CUDA, not compiled -- jax cannot compile for CUDA without a CUDA device; "
+                     "memory = array sizes, no temp)")
+    for kind in ("decode", "prefill"):
+        if r.steps and (r.step(kind).flops or r.step(kind).bytes_accessed):
+            f = r.roofline(kind)
+            ctx = f" at mean context {ROOFLINE_CONTEXT}" if kind == "decode" else ""
+            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
+                         f"{f['seconds'] * 1e3:.2f} ms/step, "
+                         f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)")
+    lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""`jaxserve plan`: shapes-only models, the shipped configs compiled by libtpu's real compiler.
+
+The abstract parameter tree is checked against the real loader on every tiny family; the
+shipped real-model config.json files against the parameter counts their model cards publish;
+each shipped accelerator config is compiled for its chip (TPU: libtpu, no TPU attached; GPU:
+lowered for CUDA) with its real shapes and sizes, and must fit; an oversized config is refused
+naming the numbers. CI cost: the decode bucket only (`jaxserve plan` compiles every bucket); the
+Qwen3-Next-80B compile (~2.5 min per bucket on 2 busy cores: 512 experts) is `slow`, CI checks its
+memory budget arithmetic without compiling. The whole-model cost extrapolation is checked on a tiny
+model against the fully unrolled compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import pytest
+
+from configs import CONFIG_DIR, load_config
+from models.abstract import abstract_params
+from models.config import parse_config
+from models.model import load_model
+from models.random_checkpoint import FAMILIES
+from models.safetensors_io import read_json
+from runtime.plan import PlanError, model_config_json, plan_config
+
+# Parameter counts the model cards publish (language model incl. embeddings; 9B / 27B / 80B).
+PUBLISHED_PARAMS = {"qwen3_5-9b.json": 9e9, "qwen3_5-27b.json": 27e9, "qwen3-next-80b-a3b.json": 80e9}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_abstract_params_match_the_loader(tiny_checkpoint, family):
+    path = tiny_checkpoint(family)
+    cfg = parse_config(read_json(path / "config.json"))
+    loaded = load_model(path, dtype="bfloat16").params
+    abstract = abstract_params(cfg, "bfloat16")
+    assert jax.tree.structure(loaded) == jax.tree.structure(abstract)
+    for real, shape in zip(jax.tree.leaves(loaded), jax.tree.leaves(abstract)):
+        assert (real.shape, real.dtype) == (shape.shape, shape.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_shipped_model_configs_have_the_published_size(name):
+    cfg = parse_config(read_json(CONFIG_DIR / "models" / name))
+    count = sum(x.size for x in jax.tree.leaves(abstract_params(cfg, "bfloat16")))
+    assert abs(count / PUBLISHED_PARAMS[name] - 1) < 0.05, count
+
+
+def _decode_bucket(launch):
+    buckets = launch.scheduler.token_buckets or (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    return next(b for b in buckets if b >= launch.scheduler.max_num_seqs)
+
+
+@pytest.mark.parametrize("name,cost", [("gpu-h200-qwen3_5-9b.yaml", True), ("tpu-v5e-8-qwen3_5-27b.yaml", False),
+                                       pytest.param("tpu-v5p-16-qwen3-next-80b-multihost.yaml", True,
+                                                    marks=pytest.mark.slow)])
+def test_shipped_config_fits_its_chip(name, cost):
+    launch = load_config(CONFIG_DIR / name)
+    assert model_config_json(launch).parent == CONFIG_DIR / "models"  # no checkpoint on this machine
+    decode = _decode_bucket(launch)
+    report = plan_config(launch, name, token_buckets=(decode,), compile_sampler=False, compile_cost=cost)
+    assert report.fits, report.problems
+    step = report.step("decode")
+    assert step.tokens == decode
+    # the compiler's figures account for at least the weights and the KV pool it was given
+    assert step.argument_bytes >= report.weight_bytes + report.kv_bytes
+    assert step.peak_bytes <= report.chip.hbm_bytes
+    if cost:  # ~2 flops per parameter per token of what one device holds (MoE: far fewer are active)
+        assert 0 < step.flops <= 2.2 * report.param_count * decode / report.mesh[1]
+        assert report.roofline("decode")["tokens_per_s_per_chip"] > 0
+
+
+def test_multihost_config_budget_without_compiling():
+    name = "tpu-v5p-16-qwen3-next-80b-multihost.yaml"
+    report = plan_config(load_config(CONFIG_DIR / name), name, token_buckets=(), compile_sampler=False)
+    assert report.fits and report.num_processes == 2 and report.num_devices == 8, report.problems
+    # 80B bf16 parameters over the model axis of 4 (attention replicated: 2 KV heads)
+    assert 2 * report.param_count / 4 <= report.weight_bytes <= 2 * report.param_count / 4 * 1.1
+    assert report.kv_bytes >= report.max_model_len * report.kv_bytes_per_token
+
+
+def test_cost_extrapolation_matches_the_unrolled_model(tiny_checkpoint):
+    import dataclasses
+
+    from models.abstract import abstract_caches, abstract_model, unstack_abstract
+    from models.ops import KernelOptions
+    from runtime.plan import _cost, extrapolated_cost
+    from runtime.step import StepExecutables
+
+    base = parse_config(read_json(tiny_checkpoint("qwen3_5") / "config.json"))
+    p = base.layer_period()
+    cfg = dataclasses.replace(base, num_layers=3 * p, layer_types=base.layer_types[:p] * 3,
+                              mlp_types=base.mlp_types[:p] * 3)
+    sizes = dict(num_pages=9, page_size=16, num_slots=3, kv_dtype="auto", max_num_seqs=4, blocks_per_seq=4)
+    opts = KernelOptions(attention="reference", gdn="reference")
+    flops, moved = extrapolated_cost(cfg, "float32", None, opts, 16, **sizes)
+    model = abstract_model(cfg, "float32")
+    caches = abstract_caches(model, 9, 16, 3)
+    model.params = unstack_abstract(model.params)
+    exes = StepExecutables(model, caches, opts, token_buckets=(16,), seq_buckets=(8,), max_num_seqs=4,
+                           max_blocks_per_seq=4)
+    direct = _cost(exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(16)).lower().compile())
+    assert flops == pytest.approx(direct[0], rel=1e-3)
+    assert moved > 0  # bytes are not linear in depth (each cache update counts the whole pool): not used
+
+
+def test_a_config_that_does_not_fit_names_the_numbers():
+    launch = load_config(CONFIG_DIR / "tpu-v5e-8-qwen3_5-27b.yaml",
+                         {"parallel.mesh": {"data": 2, "model": 4}, "scheduler.max_num_seqs": 128})
+    report = plan_config(launch, "too-big", token_buckets=(128,), compile_sampler=False)
+    assert not report.steps  # the weights alone overflow: nothing compiled
+    assert not report.fits
+    with pytest.raises(PlanError, match=r"weights \d+\.\d\d GiB"):
+        report.raise_if_unfit()
+
+
+def test_plan_needs_a_target_chip():
+    with pytest.raises(PlanError, match="parallel.chip"):
+        plan_config(load_config(CONFIG_DIR / "gpu-h200-qwen3_5-9b.yaml", {"parallel.chip": None}))
