@@ -75,10 +75,14 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, **optional)
     except SamplingParamsError as err:
-        param = err.param
-        if param == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-            param = "max_completion_tokens"
-        raise RequestError(400, f"{param}: {str(err).removeprefix(err.param + ' ')}", param=param) from None
+        raise _params_error(err, body) from None
+
+
+def _params_error(err: SamplingParamsError, body) -> RequestError:
+    param = err.param
+    if param == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        param = "max_completion_tokens"
+    return RequestError(400, f"{param}: {str(err).removeprefix(err.param + ' ')}", param=param)
 
 
 def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[int]],
@@ -108,7 +112,10 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
         for i in range(body.n):
             index = prompt_index * body.n + i
             seed = None if body.seed is None else body.seed + i
-            params = base.replace(max_tokens=max_tokens, seed=seed)
+            try:  # the default max_tokens can clash with min_tokens
+                params = base.replace(max_tokens=max_tokens, seed=seed)
+            except SamplingParamsError as err:
+                raise _params_error(err, body) from None
             requests.append(EngineRequest(f"{request_id}-{index}", list(prompt), params,
                                           priority=body.priority, arrival_time=time.time()))
             prefix = echo_texts[prompt_index] if echo_texts else ""
