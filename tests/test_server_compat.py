@@ -397,3 +397,11 @@ def test_client_aborts_are_counted_in_request_success(server):
         time.sleep(0.05)
     assert _abort_count(server) == before + 3
     assert threading.active_count() < 50
+
+
+def test_min_tokens_above_the_default_max_tokens_is_400(server):
+    """The issue's reproducer: `{"prompt": "Hi", "min_tokens": 100}` with the default max_tokens 16
+    was a 500 (schemathesis found it again against the real model)."""
+    error = error_of(*run(post(server.url + "/v1/completions", {"prompt": "Hi", "min_tokens": 100}))[:2], 400,
+                     "min_tokens")
+    assert "16" in error["message"]
