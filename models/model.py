@@ -21,6 +21,8 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.quant_rules import QuantizationConfig, log_report, quantize_params
+from models.quantization import param_bytes
 from models.sharding import shard_caches
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, unstack_layers
@@ -33,6 +35,7 @@ class Model:
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer = None
         self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
+        self.quantization: dict[str, str] = {}  # module path -> scheme it got (empty: all float)
 
     @property
     def tokenizer(self):
@@ -53,6 +56,20 @@ class Model:
     @property
     def unrolled(self) -> bool:
         return "layers" in self.params
+
+    def quantize(self, qcfg: QuantizationConfig) -> None:
+        """Quantize the float weights in place by `qcfg`'s rules (before `shard_model` /
+        `unstack_layers`); logs which scheme each module group got."""
+        if self.quantization:
+            raise ValueError(f"model is already quantized ({sorted(set(self.quantization.values()))})")
+        if self.tp is not None or self.unrolled:
+            raise ValueError("quantize the model before sharding or unstacking it")
+        self.params, self.quantization = quantize_params(self.params, qcfg)
+        log_report(self.quantization)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters on the device(s), scales included."""
+        return param_bytes(self.params)
 
     def unstack_layers(self) -> None:
         """Hold one array per layer group instead of stacked ones: `forward` then runs the groups
@@ -179,9 +196,17 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
     return jnp.dtype(KV_DTYPES[kv_dtype])
 
 
-def load_model(path: str | Path, dtype: str = "float32", progress: bool = False) -> Model:
-    """Load an HF checkpoint directory (config.json + *.safetensors) or a GGUF file / directory."""
-    path = Path(path)
+def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
+               quantization: QuantizationConfig | None = None) -> Model:
+    """Load an HF checkpoint directory (config.json + *.safetensors) or a GGUF file / directory;
+    with `quantization`, quantize its float weights online."""
+    model = _load_float_or_prequantized(Path(path), dtype, progress)
+    if quantization is not None:
+        model.quantize(quantization)
+    return model
+
+
+def _load_float_or_prequantized(path: Path, dtype: str, progress: bool) -> Model:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []

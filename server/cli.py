@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--api-key", default=None, help="require this bearer token (server.api_key)")
         sub.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
         sub.add_argument("--max-model-len", type=int, default=None, help="model.max_model_len")
+        sub.add_argument("--quantization", default=None,
+                         help="model.quantization: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp")
         if name == "serve":
             sub.add_argument("--fake-engine", action="store_true",
                              help="serve the hand-computable FakeEngine instead of a model")
@@ -49,7 +51,7 @@ def _load(args) -> LaunchConfig:
     overrides = dict(parse_override(item) for item in args.overrides)
     flags = {"model.path": args.model, "server.host": args.host, "server.port": args.port,
              "server.api_key": args.api_key, "model.served_model_name": args.served_model_name,
-             "model.max_model_len": args.max_model_len}
+             "model.max_model_len": args.max_model_len, "model.quantization": args.quantization}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(args.config, overrides)
 
