@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import jax
@@ -21,12 +22,15 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
 from models.quantization import param_bytes
 from models.sharding import shard_caches
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, unstack_layers
 from models.weights import DictSource, load_params
+
+log = logging.getLogger("jaxserve.model")
 
 
 class Model:
@@ -222,5 +226,10 @@ def _load_float_or_prequantized(path: Path, dtype: str, progress: bool) -> Model
     hf = read_json(path / "config.json")
     generation = read_json(path / "generation_config.json", required=False)
     cfg = parse_config(hf, generation)
-    params = load_params(cfg, SafetensorsDir(path), dtype, progress)
-    return Model(cfg, params, dtype, path)
+    stored = parse_quantization_config(hf.get("quantization_config"))
+    params = load_params(cfg, SafetensorsDir(path), dtype, progress, quantization=stored)
+    model = Model(cfg, params, dtype, path)
+    if stored is not None:
+        model.quantization = {"checkpoint": stored.method + (f"-g{stored.group_size}" if stored.group_size else "")}
+        log.info("weights stored quantized (%s): kept quantized", model.quantization["checkpoint"])
+    return model
