@@ -24,7 +24,7 @@ from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
-from models.quantization import param_bytes
+from models.quantization import QuantizedWeight, param_bytes
 from models.sharding import shard_caches
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, unstack_layers
@@ -188,6 +188,10 @@ def _step_fn(cfg: ModelConfig, opts: KernelOptions):
     return jax.jit(run, donate_argnums=1)
 
 
+def _gguf_kind(w: QuantizedWeight) -> str:
+    return f"int{w.bits}-g{w.group_size}" + ("-offset" if w.offset is not None else "")
+
+
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn,
              "fp8_e5m2": jnp.float8_e5m2, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
@@ -201,26 +205,33 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
 
 
 def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
-               quantization: QuantizationConfig | None = None) -> Model:
+               quantization: QuantizationConfig | None = None, keep_gguf_quantized: bool = True) -> Model:
     """Load an HF checkpoint directory (config.json + *.safetensors) or a GGUF file / directory;
-    with `quantization`, quantize its float weights online."""
-    model = _load_float_or_prequantized(Path(path), dtype, progress)
+    with `quantization`, quantize its float weights online. Pre-quantized checkpoints (AWQ, GPTQ,
+    compressed-tensors FP8, GGUF Q4_0 / Q4_1 / Q8_0 unless `keep_gguf_quantized` is False) stay
+    quantized."""
+    model = _load_float_or_prequantized(Path(path), dtype, progress, keep_gguf_quantized)
     if quantization is not None:
         model.quantize(quantization)
     return model
 
 
-def _load_float_or_prequantized(path: Path, dtype: str, progress: bool) -> Model:
+def _load_float_or_prequantized(path: Path, dtype: str, progress: bool, keep_gguf_quantized: bool) -> Model:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if ggufs and not (path.is_dir() and list(path.glob("*.safetensors"))):
         from models.gguf import read_gguf
 
-        ckpt = read_gguf(ggufs[0], progress=progress)
+        ckpt = read_gguf(ggufs[0], progress=progress, keep_quantized=keep_gguf_quantized)
         cfg = parse_config(ckpt.config)
         params = load_params(cfg, DictSource(ckpt.tensors, str(ggufs[0])), dtype, progress)
-        return Model(cfg, params, dtype, ggufs[0], tokenizer_loader=ckpt.tokenizer_factory)
+        model = Model(cfg, params, dtype, ggufs[0], tokenizer_loader=ckpt.tokenizer_factory)
+        kept = sorted({_gguf_kind(w) for w in ckpt.tensors.values() if isinstance(w, QuantizedWeight)})
+        if kept:
+            model.quantization = {"checkpoint": "gguf " + ", ".join(kept)}
+            log.info("GGUF weights kept quantized: %s", ", ".join(kept))
+        return model
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected an HF checkpoint directory or a .gguf file")
     hf = read_json(path / "config.json")

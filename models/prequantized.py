@@ -163,6 +163,9 @@ def _check(src, name: str, shape) -> np.ndarray:
 def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantization | None):
     """The `[in, out]` weight of Linear `module`: a host QuantizedWeight if stored quantized, else float."""
     if fmt is None or (f"{module}.qweight" not in src and f"{module}.weight_scale" not in src):
+        stored = src.get(f"{module}.weight")
+        if isinstance(stored, QuantizedWeight):  # GGUF blocks kept quantized: already [in, out]
+            return _checked(src, f"{module}.weight", stored, (inp, out))
         return np.asarray(src.get(f"{module}.weight", (out, inp))).T
     if fmt.method == "fp8":
         q = _check(src, f"{module}.weight", (out, inp))
@@ -189,6 +192,21 @@ def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantizatio
         zeros = unpack_gptq_cols(_check(src, f"{module}.qzeros", (groups, out // 8))).astype(np.float32) + 1
         codes, perm = _group_rows(src, module, codes, g, inp)
     return QuantizedWeight(pack_int4(codes), scale, -zeros * scale, perm, bits=4, group_size=fmt.group_size and g)
+
+
+def _checked(src, name: str, w: QuantizedWeight, shape) -> QuantizedWeight:
+    if tuple(w.shape) != tuple(shape):
+        raise CheckpointError(f"{src_name(src)}: tensor {name!r} has [in, out] shape {list(w.shape)}, "
+                              f"the config implies {list(shape)}")
+    return w
+
+
+def read_embedding(src, name: str, vocab: int, hidden: int):
+    """The embedding: float [V, H], or a QuantizedWeight [H, V] (GGUF blocks kept quantized)."""
+    stored = src.get(name)
+    if isinstance(stored, QuantizedWeight):
+        return _checked(src, name, stored, (hidden, vocab))
+    return src.get(name, (vocab, hidden))
 
 
 def _group_rows(src, module: str, codes: np.ndarray, g: int, inp: int):
@@ -228,13 +246,13 @@ def _layout(w: QuantizedWeight):
 
 def dequantize_np(w: QuantizedWeight) -> np.ndarray:
     """Host float32 dequantization [K, N] in original input-row order (for float fallbacks)."""
-    if w.bits == 4:
-        codes = unpack_int4_np(w.q).astype(np.float32)
-        g = w.group_size or codes.shape[-2]
-        s = np.repeat(w.scale, g, axis=-2)
-        deq = codes * s + np.repeat(w.offset, g, axis=-2) if w.offset is not None else (codes - 8) * s
+    codes = unpack_int4_np(w.q).astype(np.float32) if w.bits == 4 else w.q.astype(np.float32)
+    g = w.group_size or codes.shape[-2]
+    s = np.repeat(w.scale, g, axis=-2)
+    if w.offset is not None:
+        deq = codes * s + np.repeat(w.offset, g, axis=-2)
     else:
-        deq = w.q.astype(np.float32) * w.scale
+        deq = (codes - 8 if w.bits == 4 else codes) * s
     if w.perm is not None:
         out = np.empty_like(deq)
         out[..., w.perm, :] = deq

@@ -10,7 +10,8 @@ and `unstack_layers` slice it like an array. Fields (groups run along K, the inp
 - `q`: int8 `[..., K, N]` (int8 schemes), float8_e4m3fn `[..., K, N]` (fp8), or uint8
   `[..., K/2, N]` holding two unsigned 4-bit values per byte (int4: row 2i in the low nibble,
   row 2i+1 in the high nibble), so int4 is half a byte per weight on every backend;
-- `scale`: float32 `[..., K/g, N]` (`g = group_size`, or K for per-channel: `[..., 1, N]`);
+- `scale`: float32 `[..., K/g, N]` (`g = group_size`, or K for per-channel: `[..., 1, N]`;
+  8-bit codes are per-channel except GGUF Q8_0's blocks of 32);
 - `offset`: float32 `[..., K/g, N]` or None. int4 dequantizes as `q * scale + offset`
   (AWQ/GPTQ's `(q - z) * s` is `offset = -z * s`, GGUF Q4_1's `d * q + m` is `offset = m`);
   None means the symmetric code `(q - 8) * scale`. 8-bit codes are symmetric: `q * scale`;
@@ -155,18 +156,16 @@ def unpack_int4(packed):
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     """The float weight [..., K, N] in the rows of `w.q` (act-order rows stay permuted)."""
-    if w.bits == 4:
-        codes = unpack_int4(w.q).astype(jnp.float32)
-        *lead, k, n = codes.shape
-        g = w.group_size or k
-        codes = codes.reshape(*lead, k // g, g, n)
-        scale = w.scale[..., :, None, :]
-        if w.offset is None:
-            deq = (codes - 8.0) * scale
-        else:
-            deq = codes * scale + w.offset[..., :, None, :]
-        return deq.reshape(*lead, k, n).astype(dtype)
-    return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+    codes = unpack_int4(w.q).astype(jnp.float32) if w.bits == 4 else w.q.astype(jnp.float32)
+    *lead, k, n = codes.shape
+    g = w.group_size or k
+    codes = codes.reshape(*lead, k // g, g, n)
+    scale = w.scale[..., :, None, :]
+    if w.offset is not None:
+        deq = codes * scale + w.offset[..., :, None, :]
+    else:
+        deq = (codes - 8.0 if w.bits == 4 else codes) * scale
+    return deq.reshape(*lead, k, n).astype(dtype)
 
 
 def quantize_activations(x, act: str):
@@ -195,7 +194,7 @@ def qdot(x, w):
         acc_type = jnp.int32 if w.act == "int8" else jnp.float32
         acc = lax.dot_general(xq, w.q, dims, preferred_element_type=acc_type)
         return (acc.astype(jnp.float32) * x_scale * w.scale[0]).astype(x.dtype)
-    if w.bits == 8:  # per-channel: scale the output columns instead of every weight
+    if w.bits == 8 and not w.group_size:  # per-channel: scale the output columns instead of every weight
         y = lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * w.scale[0]).astype(x.dtype)
     return lax.dot_general(x, dequantize(w, x.dtype), dims, preferred_element_type=jnp.float32).astype(x.dtype)

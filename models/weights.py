@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ATTENTION, ModelConfig
-from models.prequantized import CheckpointQuantization, dequantize_np, read_linear, stack_layers
+from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
 from models.quantization import QuantizedWeight
 from models.safetensors_io import CheckpointError
 
@@ -184,7 +184,7 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", pro
         for j in range(period)
     )
     params = {
-        "embed": _cast("embed", get("embed_tokens.weight", (V, H)), np_dtype),
+        "embed": _cast("embed", read_embedding(src, pre + "embed_tokens.weight", V, H), np_dtype),
         "final_norm": _cast("final_norm", get("norm.weight", (H,)), np_dtype),
         "groups": groups,
     }
