@@ -35,6 +35,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from pallas_kernels.quantized_matmul import dequantize_codes
+
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
 ACTS = ("none", "int8", "fp8")
@@ -147,25 +149,9 @@ def quantize_weight(w: np.ndarray, scheme: str | Scheme, group_size: int = 128) 
 
 
 # ---- dequantize / matmuls -----------------------------------------------------------------------
-def unpack_int4(packed):
-    """uint8 [..., K/2, N] -> uint8 codes [..., K, N] (jnp)."""
-    lo, hi = packed & 15, packed >> 4
-    both = jnp.stack([lo, hi], axis=-2)  # [..., K/2, 2, N]
-    return both.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
-
-
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     """The float weight [..., K, N] in the rows of `w.q` (act-order rows stay permuted)."""
-    codes = unpack_int4(w.q).astype(jnp.float32) if w.bits == 4 else w.q.astype(jnp.float32)
-    *lead, k, n = codes.shape
-    g = w.group_size or k
-    codes = codes.reshape(*lead, k // g, g, n)
-    scale = w.scale[..., :, None, :]
-    if w.offset is not None:
-        deq = codes * scale + w.offset[..., :, None, :]
-    else:
-        deq = (codes - 8.0 if w.bits == 4 else codes) * scale
-    return deq.reshape(*lead, k, n).astype(dtype)
+    return dequantize_codes(w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size, dtype=dtype)
 
 
 def quantize_activations(x, act: str):
