@@ -8,7 +8,9 @@ Rules are glob patterns over HF-style module paths without the layer index (`emb
 `lm_head`, `self_attn.q_proj`, `linear_attn.in_proj_a`, `mlp.experts.gate_up_proj`, ...); a
 pattern matches the whole path or its trailing components (`in_proj_a` matches
 `linear_attn.in_proj_a`). Matching modules stay in float. Norms, biases, the GDN conv and decay
-parameters are never quantized.
+parameters are never quantized. int4 groups run along the input dim; a module whose input
+dim is not a multiple of the group size takes the largest smaller group size that divides it
+(32 at least), as the start-up log says.
 """
 
 from __future__ import annotations
@@ -75,12 +77,24 @@ def _quantize_leaf(name: str, arr, qcfg: QuantizationConfig, report: dict) -> ob
     if name == "embed":
         host = np.swapaxes(host, -1, -2)  # [V, H] -> [H, V]: one scale per vocab row
     k = host.shape[-2]
-    if scheme.code == "int4" and (k % qcfg.group_size or k % 2):
-        report[path] = f"float (input dim {k} not a multiple of group size {qcfg.group_size})"
-        return arr
-    w = quantize_weight(host, scheme, qcfg.group_size)
-    report[path] = qcfg.scheme + (f"-g{qcfg.group_size}" if scheme.grouped else "")
+    group = qcfg.group_size
+    if scheme.code == "int4":
+        group = fitting_group_size(k, qcfg.group_size)
+        if group is None:
+            report[path] = f"float (input dim {k} not a multiple of 32)"
+            return arr
+    w = quantize_weight(host, scheme, group)
+    report[path] = qcfg.scheme + (f"-g{group}" if scheme.grouped else "")
     return _to_device(w)
+
+
+def fitting_group_size(k: int, requested: int) -> int | None:
+    """The requested int4 group size, else the largest smaller one of GROUP_SIZES dividing K
+    (SmolLM2's hidden 576 takes groups of 64 under int4-g128), else None."""
+    for g in sorted((g for g in GROUP_SIZES if g <= requested), reverse=True):
+        if k % g == 0:
+            return g
+    return None
 
 
 def _to_device(w: QuantizedWeight) -> QuantizedWeight:

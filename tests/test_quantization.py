@@ -192,3 +192,12 @@ def test_launch_config_and_cli_flag():
         load_config(None, {"model.quantization": "int3"})
     with pytest.raises(ConfigError, match="model.quantization_group_size"):
         load_config(None, {"model.quantization_group_size": 100})
+
+
+def test_int4_group_size_falls_back_to_one_that_divides():
+    from models.quant_rules import fitting_group_size
+
+    assert fitting_group_size(4096, 128) == 128
+    assert fitting_group_size(576, 128) == 64  # SmolLM2's hidden size
+    assert fitting_group_size(96, 64) == 32
+    assert fitting_group_size(80, 128) is None
