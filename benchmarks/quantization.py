@@ -79,9 +79,10 @@ def _kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:
 def _generate(model, prompts, tokens: int):
     from runtime import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=256, num_pages=16 * 8 + 1, enable_prefix_caching=False)
+    llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=256, token_buckets=(16, 64, 256),
+              num_pages=len(prompts) * 8 + 1, enable_prefix_caching=False, aot_compile=False)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
+    llm.generate(prompts, params)  # the same run once first: every bucket it uses is compiled
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
