@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from pallas_kernels.quantized_matmul import dequantize_codes
+from pallas_kernels.quantized_matmul import dequantize_codes, quantized_matmul
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
@@ -184,6 +184,18 @@ def qdot(x, w):
         y = lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
         return (y * w.scale[0]).astype(x.dtype)
     return lax.dot_general(x, dequantize(w, x.dtype), dims, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def kernel_supports(w) -> bool:
+    """Whether `pallas_kernels.quantized_matmul` takes this weight (2-D, weight-only, no act order)."""
+    return isinstance(w, QuantizedWeight) and w.act == "none" and w.perm is None and w.q.ndim == 2 and (
+        w.offset is None or w.group_size > 0)
+
+
+def qdot_pallas(x, w: QuantizedWeight, *, interpret=False):
+    """`qdot` through the Pallas kernel of the default backend (see `kernel_supports`)."""
+    return quantized_matmul(x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size, impl="pallas",
+                            interpret=interpret)
 
 
 def qdot_reference(x, w):

@@ -48,21 +48,21 @@ def apply_rope(x, cos, sin, rotary_dim: int):
     return jnp.concatenate([rot * c + rotated * s, rest], axis=-1)
 
 
-def _linear(x, w, b=None):
-    y = qdot(x, w)
+def _linear(x, w, b=None, opts=None):
+    y = ops.linear(x, w, opts)
     return y if b is None else y + b
 
 
 def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts):
     T, D = x.shape[0], cfg.head_dim
-    q = _linear(x, p["q_proj"], p.get("q_bias"))
+    q = _linear(x, p["q_proj"], p.get("q_bias"), opts)
     if cfg.attn_output_gate:
         q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * D), 2, axis=-1)
         gate = gate.reshape(T, cfg.num_heads * D)
     else:
         q = q.reshape(T, cfg.num_heads, D)
-    k = _linear(x, p["k_proj"], p.get("k_bias")).reshape(T, cfg.num_kv_heads, D)
-    v = _linear(x, p["v_proj"], p.get("v_bias")).reshape(T, cfg.num_kv_heads, D)
+    k = _linear(x, p["k_proj"], p.get("k_bias"), opts).reshape(T, cfg.num_kv_heads, D)
+    v = _linear(x, p["v_proj"], p.get("v_bias"), opts).reshape(T, cfg.num_kv_heads, D)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
@@ -78,7 +78,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     out = out.reshape(T, cfg.num_heads * D)
     if cfg.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
-    return _linear(out, p["o_proj"], p.get("o_bias")), kv
+    return _linear(out, p["o_proj"], p.get("o_bias"), opts), kv
 
 
 def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
@@ -86,7 +86,7 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     slots = batch.state_slot_ids + slot_offset
-    mixed = qdot(x, p["in_qkv"])  # [T, conv_dim] = [Q all | K all | V all]
+    mixed = ops.linear(x, p["in_qkv"], opts)  # [T, conv_dim] = [Q all | K all | V all]
     mixed, conv_state = ops.causal_conv1d(mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots,
                                           batch.has_initial_state, batch.num_seqs, opts)
     q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
@@ -100,21 +100,21 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
     o, rec_state = ops.gated_delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, rec_state,
                                         batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts)
-    z = qdot(x, p["in_z"]).reshape(T, hv, dv)
+    z = ops.linear(x, p["in_z"], opts).reshape(T, hv, dv)
     o = o.astype(x.dtype)
     o32 = o.astype(jnp.float32)
     normed = (o32 * lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
     o = (p["gated_norm"] * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    return qdot(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"]), conv_state, rec_state
+    return ops.linear(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"], opts), conv_state, rec_state
 
 
-def dense_mlp(p, x, prefix: str = ""):
-    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"))
-    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"))
-    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"))
+def dense_mlp(p, x, prefix: str = "", opts=None):
+    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts)
+    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts)
+    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts)
 
 
-def moe_mlp(p, x, cfg: ModelConfig):
+def moe_mlp(p, x, cfg: ModelConfig, opts=None):
     """Top-k routed experts (grouped matmuls over expert-sorted tokens) plus the gated shared expert."""
     T, H = x.shape
     E, K = cfg.num_experts, cfg.num_experts_per_tok
@@ -133,7 +133,7 @@ def moe_mlp(p, x, cfg: ModelConfig):
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     out = jnp.zeros((T, H), y.dtype).at[token_of].add(y)
     if "shared_gate_proj" in p:
-        shared = dense_mlp(p, x, prefix="shared_")
+        shared = dense_mlp(p, x, prefix="shared_", opts=opts)
         out = out + jax.nn.sigmoid(qdot(x, p["shared_expert_gate"])) * shared
     return out
 
@@ -156,7 +156,7 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
                                                      g * slots_per_layer, cfg, opts)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        x = x + (dense_mlp(p, h) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg))
+        x = x + (dense_mlp(p, h, opts=opts) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg, opts))
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 

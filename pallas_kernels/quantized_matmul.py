@@ -256,17 +256,35 @@ def _gpu_call(x, q, scale, offset, *, bits, group_size, block_m, block_n, block_
 IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
 
 
+def _largest_divisor(total: int, cap: int, ok) -> int | None:
+  return next((b for b in range(min(cap, total), 0, -1) if total % b == 0 and ok(b)), None)
+
+
+def default_blocks(k: int, n: int, group_size: int, gpu: bool) -> tuple[int, int]:
+  """(block_n, block_k) that divide N and K where possible (no weight padding per call).
+  TPU: block_n a multiple of 128 dividing N, else N itself up to 2048 (else 128, padded);
+  block_k <= 512, dividing K, a multiple of the group (even). GPU: powers of two (Triton)."""
+  pow2 = lambda b: b >= 16 and b & (b - 1) == 0  # noqa: E731
+  if gpu:
+    block_n = _largest_divisor(n, 128, pow2) or 64
+    block_k = group_size or _largest_divisor(k, 128, pow2) or k
+    return block_n, block_k
+  block_n = _largest_divisor(n, 512, lambda b: b % 128 == 0) or (n if n <= 2048 else 128)
+  block_k = _largest_divisor(k, 512, lambda b: b % 2 == 0 and (not group_size or b % group_size == 0)) or k
+  return block_n, block_k
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "impl", "interpret", "block_m", "block_n",
                                              "block_k"))
 def quantized_matmul(x, q, scale, offset=None, *, bits, group_size, impl="reference", interpret=False,
-                     block_m=None, block_n=128, block_k=512):
+                     block_m=None, block_n=None, block_k=None):
   """x [M, K] (float) @ dequantized codes -> [M, N] in x.dtype, float32 accumulation.
 
   q: int8 / float8_e4m3fn [K, N] (bits 8) or uint8 [K/2, N] (bits 4); scale, offset: float32
   [K/g, N] for group_size g, or [1, N] per output channel (group_size 0; offset only with groups).
   impl: "reference" (jnp), "pallas" (the kernel of the default backend), "pallas_tpu", "pallas_gpu".
-  block_m defaults to M rounded up to 16 (at most 256); block_k (TPU) is a multiple of group_size;
-  the GPU kernel steps K one group at a time.
+  block_m defaults to M rounded up to 16 (at most 256); block_n / block_k to `default_blocks`;
+  block_k (TPU) is a multiple of group_size; the GPU kernel steps K one group at a time.
   """
   _check(x, q, scale, offset, bits, group_size)
   if offset is not None and not group_size:
@@ -280,6 +298,8 @@ def quantized_matmul(x, q, scale, offset=None, *, bits, group_size, impl="refere
   m = x.shape[0]
   if block_m is None:
     block_m = min(256, max(16, 1 << (m - 1).bit_length()))
+  auto_n, auto_k = default_blocks(x.shape[1], q.shape[1], group_size, impl == "pallas_gpu")
+  block_n, block_k = block_n or auto_n, block_k or auto_k
   call = _gpu_call if impl == "pallas_gpu" else _tpu_call
   return call(x, q, scale, offset, bits=bits, group_size=group_size, block_m=block_m, block_n=block_n,
               block_k=block_k, interpret=interpret)

@@ -201,3 +201,14 @@ def test_int4_group_size_falls_back_to_one_that_divides():
     assert fitting_group_size(576, 128) == 64  # SmolLM2's hidden size
     assert fitting_group_size(96, 64) == 32
     assert fitting_group_size(80, 128) is None
+
+
+@pytest.mark.parametrize("family,scheme", [("llama", "int4-zp"), ("qwen3_5", "int8")])
+def test_model_through_the_pallas_kernel_interpret(family, scheme, tiny_checkpoint):
+    from models.ops import KernelOptions
+
+    model = load_model(tiny_checkpoint(family), quantization=QuantizationConfig(scheme, group_size=32))
+    ids = np.random.default_rng(2).integers(3, model.cfg.vocab_size, size=21).tolist()
+    kernel = KernelOptions(attention="reference", gdn="reference", matmul="pallas", interpret=True)
+    reference = KernelOptions(attention="reference", gdn="reference", matmul="reference")
+    np.testing.assert_allclose(model.logits(ids, kernel), model.logits(ids, reference), rtol=0, atol=1e-4)
