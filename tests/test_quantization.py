@@ -212,3 +212,41 @@ def test_model_through_the_pallas_kernel_interpret(family, scheme, tiny_checkpoi
     kernel = KernelOptions(attention="reference", gdn="reference", matmul="pallas", interpret=True)
     reference = KernelOptions(attention="reference", gdn="reference", matmul="reference")
     np.testing.assert_allclose(model.logits(ids, kernel), model.logits(ids, reference), rtol=0, atol=1e-4)
+
+
+_TP_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from models import load_model
+from models.quant_rules import QuantizationConfig
+from models.sharding import shard_model
+from runtime.mesh import make_mesh
+qcfg = QuantizationConfig(sys.argv[2], group_size=32)
+ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
+ref = load_model(sys.argv[1], quantization=qcfg).logits(ids)
+model = shard_model(load_model(sys.argv[1], quantization=qcfg), make_mesh(1, 2, devices=jax.devices()))
+g = next(g for g in model.params["groups"] if "in_qkv" in g)
+specs = {name: [str(tuple(a.sharding.spec)) for a in (g[name].q, g[name].scale)] for name in ("in_qkv", "out_proj")}
+print(json.dumps({"error": float(np.abs(model.logits(ids) - ref).max()), "specs": specs}))
+"""
+
+
+@pytest.mark.parametrize("scheme", ["int4-zp", "w8a8-int8"])
+def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("qwen3_5")), scheme],
+                         capture_output=True, text=True, cwd=repo, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["error"] <= 1e-4
+    assert "model" in report["specs"]["in_qkv"][0] and "model" in report["specs"]["in_qkv"][1]  # scales follow columns
+    assert "model" in report["specs"]["out_proj"][0]  # row split codes
