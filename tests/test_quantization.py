@@ -250,3 +250,13 @@ def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint)
     assert report["error"] <= 1e-4
     assert "model" in report["specs"]["in_qkv"][0] and "model" in report["specs"]["in_qkv"][1]  # scales follow columns
     assert "model" in report["specs"]["out_proj"][0]  # row split codes
+
+
+def test_metrics_export_weight_bytes():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"weight_bytes": 135439104}).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["jaxserve_weight_bytes"].samples[0].value == 135439104
