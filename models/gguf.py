@@ -18,7 +18,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
-from models.gguf_quant import KEPT_TYPES, permute_columns, repack
+from models.gguf_quant import KEPT_TYPES, repack
+from models.quantization import take_columns
 
 # GGUF `general.architecture` -> HF `architectures` entry. Only these are converted.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -283,7 +284,7 @@ def _kept_quantized(path: Path, gguf_name: str, tensor, shape: tuple[int, ...], 
     for suffix, num_heads in heads.items():
         if gguf_name.endswith(suffix):
             order = unpermute_rotary_rows(np.arange(rows)[:, None], num_heads)[:, 0]
-            weight = permute_columns(weight, order)
+            weight = take_columns(weight, order)
     return weight
 
 

@@ -40,9 +40,3 @@ def repack(data: np.ndarray, tensor_type, rows: int, cols: int) -> QuantizedWeig
     if tensor_type == Q.Q4_1:
         offset = np.ascontiguousarray(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32).T)
     return QuantizedWeight(pack_int4(codes.T), np.ascontiguousarray(d.T), offset, bits=4, group_size=BLOCK)
-
-
-def permute_columns(w: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
-    """Columns (HF rows) reordered: column i of the result is column order[i] of `w`."""
-    pick = lambda a: None if a is None else np.ascontiguousarray(a[:, order])  # noqa: E731
-    return QuantizedWeight(pick(w.q), pick(w.scale), pick(w.offset), bits=w.bits, group_size=w.group_size)

@@ -19,10 +19,9 @@ import dataclasses
 import fnmatch
 import logging
 
-import jax.numpy as jnp
 import numpy as np
 
-from models.quantization import GROUP_SIZES, QuantizedWeight, get_scheme, quantize_weight
+from models.quantization import GROUP_SIZES, get_scheme, quantize_weight, to_device
 
 log = logging.getLogger("jaxserve.quantization")
 
@@ -85,7 +84,7 @@ def _quantize_leaf(name: str, arr, qcfg: QuantizationConfig, report: dict) -> ob
             return arr
     w = quantize_weight(host, scheme, group)
     report[path] = qcfg.scheme + (f"-g{group}" if scheme.grouped else "")
-    return _to_device(w)
+    return to_device(w)
 
 
 def fitting_group_size(k: int, requested: int) -> int | None:
@@ -95,11 +94,6 @@ def fitting_group_size(k: int, requested: int) -> int | None:
         if k % g == 0:
             return g
     return None
-
-
-def _to_device(w: QuantizedWeight) -> QuantizedWeight:
-    return QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in (w.q, w.scale, w.offset, w.perm)),
-                           bits=w.bits, group_size=w.group_size, act=w.act)
 
 
 def quantize_params(params: dict, qcfg: QuantizationConfig) -> tuple[dict, dict[str, str]]:

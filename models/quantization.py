@@ -235,6 +235,11 @@ def tied_head(embed):
     return embed if isinstance(embed, QuantizedWeight) else embed.T
 
 
+def to_device(w: QuantizedWeight) -> QuantizedWeight:
+    """A host QuantizedWeight's arrays as jax arrays (codes and float32 scales as stored)."""
+    return jax.tree.map(jnp.asarray, w)
+
+
 def take_columns(w, columns):
     """w[..., columns] for a float weight or a QuantizedWeight (codes, scales, offsets)."""
     if not isinstance(w, QuantizedWeight):

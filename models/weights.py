@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from models.config import ATTENTION, ModelConfig
 from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
-from models.quantization import QuantizedWeight
+from models.quantization import QuantizedWeight, to_device
 from models.safetensors_io import CheckpointError
 
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the model dtype (GDN decay)
@@ -148,9 +148,8 @@ def _float_rows(w) -> np.ndarray:
 
 
 def _cast(name: str, arr, dtype):
-    if isinstance(arr, QuantizedWeight):  # codes and float32 scales go to the device as stored
-        return QuantizedWeight(*(None if a is None else jnp.asarray(a) for a in (arr.q, arr.scale, arr.offset, arr.perm)),
-                               bits=arr.bits, group_size=arr.group_size, act=arr.act)
+    if isinstance(arr, QuantizedWeight):
+        return to_device(arr)
     target = np.float32 if name in FP32_PARAMS else dtype
     return jnp.asarray(np.asarray(arr, dtype=np.float32).astype(target) if arr.dtype != target else arr)
 
