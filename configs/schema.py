@@ -41,6 +41,10 @@ class ModelConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     max_model_len: int | None = Field(default=None, ge=1)  # None: from the checkpoint's config.json
     served_model_name: str | None = None  # None: the checkpoint directory's name
+    # online weight quantization (docs/quantization.md); None: weights as the checkpoint stores them
+    quantization: Literal["int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4", "int4-zp"] | None = None
+    quantization_group_size: Literal[32, 64, 128] = 128  # int4 schemes
+    quantization_keep_float: list[str] | None = None  # module-path globs kept in float; None: the defaults
 
 
 class CacheConfig(_Section):

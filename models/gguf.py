@@ -18,7 +18,9 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
+from models.gguf_quant import KEPT_TYPES, repack
 from models.gguf_tokenizer import build_gguf_tokenizer, read_tokenizer_metadata
+from models.quantization import take_columns
 
 # GGUF `general.architecture` -> HF `architectures` entry. Only these are converted.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -69,8 +71,10 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]
 
 
-def read_gguf(path: str | Path, *, progress: bool = False) -> GGUFCheckpoint:
-    """Read a GGUF file: HF config, dequantized float32 tensors in HF names, tokenizer factory."""
+def read_gguf(path: str | Path, *, progress: bool = False, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file: HF config, dequantized float32 tensors in HF names, tokenizer factory.
+    With `keep_quantized`, Q4_0 / Q4_1 / Q8_0 weights come back as host `QuantizedWeight`s in
+    our [in, out] layout ([H, V] for the embedding) instead (models/gguf_quant.py)."""
     path = Path(path)
     reader = _open_reader(path)
     fields = _scalar_fields(reader)
@@ -100,6 +104,9 @@ def read_gguf(path: str | Path, *, progress: bool = False) -> GGUFCheckpoint:
     tensors = {}
     for gguf_name, tensor in items:
         hf_name = _hf_name(gguf_name)
+        if keep_quantized and tensor.tensor_type in KEPT_TYPES:
+            tensors[hf_name] = _kept_quantized(path, gguf_name, tensor, expected_shapes[hf_name], config)
+            continue
         weights = _dequantize(path, tensor)  # [rows, cols] = HF [out, in]
         if weights.shape != expected_shapes[hf_name]:
             raise GGUFError(f"{path}: tensor {gguf_name} has shape {weights.shape}, "
@@ -274,6 +281,21 @@ def _gguf_name(hf_name: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     suffix = next(g for g, h in _LAYER_TENSORS.items() if h == rest)
     return f"blk.{layer}.{suffix}"
+
+
+def _kept_quantized(path: Path, gguf_name: str, tensor, shape: tuple[int, ...], config: dict[str, Any]):
+    """A Q4_0 / Q4_1 / Q8_0 tensor repacked, not dequantized; Q/K rows un-permuted like `weights`."""
+    rows, cols = shape
+    if tuple(int(n) for n in tensor.shape[::-1]) != (rows, cols):
+        raise GGUFError(f"{path}: tensor {gguf_name} has shape {tuple(int(n) for n in tensor.shape[::-1])}, "
+                        f"expected {shape} for {_hf_name(gguf_name)}")
+    weight = repack(tensor.data, tensor.tensor_type, rows, cols)  # [cols, rows] = [in, out]
+    heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    for suffix, num_heads in heads.items():
+        if gguf_name.endswith(suffix):
+            order = unpermute_rotary_rows(np.arange(rows)[:, None], num_heads)[:, 0]
+            weight = take_columns(weight, order)
+    return weight
 
 
 def _dequantize(path: Path, tensor) -> np.ndarray:

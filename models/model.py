@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import jax
@@ -21,10 +22,15 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.prequantized import parse_quantization_config
+from models.quant_rules import QuantizationConfig, log_report, quantize_params
+from models.quantization import QuantizedWeight, param_bytes
 from models.sharding import shard_caches, shard_model
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, unstack_layers
 from models.weights import DictSource, load_params
+
+log = logging.getLogger("jaxserve.model")
 
 
 class Model:
@@ -33,6 +39,7 @@ class Model:
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer = None
         self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
+        self.quantization: dict[str, str] = {}  # module path -> scheme it got (empty: all float)
 
     @property
     def tokenizer(self):
@@ -53,6 +60,20 @@ class Model:
     @property
     def unrolled(self) -> bool:
         return "layers" in self.params
+
+    def quantize(self, qcfg: QuantizationConfig) -> None:
+        """Quantize the float weights in place by `qcfg`'s rules (before `shard_model` /
+        `unstack_layers`); logs which scheme each module group got."""
+        if self.quantization:
+            raise ValueError(f"model is already quantized ({sorted(set(self.quantization.values()))})")
+        if self.tp is not None or self.unrolled:
+            raise ValueError("quantize the model before sharding or unstacking it")
+        self.params, self.quantization = quantize_params(self.params, qcfg)
+        log_report(self.quantization)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters on the device(s), scales included."""
+        return param_bytes(self.params)
 
     def unstack_layers(self) -> None:
         """Hold one array per layer group instead of stacked ones: `forward` then runs the groups
@@ -167,6 +188,10 @@ def _step_fn(cfg: ModelConfig, opts: KernelOptions):
     return jax.jit(run, donate_argnums=1)
 
 
+def _gguf_kind(w: QuantizedWeight) -> str:
+    return f"int{w.bits}-g{w.group_size}" + ("-offset" if w.offset is not None else "")
+
+
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn,
              "fp8_e5m2": jnp.float8_e5m2, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
@@ -179,10 +204,14 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
     return jnp.dtype(KV_DTYPES[kv_dtype])
 
 
-def load_model(path: str | Path, dtype: str = "float32", progress: bool = False, mesh=None) -> Model:
+def load_model(path: str | Path, dtype: str = "float32", progress: bool = False, mesh=None,
+               quantization: QuantizationConfig | None = None, keep_gguf_quantized: bool = True) -> Model:
     """Load an HF checkpoint directory (config.json + *.safetensors), a GGUF file / directory, or a
     `jaxserve convert` orbax directory, split over `mesh` when given (`models.sharding.shard_model`;
-    an orbax checkpoint is restored straight into that sharding, each process reading its shards)."""
+    an orbax checkpoint is restored straight into that sharding, each process reading its shards).
+    With `quantization`, float weights are quantized online (before sharding). Pre-quantized
+    checkpoints (AWQ, GPTQ, compressed-tensors FP8, GGUF Q4_0 / Q4_1 / Q8_0 unless
+    `keep_gguf_quantized` is False) stay quantized."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
@@ -193,24 +222,39 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
         params, tp = restore_params(path, cfg, dtype, mesh)
         model = Model(cfg, params, dtype, path)
         model.tp = tp
+        if quantization is not None:
+            raise CheckpointError(f"{path}: online quantization of an orbax checkpoint is not supported; "
+                                  "quantize before `jaxserve convert`, or serve the HF directory")
         return model
-    model = _load_unsharded(path, dtype, progress)
+    model = _load_unsharded(path, dtype, progress, keep_gguf_quantized)
+    if quantization is not None:
+        model.quantize(quantization)
     return model if mesh is None else shard_model(model, mesh)
 
 
-def _load_unsharded(path: Path, dtype: str, progress: bool) -> Model:
+def _load_unsharded(path: Path, dtype: str, progress: bool, keep_gguf_quantized: bool) -> Model:
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if ggufs and not (path.is_dir() and list(path.glob("*.safetensors"))):
         from models.gguf import read_gguf
 
-        ckpt = read_gguf(ggufs[0], progress=progress)
+        ckpt = read_gguf(ggufs[0], progress=progress, keep_quantized=keep_gguf_quantized)
         cfg = parse_config(ckpt.config)
         params = load_params(cfg, DictSource(ckpt.tensors, str(ggufs[0])), dtype, progress)
-        return Model(cfg, params, dtype, ggufs[0], tokenizer_loader=ckpt.tokenizer_factory)
+        model = Model(cfg, params, dtype, ggufs[0], tokenizer_loader=ckpt.tokenizer_factory)
+        kept = sorted({_gguf_kind(w) for w in ckpt.tensors.values() if isinstance(w, QuantizedWeight)})
+        if kept:
+            model.quantization = {"checkpoint": "gguf " + ", ".join(kept)}
+            log.info("GGUF weights kept quantized: %s", ", ".join(kept))
+        return model
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected an HF checkpoint directory or a .gguf file")
     hf = read_json(path / "config.json")
     generation = read_json(path / "generation_config.json", required=False)
     cfg = parse_config(hf, generation)
-    params = load_params(cfg, SafetensorsDir(path), dtype, progress)
-    return Model(cfg, params, dtype, path)
+    stored = parse_quantization_config(hf.get("quantization_config"))
+    params = load_params(cfg, SafetensorsDir(path), dtype, progress, quantization=stored)
+    model = Model(cfg, params, dtype, path)
+    if stored is not None:
+        model.quantization = {"checkpoint": stored.method + (f"-g{stored.group_size}" if stored.group_size else "")}
+        log.info("weights stored quantized (%s): kept quantized", model.quantization["checkpoint"])
+    return model

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from models.quantization import kernel_supports, qdot, qdot_pallas
 from models.sharding import TensorParallel, unpermute_qkv
 from pallas_kernels.causal_conv1d import causal_conv1d as _conv
 from pallas_kernels.gdn import gated_delta_rule as _gdr
@@ -35,10 +36,11 @@ class KernelOptions:
     attention: str = "auto"
     gdn: str = "auto"
     interpret: Any = False
+    matmul: str = "auto"  # quantized weights: "pallas" kernel or the jnp "reference" (auto: kernel off CPU)
     tp: TensorParallel | None = None  # tensor-parallel layout of the parameters and caches
 
     def __post_init__(self):
-        for field in ("attention", "gdn"):
+        for field in ("attention", "gdn", "matmul"):
             if getattr(self, field) not in BACKENDS:
                 raise ValueError(f"{field}_backend must be one of {BACKENDS}, got {getattr(self, field)!r}")
 
@@ -131,3 +133,11 @@ def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state,
     if tp.gdn:
         y = unpermute_qkv(y, tp.gdn_qkv_widths, tp.size)
     return y, conv_state
+
+
+def linear(x, w, opts: KernelOptions | None = None):
+    """x @ w for a float or quantized weight. Weight-only quantized weights run the Pallas kernel
+    when `opts` picks it, on a single device (under tensor parallelism the jnp path, via GSPMD)."""
+    if opts is None or opts.tp is not None or not kernel_supports(w) or opts.impl("matmul") != "pallas":
+        return qdot(x, w)
+    return qdot_pallas(x, w, interpret=opts.interpret)

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quantization import QuantizedWeight, take_columns
 
 log = logging.getLogger("jaxserve.sharding")
 
@@ -155,8 +156,26 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
             log.warning("%s (layer position %d, shape %s) replicated: %d does not divide by model axis %d",
                         name, position, tuple(leaf.shape), width, m)
             rule = REPLICATED
-        specs[name] = _spec_for(rule, leaf.ndim, axis) if m > 1 else P()
+        specs[name] = _leaf_spec(rule, leaf, m, axis)
     return specs
+
+
+def _leaf_spec(rule: str, leaf, m: int, axis: str):
+    """PartitionSpec of a float leaf; for a QuantizedWeight a QuantizedWeight of specs: codes split
+    like the float weight, scales / offsets follow their columns (column split) or their row
+    groups (row split, when the group count divides; else replicated), act-order perm replicated."""
+    if not isinstance(leaf, QuantizedWeight):
+        return _spec_for(rule, leaf.ndim, axis) if m > 1 else P()
+
+    def part(a, splittable=True):
+        if a is None:
+            return None
+        if m == 1 or not splittable or (rule == ROW and a.shape[-2] % m):
+            return P()
+        return _spec_for(rule, a.ndim, axis)
+
+    return QuantizedWeight(part(leaf.q), part(leaf.scale), part(leaf.offset), part(leaf.perm, False),
+                           bits=leaf.bits, group_size=leaf.group_size, act=leaf.act)
 
 
 def param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
@@ -165,13 +184,16 @@ def param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     vocab_split = m > 1 and cfg.vocab_size % m == 0
     if m > 1 and not vocab_split:
         log.warning("embed / lm_head replicated: vocab %d does not divide by model axis %d", cfg.vocab_size, m)
+    embed = params["embed"]
     specs = {
-        "embed": P(axis, None) if vocab_split else P(),  # [V, H]
+        # [V, H], or quantized [H, V] (see models.quantization.embed_lookup)
+        "embed": (_leaf_spec(COLUMN if vocab_split else REPLICATED, embed, m, axis)
+                  if isinstance(embed, QuantizedWeight) else P(axis, None) if vocab_split else P()),
         "final_norm": P(),
         "groups": tuple(group_param_specs(cfg, g, j, plan) for j, g in enumerate(params["groups"])),
     }
     if "lm_head" in params:
-        specs["lm_head"] = P(None, axis) if vocab_split else P()  # [H, V]
+        specs["lm_head"] = _leaf_spec(COLUMN if vocab_split else REPLICATED, params["lm_head"], m, axis)  # [H, V]
     return specs
 
 
@@ -190,7 +212,7 @@ def _reorder_gdn(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     groups = []
     for g in params["groups"]:
         if "in_qkv" in g:
-            g = {**g, "in_qkv": g["in_qkv"][..., perm], "conv_w": g["conv_w"][:, perm, :]}
+            g = {**g, "in_qkv": take_columns(g["in_qkv"], perm), "conv_w": g["conv_w"][:, perm, :]}
         groups.append(g)
     return {**params, "groups": tuple(groups)}
 

@@ -21,6 +21,7 @@ from jax import lax
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
+from models.quantization import embed_lookup, qdot, qragged_dot, tied_head
 
 
 def rms_norm(x, w, eps: float, zero_centred: bool):
@@ -47,21 +48,21 @@ def apply_rope(x, cos, sin, rotary_dim: int):
     return jnp.concatenate([rot * c + rotated * s, rest], axis=-1)
 
 
-def _linear(x, w, b=None):
-    y = x @ w
+def _linear(x, w, b=None, opts=None):
+    y = ops.linear(x, w, opts)
     return y if b is None else y + b
 
 
 def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts):
     T, D = x.shape[0], cfg.head_dim
-    q = _linear(x, p["q_proj"], p.get("q_bias"))
+    q = _linear(x, p["q_proj"], p.get("q_bias"), opts)
     if cfg.attn_output_gate:
         q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * D), 2, axis=-1)
         gate = gate.reshape(T, cfg.num_heads * D)
     else:
         q = q.reshape(T, cfg.num_heads, D)
-    k = _linear(x, p["k_proj"], p.get("k_bias")).reshape(T, cfg.num_kv_heads, D)
-    v = _linear(x, p["v_proj"], p.get("v_bias")).reshape(T, cfg.num_kv_heads, D)
+    k = _linear(x, p["k_proj"], p.get("k_bias"), opts).reshape(T, cfg.num_kv_heads, D)
+    v = _linear(x, p["v_proj"], p.get("v_bias"), opts).reshape(T, cfg.num_kv_heads, D)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
@@ -77,7 +78,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     out = out.reshape(T, cfg.num_heads * D)
     if cfg.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
-    return _linear(out, p["o_proj"], p.get("o_bias")), kv
+    return _linear(out, p["o_proj"], p.get("o_bias"), opts), kv
 
 
 def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
@@ -85,7 +86,7 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     slots = batch.state_slot_ids + slot_offset
-    mixed = x @ p["in_qkv"]  # [T, conv_dim] = [Q all | K all | V all]
+    mixed = ops.linear(x, p["in_qkv"], opts)  # [T, conv_dim] = [Q all | K all | V all]
     mixed, conv_state = ops.causal_conv1d(mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots,
                                           batch.has_initial_state, batch.num_seqs, opts)
     q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
@@ -94,30 +95,30 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     v = v.reshape(T, hv, dv)
     q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * dk**-0.5
     k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
-    beta = jax.nn.sigmoid((x @ p["in_b"]).astype(jnp.float32))  # [T, hv]
-    a = (x @ p["in_a"]).astype(jnp.float32)
+    beta = jax.nn.sigmoid(qdot(x, p["in_b"]).astype(jnp.float32))  # [T, hv]
+    a = qdot(x, p["in_a"]).astype(jnp.float32)
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
     o, rec_state = ops.gated_delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, rec_state,
                                         batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts)
-    z = (x @ p["in_z"]).reshape(T, hv, dv)
+    z = ops.linear(x, p["in_z"], opts).reshape(T, hv, dv)
     o = o.astype(x.dtype)
     o32 = o.astype(jnp.float32)
     normed = (o32 * lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
     o = (p["gated_norm"] * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    return o.astype(x.dtype).reshape(T, hv * dv) @ p["out_proj"], conv_state, rec_state
+    return ops.linear(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"], opts), conv_state, rec_state
 
 
-def dense_mlp(p, x, prefix: str = ""):
-    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"))
-    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"))
-    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"))
+def dense_mlp(p, x, prefix: str = "", opts=None):
+    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts)
+    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts)
+    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts)
 
 
-def moe_mlp(p, x, cfg: ModelConfig):
+def moe_mlp(p, x, cfg: ModelConfig, opts=None):
     """Top-k routed experts (grouped matmuls over expert-sorted tokens) plus the gated shared expert."""
     T, H = x.shape
     E, K = cfg.num_experts, cfg.num_experts_per_tok
-    probs = jax.nn.softmax((x @ p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
+    probs = jax.nn.softmax(qdot(x, p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = lax.top_k(probs, K)  # [T, K]
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
@@ -126,14 +127,14 @@ def moe_mlp(p, x, cfg: ModelConfig):
     token_of = order // K
     xs = x[token_of]  # [T*K, H] sorted by expert
     group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-    h = lax.ragged_dot(xs, p["experts_gate_up"], group_sizes)  # [T*K, 2I]
+    h = qragged_dot(xs, p["experts_gate_up"], group_sizes)  # [T*K, 2I]
     gate, up = jnp.split(h, 2, axis=-1)
-    y = lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"], group_sizes)  # [T*K, H]
+    y = qragged_dot(jax.nn.silu(gate) * up, p["experts_down"], group_sizes)  # [T*K, H]
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     out = jnp.zeros((T, H), y.dtype).at[token_of].add(y)
     if "shared_gate_proj" in p:
-        shared = dense_mlp(p, x, prefix="shared_")
-        out = out + jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+        shared = dense_mlp(p, x, prefix="shared_", opts=opts)
+        out = out + jax.nn.sigmoid(qdot(x, p["shared_expert_gate"])) * shared
     return out
 
 
@@ -155,14 +156,14 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
                                                      g * slots_per_layer, cfg, opts)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        x = x + (dense_mlp(p, h) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg))
+        x = x + (dense_mlp(p, h, opts=opts) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg, opts))
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 
 def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions,
             scan_layers: bool = True):
     """-> (hidden [R, H] at batch.logits_indices, new caches)."""
-    x = params["embed"][batch.input_ids]
+    x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
     rope = rope_tables(batch.positions, cfg)
     n_groups = cfg.num_layers // cfg.layer_period()
     if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
@@ -195,5 +196,5 @@ def unstack_layers(params: dict) -> dict:
 
 def compute_logits(params, hidden):
     """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head)."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return (hidden @ w).astype(jnp.float32)
+    w = params["lm_head"] if "lm_head" in params else tied_head(params["embed"])
+    return qdot(hidden, w).astype(jnp.float32)

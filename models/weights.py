@@ -17,6 +17,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ATTENTION, ModelConfig
+from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
+from models.quantization import QuantizedWeight, to_device
 from models.safetensors_io import CheckpointError
 
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the model dtype (GDN decay)
@@ -52,7 +54,7 @@ def _prefix(src: TensorSource) -> str:
     return "model."
 
 
-def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, i: int) -> dict[str, np.ndarray]:
+def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
     H, D = cfg.hidden_size, cfg.head_dim
     p: dict[str, np.ndarray] = {
         "input_norm": get(f"layers.{i}.input_layernorm.weight", (H,)),
@@ -62,10 +64,10 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, i: int) -> dic
         a = f"layers.{i}.self_attn."
         q_out = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
         kv_out = cfg.num_kv_heads * D
-        p["q_proj"] = get(a + "q_proj.weight", (q_out, H)).T
-        p["k_proj"] = get(a + "k_proj.weight", (kv_out, H)).T
-        p["v_proj"] = get(a + "v_proj.weight", (kv_out, H)).T
-        p["o_proj"] = get(a + "o_proj.weight", (H, cfg.num_heads * D)).T
+        p["q_proj"] = lin(a + "q_proj", q_out, H)
+        p["k_proj"] = lin(a + "k_proj", kv_out, H)
+        p["v_proj"] = lin(a + "v_proj", kv_out, H)
+        p["o_proj"] = lin(a + "o_proj", H, cfg.num_heads * D)
         if cfg.attention_bias:
             p["q_bias"] = get(a + "q_proj.bias", (q_out,))
             p["k_bias"] = get(a + "k_proj.bias", (kv_out,))
@@ -75,77 +77,87 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, i: int) -> dic
             p["q_norm"] = get(a + "q_norm.weight", (D,))
             p["k_norm"] = get(a + "k_norm.weight", (D,))
     else:
-        p.update(_gdn_params(cfg, get, f"layers.{i}.linear_attn."))
+        p.update(_gdn_params(cfg, get, lin, f"layers.{i}.linear_attn."))
     m = f"layers.{i}.mlp."
     if cfg.mlp_types[i] == "dense":
         I = cfg.intermediate_size
-        p["gate_proj"] = get(m + "gate_proj.weight", (I, H)).T
-        p["up_proj"] = get(m + "up_proj.weight", (I, H)).T
-        p["down_proj"] = get(m + "down_proj.weight", (H, I)).T
+        p["gate_proj"] = lin(m + "gate_proj", I, H)
+        p["up_proj"] = lin(m + "up_proj", I, H)
+        p["down_proj"] = lin(m + "down_proj", H, I)
         if cfg.mlp_bias:
             p["gate_bias"] = get(m + "gate_proj.bias", (I,))
             p["up_bias"] = get(m + "up_proj.bias", (I,))
             p["down_bias"] = get(m + "down_proj.bias", (H,))
     else:
-        p.update(_moe_params(cfg, get, has, m))
+        p.update(_moe_params(cfg, get, has, lin, m))
     return p
 
 
-def _gdn_params(cfg: ModelConfig, get: Callable, a: str) -> dict[str, np.ndarray]:
+def _gdn_params(cfg: ModelConfig, get: Callable, lin: Callable, a: str) -> dict:
     H = cfg.hidden_size
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
     p: dict[str, np.ndarray] = {}
     if cfg.gdn_fused_qkvz:
-        qkvz = get(a + "in_proj_qkvz.weight", (hk * (2 * dk + 2 * r * dv), H)).reshape(hk, 2 * dk + 2 * r * dv, H)
+        qkvz = _float_rows(lin(a + "in_proj_qkvz", hk * (2 * dk + 2 * r * dv), H)).reshape(hk, 2 * dk + 2 * r * dv, H)
         q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
         p["in_qkv"] = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]).T
         p["in_z"] = z.reshape(-1, H).T
-        ba = get(a + "in_proj_ba.weight", (hk * 2 * r, H)).reshape(hk, 2 * r, H)
+        ba = _float_rows(lin(a + "in_proj_ba", hk * 2 * r, H)).reshape(hk, 2 * r, H)
         p["in_b"] = ba[:, :r].reshape(-1, H).T
         p["in_a"] = ba[:, r:].reshape(-1, H).T
     else:
-        p["in_qkv"] = get(a + "in_proj_qkv.weight", (C, H)).T
-        p["in_z"] = get(a + "in_proj_z.weight", (hv * dv, H)).T
-        p["in_b"] = get(a + "in_proj_b.weight", (hv, H)).T
-        p["in_a"] = get(a + "in_proj_a.weight", (hv, H)).T
+        p["in_qkv"] = lin(a + "in_proj_qkv", C, H)
+        p["in_z"] = lin(a + "in_proj_z", hv * dv, H)
+        p["in_b"] = lin(a + "in_proj_b", hv, H)
+        p["in_a"] = lin(a + "in_proj_a", hv, H)
     p["conv_w"] = get(a + "conv1d.weight", (C, 1, W))[:, 0, :]
     p["A_log"] = get(a + "A_log", (hv,))
     p["dt_bias"] = get(a + "dt_bias", (hv,))
     p["gated_norm"] = get(a + "norm.weight", (dv,))
-    p["out_proj"] = get(a + "out_proj.weight", (H, hv * dv)).T
+    p["out_proj"] = lin(a + "out_proj", H, hv * dv)
     return p
 
 
-def _moe_params(cfg: ModelConfig, get: Callable, has: Callable, m: str) -> dict[str, np.ndarray]:
+def _moe_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, m: str) -> dict:
     H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    p: dict[str, np.ndarray] = {"router": get(m + "gate.weight", (E, H)).T}
+    p: dict = {"router": lin(m + "gate", E, H)}
     if has(m + "experts.gate_up_proj"):
         gate_up = get(m + "experts.gate_up_proj", (E, 2 * I, H))
         p["experts_gate_up"] = np.swapaxes(gate_up, 1, 2)  # [E, H, 2I]
         p["experts_down"] = np.swapaxes(get(m + "experts.down_proj", (E, H, I)), 1, 2)  # [E, I, H]
     else:
-        gates = [get(f"{m}experts.{e}.gate_proj.weight", (I, H)) for e in range(E)]
-        ups = [get(f"{m}experts.{e}.up_proj.weight", (I, H)) for e in range(E)]
-        downs = [get(f"{m}experts.{e}.down_proj.weight", (H, I)) for e in range(E)]
+        # quantized experts are dequantized here (kept quantized only when quantized online)
+        gates = [_float_rows(lin(f"{m}experts.{e}.gate_proj", I, H)) for e in range(E)]
+        ups = [_float_rows(lin(f"{m}experts.{e}.up_proj", I, H)) for e in range(E)]
+        downs = [_float_rows(lin(f"{m}experts.{e}.down_proj", H, I)) for e in range(E)]
         p["experts_gate_up"] = np.stack([np.concatenate([g, u]).T for g, u in zip(gates, ups)])
         p["experts_down"] = np.stack([d.T for d in downs])
     if Is:
-        p["shared_gate_proj"] = get(m + "shared_expert.gate_proj.weight", (Is, H)).T
-        p["shared_up_proj"] = get(m + "shared_expert.up_proj.weight", (Is, H)).T
-        p["shared_down_proj"] = get(m + "shared_expert.down_proj.weight", (H, Is)).T
-        p["shared_expert_gate"] = get(m + "shared_expert_gate.weight", (1, H)).T
+        p["shared_gate_proj"] = lin(m + "shared_expert.gate_proj", Is, H)
+        p["shared_up_proj"] = lin(m + "shared_expert.up_proj", Is, H)
+        p["shared_down_proj"] = lin(m + "shared_expert.down_proj", H, Is)
+        p["shared_expert_gate"] = lin(m + "shared_expert_gate", 1, H)
     return p
 
 
-def _cast(name: str, arr: np.ndarray, dtype) -> jnp.ndarray:
+def _float_rows(w) -> np.ndarray:
+    """A Linear weight in HF's [out, in] float layout (dequantized if it was stored quantized)."""
+    return (dequantize_np(w) if isinstance(w, QuantizedWeight) else w).T
+
+
+def _cast(name: str, arr, dtype):
+    if isinstance(arr, QuantizedWeight):
+        return to_device(arr)
     target = np.float32 if name in FP32_PARAMS else dtype
     return jnp.asarray(np.asarray(arr, dtype=np.float32).astype(target) if arr.dtype != target else arr)
 
 
-def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", progress: bool = False) -> dict:
-    """Read every parameter of `cfg` from `src` (HF names), cast to `dtype`, stack by layer group."""
+def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", progress: bool = False,
+                quantization: CheckpointQuantization | None = None) -> dict:
+    """Read every parameter of `cfg` from `src` (HF names), cast to `dtype`, stack by layer group.
+    With `quantization` (a pre-quantized checkpoint), Linear weights stored quantized stay so."""
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -157,24 +169,27 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", pro
     def has(name):
         return (pre + name) in src
 
+    def lin(module, out, inp):  # a Linear weight [in, out]: float, or QuantizedWeight as stored
+        return read_linear(src, pre + module, out, inp, quantization)
+
     V, H = cfg.vocab_size, cfg.hidden_size
     period = cfg.layer_period()
     layers = [
-        _layer_params(cfg, get, has, i)
+        _layer_params(cfg, get, has, lin, i)
         for i in tqdm(range(cfg.num_layers), desc="loading weights", unit="layer", disable=not progress)
     ]
     groups = tuple(
-        {k: _cast(k, np.stack([layers[i][k] for i in range(j, cfg.num_layers, period)]), np_dtype) for k in layers[j]}
+        {k: _cast(k, stack_layers([layers[i][k] for i in range(j, cfg.num_layers, period)]), np_dtype) for k in layers[j]}
         for j in range(period)
     )
     params = {
-        "embed": _cast("embed", get("embed_tokens.weight", (V, H)), np_dtype),
+        "embed": _cast("embed", read_embedding(src, pre + "embed_tokens.weight", V, H), np_dtype),
         "final_norm": _cast("final_norm", get("norm.weight", (H,)), np_dtype),
         "groups": groups,
     }
     if not cfg.tie_word_embeddings:
-        if "lm_head.weight" in src:
-            params["lm_head"] = _cast("lm_head", src.get("lm_head.weight", (V, H)).T, np_dtype)
+        if "lm_head.weight" in src or "lm_head.qweight" in src:
+            params["lm_head"] = _cast("lm_head", read_linear(src, "lm_head", V, H, quantization), np_dtype)
         else:
             raise CheckpointError("tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
     return params

@@ -121,8 +121,12 @@ class LLMEngine:
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
         mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
+        qcfg = config.quantization_config()
         # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
-        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh)
+        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh,
+                                         quantization=qcfg)
+        if model is not None and qcfg is not None and not model.quantization:
+            model.quantize(qcfg)
         if jax.default_backend() == "cpu" and self.model.dtype != "float32":
             log.warning("serving in %s on the CPU backend, where XLA runs %s matmuls more slowly than float32 "
                         "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set "
@@ -134,6 +138,7 @@ class LLMEngine:
             self.model.unstack_layers()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
+        self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
@@ -267,7 +272,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._prev is not None
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

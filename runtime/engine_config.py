@@ -40,6 +40,9 @@ class EngineConfig:
     seed: int | None = None
     load_tokenizer: bool = True
     mesh_shape: tuple[int, int] | None = None  # (data, model) devices; None: one device, no mesh
+    quantization: str | None = None  # online weight quantization (models/quantization.py SCHEMES); None: as stored
+    quantization_group_size: int = 128  # int4 schemes
+    quantization_keep_float: tuple[str, ...] | None = None  # module-path globs kept in float; None: the defaults
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -53,5 +56,16 @@ class EngineConfig:
             raise ValueError(f"mesh_shape must be (data, model) with both >= 1, got {self.mesh_shape}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             raise ValueError(f"layer_loop must be auto, scan or unroll, got {self.layer_loop!r}")
+        if self.quantization is not None:
+            self.quantization_config()  # raises ValueError naming the field
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+    def quantization_config(self):
+        """The models.quant_rules.QuantizationConfig asked for, or None."""
+        if self.quantization is None:
+            return None
+        from models.quant_rules import DEFAULT_KEEP_FLOAT, QuantizationConfig
+
+        keep = DEFAULT_KEEP_FLOAT if self.quantization_keep_float is None else tuple(self.quantization_keep_float)
+        return QuantizationConfig(self.quantization, self.quantization_group_size, keep)

@@ -82,6 +82,8 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--chat-template", "server.chat_template", "a Jinja chat template (or a file) replacing the model's"),
     ConfigFlag("--trust-request-chat-template", "server.trust_request_chat_template",
                "let clients send their own chat_template (rendered in the sandbox, time-limited)", switch=True),
+    ConfigFlag("--quantization", "model.quantization",
+               "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp"),
     ConfigFlag("--reasoning-parser", "server.reasoning_parser",
                "split <think>...</think> into reasoning_content", choices=("qwen3",)),
 )

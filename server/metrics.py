@@ -37,6 +37,8 @@ class _EngineStatsCollector:
             "jaxserve_prefix_cache_hit_rate": ("Prefix-cache hit rate (tokens)", stats.get("prefix_cache_hit_rate", 0.0)),
             "jaxserve_kv_cache_usage_ratio": ("Fraction of KV pages in use", _usage(stats, "pages")),
             "jaxserve_state_slot_usage_ratio": ("Fraction of state slots in use", _usage(stats, "slots")),
+            "jaxserve_weight_bytes": ("Bytes of model parameters on the device(s), quantization scales included",
+                                      stats.get("weight_bytes", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))

@@ -1,0 +1,262 @@
+"""Quantized weights (models/quantization.py, models/quant_rules.py).
+
+`qdot` of every scheme is checked against a float64 numpy product with weights (and, for W8A8,
+activations) dequantized here by hand from the stored codes; online-quantized tiny models give
+the logits of the float model whose weights are those hand-dequantized values.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from models import load_model
+from models.quant_rules import QuantizationConfig, rule_match
+from models.quantization import QuantizedWeight, embed_lookup, qdot, qragged_dot, quantize_weight
+
+K, N, T = 96, 72, 5  # awkward: K a multiple of 32 only, N not a power of two
+
+
+def np_dequantize(w: QuantizedWeight) -> np.ndarray:
+    """Independent float64 dequantization [..., K, N] (input rows in original order)."""
+    q, scale = np.asarray(w.q), np.asarray(w.scale, np.float64)
+    if w.bits == 4:
+        codes = np.empty(q.shape[:-2] + (2 * q.shape[-2], q.shape[-1]), np.float64)
+        codes[..., 0::2, :] = q & 0x0F
+        codes[..., 1::2, :] = q >> 4
+        g = w.group_size or codes.shape[-2]
+        scale_rows = np.repeat(scale, g, axis=-2)
+        deq = (codes * scale_rows + np.repeat(np.asarray(w.offset, np.float64), g, axis=-2)
+               if w.offset is not None else (codes - 8) * scale_rows)
+    else:
+        deq = q.astype(np.float64) * scale
+    if w.perm is not None:
+        out = np.empty_like(deq)
+        out[..., np.asarray(w.perm), :] = deq
+        deq = out
+    return deq
+
+
+def np_activations(x: np.ndarray, act: str) -> np.ndarray:
+    """What W8A8 multiplies: x quantized per token with a dynamic scale, dequantized again."""
+    x = np.asarray(x, np.float32)
+    amax = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-12)
+    if act == "int8":
+        s = amax / np.float32(127)
+        return np.clip(np.round(x / s), -127, 127).astype(np.float64) * s
+    s = amax / np.float32(448)
+    return (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+
+
+def _weights(seed=0, shape=(K, N)):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 0.1
+
+
+SCHEMES = [("int8", 0), ("fp8", 0), ("w8a8-int8", 0), ("w8a8-fp8", 0), ("int4", 32), ("int4", 96),
+           ("int4-zp", 32), ("int4-zp", 48)]
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_qdot_equals_dequantize_then_dot(scheme, group):
+    w = quantize_weight(_weights(), scheme, group_size=group or 32)
+    x = np.random.default_rng(1).normal(size=(T, K)).astype(np.float32)
+    got = np.asarray(jax.jit(qdot)(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
+    xs = np_activations(x, w.act) if w.act != "none" else x.astype(np.float64)
+    expected = xs @ np_dequantize(w)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_round_to_nearest_error_is_within_half_a_step(scheme, group):
+    w = _weights(2)
+    q = quantize_weight(w, scheme, group_size=group or 32)
+    err = np.abs(np_dequantize(q) - w)
+    if q.bits == 4:  # half a step of the group's scale
+        step = np.repeat(np.asarray(q.scale), q.group_size, axis=0)
+        assert np.all(err <= 0.5 * step + 1e-6)
+    else:
+        rel = 2**-4 if "fp8" in scheme else 1 / 254  # e4m3: 3 mantissa bits
+        assert np.all(err <= rel * np.abs(w).max(0) + 1e-7)
+    assert q.bits == 8 or q.q.shape == (K // 2, N) and q.q.dtype == np.uint8  # two codes per byte
+
+
+def test_act_order_permutation_and_stacked_experts():
+    w = quantize_weight(_weights(3), "int4-zp", group_size=32)
+    perm = np.random.default_rng(4).permutation(K).astype(np.int32)
+    w = dataclasses.replace(w, perm=perm)
+    x = np.random.default_rng(5).normal(size=(T, K)).astype(np.float32)
+    got = np.asarray(qdot(jnp.asarray(x), jax.tree.map(jnp.asarray, w)))
+    expected = x.astype(np.float64) @ np_dequantize(w)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+
+    experts = quantize_weight(_weights(6, (3, K, N)), "int8")  # [E, K, N], per expert and channel
+    sizes = np.array([2, 0, 3], np.int32)
+    got = np.asarray(qragged_dot(jnp.asarray(x), jax.tree.map(jnp.asarray, experts), jnp.asarray(sizes)))
+    deq = np_dequantize(experts)
+    expected = np.concatenate([x[:2] @ deq[0], x[2:] @ deq[2]])
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-5)
+
+
+def test_quantized_embedding_rows_and_tied_head():
+    table = _weights(7, (N, K))  # [V, H]
+    w = quantize_weight(table.T, "int4", group_size=32)  # stored [H, V]
+    ids = jnp.asarray([0, 5, 71, 5])
+    rows = np.asarray(embed_lookup(jax.tree.map(jnp.asarray, w), ids, jnp.float32))
+    np.testing.assert_allclose(rows, np_dequantize(w).T[np.asarray(ids)], rtol=1e-6, atol=1e-7)
+
+
+def test_rules_match_trailing_components():
+    assert rule_match("linear_attn.in_proj_a", ["in_proj_a"]) == "in_proj_a"
+    assert rule_match("self_attn.q_proj", ["*attn.*"]) == "*attn.*"
+    assert rule_match("lm_head", ["mlp.*", "lm_head"]) == "lm_head"
+    assert rule_match("mlp.gate_proj", ["mlp.gate"]) is None
+
+
+def _dequantized_params(params):
+    """Our float parameter tree with every QuantizedWeight replaced by its hand dequantization."""
+    def undo(leaf, name):
+        if not isinstance(leaf, QuantizedWeight):
+            return leaf
+        deq = np_dequantize(jax.tree.map(np.asarray, leaf)).astype(np.float32)
+        return jnp.asarray(np.swapaxes(deq, -1, -2) if name == "embed" else deq)
+
+    out = {k: undo(v, k) for k, v in params.items() if k != "groups"}
+    out["groups"] = tuple({k: undo(v, k) for k, v in g.items()} for g in params["groups"])
+    return out
+
+
+@pytest.mark.parametrize("family,scheme", [("llama", "int4-zp"), ("qwen3", "int8"), ("qwen3_5", "fp8"),
+                                           ("qwen3_5_moe", "int4")])
+def test_online_quantized_model_equals_float_model_of_dequantized_weights(family, scheme, tiny_checkpoint):
+    path = tiny_checkpoint(family)
+    model = load_model(path, quantization=QuantizationConfig(scheme, group_size=32))
+    assert any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(
+        model.params, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
+    reference = load_model(path)
+    reference.params = _dequantized_params(model.params)
+    ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, size=37).tolist()
+    got, expected = model.logits(ids), reference.logits(ids)
+    assert np.abs(got - expected).max() <= 1e-4
+
+
+def test_keep_float_rules_and_report(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3_5"),
+                       quantization=QuantizationConfig("int8", keep_float=("lm_head", "in_proj_a", "in_proj_b")))
+    assert not isinstance(model.params["lm_head"], QuantizedWeight)
+    assert isinstance(model.params["embed"], QuantizedWeight)
+    gdn = next(g for g in model.params["groups"] if "in_a" in g)
+    assert not isinstance(gdn["in_a"], QuantizedWeight) and isinstance(gdn["in_qkv"], QuantizedWeight)
+    assert model.quantization["lm_head"] == "float (rule 'lm_head')"
+    assert model.quantization["linear_attn.in_proj_qkv"] == "int8"
+
+
+def test_bad_quantization_config_names_the_field():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        QuantizationConfig("int3")
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        QuantizationConfig("int4", group_size=100)
+    with pytest.raises(ValueError, match="quantization_keep_float"):
+        QuantizationConfig("int8", keep_float="lm_head")
+
+
+def test_offline_llm_quantization_reports_weight_bytes(tiny_checkpoint):
+    from runtime import LLM, SamplingParams
+
+    path = tiny_checkpoint("qwen3_5")
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, aot_compile=False)
+    fp32 = LLM(path, **kwargs)
+    int8 = LLM(path, quantization="int8", **kwargs)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 200, 31], [7] * 9]
+    a, b = fp32.generate(prompts, params), int8.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in a + b)
+    float_bytes, int8_bytes = fp32.stats()["weight_bytes"], int8.stats()["weight_bytes"]
+    assert 0.2 * float_bytes < int8_bytes < 0.4 * float_bytes  # ~1/4 plus scales and float norms
+    assert int8_bytes == int8.engine.model.weight_bytes()
+
+
+def test_launch_config_and_cli_flag():
+    from configs.schema import ConfigError, load_config
+    from runtime.engine_client import engine_config_from_launch
+    from server.cli import _load, _parser
+
+    args = _parser().parse_args(["config", "--quantization", "int4", "--set", "model.quantization_group_size=64"])
+    launch = _load(args)
+    engine = engine_config_from_launch(launch, "/nonexistent")
+    assert (engine.quantization, engine.quantization_group_size) == ("int4", 64)
+    assert engine.quantization_config().keep_float  # the default rules
+    with pytest.raises(ConfigError, match="model.quantization"):
+        load_config(None, {"model.quantization": "int3"})
+    with pytest.raises(ConfigError, match="model.quantization_group_size"):
+        load_config(None, {"model.quantization_group_size": 100})
+
+
+def test_int4_group_size_falls_back_to_one_that_divides():
+    from models.quant_rules import fitting_group_size
+
+    assert fitting_group_size(4096, 128) == 128
+    assert fitting_group_size(576, 128) == 64  # SmolLM2's hidden size
+    assert fitting_group_size(96, 64) == 32
+    assert fitting_group_size(80, 128) is None
+
+
+@pytest.mark.parametrize("family,scheme", [("llama", "int4-zp"), ("qwen3_5", "int8")])
+def test_model_through_the_pallas_kernel_interpret(family, scheme, tiny_checkpoint):
+    from models.ops import KernelOptions
+
+    model = load_model(tiny_checkpoint(family), quantization=QuantizationConfig(scheme, group_size=32))
+    ids = np.random.default_rng(2).integers(3, model.cfg.vocab_size, size=21).tolist()
+    kernel = KernelOptions(attention="reference", gdn="reference", matmul="pallas", interpret=True)
+    reference = KernelOptions(attention="reference", gdn="reference", matmul="reference")
+    np.testing.assert_allclose(model.logits(ids, kernel), model.logits(ids, reference), rtol=0, atol=1e-4)
+
+
+_TP_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from models import load_model
+from models.quant_rules import QuantizationConfig
+from models.sharding import shard_model
+from runtime.mesh import make_mesh
+qcfg = QuantizationConfig(sys.argv[2], group_size=32)
+ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
+ref = load_model(sys.argv[1], quantization=qcfg).logits(ids)
+model = shard_model(load_model(sys.argv[1], quantization=qcfg), make_mesh(1, 2, devices=jax.devices()))
+g = next(g for g in model.params["groups"] if "in_qkv" in g)
+specs = {name: [str(tuple(a.sharding.spec)) for a in (g[name].q, g[name].scale)] for name in ("in_qkv", "out_proj")}
+print(json.dumps({"error": float(np.abs(model.logits(ids) - ref).max()), "specs": specs}))
+"""
+
+
+@pytest.mark.parametrize("scheme", ["int4-zp", "w8a8-int8"])
+def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("qwen3_5")), scheme],
+                         capture_output=True, text=True, cwd=repo, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["error"] <= 1e-4
+    assert "model" in report["specs"]["in_qkv"][0] and "model" in report["specs"]["in_qkv"][1]  # scales follow columns
+    assert "model" in report["specs"]["out_proj"][0]  # row split codes
+
+
+def test_metrics_export_weight_bytes():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"weight_bytes": 135439104}).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["jaxserve_weight_bytes"].samples[0].value == 135439104
