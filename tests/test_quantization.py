@@ -166,7 +166,7 @@ def test_offline_llm_quantization_reports_weight_bytes(tiny_checkpoint):
     from runtime import LLM, SamplingParams
 
     path = tiny_checkpoint("qwen3_5")
-    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, aot_compile=False)
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, max_model_len=256, aot_compile=False)
     fp32 = LLM(path, **kwargs)
     int8 = LLM(path, quantization="int8", **kwargs)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
