@@ -28,6 +28,7 @@ from runtime.config import CacheConfig, SchedulerConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.inputs import build_batch
+from runtime.kv_transfer.hooks import build_kv_transfer
 from runtime.mesh import make_mesh
 from runtime.request import Request
 from runtime.sampler import SamplerOutput
@@ -118,6 +119,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
+        self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
 
     def _default_num_pages(self, num_slots: int) -> int:
         """Enough pages for every sequence at full length, capped by the memory budget left after
@@ -143,6 +145,8 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. ValueError (naming the problem) if it can never be served."""
+        if self.kv_transfer is not None:
+            request = self.kv_transfer.prepare(request)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -156,7 +160,8 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
         req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
                       arrival_time=request.arrival_time or time.monotonic(), eos_token_id=self._eos)
-        self.scheduler.add_request(req)
+        if self.kv_transfer is None or not self.kv_transfer.park(req, request.kv_transfer_params):
+            self.scheduler.add_request(req)
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
@@ -167,15 +172,19 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
+        if req is not None and self.kv_transfer is not None and self.kv_transfer.abort_parked(request_id):
+            return self._output(req, finished=True)
         if req is None or not self.scheduler.finish(request_id, "abort"):
             return None
         return self._output(req, finished=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._prev is not None
+        return (self.scheduler.has_unfinished() or self._prev is not None
+                or (self.kv_transfer is not None and self.kv_transfer.has_pending()))
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -185,9 +194,10 @@ class LLMEngine:
         A stop string found while emitting step n-1 finishes its request after step n was
         dispatched; that one extra token is discarded (the scheduler skips finished requests).
         """
+        failed = self.kv_transfer.poll() if self.kv_transfer is not None else []
         out = self.scheduler.schedule()
         pending = None if out.is_empty else self._dispatch(out)
-        outputs = self._emit(*self._prev) if self._prev is not None else []
+        outputs = failed + (self._emit(*self._prev) if self._prev is not None else [])
         self._prev = None if pending is None else self._commit(out, pending)
         return outputs
 
@@ -201,10 +211,14 @@ class LLMEngine:
                         and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
+        if self.kv_transfer is not None:
+            self.caches = self.kv_transfer.load(self.caches, out)
         if plain_greedy:
             self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch)
         else:
             self.caches, hidden = ex.run_backbone(params, self.caches, batch)
+        if self.kv_transfer is not None:
+            self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
         if plain_greedy:
@@ -269,6 +283,8 @@ class LLMEngine:
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
                                num_cached_tokens=req.num_cached_tokens)
+        if finished and self.kv_transfer is not None:
+            output.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)

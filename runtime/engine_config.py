@@ -37,6 +37,7 @@ class EngineConfig:
     seed: int | None = None
     load_tokenizer: bool = True
     mesh_shape: tuple[int, int] | None = None  # (data, model) devices; None: one device, no mesh
+    kv_transfer: Any = None  # runtime.kv_transfer.KVTransferConfig (P/D role); None: role both
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -131,6 +131,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine rejected or failed the request
+    kv_transfer_params: dict | None = None  # P/D: what a prefill instance offers for the decode side
 
     # The first completion's fields, for the common n == 1 case: outs[i].text etc.
     @property
@@ -155,3 +156,4 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    kv_transfer_params: dict | None = None  # P/D (runtime/kv_transfer): do_remote_decode / do_remote_prefill
