@@ -38,10 +38,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--api-key", default=None, help="require this bearer token (server.api_key)")
         sub.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
         sub.add_argument("--max-model-len", type=int, default=None, help="model.max_model_len")
+        sub.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                         help="P/D disaggregation role (parallel.role; docs/disaggregation.md)")
         if name == "serve":
             sub.add_argument("--fake-engine", action="store_true",
                              help="serve the hand-computable FakeEngine instead of a model")
             sub.add_argument("--log-level", default="INFO")
+    commands.add_parser("proxy", add_help=False, help="prefill -> decode router (jaxserve proxy --help)")
     return parser
 
 
@@ -49,7 +52,7 @@ def _load(args) -> LaunchConfig:
     overrides = dict(parse_override(item) for item in args.overrides)
     flags = {"model.path": args.model, "server.host": args.host, "server.port": args.port,
              "server.api_key": args.api_key, "model.served_model_name": args.served_model_name,
-             "model.max_model_len": args.max_model_len}
+             "model.max_model_len": args.max_model_len, "parallel.role": args.role}
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(args.config, overrides)
 
@@ -71,6 +74,11 @@ def _build_engine(config: LaunchConfig, fake: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:
+        from server.proxy import main as proxy_main
+
+        return proxy_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         config = _load(args)

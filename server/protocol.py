@@ -67,6 +67,7 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
     priority: int = 0  # vLLM extension; lower runs earlier under the priority policy
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM extension: P/D (docs/disaggregation.md)
 
     @field_validator("stop", mode="wrap")
     @classmethod

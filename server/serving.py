@@ -103,7 +103,8 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
             seed = None if body.seed is None else body.seed + i
             params = base.replace(max_tokens=max_tokens, seed=seed)
             requests.append(EngineRequest(f"{request_id}-{index}", list(prompt), params,
-                                          priority=body.priority, arrival_time=time.time()))
+                                          priority=body.priority, arrival_time=time.time(),
+                                          kv_transfer_params=_kv_transfer_params(body, index)))
             prefix = echo_texts[prompt_index] if echo_texts else ""
             choices.append(Choice(index=index, prompt_index=prompt_index, prefix=prefix))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -224,6 +225,12 @@ class Formatter:
         return out
 
 
+def _kv_transfer_params(body, index: int) -> dict | None:
+    """P/D: a transfer serves one engine request (the first); the others of `n` compute locally."""
+    params = getattr(body, "kv_transfer_params", None)
+    return params if index == 0 else None
+
+
 def _response_id(job: Job, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}"
 
@@ -241,11 +248,16 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
     created = formats.now()
     headers = {"X-Request-ID": job.request_id}
     if not job.stream:
+        kv_transfer_params = None
         async with contextlib.aclosing(merged_outputs(engine, job.requests)) as outputs:
             async for index, output in outputs:
                 _advance(job.choices[index], output)
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
-        return web.json_response(formatter.body(job, created, choices, _usage(job)), headers=headers)
+        body = formatter.body(job, created, choices, _usage(job))
+        if kv_transfer_params is not None:  # a prefill instance's offer, for the proxy
+            body["kv_transfer_params"] = kv_transfer_params
+        return web.json_response(body, headers=headers)
 
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
