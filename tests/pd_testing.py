@@ -96,15 +96,15 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 class PDCluster:
     def __init__(self, checkpoint: Path, prefill: list[str] = (), decode: list[str] = (), proxy: list[str] = (),
-                 env: dict | None = None):
+                 prefill_env: dict | None = None):
         self.processes: list[Process] = []
         try:
             self.prefill = self._start("prefill", ["serve", str(checkpoint), "--role", "prefill", *BASE_FLAGS,
-                                                   *prefill], env)
+                                                   *prefill], prefill_env)
             self.decode = self._start("decode", ["serve", str(checkpoint), "--role", "decode", *BASE_FLAGS,
-                                                 *decode], env)
+                                                 *decode], None)
             self.proxy = self._start("proxy", ["proxy", "--prefill", self.prefill.url, "--decode", self.decode.url,
-                                               "--port", "0", "--log-level", "INFO", *proxy], env)
+                                               "--port", "0", "--log-level", "INFO", *proxy], None)
         except BaseException:
             self.close()
             raise

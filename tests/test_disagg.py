@@ -36,13 +36,27 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [ids(1), ids(PAGE - 1), ids(PAGE), ids(PAGE + 1), ids(203), shared + ids(5), shared + ids(9)]
 
 
-def _colocated(path, prompts) -> list:
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", page_size=PAGE, num_pages=96, max_num_seqs=4,
-                                    max_num_batched_tokens=64, max_model_len=512, aot_compile=False))
+# name -> (family, prefill flags, decode flags, prefill env): equal layouts, and the bridged one
+# (prefill: TP 2 on two simulated CPU devices, page 16; decode: one device, page 32).
+LAYOUTS = {
+    "llama": ("llama", [], [], {}),
+    "qwen3_5": ("qwen3_5", [], [], {}),
+    "qwen3_5-tp2-page32": ("qwen3_5", ["--set", "parallel.mesh.model=2"], ["--set", "cache.page_size=32"],
+                           {"JAX_NUM_CPU_DEVICES": "2"}),
+}
+
+
+def _colocated(cluster, prompts) -> list:
+    """The decode side's configuration as one colocated engine (built once per cluster)."""
+    if cluster.colocated is None:
+        cluster.colocated = LLMEngine(EngineConfig(
+            model=str(cluster.path), dtype="float32", page_size=cluster.decode_page, num_pages=96, max_num_seqs=4,
+            max_num_batched_tokens=64, max_model_len=512, aot_compile=False))
+    engine, base = cluster.colocated, cluster.colocated.num_steps
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+        engine.add_request(EngineRequest(f"r{base}-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
     done = drain(engine)
-    return [done[f"r{i}"].outputs[0] for i in range(len(prompts))]
+    return [done[f"r{base}-{i}"].outputs[0] for i in range(len(prompts))]
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -54,20 +68,24 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+@pytest.fixture(scope="module")
 def cluster(request, tiny_checkpoint):
-    path = tiny_checkpoint(request.param)
-    with PDCluster(path, prefill=["--set", "kv_transfer.lease_s=3"]) as pd:
-        pd.family, pd.path = request.param, path
+    family, prefill, decode, env = LAYOUTS[request.param]
+    path = tiny_checkpoint(family)
+    with PDCluster(path, prefill=["--set", "kv_transfer.lease_s=3", *prefill], decode=decode,
+                   prefill_env=env) as pd:
+        pd.family, pd.path, pd.colocated = family, path, None
+        pd.decode_page = 32 if "page32" in request.param else PAGE
         pd.client = openai.OpenAI(base_url=pd.proxy_url + "/v1", api_key="x", max_retries=0, timeout=120)
         pd.model = pd.client.models.list().data[0].id
         yield pd
 
 
+@pytest.mark.parametrize("cluster", list(LAYOUTS), indirect=True)
 def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
     vocab = hf_model(cluster.family).config.vocab_size
     prompts = _prompts(min(vocab, 1000))
-    expected = _colocated(cluster.path, prompts)
+    expected = _colocated(cluster, prompts)
     for i, (prompt, want) in enumerate(zip(prompts, expected)):
         hf_tokens, scores = hf_greedy(hf_model(cluster.family), prompt, MAX_TOKENS)
         assert_greedy_match(want.token_ids, hf_tokens, scores, f"colocated prompt {i} (len {len(prompt)})")
@@ -90,6 +108,7 @@ def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
         assert metrics["jaxserve_kv_transfer_leases_held"] == 0 and metrics["jaxserve_kv_pages_total"] > 0
 
 
+@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_chat_through_proxy_equals_prefill_instance_alone(cluster):
     """A prefill instance answers requests without transfer parameters like `both`: the colocated
     reference for the server-side chat template path."""
@@ -116,9 +135,10 @@ def _decode_leg(cluster, prompt, params) -> str:
     return body["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     prompt = _prompts(500)[3]
-    want = _colocated(cluster.path, [prompt])[0].text
+    want = _colocated(cluster, [prompt])[0].text
     before = scrape(cluster.decode.url)["jaxserve_kv_transfer_fallbacks"]
     params = _prefill_leg(cluster, prompt)
     assert _decode_leg(cluster, prompt, params) == want  # pulled
@@ -126,7 +146,7 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     forged = {**params, "transfer_id": "not-a-number"}
     assert _decode_leg(cluster, prompt, forged) == want  # malformed
     other = _prompts(500)[4]
-    assert _decode_leg(cluster, other, params) == _colocated(cluster.path, [other])[0].text  # wrong prompt
+    assert _decode_leg(cluster, other, params) == _colocated(cluster, [other])[0].text  # wrong prompt
     expired = _prefill_leg(cluster, prompt)
     time.sleep(4.0)  # lease_s=3: the prefill side frees it first
     assert _decode_leg(cluster, prompt, expired) == want
@@ -137,6 +157,7 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
         assert metrics["jaxserve_kv_transfer_leases_held"] == 0, url
 
 
+@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_client_disconnects_free_both_sides(cluster):
     import aiohttp
     import asyncio
@@ -167,10 +188,11 @@ def test_client_disconnects_free_both_sides(cluster):
         assert metrics["jaxserve_kv_pages_free"] + metrics["jaxserve_kv_pages_cached"] == metrics["jaxserve_kv_pages_total"]
 
 
+@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_prefill_instance_gone_decode_prefills_locally(cluster):
-    """Last in the module: kills the prefill instance."""
+    """Last of the llama cluster's tests: kills its prefill instance."""
     prompt = _prompts(500)[2]
-    want = _colocated(cluster.path, [prompt])[0].text
+    want = _colocated(cluster, [prompt])[0].text
     params = _prefill_leg(cluster, prompt)
     cluster.prefill.kill()
     assert _decode_leg(cluster, prompt, params) == want
