@@ -81,7 +81,12 @@ def cluster(request, tiny_checkpoint):
         yield pd
 
 
-@pytest.mark.parametrize("cluster", list(LAYOUTS), indirect=True)
+SLOW_LAYOUTS = {"qwen3_5_moe", "qwen3_next"}  # the same code path as qwen3_5; `pytest -m slow` runs them
+LAYOUTS.update({name: (name, [], [], {}) for name in sorted(SLOW_LAYOUTS)})
+
+
+@pytest.mark.parametrize("cluster", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+                                     for name in LAYOUTS], indirect=True)
 def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
     vocab = hf_model(cluster.family).config.vocab_size
     prompts = _prompts(min(vocab, 1000))

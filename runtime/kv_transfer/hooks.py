@@ -22,7 +22,8 @@ import time
 from runtime.kv_transfer import KV_CONNECTORS
 from runtime.kv_transfer.base import KVTransferConfig, TransferError
 from runtime.kv_transfer.descriptor import check_descriptor, model_signature
-from runtime.kv_transfer.layout import expected_arrays, gather_request_state, model_groups, pull_specs, write_request_state
+from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
+                                        pull_specs, write_request_state)
 from runtime.request import Request, RequestStatus
 from runtime.types import EngineRequest, RequestOutput, SamplingParams
 
@@ -43,6 +44,7 @@ class KVTransferHooks:
         self.connector = KV_CONNECTORS.create(config.connector, config)
         self.num_pages = engine.cache_config.num_pages
         self.num_slots = max(engine.cache_config.num_state_slots, 2)
+        self.conv_perm = conv_permutation(engine.model)
         self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots))
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
@@ -84,7 +86,7 @@ class KVTransferHooks:
                     caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
                     num_tokens=seq.start_position + seq.num_new_tokens, block_table=seq.block_table,
                     state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
-                    num_slots=self.num_slots)
+                    num_slots=self.num_slots, conv_perm=self.conv_perm)
 
     def finished(self, req: Request) -> dict | None:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
@@ -152,7 +154,7 @@ class KVTransferHooks:
             caches = write_request_state(
                 caches, arrays, desc, block_table=req.block_table, state_slot=req.state_slot,
                 page_size=self.engine.config.page_size, num_pages=self.num_pages, num_slots=self.num_slots,
-                opts=self.engine.opts)
+                opts=self.engine.opts, conv_perm=self.conv_perm)
         for seq in out.sequences:
             self._staged.pop(seq.request_id, None)  # admitted with a better local prefix hit
         return caches

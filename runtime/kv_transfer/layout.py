@@ -19,6 +19,7 @@ import numpy as np
 
 from models import ops
 from models.config import ATTENTION
+from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
 from runtime.kv_transfer.descriptor import build_descriptor, model_signature
 
@@ -64,9 +65,26 @@ def _names(caches) -> list[str]:
     return names
 
 
+def conv_permutation(model) -> np.ndarray | None:
+    """The conv-state channel order of a GDN-split TP engine (models/sharding.py), or None."""
+    tp = model.tp
+    if tp is None or not tp.gdn:
+        return None
+    return qkv_permutation(tp.gdn_qkv_widths, tp.size)
+
+
+def _reorder_conv(arrays: list, names: list[str], order: np.ndarray | None) -> list:
+    if order is None:
+        return arrays
+    return [a[..., order] if name.startswith("conv") else a for a, name in zip(arrays, names)]
+
+
 def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, block_table, state_slot: int,
-                         page_size: int, num_pages: int, num_slots: int) -> tuple[list, dict]:
-    """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request."""
+                         page_size: int, num_pages: int, num_slots: int,
+                         conv_perm: np.ndarray | None = None) -> tuple[list, dict]:
+    """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
+    The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
+    undone)."""
     n = _pow2(-(-num_tokens // page_size))
     pages = np.zeros(n, np.int32)
     used = list(block_table)[:-(-num_tokens // page_size)]
@@ -74,6 +92,7 @@ def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, bloc
     arrays = _gather(caches, jnp.asarray(pages), jnp.int32(state_slot), num_pages=num_pages, num_slots=num_slots)
     device = jax.devices()[0]  # TP bridging: the wire format is unsharded
     arrays = [jax.device_put(a, device) for a in arrays]
+    arrays = _reorder_conv(arrays, _names(caches), None if conv_perm is None else np.argsort(conv_perm))
     kv = next((x for x in caches["kv"] if x is not None), None)
     kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
     G = model_groups(caches, num_pages, num_slots)
@@ -152,8 +171,9 @@ def _write(caches, arrays, slot_mapping, slot, *, src_page_size: int, kv_dtype: 
 
 
 def write_request_state(caches, arrays: list, desc: dict, *, block_table, state_slot: int, page_size: int,
-                        num_pages: int, num_slots: int, opts) -> dict:
+                        num_pages: int, num_slots: int, opts, conv_perm: np.ndarray | None = None) -> dict:
     """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches."""
+    arrays = _reorder_conv(arrays, [name for name, _, _ in desc["arrays"]], conv_perm)
     K, G = desc["num_tokens"], desc["model"]["num_groups"]
     T = _pow2(K)
     t = np.arange(T)
