@@ -31,10 +31,11 @@ BASE_FLAGS = ["--set", "model.dtype=float32", "--set", "compile.aot=false", "--s
 
 
 class Process:
-    def __init__(self, name: str, argv: list[str], env: dict | None = None, timeout_s: float = 240.0):
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, timeout_s: float = 240.0,
+                 launcher: list[str] = ()):
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *argv], cwd=ROOT, text=True,
+        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "server.cli", *argv], cwd=ROOT, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
         self._url: str | None = None

@@ -44,7 +44,7 @@ class JaxTransferConnector(KVConnector):
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxserve-kv-pull")
         self._pulls: dict[str, tuple[Future, float, dict, float]] = {}
         self.counters = {"transfers_offered": 0, "transfers_started": 0, "transfers_completed": 0,
-                         "transfers_failed": 0, "bytes_transferred": 0, "seconds_transferred": 0.0,
+                         "transfers_failed": 0, "bytes_transferred": 0, "bytes_pulled": 0, "seconds_transferred": 0.0,
                          "claims_refused": 0, "leases_drained": 0}
         self.leases = LeaseTable(config.lease_s)
         self._control = None
@@ -161,6 +161,7 @@ class JaxTransferConnector(KVConnector):
                 err = future.exception()
                 if err is None:
                     self._count("seconds_transferred", time.perf_counter() - started)
+                    self._count("bytes_pulled", sum(a.nbytes for a in future.result()))
                     done.append(PullResult(key, arrays=future.result()))
                 else:
                     self._count("transfers_failed")
