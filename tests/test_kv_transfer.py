@@ -129,16 +129,13 @@ def _all_free(engine):
     assert s.get("kv_transfer_requests_pulling", 0) == 0
 
 
-@pytest.fixture(scope="module")
-def hybrid(tiny_checkpoint):
-    return tiny_checkpoint("qwen3_5")
-
-
-def test_plugin_connector_carries_hybrid_state_into_larger_pages(plugin, hybrid):
-    """Page 16 on prefill, 32 on decode; equal layouts run end to end in test_disagg."""
-    prefill = LLMEngine(_config(hybrid, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(hybrid, page_size=32, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
-    colocated = LLMEngine(_config(hybrid, page_size=32))
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_plugin_connector_carries_state_into_larger_pages(plugin, tiny_checkpoint, family):
+    """Page 16 on prefill, 32 on decode (the hybrid also runs end to end in test_disagg)."""
+    path = tiny_checkpoint(family)
+    prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, page_size=32, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    colocated = LLMEngine(_config(path, page_size=32))
     for i, prompt in enumerate(_prompts()[:1] + _prompts()[3:5]):
         want = _run(colocated, prompt).outputs[0].token_ids
         params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
