@@ -102,16 +102,24 @@ def mixed_workload(n_long: int, n_short: int, long_len: int, short_len: int, sho
 
 
 def _run_mixed(url: str, requests: list[BenchRequest], rate: float) -> dict:
-    results, duration = asyncio.run(run_load(url, "x", requests, request_rate=rate))
+    model = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
+    results, duration = asyncio.run(run_load(url, model, requests, request_rate=rate))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     m = compute_metrics(results, duration)
     keep = ("completed", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
     return {k: m[k] for k in keep if k in m}
 
 
+AOT = ["--set", "compile.aot=true"]  # every bucket compiled before "ready": no compile inside the run
+
+
 def compare_colocated(family: str, rate: float, requests: list[BenchRequest]) -> dict:
     path = checkpoint(family)
     warm = requests[:3]
-    colocated = Process("colocated", ["serve", str(path), *BASE_FLAGS], launcher=["taskset", "-c", "0,1"])
+    colocated = Process("colocated", ["serve", str(path), *BASE_FLAGS, *AOT], launcher=["taskset", "-c", "0,1"],
+                        timeout_s=900)
     try:
         _run_mixed(colocated.url, warm, float("inf"))
         both = _run_mixed(colocated.url, requests, rate)
@@ -120,11 +128,11 @@ def compare_colocated(family: str, rate: float, requests: list[BenchRequest]) ->
     pd = PDCluster.__new__(PDCluster)
     pd.processes = []
     try:
-        pd.prefill = Process("prefill", ["serve", str(path), "--role", "prefill", *BASE_FLAGS],
-                             launcher=["taskset", "-c", "0"])
+        pd.prefill = Process("prefill", ["serve", str(path), "--role", "prefill", *BASE_FLAGS, *AOT],
+                             launcher=["taskset", "-c", "0"], timeout_s=900)
         pd.processes.append(pd.prefill)
-        pd.decode = Process("decode", ["serve", str(path), "--role", "decode", *BASE_FLAGS],
-                            launcher=["taskset", "-c", "1"])
+        pd.decode = Process("decode", ["serve", str(path), "--role", "decode", *BASE_FLAGS, *AOT],
+                            launcher=["taskset", "-c", "1"], timeout_s=900)
         pd.processes.append(pd.decode)
         pd.proxy = Process("proxy", ["proxy", "--prefill", pd.prefill.url, "--decode", pd.decode.url, "--port", "0"],
                            launcher=["taskset", "-c", "1"])
