@@ -105,6 +105,7 @@ def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text, f"stream prompt {i}"
         assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    time.sleep(1.0)  # /metrics reads the engine loop's stats snapshot, refreshed every <= 0.5 s when idle
     decode, prefill = wait_all_free(cluster.decode.url), wait_all_free(cluster.prefill.url)
     pulled = 2 * sum(len(p) > 1 for p in prompts)
     assert decode["jaxserve_kv_transfer_transfers_started"] == pulled, decode
@@ -157,6 +158,7 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     expired = _prefill_leg(cluster, prompt)
     time.sleep(4.0)  # lease_s=3: the prefill side frees it first
     assert _decode_leg(cluster, prompt, expired) == want
+    time.sleep(1.0)  # /metrics reads the engine loop's stats snapshot, refreshed every <= 0.5 s when idle
     decode, prefill = wait_all_free(cluster.decode.url), wait_all_free(cluster.prefill.url)
     assert decode["jaxserve_kv_transfer_fallbacks"] - before == 4, decode
     assert prefill["jaxserve_kv_transfer_leases_expired"] >= 1 and prefill["jaxserve_kv_transfer_claims_refused"] >= 2
