@@ -227,3 +227,12 @@ def test_lease_table_is_one_shot_and_expires():
     assert [x.transfer_id for x in table.pop_expired()] == ["b"]  # "a" is claimed: 30 s to pull
     assert table.claim("b", pull_timeout_s=30) is None
     assert table.release("a") is not None and table.held() == (0, 0, 0, 0)
+
+
+def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
+    prefill = LLMEngine(_config(tiny_checkpoint("llama"), kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        prefill.add_request(EngineRequest("long", [5] * 300, GREEDY, kv_transfer_params={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="do_remote_decode"):
+        prefill.add_request(EngineRequest("forged", [5] * 8, GREEDY, kv_transfer_params={"_offer": True}))
+    assert not prefill.kv_transfer._offering and not prefill.has_unfinished()

@@ -29,6 +29,7 @@ from runtime.types import EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxserve.kv_transfer")
 IDLE_WAIT_S = 0.002
+OFFER = "_offer"  # internal mark of a prepared prefill-role request (never accepted from clients)
 
 
 def build_kv_transfer(engine, config: KVTransferConfig | None) -> "KVTransferHooks | None":
@@ -72,11 +73,12 @@ class KVTransferHooks:
             raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
                              "not prefill")
         prompt = list(request.prompt_token_ids)
-        if len(prompt) > 1:  # a one-token prompt has nothing to ship: decode computes it
-            self._offering[request.request_id] = None
-            prompt = prompt[:-1]
-        return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                             priority=request.priority, arrival_time=request.arrival_time)
+        if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
+            return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                 priority=request.priority, arrival_time=request.arrival_time)
+        return EngineRequest(request.request_id, prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0),
+                             priority=request.priority, arrival_time=request.arrival_time,
+                             kv_transfer_params={OFFER: True})
 
     def capture(self, caches, out) -> None:
         for seq in out.sequences:
@@ -99,6 +101,10 @@ class KVTransferHooks:
     # ---- decode role -----------------------------------------------------------------------
     def park(self, req: Request, params: dict | None) -> bool:
         """True if `req` now waits for a pull (the engine must not schedule it yet)."""
+        if params and params.get(OFFER):  # prefill role: offer its state once computed
+            self.engine.scheduler._check_fits(req)  # registered only once it cannot be refused
+            self._offering[req.request_id] = None
+            return False
         if not params or not params.get("do_remote_prefill"):
             return False
         self.engine.scheduler._check_fits(req)  # refuse now what the scheduler would refuse later
