@@ -164,6 +164,18 @@ class ParallelConfig(_Section):
         return value
 
 
+class KVTransferConfig(_Section):
+    """P/D disaggregation (`parallel.role: prefill | decode`; docs/disaggregation.md)."""
+
+    connector: str = "jax_transfer"  # a name in runtime.kv_transfer.KV_CONNECTORS (plugins add more)
+    lease_s: float = Field(default=60.0, gt=0)  # prefill side: offered state is freed after this
+    pull_timeout_s: float = Field(default=30.0, gt=0)  # decode side: a claimed pull may take this long
+    on_pull_failure: Literal["recompute", "error"] = "recompute"  # decode side: prefill locally, or fail
+    host: str = "127.0.0.1"  # bind address of the control and transfer servers
+    advertise_host: str | None = None  # the address the other instance dials (default: host)
+    control_port: int = Field(default=0, ge=0, le=65535)  # 0 picks a free port
+
+
 class CompileConfig(_Section):
     aot: bool = False  # compile every bucket at start-up
     cache_dir: str | None = None  # JAX persistent compilation cache; None disables it
@@ -213,6 +225,7 @@ class LaunchConfig(_Section):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
     compile: CompileConfig = CompileConfig()
     kernels: KernelsConfig = KernelsConfig()
     server: ServerConfig = ServerConfig()

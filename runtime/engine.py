@@ -41,6 +41,7 @@ from runtime.config import CacheConfig, SchedulerConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.inputs import build_batch
+from runtime.kv_transfer.hooks import build_kv_transfer
 from runtime.mesh import make_mesh
 from runtime.request import Request
 from runtime.sampler import SamplerOutput
@@ -195,6 +196,7 @@ class LLMEngine:
         self.num_steps = 0
         self._consecutive_failures = 0
         self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
+        self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -240,6 +242,8 @@ class LLMEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. ValueError (naming the problem) if it can never be served."""
+        if self.kv_transfer is not None:
+            request = self.kv_transfer.prepare(request)
         request = self.validate_request(request)
         params = request.params
         req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
@@ -247,7 +251,8 @@ class LLMEngine:
         if params.structured_output is not None:  # GrammarError (a ValueError) when invalid
             self.structured_output.add(req.request_id, params.structured_output)
         try:
-            self.scheduler.add_request(req)
+            if self.kv_transfer is None or not self.kv_transfer.park(req, request.kv_transfer_params):
+                self.scheduler.add_request(req)
         except BaseException:
             if self._structured is not None:
                 self._structured.remove(req.request_id)
@@ -264,15 +269,19 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
+        if req is not None and self.kv_transfer is not None and self.kv_transfer.abort_parked(request_id):
+            return self._output(req, finished=True)
         if req is None or not self.scheduler.finish(request_id, "abort"):
             return None
         return self._output(req, finished=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._prev is not None
+        return (self.scheduler.has_unfinished() or self._prev is not None
+                or (self.kv_transfer is not None and self.kv_transfer.has_pending()))
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
+        stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
+        return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -282,13 +291,14 @@ class LLMEngine:
         A stop string found while emitting step n-1 finishes its request after step n was
         dispatched; that one extra token is discarded (the scheduler skips finished requests).
         """
+        failed = self.kv_transfer.poll() if self.kv_transfer is not None else []
         out = self.scheduler.schedule()
         pending = failure = None
         try:
             pending = None if out.is_empty else self._dispatch(out)
         except Exception as err:  # noqa: BLE001 - fail this step's requests, keep serving
             failure = err
-        outputs = self._emit(*self._prev) if self._prev is not None else []
+        outputs = failed + (self._emit(*self._prev) if self._prev is not None else [])
         self._prev = None
         if pending is not None:
             try:
@@ -331,12 +341,16 @@ class LLMEngine:
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         scores = None
+        if self.kv_transfer is not None:
+            self.caches = self.kv_transfer.load(self.caches, out)
         if plain_greedy:
             self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch)
         elif targets is not None:
             self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
         else:
             self.caches, hidden = ex.run_backbone(params, self.caches, batch)
+        if self.kv_transfer is not None:
+            self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
         if plain_greedy:
@@ -426,6 +440,8 @@ class LLMEngine:
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
                                num_cached_tokens=req.num_cached_tokens,
                                prompt_logprobs=self._finished_prompt_logprobs(req))
+        if finished and self.kv_transfer is not None:
+            output.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:
             if self._structured is not None:
                 self._structured.remove(req.request_id)

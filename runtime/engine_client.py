@@ -18,6 +18,7 @@ from pathlib import Path
 
 from runtime.engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig
+from runtime.kv_transfer import KVTransferConfig
 from runtime.mesh import initialize_multihost
 from runtime.types import EngineRequest
 
@@ -155,13 +156,11 @@ class AsyncEngine:
 def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     """Map the validated YAML launch config onto the engine's config.
 
-    `parallel`: `role` other than "both" is refused; `multihost` starts `jax.distributed` (so call
-    this before any other JAX work); `mesh` becomes `mesh_shape` when it spans more than one device."""
+    `parallel`: `role` prefill / decode (with the `kv_transfer` section) sets up disaggregation;
+    `multihost` starts `jax.distributed` (so call this before any other JAX work); `mesh` becomes
+    `mesh_shape` when it spans more than one device."""
     cache, sched, kernels, comp = config.cache, config.scheduler, config.kernels, config.compile
     parallel = config.parallel
-    if parallel.role != "both":
-        raise ValueError(f"parallel.role={parallel.role!r}: prefill/decode disaggregation is not implemented "
-                         f"yet; use role: both")
     initialize_multihost(parallel)
     mesh = parallel.mesh
     return EngineConfig(
@@ -177,7 +176,8 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         compile_cache_dir=str(Path(comp.cache_dir).expanduser()) if comp.cache_dir else None,
         quantization=config.model.quantization, quantization_group_size=config.model.quantization_group_size,
         quantization_keep_float=(tuple(config.model.quantization_keep_float)
-                                 if config.model.quantization_keep_float is not None else None))
+                                 if config.model.quantization_keep_float is not None else None),
+        kv_transfer=KVTransferConfig(role=parallel.role, **config.kv_transfer.model_dump()))
 
 
 def create_engine_client(config) -> AsyncEngine:

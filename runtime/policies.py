@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.registry import Registry
+
 if TYPE_CHECKING:
     from runtime.request import Request
 
@@ -38,10 +40,14 @@ POLICIES: dict[str, SchedulingPolicy] = {
     "fcfs": SchedulingPolicy("fcfs", _fcfs_key),
     "priority": SchedulingPolicy("priority", _priority_key),
 }
+# The project's registry (plugins add `scheduling_policy.<name>` entry points returning a policy).
+POLICY_REGISTRY: Registry[SchedulingPolicy] = Registry("scheduling_policy")
+for _name, _policy in POLICIES.items():
+    POLICY_REGISTRY.register(_name, lambda _policy=_policy: _policy)
 
 
 def get_policy(name: str) -> SchedulingPolicy:
     try:
-        return POLICIES[name]
+        return POLICY_REGISTRY.create(name)
     except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(POLICIES)}") from None
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {POLICY_REGISTRY.names()}") from None

@@ -44,6 +44,7 @@ class Request:
     stop_reason: int | str | None = None
     allocation: SequenceAllocation | None = None
     sequence_number: int = -1  # add order, set by the scheduler
+    num_external_tokens: int = 0  # P/D: prompt tokens whose KV/state arrive from a prefill instance
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -72,6 +72,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     copy_before: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
     copy_after: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
+    external_loads: list[Request] = field(default_factory=list)  # P/D: admitted with pulled KV/state to write
 
     @property
     def num_batched_tokens(self) -> int:
@@ -173,9 +174,12 @@ class Scheduler:
             tokens = request.all_token_ids
             hit = (PrefixHit() if request.params.prompt_logprobs is not None
                    else self.cache.lookup_prefix(tokens, request.cache_extra_keys))
-            num_new = self._chunk_size(request, hit.num_tokens, budget, hit.kv_num_tokens)
+            external = self._external_tokens(request, hit)
+            if external:
+                hit = PrefixHit()
+            num_new = self._chunk_size(request, hit.num_tokens + external, budget, hit.kv_num_tokens)
             admission = self.cache.allocate(
-                request.request_id, tokens, hit.num_tokens + num_new, hit, request.cache_extra_keys
+                request.request_id, tokens, hit.num_tokens + external + num_new, hit, request.cache_extra_keys
             )
             if admission is None:
                 break
@@ -183,7 +187,9 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = hit.num_tokens
             request.allocation = admission.allocation
-            request.num_computed_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens + external
+            if external:
+                out.external_loads.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.copy_before.extend(admission.copy_before)
@@ -193,6 +199,14 @@ class Scheduler:
         if out.sequences:
             self._in_flight = out
         return out
+
+    @staticmethod
+    def _external_tokens(request: Request, hit: PrefixHit) -> int:
+        """P/D: prompt tokens a first admission takes from a prefill instance instead of computing
+        (0 when the local prefix cache covers as much, or after a preemption: then recompute)."""
+        if request.status is not RequestStatus.WAITING or request.num_external_tokens <= hit.num_tokens:
+            return 0
+        return request.num_external_tokens
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int, divergence: int | None = None) -> int:
         remaining = request.num_tokens - num_computed

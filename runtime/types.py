@@ -191,6 +191,7 @@ class RequestOutput:
     # With `prompt_logprobs`: one entry per prompt token, the first None (vLLM); set once the
     # whole prompt has been computed.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    kv_transfer_params: dict | None = None  # P/D: what a prefill instance offers for the decode side
 
     # The first completion's fields, for the common n == 1 case: outs[i].text etc.
     @property
@@ -215,3 +216,4 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    kv_transfer_params: dict | None = None  # P/D (runtime/kv_transfer): do_remote_decode / do_remote_prefill

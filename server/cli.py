@@ -84,6 +84,8 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
                "let clients send their own chat_template (rendered in the sandbox, time-limited)", switch=True),
     ConfigFlag("--quantization", "model.quantization",
                "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp"),
+    ConfigFlag("--role", "parallel.role", "P/D disaggregation role (docs/disaggregation.md)",
+               choices=("prefill", "decode", "both")),
     ConfigFlag("--reasoning-parser", "server.reasoning_parser",
                "split <think>...</think> into reasoning_content", choices=("qwen3",)),
 )
@@ -152,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     convert.add_argument("--mesh", default=None, metavar="data=D,model=M",
                          help="write from this sharding (each process writes its shards); any mesh restores it")
+    commands.add_parser("proxy", add_help=False, help="prefill -> decode router (jaxserve proxy --help)")
     return parser
 
 
@@ -218,6 +221,11 @@ def _convert(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:
+        from server.proxy import main as proxy_main
+
+        return proxy_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "convert":
         return _convert(args)

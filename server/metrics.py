@@ -44,6 +44,10 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(name, doc, value=float(value))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Requests preempted for lack of pages",
                                   value=float(stats.get("num_preemptions", 0)))
+        for name, value in stats.items():  # P/D (runtime/kv_transfer): counters and held pages/slots
+            if name.startswith("kv_transfer_"):
+                yield GaugeMetricFamily(f"jaxserve_{name}", f"P/D KV transfer: {name[12:].replace('_', ' ')}",
+                                        value=float(value))
 
 
 def _usage(stats: dict, kind: str) -> float:

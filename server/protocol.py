@@ -113,6 +113,7 @@ class _SamplingRequest(IgnoredFields):
     # Structured output (checked in server/structured.py, which names the offending field):
     response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM extension: P/D (docs/disaggregation.md)
 
     @field_validator("stop", mode="wrap")
     @classmethod

@@ -130,7 +130,8 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
         for i, params in enumerate(fan_out(checked.params, body.n)):
             index = prompt_index * body.n + i
             requests.append(EngineRequest(f"{request_id}-{index}", checked.prompt_token_ids, params,
-                                          priority=body.priority, arrival_time=time.time()))
+                                          priority=body.priority, arrival_time=time.time(),
+                                          kv_transfer_params=_kv_transfer_params(body, index)))
             prefix = echo_texts[prompt_index] if echo_texts else ""
             choices.append(Choice(index=index, prompt_index=prompt_index, prefix=prefix))
     options = body.stream_options
@@ -303,6 +304,12 @@ def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | N
             for i, delta in enumerate(deltas)]
 
 
+def _kv_transfer_params(body, index: int) -> dict | None:
+    """P/D: a transfer serves one engine request (the first); the others of `n` compute locally."""
+    params = getattr(body, "kv_transfer_params", None)
+    return params if index == 0 else None
+
+
 def _response_id(job: Job, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}"
 
@@ -356,11 +363,16 @@ async def _answer(request: web.Request, engine: EngineClient, job: Job, formatte
     created = formats.now()
     headers = {"X-Request-ID": job.client_request_id or job.request_id}
     if not job.stream:
+        kv_transfer_params = None
         async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id)) as outputs:
             async for index, output in _until_cut(outputs, cut):
                 _advance(job.choices[index], output)
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
-        return web.json_response(formatter.body(job, created, choices, _usage(job)), headers=headers)
+        body = formatter.body(job, created, choices, _usage(job))
+        if kv_transfer_params is not None:  # a prefill instance's offer, for the proxy
+            body["kv_transfer_params"] = kv_transfer_params
+        return web.json_response(body, headers=headers)
 
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})

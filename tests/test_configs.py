@@ -12,6 +12,10 @@ EXPECTED_DEVICES = {
     "gpu-h200-qwen3_5-9b.yaml": 1,
     "tpu-v5e-8-qwen3_5-27b.yaml": 8,
     "tpu-v5p-16-qwen3-next-80b-multihost.yaml": 8,  # v5p-16 = 16 TensorCores = 8 chips
+    "gpu-h200-qwen3_5-9b-prefill.yaml": 1,  # P/D pairs (docs/disaggregation.md)
+    "gpu-h200-qwen3_5-9b-decode.yaml": 1,
+    "tpu-v5e-8-qwen3_5-27b-prefill.yaml": 8,
+    "tpu-v5e-8-qwen3_5-27b-decode.yaml": 8,
 }
 
 
@@ -119,3 +123,14 @@ def test_kernels_step_options_reach_the_engine_config():
     assert (default.layer_loop, default.fuse_greedy) == ("auto", None)
     cfg = engine_config_from_launch(config_from_dict({"kernels": {"layer_loop": "scan", "fuse_greedy": False}}), "m")
     assert (cfg.layer_loop, cfg.fuse_greedy) == ("scan", False)
+
+
+@pytest.mark.parametrize("stem", ["gpu-h200-qwen3_5-9b", "tpu-v5e-8-qwen3_5-27b"])
+def test_pd_pairs_serve_one_model_with_their_own_shapes(stem):
+    prefill = load_config(CONFIG_DIR / f"{stem}-prefill.yaml")
+    decode = load_config(CONFIG_DIR / f"{stem}-decode.yaml")
+    assert (prefill.parallel.role, decode.parallel.role) == ("prefill", "decode")
+    assert prefill.model == decode.model  # one checkpoint, one served name
+    assert decode.scheduler.max_num_batched_tokens < prefill.scheduler.max_num_batched_tokens
+    assert prefill.kv_transfer.connector == decode.kv_transfer.connector == "jax_transfer"
+    assert prefill.server.port != decode.server.port and prefill.kv_transfer.control_port

@@ -1,0 +1,189 @@
+"""The engine's side of disaggregation: what `LLMEngine` calls at each of its hook points.
+
+Prefill role (`kv_transfer_params: {"do_remote_decode": true}`): `prepare` turns the request into
+"compute the first N-1 prompt tokens, sample one throw-away token"; `capture` gathers the pages
+and state slot right after the step that computed them; `finished` offers them through the
+connector and returns the transfer parameters the response carries. The pages go back to the
+pool (and the prefix cache) as usual: the lease holds a gathered copy, which nothing can
+overwrite.
+
+Decode role (`{"do_remote_prefill": true, transfer_id, ..., descriptor}`): `park` validates the
+descriptor against this model and prompt and starts the pull; `poll` (every step) moves pulled
+requests into the scheduler with `num_external_tokens = N-1`, or on failure recomputes locally
+(default) or fails the request with an error, counted; `load` writes the pulled state into the
+pages and slot the scheduler allocated, before that step's forward pass feeds token N.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from runtime.kv_transfer import KV_CONNECTORS
+from runtime.kv_transfer.base import KVTransferConfig, TransferError
+from runtime.kv_transfer.descriptor import check_descriptor, model_signature
+from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
+                                        pull_specs, write_request_state)
+from runtime.request import Request, RequestStatus
+from runtime.types import EngineRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger("jaxserve.kv_transfer")
+IDLE_WAIT_S = 0.002
+OFFER = "_offer"  # internal mark of a prepared prefill-role request (never accepted from clients)
+
+
+def build_kv_transfer(engine, config: KVTransferConfig | None) -> "KVTransferHooks | None":
+    if config is None or config.role == "both":
+        return None
+    return KVTransferHooks(engine, config)
+
+
+class KVTransferHooks:
+    def __init__(self, engine, config: KVTransferConfig):
+        self.engine = engine
+        self.config = config
+        self.connector = KV_CONNECTORS.create(config.connector, config)
+        self.num_pages = engine.cache_config.num_pages
+        self.num_slots = max(engine.cache_config.num_state_slots, 2)
+        self.conv_perm = conv_permutation(engine.model)
+        self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots))
+        self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
+        self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
+        self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
+        self._errors: list[RequestOutput] = []
+        self.num_fallbacks = 0
+        self.num_errors = 0
+
+    # ---- prefill role ----------------------------------------------------------------------
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        params = request.kv_transfer_params
+        if not params:
+            return request
+        if not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if params.get("do_remote_prefill"):
+            if self.config.role != "decode":
+                raise ValueError("kv_transfer_params.do_remote_prefill: this instance's role is "
+                                 f"{self.config.role!r}, not decode")
+            return request
+        if not params.get("do_remote_decode"):
+            raise ValueError("kv_transfer_params must set do_remote_decode (to a prefill instance) or "
+                             "do_remote_prefill (to a decode instance)")
+        if self.config.role != "prefill":
+            raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
+                             "not prefill")
+        prompt = list(request.prompt_token_ids)
+        if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
+            return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                 priority=request.priority, arrival_time=request.arrival_time)
+        return EngineRequest(request.request_id, prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0),
+                             priority=request.priority, arrival_time=request.arrival_time,
+                             kv_transfer_params={OFFER: True})
+
+    def capture(self, caches, out) -> None:
+        for seq in out.sequences:
+            if seq.sample and seq.request_id in self._offering:
+                req = seq.request
+                self._offering[seq.request_id] = gather_request_state(
+                    caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
+                    num_tokens=seq.start_position + seq.num_new_tokens, block_table=seq.block_table,
+                    state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
+                    num_slots=self.num_slots, conv_perm=self.conv_perm)
+
+    def finished(self, req: Request) -> dict | None:
+        """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
+        self._staged.pop(req.request_id, None)
+        captured = self._offering.pop(req.request_id, None)
+        if captured is None or req.finish_reason in ("abort", "error"):  # fail closed
+            return None
+        return {"do_remote_prefill": True, **self.connector.offer(*captured)}
+
+    # ---- decode role -----------------------------------------------------------------------
+    def park(self, req: Request, params: dict | None) -> bool:
+        """True if `req` now waits for a pull (the engine must not schedule it yet)."""
+        if params and params.get(OFFER):  # prefill role: offer its state once computed
+            self.engine.scheduler._check_fits(req)  # registered only once it cannot be refused
+            self._offering[req.request_id] = None
+            return False
+        if not params or not params.get("do_remote_prefill"):
+            return False
+        self.engine.scheduler._check_fits(req)  # refuse now what the scheduler would refuse later
+        try:
+            desc = params.get("descriptor")
+            check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
+            expected_arrays(desc, self.engine.model.cfg)
+            self.connector.start_pull(req.request_id, params, desc, pull_specs(desc))
+        except TransferError as err:
+            if self.config.on_pull_failure == "error":
+                self.num_errors += 1
+                raise ValueError(f"kv_transfer_params: {err}") from None
+            self._failed(req, str(err), in_engine=False)
+            return False
+        self._parked[req.request_id] = (req, desc)
+        return True
+
+    def poll(self) -> list[RequestOutput]:
+        for result in self.connector.poll():
+            entry = self._parked.pop(result.key, None)
+            if entry is None:
+                continue  # cancelled meanwhile
+            req, desc = entry
+            if result.arrays is None:
+                self._failed(req, result.error, in_engine=True)
+                continue
+            req.num_external_tokens = desc["num_tokens"]
+            self._staged[req.request_id] = (result.arrays, desc)
+            self.engine.scheduler.add_request(req)
+        errors, self._errors = self._errors, []
+        if self._parked and not self.engine.scheduler.has_unfinished():
+            time.sleep(IDLE_WAIT_S)  # only pulls in flight: don't spin
+        return errors
+
+    def _failed(self, req: Request, reason: str, *, in_engine: bool) -> None:
+        log.warning("request %s: kv transfer failed (%s); %s", req.request_id, reason,
+                    "prefilling locally" if self.config.on_pull_failure == "recompute" else "failing it")
+        if self.config.on_pull_failure == "recompute":
+            self.num_fallbacks += 1
+            if in_engine:
+                self.engine.scheduler.add_request(req)
+            return
+        self.num_errors += 1
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        output = self.engine._output(req, finished=True)
+        output.error = f"kv transfer failed: {reason}"
+        self._errors.append(output)
+
+    def load(self, caches, out):
+        """Write pulled state into the pages/slot of requests admitted this step."""
+        for req in out.external_loads:
+            arrays, desc = self._staged.pop(req.request_id)
+            caches = write_request_state(
+                caches, arrays, desc, block_table=req.block_table, state_slot=req.state_slot,
+                page_size=self.engine.config.page_size, num_pages=self.num_pages, num_slots=self.num_slots,
+                opts=self.engine.opts, conv_perm=self.conv_perm)
+        for seq in out.sequences:
+            self._staged.pop(seq.request_id, None)  # admitted with a better local prefix hit
+        return caches
+
+    def abort_parked(self, request_id: str) -> Request | None:
+        entry = self._parked.pop(request_id, None)
+        if entry is None:
+            return None
+        self.connector.cancel(request_id)
+        req = entry[0]
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        return req
+
+    # ---- both ------------------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        return bool(self._parked or self._errors)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.connector.stats(), "kv_transfer_fallbacks": self.num_fallbacks,
+                "kv_transfer_errors": self.num_errors, "kv_transfer_requests_pulling": len(self._parked)}
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+__all__ = ["KVTransferHooks", "build_kv_transfer"]

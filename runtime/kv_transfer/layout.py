@@ -1,0 +1,186 @@
+"""Gather one request's KV pages + GDN state out of the caches; write them into another layout.
+
+Prefill side: `gather_request_state` -> a flat list of single-device arrays (the descriptor's
+`arrays`, in order). Decode side: `expected_arrays` re-derives that list from the descriptor and
+this model (any difference is a TransferError), and `write_request_state` maps the prefill
+side's pages onto this engine's block table token by token, through the model's own KV write
+op: so the decode side's page size, KV dtype (FP8: quantized with this side's per-page scales,
+exactly as a one-chunk prefill would) and tensor-parallel sharding all apply, whatever the
+prefill side used. Page and token counts are padded to powers of two (one compile per size).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import ops
+from models.config import ATTENTION
+from models.sharding import qkv_permutation
+from runtime.kv_transfer.base import TransferError
+from runtime.kv_transfer.descriptor import build_descriptor, model_signature
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _bits(dtype) -> jnp.dtype:
+    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize])
+
+
+def _to_wire(x, dtype):
+    """Values of logical `dtype` as sent: raw bits for anything narrower than float32 (the
+    transfer server moves plain integer buffers for bf16 / FP8 alike)."""
+    return x if jnp.dtype(dtype) == jnp.float32 else jax.lax.bitcast_convert_type(x, _bits(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "num_slots"))
+def _gather(caches, pages, slot, *, num_pages: int, num_slots: int):
+    out = []
+    for kv, conv, rec in zip(caches["kv"], caches["conv"], caches["rec"]):
+        if kv is not None:
+            G = kv.k.shape[0] // num_pages
+            idx = (jnp.arange(G)[:, None] * num_pages + pages[None]).reshape(-1)  # [G*n]
+            out += [_to_wire(kv.load(kv.k[idx]), kv.dtype), _to_wire(kv.load(kv.v[idx]), kv.dtype)]
+            if kv.k_scale is not None:
+                out += [kv.k_scale[idx], kv.v_scale[idx]]
+        else:
+            G = rec.shape[0] // num_slots
+            idx = jnp.arange(G) * num_slots + slot
+            out += [conv[idx], rec[idx]]
+    return out
+
+
+def _names(caches) -> list[str]:
+    names = []
+    for j, kv in enumerate(caches["kv"]):
+        if kv is not None:
+            names += [f"kv{j}.k", f"kv{j}.v"] + ([f"kv{j}.k_scale", f"kv{j}.v_scale"] if kv.k_scale is not None else [])
+        else:
+            names += [f"conv{j}", f"rec{j}"]
+    return names
+
+
+def conv_permutation(model) -> np.ndarray | None:
+    """The conv-state channel order of a GDN-split TP engine (models/sharding.py), or None."""
+    tp = model.tp
+    if tp is None or not tp.gdn:
+        return None
+    return qkv_permutation(tp.gdn_qkv_widths, tp.size)
+
+
+def _reorder_conv(arrays: list, names: list[str], order: np.ndarray | None) -> list:
+    if order is None:
+        return arrays
+    return [a[..., order] if name.startswith("conv") else a for a, name in zip(arrays, names)]
+
+
+def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, block_table, state_slot: int,
+                         page_size: int, num_pages: int, num_slots: int,
+                         conv_perm: np.ndarray | None = None) -> tuple[list, dict]:
+    """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
+    The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
+    undone)."""
+    n = _pow2(-(-num_tokens // page_size))
+    pages = np.zeros(n, np.int32)
+    used = list(block_table)[:-(-num_tokens // page_size)]
+    pages[:len(used)] = used
+    arrays = _gather(caches, jnp.asarray(pages), jnp.int32(state_slot), num_pages=num_pages, num_slots=num_slots)
+    device = jax.devices()[0]  # TP bridging: the wire format is unsharded
+    arrays = [jax.device_put(a, device) for a in arrays]
+    arrays = _reorder_conv(arrays, _names(caches), None if conv_perm is None else np.argsort(conv_perm))
+    kv = next((x for x in caches["kv"] if x is not None), None)
+    kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
+    G = model_groups(caches, num_pages, num_slots)
+    entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
+    desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, page_size=page_size,
+                            num_pages=n, kv_dtype=kv_dtype, kv_wire="values" if kv_dtype == "float32" else "bits",
+                            signature=model_signature(cfg, G), arrays=entries)
+    return arrays, desc
+
+
+def model_groups(caches, num_pages: int, num_slots: int) -> int:
+    for kv, rec in zip(caches["kv"], caches["rec"]):
+        return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
+    return 1
+
+
+def expected_arrays(desc: dict, cfg) -> list[list]:
+    """The [name, shape, dtype] list a descriptor must carry for this model (TransferError if not)."""
+    sig, n, ps = desc["model"], desc["num_pages"], desc["page_size"]
+    G = sig["num_groups"]
+    try:
+        kv_dtype = jnp.dtype(desc["kv_dtype"])
+    except TypeError:
+        raise TransferError(f"unknown kv_dtype {desc['kv_dtype']!r}") from None
+    wire = kv_dtype.name if kv_dtype == jnp.float32 else _bits(kv_dtype).name
+    want = []
+    for j, kind in enumerate(sig["layer_types"]):
+        if kind == ATTENTION:
+            page = [G * n, cfg.num_kv_heads, ps, cfg.head_dim]
+            want += [[f"kv{j}.k", page, wire], [f"kv{j}.v", page, wire]]
+            if kv_dtype.itemsize == 1:
+                want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
+        else:
+            want += [[f"conv{j}", [G] + sig["conv"], "float32"], [f"rec{j}", [G] + sig["rec"], "float32"]]
+    if desc["arrays"] != want:
+        raise TransferError(f"descriptor arrays {desc['arrays']} differ from what this model expects {want}")
+    return want
+
+
+def pull_specs(desc: dict) -> list:
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding) for _, shape, dtype in desc["arrays"]]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,),
+                   static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts"))
+def _write(caches, arrays, slot_mapping, slot, *, src_page_size: int, kv_dtype: str, num_tokens_pad: int,
+           num_slots: int, opts):
+    arrays = list(arrays)
+    kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
+    logical = jnp.dtype(kv_dtype)
+    for j, kv in enumerate(caches["kv"]):
+        if kv is None:
+            conv, rec = arrays.pop(0), arrays.pop(0)
+            G = conv.shape[0]
+            idx = jnp.arange(G) * num_slots + slot
+            conv_out[j] = caches["conv"][j].at[idx].set(conv)
+            rec_out[j] = caches["rec"][j].at[idx].set(rec)
+            continue
+        k, v = arrays.pop(0), arrays.pop(0)
+        scales = (arrays.pop(0), arrays.pop(0)) if logical.itemsize == 1 else (None, None)
+        tokens = []
+        for x, scale in zip((k, v), scales):
+            if x.dtype != logical:
+                x = jax.lax.bitcast_convert_type(x, logical)
+            x = x.astype(jnp.float32)
+            if scale is not None:
+                x = x * scale[:, :, None, None]
+            Gn, H, ps, D = x.shape
+            G = slot_mapping.shape[0] // num_tokens_pad
+            x = x.reshape(G, Gn // G, H, ps, D).transpose(0, 1, 3, 2, 4).reshape(G, -1, H, D)  # [G, n*ps, H, D]
+            tokens.append(x[:, :num_tokens_pad].reshape(G * num_tokens_pad, H, D))
+        kv_out[j] = ops.write_kv(kv, tokens[0], tokens[1], slot_mapping, opts)
+    return {"kv": tuple(kv_out), "conv": tuple(conv_out), "rec": tuple(rec_out)}
+
+
+def write_request_state(caches, arrays: list, desc: dict, *, block_table, state_slot: int, page_size: int,
+                        num_pages: int, num_slots: int, opts, conv_perm: np.ndarray | None = None) -> dict:
+    """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches."""
+    arrays = _reorder_conv(arrays, [name for name, _, _ in desc["arrays"]], conv_perm)
+    K, G = desc["num_tokens"], desc["model"]["num_groups"]
+    T = _pow2(K)
+    t = np.arange(T)
+    bt = np.asarray(list(block_table) + [0], np.int64)
+    local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size          # [T]
+    group_offset = (np.arange(G) * num_pages * page_size)[:, None]                           # [G, 1]
+    slots = np.where(t[None] < K, group_offset + local[None], -1).astype(np.int32).reshape(-1)
+    return _write(caches, tuple(arrays), jnp.asarray(slots), jnp.int32(state_slot),
+                  src_page_size=desc["page_size"], kv_dtype=desc["kv_dtype"], num_tokens_pad=T,
+                  num_slots=num_slots, opts=opts)

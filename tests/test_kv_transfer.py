@@ -1,0 +1,238 @@
+"""The registry, the connector interface (through an installed plugin), and P/D inside one process.
+
+A tiny plugin distribution is installed into a temp directory on sys.path (a dist-info with an
+entry point in the `jaxserve.plugins` group); its in-process connector then carries requests
+between a prefill-role and a decode-role engine without any change to the engine. The same two
+engines check the decode side's own layout (page 16 -> 32, FP8 KV), its failure modes (error
+instead of local prefill; a pull refused) and a decode instance short of pages. References: a
+colocated engine with the decode side's configuration, and HF for that engine (test_engine_hf).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from engine_testing import drain
+
+from runtime.engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
+from runtime.kv_transfer.leases import Lease, LeaseTable
+from runtime.registry import Registry
+from runtime.types import EngineRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+PLUGIN = '''
+"""A test double transport: offered arrays wait in a module dict, a pull takes them (once)."""
+import itertools
+
+import jax
+
+from runtime.kv_transfer.base import KVConnector, PullResult
+
+STORE = {}
+_ids = itertools.count(1)
+
+
+class InProcessConnector(KVConnector):
+    def __init__(self, config):
+        super().__init__(config)
+        self._done = []
+
+    def offer(self, arrays, descriptor):
+        transfer_id = str(next(_ids))
+        STORE[transfer_id] = arrays
+        return {"transfer_id": transfer_id, "descriptor": descriptor}
+
+    def start_pull(self, key, params, descriptor, specs):
+        arrays = STORE.pop(params.get("transfer_id"), None)
+        if arrays is None:
+            self._done.append(PullResult(key, error="unknown or already pulled transfer id"))
+        else:
+            self._done.append(PullResult(key, arrays=[jax.device_put(a, s.sharding) for a, s in zip(arrays, specs)]))
+
+    def poll(self):
+        done, self._done = self._done, []
+        return done
+
+    def cancel(self, key):
+        pass
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    """Install `jaxserve_test_plugin` (module + dist-info with its entry point) on sys.path."""
+    root = tmp_path_factory.mktemp("site")
+    (root / "jaxserve_test_plugin.py").write_text(PLUGIN)
+    info = root / "jaxserve_test_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: jaxserve-test-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+        [jaxserve.plugins]
+        kv_connector.inproc = jaxserve_test_plugin:InProcessConnector
+        """))
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    yield "inproc"
+    sys.path.remove(str(root))
+    sys.modules.pop("jaxserve_test_plugin", None)
+
+
+def test_registry_is_lazy_and_names_what_it_knows():
+    registry = Registry("widget")
+    registry.register("json", "json:dumps")
+    registry.register("local", lambda: 42)
+    assert registry.names() == ["json", "local"]
+    assert registry.create("local") == 42
+    assert registry.get("json")({"a": 1}) == '{"a": 1}'
+    with pytest.raises(KeyError, match=r"unknown widget 'nope'; known: \['json', 'local'\]"):
+        registry.get("nope")
+    with pytest.raises(ValueError, match="module:attribute"):
+        registry.register("bad", "no_colon")
+    sys.modules.pop("jaxserve_lazy_probe", None)
+    registry.register("probe", "jaxserve_lazy_probe:thing")  # not importable: fine until used
+    with pytest.raises(ModuleNotFoundError):
+        registry.get("probe")
+
+
+def test_plugin_entry_point_joins_the_connector_registry(plugin):
+    assert plugin in KV_CONNECTORS.names() and "jax_transfer" in KV_CONNECTORS.names()
+    assert KV_CONNECTORS.get(plugin).__module__ == "jaxserve_test_plugin"
+
+
+def _config(path, **kw) -> EngineConfig:
+    base = dict(model=str(path), dtype="float32", page_size=16, num_pages=64, max_num_seqs=4,
+                max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
+    return EngineConfig(**{**base, **kw})
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    return [[int(t) for t in rng.integers(3, 500, n)] for n in (1, 15, 16, 17, 40, 70)]
+
+
+def _run(engine, prompt, params=None, rid="r"):
+    engine.add_request(EngineRequest(rid, prompt, GREEDY, kv_transfer_params=params))
+    return drain(engine)[rid]
+
+
+def _all_free(engine):
+    s = engine.stats()
+    assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
+    assert s["slots_free"] + s["slots_cached"] == s["slots_total"], s
+    assert s.get("kv_transfer_requests_pulling", 0) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_plugin_connector_carries_state_into_larger_pages(plugin, tiny_checkpoint, family):
+    """Page 16 on prefill, 32 on decode (the hybrid also runs end to end in test_disagg)."""
+    path = tiny_checkpoint(family)
+    prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, page_size=32, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    colocated = LLMEngine(_config(path, page_size=32))
+    for i, prompt in enumerate(_prompts()[:1] + _prompts()[3:5]):
+        want = _run(colocated, prompt).outputs[0].token_ids
+        params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
+        assert (params is None) == (len(prompt) == 1)
+        assert _run(decode, prompt, params).outputs[0].token_ids == want, f"prompt {i} (len {len(prompt)})"
+    assert _run(decode, prompt, params).outputs[0].token_ids == want  # replayed: refused, prefilled locally
+    assert decode.stats()["kv_transfer_fallbacks"] == 1
+    for engine in (prefill, decode):
+        _all_free(engine)
+
+
+def test_fp8_decode_side_quantizes_with_its_own_scales(plugin, tiny_checkpoint):
+    """float32 KV on prefill, fp8_e4m3 on decode: the received pages are quantized by the decode
+    side's own KV write (its per-page scales), so the first layer's pages equal a colocated FP8
+    engine's up to float32 rounding of K/V themselves (the two computed them in different batch
+    shapes: scales within 1e-6, < 1% of FP8 codes one step apart). Deeper layers differ by
+    design: a colocated FP8 engine computed their
+    K/V from attention over FP8 pages, the prefill instance over float32 ones; token equality
+    with a colocated FP8 engine needs FP8 on the prefill side too (docs/disaggregation.md)."""
+    path = tiny_checkpoint("llama")
+    prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", max_num_seqs=1,
+                               kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    colocated = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", max_num_seqs=1))
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 33)]
+    params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
+    assert params["descriptor"]["kv_dtype"] == "float32"
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    decode.add_request(EngineRequest("d", prompt, one, kv_transfer_params=params))
+    colocated.add_request(EngineRequest("c", prompt, one))
+    drain(decode), drain(colocated)
+    pages = 64  # num_pages per layer: layer 0 owns pages [0, 64) of the stacked pool
+    got, want = decode.caches["kv"][0], colocated.caches["kv"][0]
+    for name in ("k_scale", "v_scale"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)[:pages]), np.asarray(getattr(want, name)[:pages]),
+                                   rtol=1e-6, err_msg=name)
+    for name in ("k", "v"):
+        a, b = (np.asarray(x.load(getattr(x, name)[:pages]).astype(np.float32)) for x in (got, want))
+        assert np.abs(b).max() > 0 and np.mean(a != b) < 0.01, name
+        np.testing.assert_allclose(a, b, rtol=0.07, atol=0, err_msg=name)  # at most one e4m3 step (2^-3)
+    _all_free(decode)
+
+
+def test_on_pull_failure_error_answers_with_an_error(plugin, tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="decode", connector=plugin,
+                                                                  on_pull_failure="error")))
+    prompt = _prompts()[3]
+    params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
+    assert _run(decode, prompt, params).error is None
+    replayed = _run(decode, prompt, params)
+    assert replayed.finished and "kv transfer failed: unknown or already pulled" in replayed.error
+    with pytest.raises(ValueError, match="token digest"):
+        _run(decode, _prompts()[2] + [7], params)
+    with pytest.raises(ValueError, match="role is 'decode', not prefill"):
+        _run(decode, prompt, {"do_remote_decode": True})
+    assert decode.stats()["kv_transfer_errors"] == 2
+    _all_free(decode)
+
+
+def test_decode_short_of_pages_queues_pulled_requests(plugin, tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, num_pages=9, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    colocated = LLMEngine(_config(path))
+    prompts = [p for p in _prompts() if len(p) >= 40] * 2
+    params = [_run(prefill, p, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params
+              for i, p in enumerate(prompts)]
+    for i, (p, t) in enumerate(zip(prompts, params)):
+        decode.add_request(EngineRequest(f"d{i}", p, GREEDY, kv_transfer_params=t))
+    done = drain(decode)
+    for i, p in enumerate(prompts):
+        assert done[f"d{i}"].outputs[0].token_ids == _run(colocated, p, rid=f"c{i}").outputs[0].token_ids
+    assert decode.stats()["kv_transfer_fallbacks"] == 0
+    _all_free(decode)
+
+
+def test_lease_table_is_one_shot_and_expires():
+    now = [0.0]
+    table = LeaseTable(lease_s=10, clock=lambda: now[0])
+    table.add(Lease("a", None, 2, 1, 100, table.new_deadline()))
+    table.add(Lease("b", None, 3, 0, 50, table.new_deadline()))
+    assert table.held() == (2, 5, 1, 150)
+    assert table.claim("a", pull_timeout_s=30) is not None
+    assert table.claim("a", pull_timeout_s=30) is None  # replay
+    assert table.claim("zzz", pull_timeout_s=30) is None
+    now[0] = 11.0
+    assert [x.transfer_id for x in table.pop_expired()] == ["b"]  # "a" is claimed: 30 s to pull
+    assert table.claim("b", pull_timeout_s=30) is None
+    assert table.release("a") is not None and table.held() == (0, 0, 0, 0)
+
+
+def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
+    prefill = LLMEngine(_config(tiny_checkpoint("llama"), kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        prefill.add_request(EngineRequest("long", [5] * 300, GREEDY, kv_transfer_params={"do_remote_decode": True}))
+    with pytest.raises(ValueError, match="do_remote_decode"):
+        prefill.add_request(EngineRequest("forged", [5] * 8, GREEDY, kv_transfer_params={"_offer": True}))
+    assert not prefill.kv_transfer._offering and not prefill.has_unfinished()
