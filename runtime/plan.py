@@ -207,9 +207,9 @@ def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
 
 
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
-    fraction = launch.cache.effective_memory_fraction
     if launch.cache.num_pages is not None:
         return launch.cache.num_pages, []
+    fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_client.py)
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
     if budget < 2 * per_page:
@@ -345,7 +345,7 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     return PlanReport(config_name, Path(launch.model.path).name, chip, par.mesh.num_devices, processes,
                       (par.mesh.data, par.mesh.model), param_count, weights_device, kv_device, num_pages, page_size,
                       per_token_device, state_device, slots, sched.max_num_seqs, max_model_len,
-                      cache.effective_memory_fraction or 0.0, steps, problems)
+                      0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9, steps, problems)
 
 
 def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
