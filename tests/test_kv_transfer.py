@@ -200,7 +200,7 @@ def test_on_pull_failure_error_answers_with_an_error(plugin, tiny_checkpoint):
 def test_decode_short_of_pages_queues_pulled_requests(plugin, tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(path, num_pages=9, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    decode = LLMEngine(_config(path, num_pages=9, max_model_len=128, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
     colocated = LLMEngine(_config(path))
     prompts = [p for p in _prompts() if len(p) >= 40] * 2
     params = [_run(prefill, p, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params
@@ -231,7 +231,7 @@ def test_lease_table_is_one_shot_and_expires():
 
 def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
     prefill = LLMEngine(_config(tiny_checkpoint("llama"), kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length"):
         prefill.add_request(EngineRequest("long", [5] * 300, GREEDY, kv_transfer_params={"do_remote_decode": True}))
     with pytest.raises(ValueError, match="do_remote_decode"):
         prefill.add_request(EngineRequest("forged", [5] * 8, GREEDY, kv_transfer_params={"_offer": True}))
