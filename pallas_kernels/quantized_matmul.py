@@ -141,6 +141,17 @@ def _tpu_kernel(x_ref, q_ref, s_ref, *rest, bits, group_size, has_offset, num_k)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def _padded_operands(x, q, scale, offset, *, bits, block_m, block_n, block_k):
+  """4-bit activations reordered to the packed codes' even/odd halves; M padded to block_m and
+  the weight columns (codes, scales, offsets) to block_n."""
+  if bits == 4:
+    x = _even_odd_blocks(x, block_k)
+  x = _pad_to(x, 0, block_m)
+  q, scale = _pad_to(q, 1, block_n), _pad_to(scale, 1, block_n)
+  offset = None if offset is None else _pad_to(offset, 1, block_n)
+  return x, q, scale, offset
+
+
 def _tpu_call(x, q, scale, offset, *, bits, group_size, block_m, block_n, block_k, interpret):
   m, k = x.shape
   n = q.shape[1]
@@ -148,11 +159,8 @@ def _tpu_call(x, q, scale, offset, *, bits, group_size, block_m, block_n, block_
   block_k = min(block_k, k)
   if k % block_k or (group_size and block_k % group_size):
     raise ValueError(f"block_k={block_k} must divide K={k} and be a multiple of group_size={group_size}")
-  if bits == 4:
-    x = _even_odd_blocks(x, block_k)
-  x = _pad_to(x, 0, block_m)
-  q, scale = _pad_to(q, 1, block_n), _pad_to(scale, 1, block_n)
-  offset = None if offset is None else _pad_to(offset, 1, block_n)
+  x, q, scale, offset = _padded_operands(x, q, scale, offset, bits=bits, block_m=block_m, block_n=block_n,
+                                         block_k=block_k)
   mp, np_ = x.shape[0], q.shape[1]
   num_k = k // block_k
   in_specs = [pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
@@ -229,11 +237,8 @@ def _gpu_call(x, q, scale, offset, *, bits, group_size, block_m, block_n, block_
       raise ValueError(f"{name}={size} must be a power of two >= 16 for the Triton kernel")
   if k % block_k:
     raise ValueError(f"block_k={block_k} must divide K={k}")
-  if bits == 4:
-    x = _even_odd_blocks(x, block_k)
-  x = _pad_to(x, 0, block_m)
-  q, scale = _pad_to(q, 1, block_n), _pad_to(scale, 1, block_n)
-  offset = None if offset is None else _pad_to(offset, 1, block_n)
+  x, q, scale, offset = _padded_operands(x, q, scale, offset, bits=bits, block_m=block_m, block_n=block_n,
+                                         block_k=block_k)
   mp, np_ = x.shape[0], q.shape[1]
   operands = [x, q, scale] + ([offset] if offset is not None else [])
   in_specs = [pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
