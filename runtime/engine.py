@@ -125,7 +125,7 @@ class LLMEngine:
         qcfg = config.quantization_config()
         # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
         self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh,
-                                         quantization=qcfg)
+                                         quantization=qcfg, keep_gguf_quantized=config.keep_gguf_quantized)
         if model is not None and qcfg is not None and not model.quantization:
             model.quantize(qcfg)
         if jax.default_backend() == "cpu" and self.model.dtype != "float32":

@@ -177,6 +177,7 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         quantization=config.model.quantization, quantization_group_size=config.model.quantization_group_size,
         quantization_keep_float=(tuple(config.model.quantization_keep_float)
                                  if config.model.quantization_keep_float is not None else None),
+        keep_gguf_quantized=config.model.keep_gguf_quantized,
         kv_transfer=KVTransferConfig(role=parallel.role, **config.kv_transfer.model_dump()))
 
 

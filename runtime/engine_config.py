@@ -43,6 +43,7 @@ class EngineConfig:
     quantization: str | None = None  # online weight quantization (models/quantization.py SCHEMES); None: as stored
     quantization_group_size: int = 128  # int4 schemes
     quantization_keep_float: tuple[str, ...] | None = None  # module-path globs kept in float; None: the defaults
+    keep_gguf_quantized: bool = True  # GGUF Q4_0 / Q4_1 / Q8_0 blocks stay quantized (False: dequantize at load)
     kv_transfer: Any = None  # runtime.kv_transfer.KVTransferConfig (P/D role); None: role both
 
     def __post_init__(self):

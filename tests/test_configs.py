@@ -123,6 +123,8 @@ def test_kernels_step_options_reach_the_engine_config():
     assert (default.layer_loop, default.fuse_greedy) == ("auto", None)
     cfg = engine_config_from_launch(config_from_dict({"kernels": {"layer_loop": "scan", "fuse_greedy": False}}), "m")
     assert (cfg.layer_loop, cfg.fuse_greedy) == ("scan", False)
+    assert default.keep_gguf_quantized
+    assert not engine_config_from_launch(config_from_dict({"model": {"keep_gguf_quantized": False}}), "m").keep_gguf_quantized
 
 
 @pytest.mark.parametrize("stem", ["gpu-h200-qwen3_5-9b", "tpu-v5e-8-qwen3_5-27b"])
