@@ -46,7 +46,7 @@ class ModelConfig(_Section):
     quantization_group_size: Literal[32, 64, 128] = 128  # int4 schemes
     quantization_keep_float: list[str] | None = None  # module-path globs kept in float; None: the defaults
     # GGUF Q4_0 / Q4_1 / Q8_0 blocks stay quantized (4-8x less memory). On CPU the quantized matmuls
-    # are ~5x slower (docs/quantization.md): false dequantizes them at load instead.
+    # decode 0.2-0.7x as fast (docs/quantization.md): false dequantizes them at load instead.
     keep_gguf_quantized: bool = True
 
 
