@@ -196,6 +196,6 @@ def test_launch_config_parallel_section():
     cfg = config_from_dict({"parallel": {"mesh": {"data": 2, "model": 4}}})
     assert engine_config_from_launch(cfg, "m").mesh_shape == (2, 4)
     assert engine_config_from_launch(config_from_dict({}), "m").mesh_shape is None
-    with pytest.raises(ValueError, match="prefill/decode disaggregation is not implemented yet"):
-        engine_config_from_launch(config_from_dict({"parallel": {"role": "prefill"}}), "m")
+    prefill = engine_config_from_launch(config_from_dict({"parallel": {"role": "prefill"}}), "m")
+    assert prefill.kv_transfer.role == "prefill"  # P/D (issue 12): the role reaches the engine
     assert initialize_multihost(cfg.parallel) is False  # no multihost section: nothing to start
