@@ -1,5 +1,8 @@
 """Driving an LLMEngine to completion in tests, checking the scheduler's accounting each step."""
 
+import asyncio
+import contextlib
+
 
 def drain(engine, check_invariants: bool = True) -> dict:
     """Step until nothing is left; -> {request_id: final RequestOutput}."""
@@ -40,3 +43,20 @@ class FailingStep:
             raise RuntimeError(f"injected failure in {name}")
 
         return failing
+
+
+@contextlib.contextmanager
+def live_engine_server(engine, model_name: str, max_waiting_requests: int):
+    """A real engine behind the HTTP server on a free loopback port; closed (server, then engine
+    thread) on exit, whatever happened."""
+    from configs.schema import ServerConfig
+    from runtime.engine_client import AsyncEngine
+    from server.testing import LiveServer
+
+    async_engine = AsyncEngine(engine, model_name)
+    live = LiveServer(async_engine, ServerConfig(max_waiting_requests=max_waiting_requests))
+    try:
+        yield live
+    finally:
+        live.close()
+        asyncio.run(async_engine.shutdown())

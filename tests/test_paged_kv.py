@@ -307,14 +307,19 @@ def test_per_path_cap_keeps_the_most_recent_checkpoints_of_a_path():
     assert cache.lookup_prefix(tokens[:6] + [99] * 8).num_tokens == 0  # the shallowest went first
 
 
+def roll_checkpoints(cache, request_id, tokens, boundaries):
+    """Admit `tokens` and save a rolling checkpoint at each boundary, as decode does."""
+    cache.allocate(request_id, tokens, len(tokens), cache.lookup_prefix(tokens))
+    for boundary in boundaries:
+        assert cache.reserve_checkpoint(request_id, tokens, boundary, rolling=True) is not None
+        cache.commit(request_id, tokens, boundary)
+        cache.check_invariants()
+    return tokens
+
+
 def test_rolling_decode_checkpoint_supersedes_the_previous_one():
     cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto")
-    tokens = list(range(1, 14))
-    cache.allocate("a", tokens, 13, cache.lookup_prefix(tokens))
-    for boundary in (4, 8, 12):
-        assert cache.reserve_checkpoint("a", tokens, boundary, rolling=True) is not None
-        cache.commit("a", tokens, boundary)
-        cache.check_invariants()
+    tokens = roll_checkpoints(cache, "a", list(range(1, 14)), (4, 8, 12))
     assert cache.stats()["slots_cached"] == 1 and cache.stats()["checkpoint_evictions"] == 0
     assert cache.lookup_prefix(tokens + [5]).num_tokens == 12
 
@@ -324,12 +329,7 @@ def test_rolling_checkpoint_at_the_budget_replaces_its_own_and_evicts_nobody():
                          num_checkpoint_slots=2)
     run_request(cache, "other", [50] * 9, checkpoint_at=(4,))
     cache.free("other")
-    tokens = list(range(1, 14))
-    cache.allocate("a", tokens, 13, cache.lookup_prefix(tokens))
-    for boundary in (4, 8, 12):
-        assert cache.reserve_checkpoint("a", tokens, boundary, rolling=True) is not None
-        cache.commit("a", tokens, boundary)
-        cache.check_invariants()
+    tokens = roll_checkpoints(cache, "a", list(range(1, 14)), (4, 8, 12))
     stats = cache.stats()
     assert stats["slots_cached"] == 2 and stats["checkpoint_evictions"] == 0
     assert cache.lookup_prefix([50] * 9).num_tokens == 4 and cache.lookup_prefix(tokens + [5]).num_tokens == 12

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from engine_testing import FailingStep
+from engine_testing import FailingStep, live_engine_server
 
 from configs.schema import ServerConfig
 from models import load_model
@@ -39,11 +39,8 @@ def model(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = AsyncEngine(_engine(model), "tiny-model")
-    live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
-    yield live
-    live.close()
-    asyncio.run(engine.shutdown())
+    with live_engine_server(_engine(model), "tiny-model", max_waiting_requests=256) as live:
+        yield live
 
 
 @pytest.fixture

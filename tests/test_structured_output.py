@@ -17,14 +17,12 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from engine_testing import live_engine_server
 from pydantic import BaseModel, Field
 
-from configs.schema import ServerConfig
 from models import load_model
 from runtime.engine import LLMEngine
-from runtime.engine_client import AsyncEngine
 from runtime.engine_config import EngineConfig
-from server.testing import LiveServer
 from tests.structured_cases import ADD_TOOL, TOOLS, WEATHER_TOOL, choice_lists, json_schemas, regexes
 
 FAMILY = "llama"
@@ -41,11 +39,8 @@ def engine(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    async_engine = AsyncEngine(engine, MODEL)
-    live = LiveServer(async_engine, ServerConfig(max_waiting_requests=1024))
-    yield live
-    live.close()
-    asyncio.run(async_engine.shutdown())
+    with live_engine_server(engine, MODEL, max_waiting_requests=1024) as live:
+        yield live
 
 
 @pytest.fixture
