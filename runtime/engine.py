@@ -340,9 +340,9 @@ class LLMEngine:
                         and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
-        scores = None
         if self.kv_transfer is not None:
             self.caches = self.kv_transfer.load(self.caches, out)
+        scores = None
         if plain_greedy:
             self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch)
         elif targets is not None:
