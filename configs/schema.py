@@ -125,6 +125,13 @@ class MultihostConfig(_Section):
     coordinator_address: str
     num_processes: int = Field(ge=1)
     process_id: int = Field(ge=0)
+    # Multi-process serving (runtime/multihost.py): process 0 sends its steps to the others over
+    # TCP on the coordinator's host at this port (null: the coordinator's port + 1).
+    step_port: int | None = Field(default=None, ge=1, le=65535)
+    heartbeat_timeout_s: float = Field(default=5.0, gt=0)  # a follower silent this long is lost
+    step_timeout_s: float = Field(default=600.0, gt=0)  # one executable call (first-use compiles included)
+    # Simulated CPU devices per process (`jax_num_cpu_devices`): several processes on one machine.
+    cpu_devices: int | None = Field(default=None, ge=1)
 
     @field_validator("coordinator_address")
     @classmethod
@@ -206,6 +213,9 @@ class ServerConfig(_Section):
     max_waiting_requests: int = Field(default=256, ge=1)  # 429 beyond this many queued requests
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # 413 beyond this
     drain_timeout_s: float = Field(default=30.0, ge=0.0)  # SIGTERM: wait this long for in-flight requests
+    # The engine died (e.g. a multi-host follower was lost): keep answering /health 503 this long
+    # before draining and exiting 1, so a load balancer or supervisor sees it.
+    unhealthy_linger_s: float = Field(default=0.0, ge=0.0)
     body_read_timeout_s: float = Field(default=30.0, gt=0.0)  # 408 when a request body trickles in slower
     chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
     trust_request_chat_template: bool = False  # allow clients' `chat_template` (vLLM's flag); off: 400

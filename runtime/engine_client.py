@@ -59,6 +59,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._stopped = threading.Event()
         self._death: BaseException | None = None  # why the loop thread died, if it did
+        self.shutdown_hooks: list = []  # called after the loop stopped (multi-process: stop the followers)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -97,7 +98,20 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+        # a dead engine's loop may be stuck in a collective with a lost process: do not wait long
+        await asyncio.to_thread(self._thread.join, 30 if self._death is None else 2)
+        for hook in self.shutdown_hooks:
+            hook()
+
+    def mark_dead(self, err: BaseException) -> None:
+        """From any thread: the engine can no longer serve (e.g. a multi-host follower was lost).
+        /health turns 503, new requests are refused, in-flight ones end with EngineDeadError."""
+        if self._death is None:
+            self._death = err
+        self._stopped.set()
+        self._commands.put(None)
+        for sink in list(self._sinks.values()):
+            sink.put(EngineDeadError(f"the engine is dead: {err}"))
 
     # ---- the loop -----------------------------------------------------------------------------
     def _handle(self, cmd) -> None:
@@ -161,6 +175,9 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     `mesh_shape` when it spans more than one device."""
     cache, sched, kernels, comp = config.cache, config.scheduler, config.kernels, config.compile
     parallel = config.parallel
+    if parallel.multihost is not None and parallel.multihost.num_processes > 1 and parallel.role != "both":
+        raise ValueError("multi-process serving (parallel.multihost) runs role: both only; "
+                         "P/D disaggregation across processes of one mesh is not built")
     initialize_multihost(parallel)
     mesh = parallel.mesh
     return EngineConfig(
@@ -195,4 +212,14 @@ def create_engine_client(config) -> AsyncEngine:
     engine = LLMEngine(engine_config_from_launch(config, str(path)), progress=True)
     log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0, name,
              engine.cache_config.num_pages, engine.config.page_size, list(engine.token_buckets))
+    multihost = config.parallel.multihost
+    if multihost is not None and multihost.num_processes > 1:  # runtime/multihost.py
+        from runtime.multihost import Follower, MultihostLeader
+
+        if multihost.process_id != 0:
+            return Follower(engine, multihost)  # server/runner.serve runs its `follow()`, no HTTP
+        leader = MultihostLeader.listen(multihost)
+        client = AsyncEngine(engine, config.model.served_model_name or name)
+        leader.attach(client)
+        return client
     return AsyncEngine(engine, config.model.served_model_name or name)

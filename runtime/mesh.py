@@ -19,6 +19,9 @@ from jax.sharding import AxisType, Mesh
 log = logging.getLogger("jaxserve.mesh")
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
+# jax.distributed.shutdown() is a barrier over all processes; a peer that died must not hold the
+# survivors for jax's default 5 minutes.
+SHUTDOWN_BARRIER_S = 30
 
 
 def make_mesh(data: int, model: int, devices=None) -> Mesh:
@@ -51,6 +54,11 @@ def initialize_multihost(cfg) -> bool:
         return False
     log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", multihost.coordinator_address,
              multihost.num_processes, multihost.process_id)
+    # Cross-process collectives on the CPU backend (ignored by TPU/GPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if getattr(multihost, "cpu_devices", None):
+        jax.config.update("jax_num_cpu_devices", multihost.cpu_devices)
     jax.distributed.initialize(coordinator_address=multihost.coordinator_address,
-                               num_processes=multihost.num_processes, process_id=multihost.process_id)
+                               num_processes=multihost.num_processes, process_id=multihost.process_id,
+                               shutdown_timeout_seconds=SHUTDOWN_BARRIER_S)
     return True

@@ -83,7 +83,7 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
             installed.append(sig)
     runner, host, port = await start_app(create_app(engine, server_config), server_config.host, server_config.port)
     logger.info("jaxserve ready at http://%s:%d (model %s)", host, port, engine.model_name)
-    watcher = asyncio.create_task(_stop_when_unhealthy(engine, stop))
+    watcher = asyncio.create_task(_stop_when_unhealthy(engine, stop, server_config.unhealthy_linger_s))
     try:
         await stop.wait()
     finally:
@@ -96,15 +96,25 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
     return exit_code
 
 
-async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, period_s: float = 0.2) -> None:
+async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, linger_s: float = 0.0,
+                               period_s: float = 0.2) -> None:
     while not stop.is_set():
         if not engine.is_healthy():
-            logger.error("the engine is no longer healthy: draining and exiting with status 1")
+            logger.error("the engine is no longer healthy: /health answers 503 for %.0f s, then draining and "
+                         "exiting with status 1", linger_s)
+            await asyncio.sleep(linger_s)  # let load balancers and operators see the 503
             stop.set()
             return
         await asyncio.sleep(period_s)
 
 
 def serve(engine: EngineClient, server_config: ServerConfig) -> int:
-    """Blocking entry point for the CLI: serve, drain on SIGTERM/SIGINT, return 0."""
+    """Blocking entry point for the CLI: serve, drain on SIGTERM/SIGINT, return 0.
+
+    A multi-host follower (processes 1..N-1, runtime/multihost.py) serves no HTTP: it replays
+    process 0's steps until process 0 stops it, and returns its exit code."""
+    follow = getattr(engine, "follow", None)
+    if follow is not None:
+        logger.info("multi-host follower: no HTTP server; following process 0's steps")
+        return follow()
     return asyncio.run(serve_async(engine, server_config))
