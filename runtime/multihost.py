@@ -50,7 +50,7 @@ log = logging.getLogger("jaxserve.multihost")
 HEARTBEAT_S = 0.5
 CONNECT_TIMEOUT_S = 600.0  # followers wait this long for the leader's step channel (it compiles first)
 SEND_TIMEOUT_S = 30.0
-EXIT_LEADER_LOST, EXIT_DIVERGED = 1, 3
+EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED = 1, 2, 3
 
 # method -> its argument names in order. params / caches / hidden are each process's own device
 # arrays; every other argument is a host value the leader sends.
@@ -92,8 +92,8 @@ def _describe(value, chunks: list[bytes], offset: list[int]):
     elif dataclasses.is_dataclass(value) and type(value).__name__ in _DATACLASSES:
         return {"dataclass": type(value).__name__,
                 "fields": {f.name: _describe(getattr(value, f.name), chunks, offset) for f in dataclasses.fields(value)}}
-    array = np.ascontiguousarray(np.asarray(value))
-    data = array.tobytes()
+    array = np.asarray(value)
+    data = array.tobytes()  # C order; keeps 0-d arrays 0-d (np.ascontiguousarray would not)
     chunks.append(data)
     offset[0] += len(data)
     return {"array": array.dtype.str, "shape": list(array.shape), "end": offset[0]}
@@ -363,20 +363,29 @@ class Follower:
         self.steps = 0
 
     def follow(self) -> int:
-        """Connect, replay steps; 0 after the stop frame, 1 if the leader went away, 3 on divergence."""
+        """Connect, replay steps until the stop frame, then leave the distributed runtime and
+        return 0. Leader gone (1), a failed step (2), divergence (3): close the channel (the
+        leader's watchdog sees it at once) and exit without the shutdown barrier."""
         sock = self._connect()
         threading.Thread(target=self._heartbeat, args=(sock,), name="jaxserve-heartbeat", daemon=True).start()
+        pid = self.multihost.process_id
         try:
             code = self._replay(sock)
         except DivergenceError as err:
-            log.critical("process %d diverged from the leader: %s", self.multihost.process_id, err)
-            return EXIT_DIVERGED
-        if code == 0:
-            import jax
+            log.critical("process %d diverged from the leader: %s", pid, err)
+            code = EXIT_DIVERGED
+        except Exception:  # noqa: BLE001 - this process can no longer follow: say so and leave
+            log.critical("process %d: step %d failed", pid, self.steps, exc_info=True)
+            code = EXIT_FAILED
+        log.info("follower %d: %d steps replayed, exit code %d", pid, self.steps, code)
+        if code != 0:
+            sock.close()
+            logging.shutdown()
+            os._exit(code)
+        import jax
 
-            jax.distributed.shutdown()
-        log.info("follower %d: %d steps replayed, exit code %d", self.multihost.process_id, self.steps, code)
-        return code
+        jax.distributed.shutdown()
+        return 0
 
     def _connect(self) -> socket.socket:
         host, port = step_address(self.multihost)
