@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDS = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
@@ -107,3 +110,140 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
         np.testing.assert_allclose(np.asarray(r["logits"]), expected_logits, atol=2e-5, rtol=1e-5)
         assert np.argmax(r["logits"], -1).tolist() == np.argmax(expected_logits, -1).tolist()
         assert r["greedy"] == expected_tokens
+
+
+# ---- multi-process serving: process 0 serves HTTP, process 1 follows (runtime/multihost.py) ----------
+SERVE_FAMILY = "llama"  # tiny dense Llama: 8-way TP splits its MLP, so every step all-reduces across processes
+SERVE_PROMPTS = ([5, 17, 300, 2, 999, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28])
+SERVE_TOKENS = 8
+HEALTH_TIMEOUT_S = 400  # start-up under a contended machine: jax import, load, shard (compiles come later)
+
+
+def _write_launch_yaml(tmp_path: Path, src: Path, cache_dir: Path) -> tuple[Path, int]:
+    """The shipped CPU multi-host config with this test's checkpoint, free ports and small buckets."""
+    import yaml
+
+    config = yaml.safe_load((REPO_ROOT / "configs" / "cpu-multihost-2x4.yaml").read_text())
+    http_port = _free_port()
+    config["model"]["path"] = str(src)
+    config["parallel"]["multihost"].update(coordinator_address=f"127.0.0.1:{_free_port()}", step_port=_free_port())
+    config["scheduler"].update(max_num_batched_tokens=32, token_buckets=[8, 32])
+    config["compile"].update(aot=False, cache_dir=str(cache_dir))  # the second launch reuses the first's compiles
+    config["kernels"]["fuse_greedy"] = False
+    config["server"].update(port=http_port, unhealthy_linger_s=3)
+    path = tmp_path / "multihost.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, http_port
+
+
+class _TwoProcessServer:
+    """`jaxserve serve` twice from one YAML (process ids 0 and 1); every child killed in `close()`."""
+
+    def __init__(self, tmp_path: Path, src: Path, cache_dir: Path, name: str):
+        config, self.port = _write_launch_yaml(tmp_path, src, cache_dir)
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+        self.logs = [tmp_path / f"{name}-p{pid}.log" for pid in range(2)]
+        self.procs: list[subprocess.Popen] = []
+        for pid, log_path in enumerate(self.logs):
+            with open(log_path, "w") as log_file:  # a file, not a pipe: a full pipe would stall the process
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "server.cli", "serve", "--config", str(config),
+                     "--set", f"parallel.multihost.process_id={pid}"],
+                    cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> int | None:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            return None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.health() != 200:
+            dead = [p.returncode for p in self.procs if p.poll() is not None]
+            assert not dead and time.monotonic() < deadline, f"not serving (exit codes {dead}):\n{self.tail()}"
+            time.sleep(0.5)
+
+    def wait_exit(self, pid: int, timeout_s: float) -> int:
+        try:
+            return self.procs[pid].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process {pid} still running after {timeout_s} s:\n{self.tail()}") from None
+
+    def tail(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- process {i}:\n{p.read_text()[-chars:]}" for i, p in enumerate(self.logs))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint, tmp_path):
+    """Process 0 serves the official client (plain, streaming, two at once, sampled with a seed)
+    with the single-process model's greedy tokens; both processes replay the same steps (the
+    leader checks each follower's token digest every step, so a divergence would turn /health
+    503); SIGTERM to process 0 stops both with exit code 0."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from models.model import load_model
+
+    src = tiny_checkpoint(SERVE_FAMILY)
+    ref = load_model(src)
+    tok = AutoTokenizer.from_pretrained(src)
+    expected = [tok.decode(ref.greedy(p, SERVE_TOKENS)) for p in SERVE_PROMPTS]
+    server = _TwoProcessServer(tmp_path, src, tmp_path / "xla", "serve")
+    try:
+        server.wait_healthy(HEALTH_TIMEOUT_S)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        kw = dict(model=model, max_tokens=SERVE_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(prompt=SERVE_PROMPTS[0], **kw).choices[0].text == expected[0]
+        stream = client.completions.create(prompt=SERVE_PROMPTS[1], stream=True, **kw)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == expected[1]
+        both = client.completions.create(prompt=list(SERVE_PROMPTS), **kw)  # one batch, two sequences
+        assert sorted((c.index, c.text) for c in both.choices) == list(enumerate(expected))
+        sampled = dict(model=model, prompt=SERVE_PROMPTS[0], max_tokens=SERVE_TOKENS, temperature=0.9, seed=7)
+        assert client.completions.create(**sampled).choices[0].text == client.completions.create(**sampled).choices[0].text
+        assert server.health() == 200, server.tail()  # no lost follower, no divergence
+        server.procs[0].send_signal(signal.SIGTERM)
+        assert server.wait_exit(0, 60) == 0, server.tail()
+        assert server.wait_exit(1, 60) == 0, server.tail()
+    finally:
+        server.close()
+
+
+def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tmp_path):
+    """kill -9 of process 1: process 0 answers /health 503 within a few seconds (not a hang in a
+    collective), fails the request in flight, then exits non-zero."""
+    import openai
+
+    server = _TwoProcessServer(tmp_path, tiny_checkpoint(SERVE_FAMILY), tmp_path / "xla", "kill")
+    try:
+        server.wait_healthy(HEALTH_TIMEOUT_S)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt=SERVE_PROMPTS[0], max_tokens=2, temperature=0)  # steps flow
+        stream = client.completions.create(model=model, prompt=SERVE_PROMPTS[1], max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))  # a request in flight
+        server.procs[1].kill()
+        killed_at = time.monotonic()
+        while server.health() != 503:
+            assert time.monotonic() - killed_at < 10, f"/health is {server.health()}:\n{server.tail()}"
+            time.sleep(0.1)
+        with pytest.raises(openai.APIError):  # the request in flight ends with an error, not a hang
+            for _ in stream:
+                pass
+        assert server.wait_exit(0, 60) != 0, server.tail()
+    finally:
+        server.close()
