@@ -144,11 +144,12 @@ def read_frame(sock: socket.socket) -> tuple[dict, bytes] | None:
     size = _recv_exact(sock, 4)
     if size is None:
         return None
-    header = json.loads(_recv_exact(sock, struct.unpack(">I", size)[0]) or b"null")
-    body = _recv_exact(sock, header["body"]) if header["body"] else b""
-    if body is None:
+    raw = _recv_exact(sock, struct.unpack(">I", size)[0])
+    if raw is None:
         return None
-    return header, body
+    header = json.loads(raw)
+    body = _recv_exact(sock, header["body"]) if header["body"] else b""
+    return None if body is None else (header, body)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:

@@ -187,7 +187,13 @@ class _TwoProcessServer:
                 p.wait(timeout=30)
 
 
-def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """One persistent compilation cache for both launches: the second compiles nothing."""
+    return tmp_path_factory.mktemp("xla")
+
+
+def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint, tmp_path, xla_cache):
     """Process 0 serves the official client (plain, streaming, two at once, sampled with a seed)
     with the single-process model's greedy tokens; both processes replay the same steps (the
     leader checks each follower's token digest every step, so a divergence would turn /health
@@ -201,7 +207,7 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
     ref = load_model(src)
     tok = AutoTokenizer.from_pretrained(src)
     expected = [tok.decode(ref.greedy(p, SERVE_TOKENS)) for p in SERVE_PROMPTS]
-    server = _TwoProcessServer(tmp_path, src, tmp_path / "xla", "serve")
+    server = _TwoProcessServer(tmp_path, src, xla_cache, "serve")
     try:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -222,12 +228,12 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
         server.close()
 
 
-def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tmp_path):
+def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tmp_path, xla_cache):
     """kill -9 of process 1: process 0 answers /health 503 within a few seconds (not a hang in a
     collective), fails the request in flight, then exits non-zero."""
     import openai
 
-    server = _TwoProcessServer(tmp_path, tiny_checkpoint(SERVE_FAMILY), tmp_path / "xla", "kill")
+    server = _TwoProcessServer(tmp_path, tiny_checkpoint(SERVE_FAMILY), xla_cache, "kill")
     try:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -235,14 +241,16 @@ def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tm
         client.completions.create(model=model, prompt=SERVE_PROMPTS[0], max_tokens=2, temperature=0)  # steps flow
         stream = client.completions.create(model=model, prompt=SERVE_PROMPTS[1], max_tokens=400, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
-        next(iter(stream))  # a request in flight
+        chunks = iter(stream)
+        while sum(bool(c.choices and c.choices[0].text) for c in [next(chunks)]) == 0:
+            pass  # until the request in flight is decoding: the leader is now in steps that all-reduce with process 1
         server.procs[1].kill()
         killed_at = time.monotonic()
         while server.health() != 503:
             assert time.monotonic() - killed_at < 10, f"/health is {server.health()}:\n{server.tail()}"
             time.sleep(0.1)
         with pytest.raises(openai.APIError):  # the request in flight ends with an error, not a hang
-            for _ in stream:
+            for _ in chunks:
                 pass
         assert server.wait_exit(0, 60) != 0, server.tail()
     finally:
