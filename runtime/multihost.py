@@ -238,7 +238,7 @@ class MultihostLeader:
                 log.error("step channel: refusing %s (hello %r)", peer, hello)
                 sock.close()
                 continue
-            sock.settimeout(SEND_TIMEOUT_S)
+            sock.settimeout(max(SEND_TIMEOUT_S, 2 * multihost.heartbeat_timeout_s))  # sends; reads see heartbeats
             followers[pid], streams[pid] = sock, stream
             log.info("follower %d connected from %s", pid, peer)
         return cls(server, followers, streams, multihost)
