@@ -7,9 +7,13 @@ config (data 2 x model 4) over the 8 devices of both processes, load the tiny hy
 shard it (each process places only its own shards), then run the same forward pass (the same
 inputs on every process: the deterministic lockstep a follower would run), gather the logits and
 run a greedy decode loop through the paged caches. Logits must match the single-process,
-single-device model to ~1e-5 and greedy tokens exactly, on both processes. Not covered: the
-serving side of multi-host (process 0 serving HTTP, followers, SIGTERM, /health), which is not
-built (issue 13).
+single-device model to ~1e-5 and greedy tokens exactly, on both processes.
+
+Serving (runtime/multihost.py): two `jaxserve serve` processes from the shipped
+`configs/cpu-multihost-2x4.yaml` (ports, checkpoint and buckets replaced; mesh data 1 x model 8,
+so every step all-reduces across the processes) serve the official `openai` client with the
+single-device model's greedy tokens; SIGTERM to process 0 ends both with exit code 0; killing
+process 1 turns /health 503 within seconds and ends process 0 with a non-zero code.
 """
 
 from __future__ import annotations
