@@ -88,6 +88,8 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
                choices=("prefill", "decode", "both")),
     ConfigFlag("--reasoning-parser", "server.reasoning_parser",
                "split <think>...</think> into reasoning_content", choices=("qwen3",)),
+    ConfigFlag("--process-id", "parallel.multihost.process_id",
+               "this process of a multi-host launch (0 serves HTTP; docs/scaling.md)", type=int),
 )
 
 

@@ -152,7 +152,7 @@ class _TwoProcessServer:
             with open(log_path, "w") as log_file:  # a file, not a pipe: a full pipe would stall the process
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "server.cli", "serve", "--config", str(config),
-                     "--set", f"parallel.multihost.process_id={pid}"],
+                     "--process-id", str(pid)],
                     cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT))
         self.url = f"http://127.0.0.1:{self.port}"
 
