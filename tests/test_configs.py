@@ -16,6 +16,7 @@ EXPECTED_DEVICES = {
     "gpu-h200-qwen3_5-9b-decode.yaml": 1,
     "tpu-v5e-8-qwen3_5-27b-prefill.yaml": 8,
     "tpu-v5e-8-qwen3_5-27b-decode.yaml": 8,
+    "cpu-multihost-2x4.yaml": 8,  # 2 processes x 4 simulated CPU devices (docs/scaling.md, Multi-host)
 }
 
 

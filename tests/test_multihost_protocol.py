@@ -165,3 +165,15 @@ def test_lost_follower_channel_marks_the_leader_lost():
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lost and isinstance(lost[0], FollowerLost) and "closed its step channel" in str(lost[0])
+
+
+def test_step_channel_address_and_process_id_flag():
+    from configs import CONFIG_DIR, load_config
+    from runtime.multihost import step_address
+    from server.cli import _load, _parser
+
+    multihost = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml").parallel.multihost
+    assert step_address(multihost) == ("10.0.0.2", 8477)  # no step_port: the coordinator's port + 1
+    args = _parser().parse_args(["serve", "--config", str(CONFIG_DIR / "cpu-multihost-2x4.yaml"), "--process-id", "1"])
+    config = _load(args).parallel.multihost
+    assert (config.process_id, step_address(config)) == (1, ("127.0.0.1", 8477))
