@@ -90,8 +90,8 @@ def _describe(value, chunks: list[bytes], offset: list[int]):
     elif isinstance(value, (list, tuple)) and all(isinstance(v, (list, tuple, int)) for v in value):
         return {"json": [list(v) if isinstance(v, (list, tuple)) else v for v in value]}
     elif dataclasses.is_dataclass(value) and type(value).__name__ in _DATACLASSES:
-        return {"dataclass": type(value).__name__,
-                "fields": {f.name: _describe(getattr(value, f.name), chunks, offset) for f in dataclasses.fields(value)}}
+        fields = {f.name: _describe(getattr(value, f.name), chunks, offset) for f in dataclasses.fields(value)}
+        return {"dataclass": type(value).__name__, "fields": fields}
     array = np.asarray(value)
     data = array.tobytes()  # C order; keeps 0-d arrays 0-d (np.ascontiguousarray would not)
     chunks.append(data)
@@ -216,7 +216,8 @@ class MultihostLeader:
         self._on_lost = []
         self._done = threading.Event()
         for pid, stream in streams.items():
-            threading.Thread(target=self._read, args=(pid, stream), name=f"jaxserve-follower-{pid}", daemon=True).start()
+            threading.Thread(target=self._read, args=(pid, stream), name=f"jaxserve-follower-{pid}",
+                             daemon=True).start()
         threading.Thread(target=self._watch, name="jaxserve-multihost-watchdog", daemon=True).start()
 
     @classmethod
