@@ -39,6 +39,7 @@ import struct
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -215,6 +216,7 @@ class MultihostLeader:
         self.lost: BaseException | None = None
         self._on_lost = []
         self._done = threading.Event()
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-token-check")
         for pid, stream in streams.items():
             threading.Thread(target=self._read, args=(pid, stream), name=f"jaxserve-follower-{pid}",
                              daemon=True).start()
@@ -294,6 +296,9 @@ class MultihostLeader:
                 del self._tokens[seq]
             else:
                 self._tokens[seq] = (tokens, [], checked)
+        self._checker.submit(self._check_tokens, seq, tokens, digests)  # off the engine thread: it waits on the device
+
+    def _check_tokens(self, seq: int, tokens, digests: list[str]) -> None:
         ours = tokens_digest(tokens)
         if any(theirs != ours for theirs in digests):
             self._lose(DivergenceError(f"step {seq}: a follower sampled other tokens than the leader"))
