@@ -201,17 +201,21 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
     """Process 0 serves the official client (plain, streaming, two at once, sampled with a seed)
     with the single-process model's greedy tokens; both processes replay the same steps (the
     leader checks each follower's token digest every step, so a divergence would turn /health
-    503); SIGTERM to process 0 stops both with exit code 0."""
+    503); SIGTERM to process 0 stops both with exit code 0. The weights come from an orbax
+    checkpoint (`jaxserve convert`), each process restoring only its own shards; the reference
+    is the safetensors checkpoint on one device."""
     import openai
     from transformers import AutoTokenizer
 
     from models.model import load_model
+    from models.orbax_io import convert_checkpoint
 
     src = tiny_checkpoint(SERVE_FAMILY)
     ref = load_model(src)
     tok = AutoTokenizer.from_pretrained(src)
     expected = [tok.decode(ref.greedy(p, SERVE_TOKENS)) for p in SERVE_PROMPTS]
-    server = _TwoProcessServer(tmp_path, src, xla_cache, "serve")
+    orbax_dir = convert_checkpoint(src, tmp_path / "orbax", dtype="float32")
+    server = _TwoProcessServer(tmp_path, orbax_dir, xla_cache, "serve")
     try:
         server.wait_healthy(HEALTH_TIMEOUT_S)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
