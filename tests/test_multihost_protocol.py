@@ -177,3 +177,38 @@ def test_step_channel_address_and_process_id_flag():
     args = _parser().parse_args(["serve", "--config", str(CONFIG_DIR / "cpu-multihost-2x4.yaml"), "--process-id", "1"])
     config = _load(args).parallel.multihost
     assert (config.process_id, step_address(config)) == (1, ("127.0.0.1", 8477))
+
+
+def test_a_dead_engine_answers_503_for_the_linger_then_exits_1():
+    """`server.unhealthy_linger_s`: the server keeps answering /health 503 (so a load balancer sees
+    it) before draining and returning 1 (what process 0 does when a follower is lost)."""
+    import asyncio
+
+    import aiohttp
+
+    from configs.schema import ServerConfig
+    from server.runner import serve_async
+    from server.testing import FakeEngine, build_test_tokenizer
+
+    engine = FakeEngine(build_test_tokenizer())
+    port = socket.create_server(("127.0.0.1", 0))
+    port_number = port.getsockname()[1]
+    port.close()
+
+    async def go():
+        config = ServerConfig(host="127.0.0.1", port=port_number, unhealthy_linger_s=1.5)
+        serving = asyncio.create_task(serve_async(engine, config, asyncio.Event()))
+        await asyncio.sleep(0.5)
+        engine.healthy = False
+        died = time.monotonic()
+        statuses = []
+        async with aiohttp.ClientSession() as session:
+            while not serving.done() and time.monotonic() - died < 1.2:
+                async with session.get(f"http://127.0.0.1:{port_number}/health") as r:
+                    statuses.append(r.status)
+                await asyncio.sleep(0.1)
+        return statuses, await asyncio.wait_for(serving, 10), time.monotonic() - died
+
+    statuses, code, elapsed = asyncio.run(go())
+    assert code == 1 and elapsed >= 1.5 and engine.shutdown_called
+    assert len(statuses) >= 5 and set(statuses[2:]) == {503}, statuses  # 503 throughout the linger
