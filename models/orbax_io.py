@@ -79,7 +79,7 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
     abstract = abstract_params(cfg, stored)
     plan = None
     if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
     else:
         plan = tensor_parallel_plan(cfg, mesh)

@@ -228,7 +228,7 @@ class LLMEngine:
         """Device memory for KV pages + state slots (per device)."""
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}  # on process 1+, devices()[0] is not ours
             if "bytes_limit" in stats:
                 budget = int(stats["bytes_limit"] * self.config.memory_fraction) - stats.get("bytes_in_use", 0)
             else:

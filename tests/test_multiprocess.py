@@ -197,20 +197,21 @@ def xla_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xla")
 
 
-def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint, tmp_path, xla_cache):
+@pytest.mark.parametrize("family", [SERVE_FAMILY, pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint, tmp_path, xla_cache, family):
     """Process 0 serves the official client (plain, streaming, two at once, sampled with a seed)
     with the single-process model's greedy tokens; both processes replay the same steps (the
     leader checks each follower's token digest every step, so a divergence would turn /health
     503); SIGTERM to process 0 stops both with exit code 0. The weights come from an orbax
     checkpoint (`jaxserve convert`), each process restoring only its own shards; the reference
-    is the safetensors checkpoint on one device."""
+    is the safetensors checkpoint on one device. The GDN hybrid (qwen3_5) runs with `-m slow`."""
     import openai
     from transformers import AutoTokenizer
 
     from models.model import load_model
     from models.orbax_io import convert_checkpoint
 
-    src = tiny_checkpoint(SERVE_FAMILY)
+    src = tiny_checkpoint(family)
     ref = load_model(src)
     tok = AutoTokenizer.from_pretrained(src)
     expected = [tok.decode(ref.greedy(p, SERVE_TOKENS)) for p in SERVE_PROMPTS]
