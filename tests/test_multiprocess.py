@@ -131,7 +131,7 @@ def _write_launch_yaml(tmp_path: Path, src: Path, cache_dir: Path) -> tuple[Path
     http_port = _free_port()
     config["model"]["path"] = str(src)
     config["parallel"]["multihost"].update(coordinator_address=f"127.0.0.1:{_free_port()}", step_port=_free_port())
-    config["scheduler"].update(max_num_batched_tokens=32, token_buckets=[8, 32])
+    config["scheduler"].update(max_num_batched_tokens=32, token_buckets=[32])  # one backbone to compile
     config["compile"].update(aot=False, cache_dir=str(cache_dir))  # the second launch reuses the first's compiles
     config["kernels"]["fuse_greedy"] = False
     config["server"].update(port=http_port, unhealthy_linger_s=3)
