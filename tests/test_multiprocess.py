@@ -252,8 +252,9 @@ def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tm
         stream = client.completions.create(model=model, prompt=SERVE_PROMPTS[1], max_tokens=400, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
-        while sum(bool(c.choices and c.choices[0].text) for c in [next(chunks)]) == 0:
-            pass  # until the request in flight is decoding: the leader is now in steps that all-reduce with process 1
+        for chunk in chunks:  # until the request in flight is decoding: steps that all-reduce with process 1
+            if chunk.choices and chunk.choices[0].text:
+                break
         server.procs[1].kill()
         killed_at = time.monotonic()
         while server.health() != 503:
