@@ -12,8 +12,8 @@ flags. vLLM's parallelism flags map onto `parallel.mesh` (`parallel_overrides`):
 `--tensor-parallel-size N` is `model: N`; `--enable-expert-parallel` is `parallel.expert: true`
 (MoE experts split by expert index over the model axis); `--data-parallel-size` > 1 is refused
 until attention data parallelism is built (issue 13), rather than silently ignored. `plan`
-(runtime/plan.py, imported only when asked) compiles the config's steps for its `parallel.chip` from the model's config.json shapes
-and prints memory and cost per device.
+(runtime/plan.py, imported only when asked) compiles the config's steps for its `parallel.chip`
+from the model's config.json shapes and prints memory and cost per device.
 
 `serve` loads and validates the launch config, builds the engine and runs the server until
 SIGTERM/SIGINT (graceful drain, exit 0). The JAX engine is built by
