@@ -188,3 +188,29 @@ def test_experts_that_do_not_divide_are_refused(tiny_checkpoint):
         tensor_parallel_plan(cfg, mesh, expert_parallel=True)
     assert not tensor_parallel_plan(cfg, mesh).expert  # default: expert-intermediate TP
     assert tensor_parallel_plan(cfg, AbstractMesh((1, 2), ("data", "model")), expert_parallel=True).expert
+
+
+def test_plan_reports_expert_parallel_weights_per_device():
+    """`jaxserve plan` with `parallel.expert: true` shards the abstract Qwen3-Next-80B by expert index
+    over the v5p slice's model axis (no compile): each device holds 512 / 4 whole experts."""
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from configs import CONFIG_DIR, load_config
+    from models.abstract import abstract_model, shard_abstract_model
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from runtime.plan import format_report, model_config_json, per_device_bytes, plan_config, target_mesh
+
+    name = "tpu-v5p-16-qwen3-next-80b-multihost.yaml"
+    ep, tp = (load_config(CONFIG_DIR / name, {"parallel.expert": expert}) for expert in (True, False))
+    cfg = parse_config(read_json(model_config_json(ep)))
+    model = shard_abstract_model(abstract_model(cfg, "bfloat16"), target_mesh(ep), expert_parallel=True)
+    gate_up = model.params["groups"][0]["experts_gate_up"]  # [G, E, H, 2I]
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (gate_up.shape[0], 512 // 4, *gate_up.shape[2:])
+    assert per_device_bytes({"w": gate_up}) * 4 == gate_up.size * 2
+    report = plan_config(ep, name, token_buckets=(), compile_sampler=False)
+    assert report.expert_parallel and report.fits, report.problems
+    assert "experts split by index (EP)" in format_report(report)
+    # whole experts / 4 or every expert's intermediate / 4: the same bytes per device
+    assert report.weight_bytes == plan_config(tp, name, token_buckets=(), compile_sampler=False).weight_bytes
