@@ -322,7 +322,7 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
                 steps.append(_figures(f"backbone[T={T}]", T, exes._compile_backbone(T)))
             if compile_sampler:
                 S = seq_buckets[-1]
-                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, False))))
+                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, 0, False, 0))))
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
