@@ -67,8 +67,10 @@ def analytic_wire_bytes(T: int, m: int, hidden: int, experts: int, top_k: int, i
                         itemsize: int = 2) -> dict[str, float]:
     """Per-device bytes on the wire for one MoE block of T tokens, by formula.
 
-    TP (activations replicated): the routed experts' and the shared expert's row-parallel outputs
-    meet in one all-reduce of [T, H]. EP (this repo's padded all-to-all): dispatch and combine each
+    Ideal TP (activations replicated): the routed experts' and the shared expert's row-parallel
+    outputs meet in one all-reduce of [T, H]. Today's TP (what GSPMD compiles from
+    models/transformer.py, read from the HLO): an all-reduce of the [T*top_k + T, H] rows before
+    the weighted combine (collective-permutes not counted). EP (this repo's padded all-to-all): dispatch and combine each
     move M buffers of C = T/M * min(top_k, E/M) rows of H, then the token-split output is all-gathered;
     the shared expert still all-reduces [T, H]. A ragged all-to-all (TPU / GPU) would move only the
     real rows: on average T/M * top_k * (M-1)/M per direction."""
@@ -78,7 +80,8 @@ def analytic_wire_bytes(T: int, m: int, hidden: int, experts: int, top_k: int, i
     shared_ar = 2 * (m - 1) / m * T * row if shared else 0.0
     ep_padded = 2 * (m - 1) * cap * row + (m - 1) / m * T * row + shared_ar
     ep_ragged = 2 * (T / m) * top_k * (m - 1) / m * row + (m - 1) / m * T * row + shared_ar
-    return {"tp": tp, "ep_padded": ep_padded, "ep_ragged": ep_ragged}
+    tp_today = 2 * (m - 1) / m * T * (top_k + 1) * row
+    return {"tp": tp, "tp_today": tp_today, "ep_padded": ep_padded, "ep_ragged": ep_ragged}
 
 
 def _model_config(shape: dict):
@@ -166,10 +169,10 @@ def format_rows(rows: list[dict]) -> str:
 
 def format_real(devices: int, token_counts: list[int]) -> str:
     lines = [f"Qwen3-Next-80B MoE block, bf16, M={devices}: per-device wire MiB per layer (formula)",
-             f"{'T':>6}{'TP':>10}{'EP padded':>12}{'EP ragged':>12}"]
+             f"{'T':>6}{'ideal TP':>10}{'TP today':>10}{'EP padded':>12}{'EP ragged':>12}"]
     for T in token_counts:
         b = analytic_wire_bytes(T, devices, **QWEN3_NEXT_80B)
-        lines.append(f"{T:>6}{b['tp'] / 2**20:>10.2f}{b['ep_padded'] / 2**20:>12.2f}{b['ep_ragged'] / 2**20:>12.2f}")
+        lines.append(f"{T:>6}{b['tp'] / 2**20:>10.2f}{b['tp_today'] / 2**20:>10.2f}{b['ep_padded'] / 2**20:>12.2f}{b['ep_ragged'] / 2**20:>12.2f}")
     return "\n".join(lines)
 
 

@@ -214,3 +214,21 @@ def test_plan_reports_expert_parallel_weights_per_device():
     assert "experts split by index (EP)" in format_report(report)
     # whole experts / 4 or every expert's intermediate / 4: the same bytes per device
     assert report.weight_bytes == plan_config(tp, name, token_buckets=(), compile_sampler=False).weight_bytes
+
+
+def test_benchmark_reads_collective_bytes_from_hlo():
+    from benchmarks.expert_parallel import analytic_wire_bytes, collectives
+
+    hlo = "\n".join([
+        "  %all-to-all.1 = f32[4,40,256]{2,1,0} all-to-all(f32[4,40,256]{2,1,0} %x), replica_groups={{0,1,2,3}}",
+        "  %ar = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-start(%a, %b), to_apply=%add",
+        "  %ar.done = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-done(%ar)",
+        "  %add.3 = f32[16,256]{1,0} add(%p, %q)",
+    ])
+    comm = collectives(hlo, 4)
+    assert comm["all-to-all"] == {"count": 1, "buffer_bytes": 4 * 40 * 256 * 4, "wire_bytes": 4 * 40 * 256 * 4 * 0.75}
+    assert comm["all-reduce"]["buffer_bytes"] == 16 * 256 * 4 + 8 * 4 and comm["all-reduce"]["count"] == 1
+    b = analytic_wire_bytes(128, 4, hidden=2048, experts=512, top_k=10, intermediate=512, shared=512)
+    row = 2048 * 2
+    assert b["tp"] == 1.5 * 128 * row  # ring all-reduce of [T, H] in bf16
+    assert b["ep_padded"] == 2 * 3 * 320 * row + 0.75 * 128 * row + 1.5 * 128 * row  # C = 32 x 10
