@@ -4,7 +4,8 @@ One subprocess (`jax_num_cpu_devices=8` must be set before any JAX op and must n
 tests) prints a JSON report read by the tests below. References are the same checkpoint on one
 device, no mesh, fp32: logits within 1e-5, greedy tokens equal through the engine on mixed steps
 (prefill chunks beside decodes, padding rows: 3 requests in one 16-token bucket) on (data 2,
-model 4) through `EngineConfig` and on (model 8, one expert per device) through `LLM`'s vLLM names.
+model 4) through `EngineConfig` and on (model 8, one expert per device) through `LLM`'s vLLM names;
+an orbax checkpoint restores straight into the EP sharding.
 Checkpoints have 8 experts, top-3 routing. Qwen3-Next also splits attention and GDN heads (TP beside
 EP); Qwen3.5-MoE keeps the tiny model's 6 / 2 heads, so attention stays replicated there.
 The routing kernel is also checked in-process against a numpy reference with no mesh at all.
@@ -30,6 +31,7 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from models.model import load_model
+    from models.orbax_io import convert_checkpoint
     from models.sharding import shard_model
     from runtime.engine import LLMEngine
     from runtime.engine_config import EngineConfig
@@ -61,9 +63,10 @@ SCRIPT = textwrap.dedent("""
                     done[out.request_id] = out.outputs[0].token_ids
         return [done[f"r{i}"] for i in range(len(prompts))], engine.model.tp.expert if extra else None
 
+    mesh4 = make_mesh(1, 4, devices=jax.devices()[:4])
     for family, path in paths.items():
         ref = load_model(path).logits(ids)
-        model = shard_model(load_model(path), make_mesh(1, 4, devices=jax.devices()[:4]), expert_parallel=True)
+        model = shard_model(load_model(path), mesh4, expert_parallel=True)
         group = model.params["groups"][0]
         report[family] = {
             "err": float(np.abs(model.logits(ids) - ref).max()), "scale": float(np.abs(ref).max()),
@@ -72,6 +75,13 @@ SCRIPT = textwrap.dedent("""
             "single": engine_tokens(path)[0],
         }
         print(f"{family} logits + single engine {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    # an orbax checkpoint restored straight into the EP sharding (what a multi-host launch reads)
+    orbax_dir = convert_checkpoint(paths["qwen3_next"], sys.argv[2], dtype="float32")
+    restored = load_model(orbax_dir, mesh=mesh4, expert_parallel=True)
+    report["orbax"] = {"err": float(np.abs(restored.logits(ids) - load_model(paths["qwen3_next"]).logits(ids)).max()),
+                       "expert": restored.tp.expert,
+                       "shard": list(restored.params["groups"][0]["experts_down"].addressable_shards[0].data.shape)}
 
     # the engine on a (data 2, model 4) mesh, EP over model, through EngineConfig
     report["qwen3_next"]["ep"], report["qwen3_next"]["engine_expert"] = engine_tokens(
@@ -99,8 +109,8 @@ def report(tmp_path_factory):
     paths = {family: str(write_random_checkpoint(family, root / family, **overrides))
              for family, overrides in FAMILIES.items()}
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(paths)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(paths), str(root / "orbax")], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
     sys.stderr.write(proc.stderr[-2000:])
@@ -136,6 +146,12 @@ def test_attention_and_gdn_stay_tensor_parallel_beside_ep(report):
     assert report["qwen3_next"]["tp"] == [True, True, True]
 
 
+def test_orbax_checkpoint_restores_into_the_expert_parallel_sharding(report):
+    case = report["orbax"]
+    assert case["expert"] and case["shard"][1] == 8 // 4  # [G, E/4, I, H]
+    assert case["err"] <= 1e-5, case["err"]
+
+
 # ---- in-process (one device): the routing arithmetic and config errors ---------------------------------
 def _numpy_moe(x, weights, experts, w_gate_up, w_down):
     out = np.zeros_like(x)
@@ -147,7 +163,7 @@ def _numpy_moe(x, weights, experts, w_gate_up, w_down):
     return out
 
 
-@pytest.mark.parametrize("tokens", [7, 16])  # 7: padded up to the mesh size inside
+@pytest.mark.parametrize("tokens", [7])  # awkward: padded inside when the mesh is larger
 def test_routed_experts_ep_matches_numpy_on_a_one_device_mesh(tokens):
     import jax
     from jax.sharding import AxisType, Mesh
