@@ -43,14 +43,20 @@ def _expert_spec(w, axis: str):
     return P(axis, None, None)
 
 
+def expert_ffn(xs, w_gate_up, w_down, group_sizes):
+    """xs [N, H] sorted by expert, group_sizes [E] -> SwiGLU expert outputs [N, H] (rows past the
+    groups' total come out as zeros or garbage: callers mask or ignore them)."""
+    h = qragged_dot(xs, w_gate_up, group_sizes)  # [N, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    return qragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N, H]
+
+
 def _local_experts(rows, local_ids, w_gate_up, w_down, num_local: int):
     """rows [N, H] with local expert ids [N] (num_local = empty slot) -> expert outputs [N, H]
     in the same order; empty slots give zeros."""
     order = jnp.argsort(local_ids)  # empty slots (id num_local) sort last and fall outside every group
     group_sizes = jnp.sum(local_ids[:, None] == jnp.arange(num_local)[None, :], axis=0).astype(jnp.int32)
-    h = qragged_dot(rows[order], w_gate_up, group_sizes)  # [N, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = qragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N, H]
+    y = expert_ffn(rows[order], w_gate_up, w_down, group_sizes)  # [N, H]
     y = jnp.where((local_ids[order] < num_local)[:, None], y, 0)
     return jnp.zeros_like(y).at[order].set(y)
 

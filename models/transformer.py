@@ -21,8 +21,8 @@ from jax import lax
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
-from models.expert_parallel import routed_experts_ep
-from models.quantization import embed_lookup, qdot, qragged_dot, tied_head
+from models.expert_parallel import expert_ffn, routed_experts_ep
+from models.quantization import embed_lookup, qdot, tied_head
 
 
 def rms_norm(x, w, eps: float, zero_centred: bool):
@@ -125,9 +125,7 @@ def _routed_experts(x, weights, experts, w_gate_up, w_down, num_experts: int):
     token_of = order // K
     xs = x[token_of]  # [T*K, H] sorted by expert
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    h = qragged_dot(xs, w_gate_up, group_sizes)  # [T*K, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = qragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*K, H]
+    y = expert_ffn(xs, w_gate_up, w_down, group_sizes)  # [T*K, H]
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((T, H), y.dtype).at[token_of].add(y)
 
