@@ -151,6 +151,9 @@ class MultihostConfig(_Section):
 class ParallelConfig(_Section):
     mesh: MeshConfig = MeshConfig()
     multihost: MultihostConfig | None = None
+    # MoE expert parallelism: routed experts split by expert index over the `model` axis (E/M whole
+    # experts per device, tokens moved by all-to-all); false: split on the expert intermediate dim.
+    expert: bool = False
     role: Literal["prefill", "decode", "both"] = "both"
     # The accelerator the config is written for (a key of configs/chips.py) and, for a TPU slice,
     # its topology ("2x4", "2x2x2"): what `jaxserve plan` compiles for. null: the local devices.

@@ -81,14 +81,14 @@ def abstract_model(cfg: ModelConfig, dtype: str, path: str | Path = "<abstract>"
     return Model(cfg, abstract_params(cfg, dtype), dtype, Path(path))
 
 
-def shard_abstract_model(model: Model, mesh) -> Model:
+def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> Model:
     """`models.sharding.shard_model` for abstract params: attach each leaf's NamedSharding (the GDN
     channel reorder changes no shape, so there is nothing else to do)."""
     from jax.sharding import NamedSharding
 
     from models.sharding import param_specs, tensor_parallel_plan
 
-    plan = tensor_parallel_plan(model.cfg, mesh)
+    plan = tensor_parallel_plan(model.cfg, mesh, expert_parallel)
     specs = param_specs(model.params, model.cfg, plan)
     model.params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
                                 model.params, specs)

@@ -205,13 +205,15 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
 
 
 def load_model(path: str | Path, dtype: str = "float32", progress: bool = False, mesh=None,
-               quantization: QuantizationConfig | None = None, keep_gguf_quantized: bool = True) -> Model:
+               quantization: QuantizationConfig | None = None, keep_gguf_quantized: bool = True,
+               expert_parallel: bool = False) -> Model:
     """Load an HF checkpoint directory (config.json + *.safetensors), a GGUF file / directory, or a
     `jaxserve convert` orbax directory, split over `mesh` when given (`models.sharding.shard_model`;
     an orbax checkpoint is restored straight into that sharding, each process reading its shards).
     With `quantization`, float weights are quantized online (before sharding). Pre-quantized
     checkpoints (AWQ, GPTQ, compressed-tensors FP8, GGUF Q4_0 / Q4_1 / Q8_0 unless
-    `keep_gguf_quantized` is False) stay quantized."""
+    `keep_gguf_quantized` is False) stay quantized. `expert_parallel`: MoE experts split over the
+    mesh by expert index."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
@@ -219,7 +221,7 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
 
     if is_orbax_checkpoint(path):
         cfg = parse_config(read_json(path / "config.json"), read_json(path / "generation_config.json", required=False))
-        params, tp = restore_params(path, cfg, dtype, mesh)
+        params, tp = restore_params(path, cfg, dtype, mesh, expert_parallel)
         model = Model(cfg, params, dtype, path)
         model.tp = tp
         if quantization is not None:
@@ -229,7 +231,7 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
     model = _load_unsharded(path, dtype, progress, keep_gguf_quantized)
     if quantization is not None:
         model.quantize(quantization)
-    return model if mesh is None else shard_model(model, mesh)
+    return model if mesh is None else shard_model(model, mesh, expert_parallel)
 
 
 def _load_unsharded(path: Path, dtype: str, progress: bool, keep_gguf_quantized: bool) -> Model:

@@ -69,7 +69,7 @@ def saved_dtype(path: str | Path) -> str:
 
 
 def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
-                   mesh: Mesh | None = None) -> tuple[dict, TensorParallel | None]:
+                   mesh: Mesh | None = None, expert_parallel: bool = False) -> tuple[dict, TensorParallel | None]:
     """The parameters of an orbax checkpoint (cast to `dtype`), on one device or split over `mesh`
     (then also its `TensorParallel` plan, as `shard_model` would set it)."""
     import orbax.checkpoint as ocp
@@ -82,7 +82,7 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
     else:
-        plan = tensor_parallel_plan(cfg, mesh)
+        plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
         specs = param_specs(abstract, cfg, plan)
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
                               abstract, specs)

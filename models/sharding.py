@@ -7,7 +7,9 @@
 
 Megatron layout: q/k/v/gate/up/in_qkv/in_z/in_b/in_a are column-parallel (output dim = heads or
 FFN columns), o_proj/down/out_proj row-parallel, norms replicated, MoE experts split on the
-expert-intermediate dim. Stacked layer-group axis 0 is never split. Nothing is split over the
+expert-intermediate dim, or, with expert parallelism (`expert_parallel=True`), on the expert index
+(each device holds E/M whole experts; models/expert_parallel.py routes tokens to them with an
+all-to-all; the shared expert stays column/row split). Stacked layer-group axis 0 is never split. Nothing is split over the
 `data` axis: it holds replicas. The embedding and lm_head are split on the vocab: they are the
 largest single tensors of small-hidden, large-vocab models (Qwen3.5: 248k x H), and a
 vocab-split gather / matmul costs one all-reduce of [T, H] / an all-gather of the logits.
@@ -48,6 +50,7 @@ class TensorParallel:
     gdn: bool  # GDN key and value heads split (else GDN is replicated)
     gdn_qkv_widths: tuple[int, int, int] = (0, 0, 0)  # (Hk*K, Hk*K, H*V) conv channels
     axis: str = MODEL_AXIS
+    expert: bool = False  # routed experts split on the expert index (expert parallelism)
 
     @property
     def size(self) -> int:
@@ -62,9 +65,11 @@ def _divides(n: int, m: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)  # one plan (and one set of fall-back warnings) per model and mesh
-def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
-    """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication."""
+def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> TensorParallel:
+    """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
+    `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
+    expert = _expert_parallel(cfg, m, expert_parallel)
     attention = _divides(cfg.num_heads, m) and _divides(cfg.num_kv_heads, m)
     if m > 1 and cfg.num_attention_layers and not attention:
         log.warning("attention replicated: %d query / %d KV heads do not divide by model axis %d",
@@ -77,7 +82,21 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
         widths = (qk, qk, hv * cfg.linear_value_head_dim)
         if m > 1 and not gdn:
             log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
-    return TensorParallel(mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths)
+    return TensorParallel(mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths,
+                          expert=expert)
+
+
+def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
+    if not asked or m == 1:
+        return False
+    if "moe" not in cfg.mlp_types:
+        log.warning("expert parallelism asked for a model without MoE layers: ignored")
+        return False
+    if cfg.num_experts % m:
+        raise ValueError(f"expert parallelism: {cfg.num_experts} experts do not divide by model axis {m}; "
+                         "use a model axis that divides the expert count, or expert-intermediate TP "
+                         "(parallel.expert: false)")
+    return True
 
 
 # ---- GDN channel order --------------------------------------------------------------------------
@@ -103,6 +122,7 @@ def unpermute_qkv(y: jax.Array, widths: tuple[int, int, int], shards: int) -> ja
 # ---- parameters -----------------------------------------------------------------------------------
 COLUMN = "column"  # split the last (output) dim
 ROW = "row"  # split the input dim of a [.., in, out] weight
+EXPERT = "expert"  # split the expert index of a [.., E, in, out] expert weight
 VECTOR = "vector"  # split the last dim of a per-head / per-column vector
 REPLICATED = "replicated"
 
@@ -117,6 +137,7 @@ MOE_RULES = {"router": REPLICATED, "experts_gate_up": COLUMN, "experts_down": RO
              "shared_gate_proj": COLUMN, "shared_up_proj": COLUMN, "shared_down_proj": ROW,
              "shared_expert_gate": REPLICATED}
 NORM_RULES = {"input_norm": REPLICATED, "post_norm": REPLICATED}
+EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
 
 
 def _spec_for(rule: str, ndim: int, axis: str) -> P:
@@ -127,6 +148,8 @@ def _spec_for(rule: str, ndim: int, axis: str) -> P:
         dims[-2] = axis
     elif rule == "conv":  # conv_w [G, C, W]
         dims[-2] = axis
+    elif rule == EXPERT:
+        dims[-3] = axis
     return P(*dims)
 
 
@@ -135,6 +158,8 @@ def _split_dim(rule: str, shape: tuple[int, ...]) -> int | None:
         return shape[-1]
     if rule in (ROW, "conv"):
         return shape[-2]
+    if rule == EXPERT:
+        return shape[-3]
     return None
 
 
@@ -143,6 +168,8 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
     m, axis = plan.size, plan.axis
     kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
     rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES}
+    if plan.expert:
+        rules.update(EXPERT_PARALLEL_RULES)
     specs = {}
     for name, leaf in params_g.items():
         rule = rules.get(name)
@@ -217,21 +244,22 @@ def _reorder_gdn(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     return {**params, "groups": tuple(groups)}
 
 
-def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> dict:
     """Place every parameter on `mesh` with its Megatron split (GDN qkv channels reordered)."""
-    plan = tensor_parallel_plan(cfg, mesh)
+    plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
     specs = param_specs(params, cfg, plan)
     params = _reorder_gdn(params, cfg, plan)
     return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
 
 
-def shard_model(model, mesh: Mesh):
+def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     """Split a loaded `Model` over `mesh` in place: its params, and from now on its caches and the
-    `KernelOptions.tp` of its `logits` / `greedy`. Returns the model."""
+    `KernelOptions.tp` of its `logits` / `greedy`. `expert_parallel`: MoE experts split by expert
+    index (else on their intermediate dimension). Returns the model."""
     if model.tp is not None:
         raise ValueError("model is already sharded")
-    model.params = shard_params(model.params, model.cfg, mesh)
-    model.tp = tensor_parallel_plan(model.cfg, mesh)
+    model.params = shard_params(model.params, model.cfg, mesh, expert_parallel)
+    model.tp = tensor_parallel_plan(model.cfg, mesh, expert_parallel)
     return model
 
 

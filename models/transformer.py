@@ -21,7 +21,8 @@ from jax import lax
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
-from models.quantization import embed_lookup, qdot, qragged_dot, tied_head
+from models.expert_parallel import expert_ffn, routed_experts_ep
+from models.quantization import embed_lookup, qdot, tied_head
 
 
 def rms_norm(x, w, eps: float, zero_centred: bool):
@@ -114,24 +115,33 @@ def dense_mlp(p, x, prefix: str = "", opts=None):
     return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts)
 
 
-def moe_mlp(p, x, cfg: ModelConfig, opts=None):
-    """Top-k routed experts (grouped matmuls over expert-sorted tokens) plus the gated shared expert."""
+def _routed_experts(x, weights, experts, w_gate_up, w_down, num_experts: int):
+    """x [T, H], top-k weights / expert ids [T, K] -> weighted sum of expert outputs [T, H] (all
+    experts local; under tensor parallelism GSPMD splits their intermediate dimension)."""
     T, H = x.shape
+    K = experts.shape[1]
+    flat_expert = experts.reshape(-1)
+    order = jnp.argsort(flat_expert)
+    token_of = order // K
+    xs = x[token_of]  # [T*K, H] sorted by expert
+    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
+    y = expert_ffn(xs, w_gate_up, w_down, group_sizes)  # [T*K, H]
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((T, H), y.dtype).at[token_of].add(y)
+
+
+def moe_mlp(p, x, cfg: ModelConfig, opts=None):
+    """Top-k routed experts (grouped matmuls over expert-sorted tokens; expert-parallel with
+    `opts.tp.expert`, models/expert_parallel.py) plus the gated shared expert."""
     E, K = cfg.num_experts, cfg.num_experts_per_tok
     probs = jax.nn.softmax(qdot(x, p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = lax.top_k(probs, K)  # [T, K]
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
-    flat_expert = experts.reshape(-1)
-    order = jnp.argsort(flat_expert)
-    token_of = order // K
-    xs = x[token_of]  # [T*K, H] sorted by expert
-    group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-    h = qragged_dot(xs, p["experts_gate_up"], group_sizes)  # [T*K, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = qragged_dot(jax.nn.silu(gate) * up, p["experts_down"], group_sizes)  # [T*K, H]
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-    out = jnp.zeros((T, H), y.dtype).at[token_of].add(y)
+    if opts is not None and opts.tp is not None and opts.tp.expert:  # whole experts per device, all-to-all
+        out = routed_experts_ep(x, weights, experts, p["experts_gate_up"], p["experts_down"], opts.tp)
+    else:
+        out = _routed_experts(x, weights, experts, p["experts_gate_up"], p["experts_down"], E)
     if "shared_gate_proj" in p:
         shared = dense_mlp(p, x, prefix="shared_", opts=opts)
         out = out + jax.nn.sigmoid(qdot(x, p["shared_expert_gate"])) * shared

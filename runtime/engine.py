@@ -125,7 +125,8 @@ class LLMEngine:
         qcfg = config.quantization_config()
         # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
         self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh,
-                                         quantization=qcfg, keep_gguf_quantized=config.keep_gguf_quantized)
+                                         quantization=qcfg, keep_gguf_quantized=config.keep_gguf_quantized,
+                                         expert_parallel=config.expert_parallel)
         if model is not None and qcfg is not None and not model.quantization:
             model.quantize(qcfg)
         if jax.default_backend() == "cpu" and self.model.dtype != "float32":
@@ -133,7 +134,7 @@ class LLMEngine:
                         "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set "
                         "model.dtype: float32 for CPU serving", self.model.dtype, self.model.dtype)
         if mesh is not None and self.model.tp is None:
-            shard_model(self.model, mesh)
+            shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
         cfg = self.model.cfg
         if resolve_layer_loop(config.layer_loop, cfg.num_layers, jax.default_backend()) == "unroll":
             self.model.unstack_layers()

@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int | None = None
     load_tokenizer: bool = True
     mesh_shape: tuple[int, int] | None = None  # (data, model) devices; None: one device, no mesh
+    expert_parallel: bool = False  # MoE experts split by expert index over `model` (else intermediate dim)
     quantization: str | None = None  # online weight quantization (models/quantization.py SCHEMES); None: as stored
     quantization_group_size: int = 128  # int4 schemes
     quantization_keep_float: tuple[str, ...] | None = None  # module-path globs kept in float; None: the defaults

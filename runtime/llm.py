@@ -32,6 +32,8 @@ class LLM:
         mesh_shape = _mesh_shape(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if mesh_shape is not None:
             engine_kwargs.setdefault("mesh_shape", mesh_shape)
+        if enable_expert_parallel:  # MoE experts split by expert index over tensor_parallel_size devices
+            engine_kwargs.setdefault("expert_parallel", True)
         config = EngineConfig(
             model=str(loaded.path if loaded else model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
@@ -96,13 +98,10 @@ class LLM:
 
 
 def _mesh_shape(tensor_parallel_size: int, data_parallel_size: int, enable_expert_parallel: bool):
-    """vLLM's parallelism arguments -> EngineConfig.mesh_shape; DP > 1 and EP are refused (not built yet)."""
+    """vLLM's parallelism arguments -> EngineConfig.mesh_shape; DP > 1 is refused (not built yet)."""
     if data_parallel_size != 1:
         raise ValueError(f"data_parallel_size={data_parallel_size}: attention data parallelism is not built yet "
                          "(issue 13); use tensor_parallel_size")
-    if enable_expert_parallel:
-        raise ValueError("enable_expert_parallel=True: expert parallelism is not built yet (issue 13); MoE experts "
-                         "are split over tensor_parallel_size on their intermediate dimension")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     return None if tensor_parallel_size == 1 else (1, tensor_parallel_size)

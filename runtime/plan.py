@@ -100,6 +100,7 @@ class PlanReport:
     memory_fraction: float
     steps: list[StepFigures]
     problems: list[str]
+    expert_parallel: bool = False  # MoE experts split by expert index (parallel.expert)
 
     @property
     def fits(self) -> bool:
@@ -246,7 +247,7 @@ def truncated_config(cfg, groups: int):
 
 def extrapolated_cost(cfg, dtype: str, mesh, opts: KernelOptions, T: int, *, num_pages: int, page_size: int,
                       num_slots: int, kv_dtype: str, max_num_seqs: int, blocks_per_seq: int,
-                      gpu: bool = False) -> tuple[float, float]:
+                      gpu: bool = False, expert_parallel: bool = False) -> tuple[float, float]:
     """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
     `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
     per-group difference is scaled to the real depth: cost(G) = cost(1) + (G - 1) * (cost(2) - cost(1))."""
@@ -254,7 +255,7 @@ def extrapolated_cost(cfg, dtype: str, mesh, opts: KernelOptions, T: int, *, num
     for groups in (1, 2):
         model = abstract_model(truncated_config(cfg, groups), dtype)
         if mesh is not None:
-            shard_abstract_model(model, mesh)
+            shard_abstract_model(model, mesh, expert_parallel)
         caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype)
         model.params = unstack_abstract(model.params)
         opts_g = dataclasses.replace(opts, tp=model.tp)
@@ -284,7 +285,7 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     gpu = chip.platform == "gpu"
     mesh = None if gpu else target_mesh(launch)
     if mesh is not None:
-        shard_abstract_model(model, mesh)
+        shard_abstract_model(model, mesh, par.expert)
     tp_size = 1 if model.tp is None else model.tp.size
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
@@ -321,7 +322,7 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
                 steps.append(_figures(f"backbone[T={T}]", T, exes._compile_backbone(T)))
             if compile_sampler:
                 S = seq_buckets[-1]
-                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, False))))
+                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, 0, False, 0))))
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
@@ -332,7 +333,8 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
         for T in sorted({decode_T, buckets[-1]}):
             flops, moved = extrapolated_cost(
                 cfg, dtype, mesh, opts, T, num_pages=num_pages, page_size=page_size, num_slots=max(slots, 2),
-                kv_dtype=kv_dtype, max_num_seqs=sched.max_num_seqs, blocks_per_seq=blocks_per_seq, gpu=gpu)
+                kv_dtype=kv_dtype, max_num_seqs=sched.max_num_seqs, blocks_per_seq=blocks_per_seq, gpu=gpu,
+                expert_parallel=par.expert)
             steps = [dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
                      for s in steps]
     worst = max(steps, key=lambda s: s.peak_bytes, default=None)
@@ -345,7 +347,8 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     return PlanReport(config_name, Path(launch.model.path).name, chip, par.mesh.num_devices, processes,
                       (par.mesh.data, par.mesh.model), param_count, weights_device, kv_device, num_pages, page_size,
                       per_token_device, state_device, slots, sched.max_num_seqs, max_model_len,
-                      0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9, steps, problems)
+                      0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9, steps, problems,
+                      expert_parallel=model.tp is not None and model.tp.expert)
 
 
 def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
@@ -367,7 +370,7 @@ def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[St
 
 # ---- report ----------------------------------------------------------------------------------------
 def format_report(r: PlanReport) -> str:
-    mesh = f"data {r.mesh[0]} x model {r.mesh[1]}"
+    mesh = f"data {r.mesh[0]} x model {r.mesh[1]}" + (", experts split by index (EP)" if r.expert_parallel else "")
     lines = [
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",

@@ -1,6 +1,6 @@
 """vLLM's parallelism names: `--tensor-parallel-size` / `LLM(tensor_parallel_size=)` set the mesh's
-model axis; data parallelism > 1 and expert parallelism are refused naming issue 13 (not built
-yet), never silently ignored."""
+model axis; `--enable-expert-parallel` / `LLM(enable_expert_parallel=True)` set `parallel.expert`;
+data parallelism > 1 is refused naming issue 13 (not built yet), never silently ignored."""
 
 import pytest
 
@@ -20,7 +20,6 @@ def test_tensor_parallel_size_sets_the_model_axis():
 
 @pytest.mark.parametrize("argv,match", [
     (("--data-parallel-size", "2"), "data parallelism is not built yet \\(issue 13\\)"),
-    (("--enable-expert-parallel",), "expert parallelism is not built yet \\(issue 13\\)"),
     (("--tensor-parallel-size", "0"), "must be >= 1"),
 ])
 def test_unbuilt_parallelism_is_refused(argv, match):
@@ -35,7 +34,6 @@ def test_cli_exits_2_on_refused_flag(capsys):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"data_parallel_size": 2}, "data parallelism is not built yet"),
-    ({"enable_expert_parallel": True}, "expert parallelism is not built yet"),
 ])
 def test_llm_refuses_unbuilt_parallelism_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -47,3 +45,12 @@ def test_llm_tensor_parallel_size_is_the_engine_mesh():
 
     assert _mesh_shape(4, 1, False) == (1, 4)
     assert _mesh_shape(1, 1, False) is None  # one device, no mesh
+
+
+def test_enable_expert_parallel_sets_parallel_expert():
+    from runtime.engine_client import engine_config_from_launch
+
+    config = _config("--tensor-parallel-size", "4", "--enable-expert-parallel")
+    assert config.parallel.expert is True and config.parallel.mesh.model == 4
+    assert engine_config_from_launch(config, "m").expert_parallel is True
+    assert _config("--tensor-parallel-size", "4").parallel.expert is False  # default: expert-intermediate TP
