@@ -9,9 +9,9 @@ CONFIG FLAGS are the flags users type from habit (vLLM's names: `--dtype`, `--ma
 `--gpu-memory-utilization`, `--enable-prefix-caching`, ...); each maps onto one config key in
 the one table `CONFIG_FLAGS` below (add a row to add a flag). Precedence: YAML < `--set` <
 flags. vLLM's parallelism flags map onto `parallel.mesh` (`parallel_overrides`):
-`--tensor-parallel-size N` is `model: N`; `--data-parallel-size` > 1 and
-`--enable-expert-parallel` are refused until attention data parallelism and expert parallelism
-are built (issue 13), rather than silently ignored. `plan` (runtime/plan.py, imported only when
+`--tensor-parallel-size N` is `model: N`, `--data-parallel-size D` is `data: D` (attention
+data parallelism, runtime/data_parallel.py); `--enable-expert-parallel` is refused until expert
+parallelism is built (issue 13), rather than silently ignored. `plan` (runtime/plan.py, imported only when
 asked) compiles the config's steps for its `parallel.chip` from the model's config.json shapes
 and prints memory and cost per device.
 
@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                          help="devices the weights are split over (parallel.mesh.model)")
         sub.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                         help="attention data parallelism: not built yet, only 1 is accepted (issue 13)")
+                         help="attention data parallelism: D ranks, each with its own batch, pages and "
+                              "state slots (parallel.mesh.data)")
         sub.add_argument("--enable-expert-parallel", action="store_true", default=None,
                          help="expert parallelism: not built yet, refused (issue 13)")
         if name == "plan":
@@ -169,16 +170,18 @@ def _load(args) -> LaunchConfig:
 
 def parallel_overrides(tensor_parallel_size: int | None, data_parallel_size: int | None,
                        enable_expert_parallel: bool | None) -> dict:
-    """vLLM's parallelism flags -> `parallel.mesh` keys; DP > 1 and EP are refused (not built yet)."""
-    if data_parallel_size is not None and data_parallel_size != 1:
-        raise ConfigError(f"--data-parallel-size {data_parallel_size}: attention data parallelism is not built yet "
-                          "(issue 13); today the mesh's data axis only holds replicas. Use --tensor-parallel-size")
+    """vLLM's parallelism flags -> `parallel.mesh` keys; EP is refused (not built yet)."""
+    if data_parallel_size is not None and data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
     if enable_expert_parallel:
         raise ConfigError("--enable-expert-parallel: expert parallelism is not built yet (issue 13); MoE experts "
                           "are split over --tensor-parallel-size on their intermediate dimension")
     if tensor_parallel_size is not None and tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    return {} if tensor_parallel_size is None else {"parallel.mesh.model": tensor_parallel_size}
+    overrides = {} if tensor_parallel_size is None else {"parallel.mesh.model": tensor_parallel_size}
+    if data_parallel_size is not None:
+        overrides["parallel.mesh.data"] = data_parallel_size
+    return overrides
 
 
 def _build_engine(config: LaunchConfig, fake: bool):
