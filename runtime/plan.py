@@ -374,10 +374,11 @@ def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[St
 # ---- report ----------------------------------------------------------------------------------------
 def format_report(r: PlanReport) -> str:
     mesh = f"data {r.mesh[0]} x model {r.mesh[1]}"
+    scope = " (its DP rank's own pages and slots)" if r.mesh[0] > 1 else ""
     lines = [
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
-        f"  per device: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
+        f"  per device{scope}: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
         f"tokens, {r.kv_bytes_per_token} B/token), GDN state {_gib(r.state_bytes)} ({r.num_state_slots} slots); "
         f"memory_fraction {r.memory_fraction} of HBM {_gib(r.chip.hbm_bytes)}",
         f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
@@ -394,7 +395,8 @@ def format_report(r: PlanReport) -> str:
         if r.steps and (r.step(kind).flops or r.step(kind).bytes_accessed):
             f = r.roofline(kind)
             ctx = f" at mean context {ROOFLINE_CONTEXT}" if kind == "decode" else ""
-            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
+            ranks = f" per DP rank x {r.mesh[0]}" if r.mesh[0] > 1 else ""
+            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ranks}{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
                          f"{f['seconds'] * 1e3:.2f} ms/step, "
                          f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)")
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
