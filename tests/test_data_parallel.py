@@ -186,15 +186,24 @@ SCRIPT = textwrap.dedent("""
 
     def engine_for(name, mesh_shape, **kw):
         kw = {"page_size": 16, "num_pages": 32, "max_num_seqs": 4, "max_num_batched_tokens": 32,
-              "token_buckets": (16, 32), "max_model_len": 96, "enable_prefix_caching": False, **kw}
+              "token_buckets": (4, 16, 32), "max_model_len": 96, "enable_prefix_caching": False, **kw}
         return LLMEngine(EngineConfig(model=paths[name], load_tokenizer=False, mesh_shape=mesh_shape, **kw))
 
-    def mixed(name, mesh_shape):
-        engine = engine_for(name, mesh_shape)
+    def mixed(name, mesh_shape, prefix=False):
+        # prefills + decodes of different lengths; with `prefix`, prompts share 32- and 48-token
+        # prefixes (hybrids: state checkpoints copied into and out of slots on every rank)
+        engine = engine_for(name, mesh_shape, enable_prefix_caching=prefix)
         rng = np.random.default_rng(0)
-        for i, n in enumerate([5, 40, 9, 23, 2, 17, 31]):  # prefills + decodes of different lengths
-            engine.add_request(EngineRequest(f"r{i}", rng.integers(3, 1000, n).tolist(),
+        shared = rng.integers(3, 1000, 48).tolist()
+        for i, n in enumerate([5, 40, 9, 23, 2, 17, 31]):
+            prompt = rng.integers(3, 1000, n).tolist()
+            if prefix and i % 2:
+                prompt = shared[: 32 + 16 * (i % 4 == 3)] + prompt[:8]
+            engine.add_request(EngineRequest(f"r{i}", prompt,
                                              SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True)))
+            if prefix and i == 1:  # r1's pages (and checkpoints) are cached before the others arrive
+                for _ in range(3):
+                    engine.step()
         done = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -202,6 +211,7 @@ SCRIPT = textwrap.dedent("""
                     done[out.request_id] = out.outputs[0].token_ids
         stats = engine.stats()
         return {"tokens": done, "max_tokens_per_step": stats.get("max_tokens_per_step"),
+                "hit_tokens": stats["prefix_cache_hit_tokens"], "checkpoints": stats["checkpoints_written"],
                 "pages_used": stats["pages_used"], "slots_used": stats["slots_used"]}
 
     def isolation(name):
@@ -237,8 +247,8 @@ SCRIPT = textwrap.dedent("""
         if case == "isolation":
             report[case] = isolation("dense")
         else:
-            name, data, model = case.split(":")
-            report[case] = mixed(name, None if data == "1" else (int(data), int(model)))
+            name, data, model, *prefix = case.split(":")
+            report[case] = mixed(name, None if data == "1" else (int(data), int(model)), bool(prefix))
         print(f"{case} done {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print("REPORT " + json.dumps(report))
 """)
@@ -296,8 +306,10 @@ def test_filling_rank_zero_leaves_rank_one_serving(report):
 
 @pytest.mark.slow
 def test_hybrid_and_moe_data_parallel_engines_match_single_device(tmp_path_factory):
-    cases = ["hybrid:1:1", "hybrid:4:2", "moe:1:1", "moe:2:4", "moe:4:2"]
+    cases = ["hybrid:1:1", "hybrid:4:2", "hybrid:1:1:prefix", "hybrid:2:4:prefix", "moe:1:1", "moe:2:4", "moe:4:2"]
     report = _run(tmp_path_factory, ["hybrid", "moe"], cases)
     _check_mixed(report["hybrid:1:1"], report["hybrid:4:2"], 4)
+    single, sharded = report["hybrid:1:1:prefix"], report["hybrid:2:4:prefix"]
+    assert sharded["tokens"] == single["tokens"] and sharded["hit_tokens"] > 0 and sharded["checkpoints"] > 0
     _check_mixed(report["moe:1:1"], report["moe:2:4"], 2)
     _check_mixed(report["moe:1:1"], report["moe:4:2"], 4)
