@@ -1,4 +1,4 @@
-"""Attention data parallelism (runtime/data_parallel.py).
+"""Attention data parallelism (runtime/data_parallel.py, runtime/dp_scheduler.py).
 
 Device-free part: `DataParallelScheduler` with one `FakeDevice` per rank (tests/test_scheduler.py's
 protocol-checking fake, whose own token record is the reference): placement by prefix hits then
@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.data_parallel import DataParallelOutput, DataParallelScheduler, build_data_parallel_batch, rank_share
+from runtime.data_parallel import build_data_parallel_batch, rank_share
+from runtime.dp_scheduler import DataParallelOutput, DataParallelScheduler
 from runtime.inputs import build_batch
 from runtime.request import Request
 from runtime.types import SamplingParams
