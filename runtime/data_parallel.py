@@ -7,8 +7,8 @@ over `model` and replicated over `data`; everything that belongs to a request is
 - **pages and slots**: every cache leaf gets a leading rank axis, `[D, ...one rank's cache...]`,
   sharded `P("data", <the model-axis spec>)`. Rank d owns `num_pages / D` pages (its own null
   page 0 included) and its own state slots; block tables and slot ids are *rank-local* indices.
-- **scheduling** (runtime/dp_scheduler.py, no JAX): `DataParallelScheduler` keeps one `Scheduler` (queue + cache manager) per rank.
-  A new request goes to the rank with the most prefix-cache hit tokens, then the fewest
+- **scheduling** (runtime/dp_scheduler.py, no JAX): `DataParallelScheduler` keeps one
+  `Scheduler` (queue + cache manager) per rank. A new request goes to the rank with the most prefix-cache hit tokens, then the fewest
   outstanding tokens (tpu-inference's rule), and stays there. Each rank schedules on its own:
   a rank out of pages preempts or queues its own requests only; the others keep serving.
   `max_num_seqs` and `max_num_batched_tokens` are per rank, so a saturated step carries up to
@@ -29,8 +29,9 @@ over `model` and replicated over `data`; everything that belongs to a request is
   all T rows come back as `[D*T, H]` and the global `logits_indices` gather the sampled rows.
 
 Prompt logprobs (the scoring backbone) and P/D disaggregation are refused under DP (a precise
-ValueError), not served wrongly. D == 1 never reaches this module: the engine's default path is
-unchanged.
+ValueError), not served wrongly. D == 1 keeps the engine's default path: it only asks
+`data_parallel_size` / `rank_share` here (identities for one rank). The MoE block is wrapped in
+`models.tokenwise.tokenwise`, which without a vmap is the plain function.
 """
 
 from __future__ import annotations
