@@ -176,6 +176,13 @@ class ParallelConfig(_Section):
             raise ValueError(f"must be chip counts joined by 'x', e.g. 2x4 or 2x2x2, got {value!r}")
         return value
 
+    @model_validator(mode="after")
+    def _data_parallel_serves_both_roles(self):
+        if self.mesh.data > 1 and self.role != "both":
+            raise ValueError(f"mesh.data={self.mesh.data} (attention data parallelism) with role={self.role!r}: "
+                             "P/D disaggregation runs with data: 1")
+        return self
+
 
 class KVTransferConfig(_Section):
     """P/D disaggregation (`parallel.role: prefill | decode`; docs/disaggregation.md)."""

@@ -23,6 +23,7 @@ from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.quantization import embed_lookup, qdot, tied_head
+from models.tokenwise import tokenwise
 
 
 def rms_norm(x, w, eps: float, zero_centred: bool):
@@ -166,7 +167,10 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
                                                      g * slots_per_layer, cfg, opts)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        x = x + (dense_mlp(p, h, opts=opts) if cfg.mlp_types[layer] == "dense" else moe_mlp(p, h, cfg, opts))
+        if cfg.mlp_types[layer] == "dense":
+            x = x + dense_mlp(p, h, opts=opts)
+        else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
+            x = x + tokenwise(lambda p_, h_: moe_mlp(p_, h_, cfg, opts))(p, h)
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 

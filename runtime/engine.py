@@ -38,6 +38,7 @@ from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.buckets import pow2_buckets
 from runtime.config import CacheConfig, SchedulerConfig
+from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.inputs import build_batch
@@ -153,7 +154,10 @@ class LLMEngine:
                 state_bytes_per_slot=self.model.state_bytes_per_slot())
             if config.num_state_slots:
                 num_slots, num_checkpoint_slots = config.num_state_slots, None
-        num_pages = config.num_pages or self._default_num_pages(num_slots)
+        dp_size = data_parallel_size(config)
+        if dp_size > 1 and cfg.is_hybrid and config.num_state_slots:  # DP: configured pools are totals
+            num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
+        num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
         _check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
                                         enable_prefix_caching=config.enable_prefix_caching,
@@ -181,6 +185,9 @@ class LLMEngine:
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
             fuse_greedy=fuse_greedy)
+        self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
+        if dp_size > 1:
+            self.dp = enable_data_parallel(self, dp_size, fuse_greedy)
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
@@ -332,8 +339,11 @@ class LLMEngine:
 
     def _dispatch(self, out: SchedulerOutput):
         self.num_steps += 1
-        batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
-                            max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
+        if self.dp is not None:  # one equally padded slice per DP rank
+            batch = self.dp.build_batch(out)
+        else:
+            batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
+                                max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
         targets = _prompt_targets(out, batch.input_ids.shape[0])

@@ -98,10 +98,11 @@ class LLM:
 
 
 def _mesh_shape(tensor_parallel_size: int, data_parallel_size: int, enable_expert_parallel: bool):
-    """vLLM's parallelism arguments -> EngineConfig.mesh_shape; DP > 1 is refused (not built yet)."""
-    if data_parallel_size != 1:
-        raise ValueError(f"data_parallel_size={data_parallel_size}: attention data parallelism is not built yet "
-                         "(issue 13); use tensor_parallel_size")
+    """vLLM's parallelism arguments -> EngineConfig.mesh_shape (data, model)."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    return None if tensor_parallel_size == 1 else (1, tensor_parallel_size)
+    if tensor_parallel_size == 1 and data_parallel_size == 1:
+        return None
+    return (data_parallel_size, tensor_parallel_size)

@@ -3,8 +3,9 @@
     initialize_multihost(config.parallel)   # before any other JAX call, on every host
     mesh = make_mesh(data=2, model=4)       # axes ("data", "model"), both AxisType.Auto
 
-The `model` axis carries tensor parallelism (models/sharding.py); the `data` axis holds
-replicas of the same weights. Axes are Auto (GSPMD) because `jax.make_mesh` now defaults to
+The `model` axis carries tensor parallelism (models/sharding.py); the `data` axis carries
+attention data parallelism (runtime/data_parallel.py): weights are replicated over it, each rank
+serves its own batch from its own pages and state slots. Axes are Auto (GSPMD) because `jax.make_mesh` now defaults to
 Explicit axes, under which a row-parallel matmul raises `ShardingTypeError`.
 """
 

@@ -14,6 +14,12 @@ GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile
 the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
 are the arrays' own sizes, marked `analytic`.
 
+Attention data parallelism (`mesh.data` D > 1, runtime/data_parallel.py): every figure is one
+DP rank's (num_pages, state slots and max_num_seqs are per rank, and a device holds its rank's
+pages only), so the per-device memory is that of the one-rank step compiled here; the roofline
+counts the D ranks' batches of one step (D x the tokens over D x the devices). An explicit
+`cache.num_pages` is the total over the ranks, as in the engine.
+
 Roofline: a step takes max(bytes accessed / HBM bandwidth, flops / peak FLOP/s). The Pallas
 attention and GDN kernels are custom calls the cost analysis does not see, so the KV bytes a
 decode step reads are added analytically at a stated mean context length.
@@ -136,8 +142,8 @@ class PlanReport:
         moved = self.hbm_traffic(kind, context)
         seconds = max(moved / self.chip.hbm_bytes_per_s, s.flops / self.chip.peak_bf16_flops)
         bound = "memory" if moved / self.chip.hbm_bytes_per_s >= s.flops / self.chip.peak_bf16_flops else "compute"
-        # every device works on the same step (the data axis holds replicas computing the same batch)
-        per_chip = tokens / seconds / self.num_devices if seconds else float("inf")
+        # each of the mesh's data ranks runs its own batch of `tokens` in the same step (attention DP)
+        per_chip = tokens * self.mesh[0] / seconds / self.num_devices if seconds else float("inf")
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s_per_chip": per_chip, "bound": bound,
                 "bytes": moved, "flops": s.flops}
 
@@ -208,8 +214,8 @@ def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
 
 
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
-    if launch.cache.num_pages is not None:
-        return launch.cache.num_pages, []
+    if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
+        return launch.cache.num_pages // launch.parallel.mesh.data, []
     fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_client.py)
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
@@ -371,10 +377,11 @@ def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[St
 # ---- report ----------------------------------------------------------------------------------------
 def format_report(r: PlanReport) -> str:
     mesh = f"data {r.mesh[0]} x model {r.mesh[1]}" + (", experts split by index (EP)" if r.expert_parallel else "")
+    scope = " (its DP rank's own pages and slots)" if r.mesh[0] > 1 else ""
     lines = [
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
-        f"  per device: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
+        f"  per device{scope}: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
         f"tokens, {r.kv_bytes_per_token} B/token), GDN state {_gib(r.state_bytes)} ({r.num_state_slots} slots); "
         f"memory_fraction {r.memory_fraction} of HBM {_gib(r.chip.hbm_bytes)}",
         f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
@@ -391,7 +398,8 @@ def format_report(r: PlanReport) -> str:
         if r.steps and (r.step(kind).flops or r.step(kind).bytes_accessed):
             f = r.roofline(kind)
             ctx = f" at mean context {ROOFLINE_CONTEXT}" if kind == "decode" else ""
-            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
+            ranks = f" per DP rank x {r.mesh[0]}" if r.mesh[0] > 1 else ""
+            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ranks}{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
                          f"{f['seconds'] * 1e3:.2f} ms/step, "
                          f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)")
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))

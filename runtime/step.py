@@ -88,7 +88,10 @@ def _sharded_spec(x):
 
 class StepExecutables:
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False):
+                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
+                 forward_fn=forward):
+        # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/data_parallel.py)
+        forward = forward_fn
         self.model, self.opts = model, opts
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k

@@ -9,11 +9,11 @@ CONFIG FLAGS are the flags users type from habit (vLLM's names: `--dtype`, `--ma
 `--gpu-memory-utilization`, `--enable-prefix-caching`, ...); each maps onto one config key in
 the one table `CONFIG_FLAGS` below (add a row to add a flag). Precedence: YAML < `--set` <
 flags. vLLM's parallelism flags map onto `parallel.mesh` (`parallel_overrides`):
-`--tensor-parallel-size N` is `model: N`; `--enable-expert-parallel` is `parallel.expert: true`
-(MoE experts split by expert index over the model axis); `--data-parallel-size` > 1 is refused
-until attention data parallelism is built (issue 13), rather than silently ignored. `plan`
-(runtime/plan.py, imported only when asked) compiles the config's steps for its `parallel.chip`
-from the model's config.json shapes and prints memory and cost per device.
+`--tensor-parallel-size N` is `model: N`, `--data-parallel-size D` is `data: D` (attention
+data parallelism, runtime/data_parallel.py); `--enable-expert-parallel` is `parallel.expert: true`
+(MoE experts split by expert index over the model axis). `plan` (runtime/plan.py, imported only when
+asked) compiles the config's steps for its `parallel.chip` from the model's config.json shapes
+and prints memory and cost per device.
 
 `serve` loads and validates the launch config, builds the engine and runs the server until
 SIGTERM/SIGINT (graceful drain, exit 0). The JAX engine is built by
@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                          help="devices the weights are split over (parallel.mesh.model)")
         sub.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                         help="attention data parallelism: not built yet, only 1 is accepted (issue 13)")
+                         help="attention data parallelism: D ranks, each with its own batch, pages and "
+                              "state slots (parallel.mesh.data)")
         sub.add_argument("--enable-expert-parallel", action="store_true", default=None,
                          help="MoE experts split by expert index over the model axis (parallel.expert)")
         if name == "plan":
@@ -171,13 +172,14 @@ def _load(args) -> LaunchConfig:
 
 def parallel_overrides(tensor_parallel_size: int | None, data_parallel_size: int | None,
                        enable_expert_parallel: bool | None) -> dict:
-    """vLLM's parallelism flags -> `parallel` keys; DP > 1 is refused (not built yet)."""
-    if data_parallel_size is not None and data_parallel_size != 1:
-        raise ConfigError(f"--data-parallel-size {data_parallel_size}: attention data parallelism is not built yet "
-                          "(issue 13); today the mesh's data axis only holds replicas. Use --tensor-parallel-size")
+    """vLLM's parallelism flags -> `parallel` keys."""
+    if data_parallel_size is not None and data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
     if tensor_parallel_size is not None and tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     overrides = {} if tensor_parallel_size is None else {"parallel.mesh.model": tensor_parallel_size}
+    if data_parallel_size is not None:
+        overrides["parallel.mesh.data"] = data_parallel_size
     if enable_expert_parallel:
         overrides["parallel.expert"] = True
     return overrides

@@ -1,6 +1,6 @@
 """vLLM's parallelism names: `--tensor-parallel-size` / `LLM(tensor_parallel_size=)` set the mesh's
-model axis; `--enable-expert-parallel` / `LLM(enable_expert_parallel=True)` set `parallel.expert`;
-data parallelism > 1 is refused naming issue 13 (not built yet), never silently ignored."""
+model axis, `--data-parallel-size` / `LLM(data_parallel_size=)` its data axis (attention DP);
+`--enable-expert-parallel` / `LLM(enable_expert_parallel=True)` set `parallel.expert`."""
 
 import pytest
 
@@ -18,24 +18,34 @@ def test_tensor_parallel_size_sets_the_model_axis():
     assert (config.parallel.mesh.data, config.parallel.mesh.model) == (1, 4)
 
 
+def test_data_parallel_size_sets_the_data_axis():
+    config = _config("--tensor-parallel-size", "4", "--data-parallel-size", "2")
+    assert (config.parallel.mesh.data, config.parallel.mesh.model) == (2, 4)
+
+
+def test_data_parallelism_with_a_pd_role_is_refused():
+    with pytest.raises(ConfigError, match="attention data parallelism.*role='prefill'"):
+        _config("--data-parallel-size", "2", "--set", "parallel.role=prefill")
+
+
 @pytest.mark.parametrize("argv,match", [
-    (("--data-parallel-size", "2"), "data parallelism is not built yet \\(issue 13\\)"),
+    (("--data-parallel-size", "0"), "--data-parallel-size must be >= 1"),
     (("--tensor-parallel-size", "0"), "must be >= 1"),
 ])
-def test_unbuilt_parallelism_is_refused(argv, match):
+def test_invalid_parallelism_is_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
         _config(*argv)
 
 
 def test_cli_exits_2_on_refused_flag(capsys):
-    assert main(["config", "--data-parallel-size", "2"]) == 2
-    assert "issue 13" in capsys.readouterr().err
+    assert main(["config", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"data_parallel_size": 2}, "data parallelism is not built yet"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be >= 1"),
 ])
-def test_llm_refuses_unbuilt_parallelism_before_loading(kwargs, match):
+def test_llm_refuses_invalid_parallelism_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM("/nonexistent/checkpoint", **kwargs)  # refused before any file is read
 
@@ -45,6 +55,7 @@ def test_llm_tensor_parallel_size_is_the_engine_mesh():
 
     assert _mesh_shape(4, 1, False) == (1, 4)
     assert _mesh_shape(1, 1, False) is None  # one device, no mesh
+    assert _mesh_shape(2, 4, False) == (4, 2) and _mesh_shape(1, 2, False) == (2, 1)
 
 
 def test_enable_expert_parallel_sets_parallel_expert():
