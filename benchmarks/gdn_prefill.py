@@ -1,0 +1,117 @@
+"""Where the WY chunked form beats the per-token recurrence for the ragged GDN op on CPU.
+
+    python -m benchmarks.gdn_prefill                  # ~3 min on the 2-core box
+    python -m benchmarks.gdn_prefill --quick --json out.json
+
+Times `pallas_kernels.gdn.gated_delta_rule` (one GDN layer's recurrence, the part that differs
+between the paths) for ragged steps shaped like the engine's: a token bucket T, `max_num_seqs`
+sequence rows, a mix of prefill rows (many new tokens) and decode rows (one token), padding up
+to T. Each row of the output compares impl="reference" (per-token loop over the real tokens)
+with impl="reference_chunked" at C = 16 / 32 / 64 (every row chunked) and with the "mixed"
+path at C = 16 / 32 (multi-token rows chunked, one-token rows one batched step), all in ONE invocation so that a contended
+machine slows every column alike: read the ratios, not the milliseconds. Heads follow the
+Qwen3.5-shaped hybrid checkpoint (`.cache/peers/qwen3_5-small`: Hk 4, H 8, K = V = 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gdn import gated_delta_rule, gated_delta_rule_mixed
+
+HEADS = dict(key_heads=4, heads=8, key_dim=128, value_dim=128)
+CHUNKS = (16, 32, 64)
+MIXED_CHUNKS = (16, 32)
+MAX_NUM_SEQS = 16
+# (token bucket T, prefill lengths, decode rows): decode-only, one prompt, prompts + decodes.
+FULL = [
+    (16, [], 16), (32, [16], 8),
+    (64, [48], 0), (64, [32], 15),
+    (128, [128], 0), (128, [100], 15), (128, [40, 40], 8),
+    (256, [256], 0), (256, [200], 15), (256, [60, 60, 60], 12),
+    (512, [512], 0), (512, [480], 15), (512, [128, 128, 128], 13),
+]
+QUICK = [(16, [], 16), (128, [100], 15), (256, [256], 0)]
+
+
+def ragged_step(key, bucket: int, prefill_lens: list[int], num_decode: int, heads=HEADS,
+                max_num_seqs: int = MAX_NUM_SEQS):
+  """Random operands of one ragged step: the prefill rows first, then the decode rows."""
+  hk, h, kd, vd = heads["key_heads"], heads["heads"], heads["key_dim"], heads["value_dim"]
+  lens = list(prefill_lens) + [1] * num_decode
+  assert sum(lens) <= bucket and len(lens) <= max_num_seqs, (bucket, lens)
+  ks = jax.random.split(key, 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+  q = unit(jax.random.normal(ks[0], (bucket, hk, kd))) * kd ** -0.5
+  k = unit(jax.random.normal(ks[1], (bucket, hk, kd)))
+  v = jax.random.normal(ks[2], (bucket, h, vd))
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (bucket, h)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (bucket, h)))
+  num_slots = max_num_seqs + 1
+  state = 0.1 * jax.random.normal(ks[5], (num_slots, h, kd, vd))
+  cu = np.zeros(max_num_seqs + 1, np.int32)
+  cu[1:len(lens) + 1] = np.cumsum(lens)
+  cu[len(lens) + 1:] = cu[len(lens)]
+  slots = np.zeros(max_num_seqs, np.int32)
+  slots[:len(lens)] = np.arange(1, len(lens) + 1)
+  has_initial = np.zeros(max_num_seqs, bool)
+  has_initial[len(prefill_lens):len(lens)] = True  # decode rows continue a sequence
+  return (q, k, v, g, beta, state, jnp.asarray(cu), jnp.asarray(slots), jnp.asarray(has_initial),
+          jnp.asarray(len(lens), jnp.int32))
+
+
+def time_impl(args, impl: str, chunk_size: int, repeats: int) -> float:
+  """Median ms of one call after a warm-up (compile) call. impl "mixed": the multi-token rows
+  chunked, the one-token rows one batched recurrence step (what impl="chunked" runs from
+  CHUNKED_MIN_TOKENS on)."""
+  if impl == "mixed":
+    fn = jax.jit(lambda *a: gated_delta_rule_mixed(*a, chunk_size=chunk_size))
+  else:
+    fn = jax.jit(lambda *a: gated_delta_rule(*a, impl=impl, chunk_size=chunk_size))
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--json", help="write the rows here")
+  args = parser.parse_args(argv)
+  rows = []
+  print(f"{'T':>4} {'prefill lens':<16} {'dec':>3} {'recurrent ms':>12} "
+        + " ".join(f"{'C=' + str(c) + ' ms':>9} {'ratio':>6}" for c in CHUNKS)
+        + " ".join(f"{'mix' + str(c) + ' ms':>9} {'ratio':>6}" for c in MIXED_CHUNKS))
+  for i, (bucket, prefill, decode) in enumerate(QUICK if args.quick else FULL):
+    step = ragged_step(jax.random.key(i), bucket, prefill, decode)
+    row = dict(bucket=bucket, prefill_lens=prefill, decode_rows=decode,
+               recurrent_ms=time_impl(step, "reference", 64, args.repeats))
+    for c in CHUNKS:
+      row[f"chunked_{c}_ms"] = time_impl(step, "reference_chunked", c, args.repeats)
+    for c in MIXED_CHUNKS:
+      row[f"mixed_{c}_ms"] = time_impl(step, "mixed", c, args.repeats)
+    rows.append(row)
+    cols = [f"chunked_{c}" for c in CHUNKS] + [f"mixed_{c}" for c in MIXED_CHUNKS]
+    print(f"{bucket:>4} {str(prefill):<16} {decode:>3} {row['recurrent_ms']:>12.2f} "
+          + " ".join(f"{row[f'{n}_ms']:>9.2f} {row['recurrent_ms'] / row[f'{n}_ms']:>5.2f}x" for n in cols),
+          flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(heads=HEADS, max_num_seqs=MAX_NUM_SEQS, device=jax.devices()[0].device_kind,
+                     rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
