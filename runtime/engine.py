@@ -179,14 +179,14 @@ class LLMEngine:
         self.executables = StepExecutables(
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
-            fuse_greedy=fuse_greedy)
+            fuse_greedy=fuse_greedy, max_model_len=self.max_model_len)
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if config.aot_compile:
             masked = self.bitmask_width if config.aot_grammar_samplers else 0
-            self.executables.compile_all(progress=progress, bitmask_width=masked)
+            self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
