@@ -2,6 +2,7 @@
 
     python -m benchmarks.gdn_prefill                  # ~3 min on the 2-core box
     python -m benchmarks.gdn_prefill --quick --json out.json
+    python -m benchmarks.gdn_prefill --engine .cache/peers/qwen3_5-small   # engine A/B, ~5 min
 
 Times `pallas_kernels.gdn.gated_delta_rule` (one GDN layer's recurrence, the part that differs
 between the paths) for ragged steps shaped like the engine's: a token bucket T, `max_num_seqs`
@@ -11,6 +12,12 @@ with impl="reference_chunked" at C = 16 / 32 / 64 (every row chunked) and with t
 path at C = 16 / 32 (multi-token rows chunked, one-token rows one batched step), all in ONE invocation so that a contended
 machine slows every column alike: read the ratios, not the milliseconds. Heads follow the
 Qwen3.5-shaped hybrid checkpoint (`.cache/peers/qwen3_5-small`: Hk 4, H 8, K = V = 128).
+
+`--engine CHECKPOINT`: the whole engine instead, before (gdn_backend "reference": the per-token
+loop in every step) vs after ("auto": the chunked CPU path), both engines built in the same
+process and alternated: a burst of `--requests` prompts of `--prompt-len` tokens, 2 output
+tokens each; TTFT per request (from the burst's submission to its first token) and prompt
+tokens/s of the burst, medians over `--repeats` bursts.
 """
 
 from __future__ import annotations
@@ -84,12 +91,54 @@ def time_impl(args, impl: str, chunk_size: int, repeats: int) -> float:
   return 1e3 * statistics.median(times)
 
 
+def engine_ab(checkpoint: str, num_requests: int, prompt_len: int, repeats: int) -> dict:
+  from runtime.engine import LLMEngine
+  from runtime.engine_config import EngineConfig
+  from runtime.types import EngineRequest, SamplingParams
+
+  engines = {name: LLMEngine(EngineConfig(
+      model=checkpoint, dtype="float32", max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024,
+      page_size=16, enable_prefix_caching=False, gdn_backend=backend, seed=0), progress=False)
+      for name, backend in (("before (per-token loop)", "reference"), ("after (chunked)", "auto"))}
+  vocab = next(iter(engines.values())).model.cfg.vocab_size
+  rng = np.random.default_rng(0)
+  params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+  results = {name: dict(ttft_ms=[], prompt_tok_s=[]) for name in engines}
+  for burst in range(repeats + 1):  # burst 0 warms up every bucket the burst uses
+    prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(num_requests)]
+    for name, engine in engines.items():
+      t0, first = time.perf_counter(), {}
+      for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"b{burst}-{i}", p, params))
+      while engine.has_unfinished():
+        for out in engine.step():
+          if out.outputs[0].token_ids and out.request_id not in first:
+            first[out.request_id] = time.perf_counter() - t0
+      if burst:
+        results[name]["ttft_ms"].append(1e3 * statistics.median(first.values()))
+        results[name]["prompt_tok_s"].append(num_requests * prompt_len / max(first.values()))
+  summary = {name: dict(ttft_p50_ms=statistics.median(r["ttft_ms"]), prompt_tok_s=statistics.median(r["prompt_tok_s"]),
+                        runs=r) for name, r in results.items()}
+  for name, r in summary.items():
+    print(f"{name:<26} median TTFT {r['ttft_p50_ms']:8.1f} ms   prefill {r['prompt_tok_s']:8.1f} prompt tok/s", flush=True)
+  return dict(checkpoint=checkpoint, requests=num_requests, prompt_len=prompt_len, results=summary)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--json", help="write the rows here")
+  parser.add_argument("--engine", metavar="CHECKPOINT", help="engine A/B on this checkpoint instead of the op table")
+  parser.add_argument("--requests", type=int, default=8)
+  parser.add_argument("--prompt-len", type=int, default=128)
   args = parser.parse_args(argv)
+  if args.engine:
+    result = engine_ab(args.engine, args.requests, args.prompt_len, args.repeats)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return
   rows = []
   print(f"{'T':>4} {'prefill lens':<16} {'dec':>3} {'recurrent ms':>12} "
         + " ".join(f"{'C=' + str(c) + ' ms':>9} {'ratio':>6}" for c in CHUNKS)

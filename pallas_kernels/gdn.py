@@ -8,11 +8,15 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
 
 - `gdn_recurrent_reference`: one sequence, per-token `lax.scan` (obviously right).
 - `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
-- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token scan)
-  is the CPU serving path; `impl="reference_chunked"` is the same op in the WY chunked form
-  (matmul-shaped, for accelerators without a kernel; on the 2-core CPU box a 256-token
-  sequence at H=8, K=V=128 took ~95 ms at C=64 and ~45 ms at C=16 against the per-token scan's
-  ~50 ms, whose [H,K,V] state stays in L2, so the scan stays the CPU path); `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
+- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token loop)
+  is the spec; `impl="reference_chunked"` is the same op in the WY chunked form for every row;
+  `impl="chunked"` is the CPU serving path: the per-token loop for decode-sized token buckets
+  (T < CHUNKED_MIN_TOKENS), else WY chunks of CPU_CHUNK = 16 for the multi-token rows and one
+  batched recurrence step for the one-token rows (`gated_delta_rule_mixed`). Measured by
+  `benchmarks/gdn_prefill.py` on the 2-core box (H=8, K=V=128): ~2x faster than the per-token
+  loop from T = 128 on, slower below (C = 64 is slower everywhere there: each sequence's
+  partial chunk is a whole 64-row pass). `impl="pallas"` dispatches to the Mosaic TPU or
+  Triton GPU kernel.
 """
 
 import functools
