@@ -185,7 +185,7 @@ class LLMEngine:
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if config.aot_compile:
-            masked = self.bitmask_width if config.aot_grammar_samplers else 0
+            masked = self.bitmask_width if config.aot_grammar_samplers or config.aot_compile_all else 0
             self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
