@@ -74,21 +74,26 @@ def ragged_step(key, bucket: int, prefill_lens: list[int], num_decode: int, head
           jnp.asarray(len(lens), jnp.int32))
 
 
-def time_impl(args, impl: str, chunk_size: int, repeats: int) -> float:
-  """Median ms of one call after a warm-up (compile) call. impl "mixed": the multi-token rows
-  chunked, the one-token rows one batched recurrence step (what impl="chunked" runs from
-  CHUNKED_MIN_TOKENS on)."""
+def op(impl: str, chunk_size: int):
+  """The jitted op. impl "mixed": the multi-token rows chunked, the one-token rows one batched
+  recurrence step (what impl="chunked" runs from CHUNKED_MIN_TOKENS on)."""
   if impl == "mixed":
-    fn = jax.jit(lambda *a: gated_delta_rule_mixed(*a, chunk_size=chunk_size))
-  else:
-    fn = jax.jit(lambda *a: gated_delta_rule(*a, impl=impl, chunk_size=chunk_size))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
+    return jax.jit(lambda *a: gated_delta_rule_mixed(*a, chunk_size=chunk_size))
+  return jax.jit(lambda *a: gated_delta_rule(*a, impl=impl, chunk_size=chunk_size))
+
+
+def time_interleaved(args, fns: dict, repeats: int) -> dict:
+  """Median ms per function after a warm-up (compile) call each; the functions take turns in
+  every repeat, so a load change on the shared machine hits them alike."""
+  for fn in fns.values():
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(1e3 * (time.perf_counter() - t0))
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def engine_ab(checkpoint: str, num_requests: int, prompt_len: int, repeats: int) -> dict:
@@ -145,14 +150,13 @@ def main(argv=None):
         + " ".join(f"{'mix' + str(c) + ' ms':>9} {'ratio':>6}" for c in MIXED_CHUNKS))
   for i, (bucket, prefill, decode) in enumerate(QUICK if args.quick else FULL):
     step = ragged_step(jax.random.key(i), bucket, prefill, decode)
-    row = dict(bucket=bucket, prefill_lens=prefill, decode_rows=decode,
-               recurrent_ms=time_impl(step, "reference", 64, args.repeats))
-    for c in CHUNKS:
-      row[f"chunked_{c}_ms"] = time_impl(step, "reference_chunked", c, args.repeats)
-    for c in MIXED_CHUNKS:
-      row[f"mixed_{c}_ms"] = time_impl(step, "mixed", c, args.repeats)
+    fns = {"recurrent": op("reference", 64)}
+    fns.update({f"chunked_{c}": op("reference_chunked", c) for c in CHUNKS})
+    fns.update({f"mixed_{c}": op("mixed", c) for c in MIXED_CHUNKS})
+    row = dict(bucket=bucket, prefill_lens=prefill, decode_rows=decode)
+    row.update({f"{name}_ms": ms for name, ms in time_interleaved(step, fns, args.repeats).items()})
     rows.append(row)
-    cols = [f"chunked_{c}" for c in CHUNKS] + [f"mixed_{c}" for c in MIXED_CHUNKS]
+    cols = [name for name in fns if name != "recurrent"]
     print(f"{bucket:>4} {str(prefill):<16} {decode:>3} {row['recurrent_ms']:>12.2f} "
           + " ".join(f"{row[f'{n}_ms']:>9.2f} {row['recurrent_ms'] / row[f'{n}_ms']:>5.2f}x" for n in cols),
           flush=True)

@@ -84,15 +84,6 @@ class FullWidths:
         return cls(output_ids=width, prompt_ids=width)
 
 
-def _pad_columns(matrix, width: int, fill, name: str):
-    """[S, w] host matrix -> [S, width] padded with `fill`; w > width is a request the sealed set
-    cannot serve (validation bounds every width, so this names a bug)."""
-    matrix = np.asarray(matrix)
-    if matrix.shape[1] > width:
-        raise CompileAfterStartup(f"{name} width {matrix.shape[1]} exceeds the full sampler's {width}")
-    return np.pad(matrix, ((0, 0), (0, width - matrix.shape[1])), constant_values=fill)
-
-
 def enable_persistent_cache(cache_dir: str | Path) -> None:
     """JAX persistent compilation cache on local disk; cache every compile, however small."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -364,17 +355,7 @@ class StepExecutables:
         widths = (meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned, meta.num_logit_bias)
         if w is None or (num_logprobs == 0 and not any(widths)):
             return meta, num_logprobs
-        S = meta.num_rows
-        banned = meta.banned_ids if meta.banned_ids is not None else np.zeros((S, 0), np.int32)
-        bias_ids = meta.logit_bias_ids if meta.logit_bias_ids is not None else np.zeros((S, 0), np.int32)
-        bias_values = meta.logit_bias_values if meta.logit_bias_values is not None else np.zeros((S, 0), np.float32)
-        meta = dataclasses.replace(
-            meta, output_ids=_pad_columns(meta.output_ids, w.output_ids, -1, "penalty output ids"),
-            prompt_ids=_pad_columns(meta.prompt_ids, w.prompt_ids, -1, "penalty prompt ids"),
-            banned_ids=_pad_columns(banned, w.banned_ids, -1, "banned ids"),
-            logit_bias_ids=_pad_columns(bias_ids, w.logit_bias, -1, "logit_bias ids"),
-            logit_bias_values=_pad_columns(bias_values, w.logit_bias, 0.0, "logit_bias values"))
-        return meta, MAX_LOGPROBS
+        return meta.with_widths(w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias), MAX_LOGPROBS
 
     def copy_states(self, caches, pairs: list[tuple[int, int]]):
         src = np.zeros(self.max_num_seqs, np.int32)
