@@ -3,6 +3,7 @@
     python -m benchmarks.gdn_prefill                  # ~3 min on the 2-core box
     python -m benchmarks.gdn_prefill --quick --json out.json
     python -m benchmarks.gdn_prefill --engine .cache/peers/qwen3_5-small   # engine A/B, ~5 min
+    python -m benchmarks.gdn_prefill --forward .cache/peers/qwen3_5-small  # one-prompt forward A/B
 
 Times `pallas_kernels.gdn.gated_delta_rule` (one GDN layer's recurrence, the part that differs
 between the paths) for ragged steps shaped like the engine's: a token bucket T, `max_num_seqs`
@@ -129,17 +130,47 @@ def engine_ab(checkpoint: str, num_requests: int, prompt_len: int, repeats: int)
   return dict(checkpoint=checkpoint, requests=num_requests, prompt_len=prompt_len, results=summary)
 
 
+def forward_ab(checkpoint: str, prompt_lens: list[int], repeats: int) -> dict:
+  """One prompt through the model's forward pass (`Model.logits`), per-token loop vs the chunked
+  path, interleaved: the prefill step without the engine around it."""
+  from models.model import load_model
+  from models.ops import KernelOptions
+
+  model = load_model(checkpoint, dtype="float32")
+  rng = np.random.default_rng(0)
+  variants = {"recurrent": KernelOptions(gdn="reference"), "chunked": KernelOptions()}
+  rows = []
+  for n in prompt_lens:
+    ids = rng.integers(3, model.cfg.vocab_size, size=n).tolist()
+    fns = {name: (lambda opts: lambda: model.logits(ids, opts=opts))(opts) for name, opts in variants.items()}
+    for fn in fns.values():
+      fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+      for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        times[name].append(1e3 * (time.perf_counter() - t0))
+    row = dict(prompt_len=n, **{f"{name}_ms": statistics.median(t) for name, t in times.items()})
+    rows.append(row)
+    print(f"prompt {n:>4}: per-token loop {row['recurrent_ms']:8.1f} ms, chunked {row['chunked_ms']:8.1f} ms "
+          f"({row['recurrent_ms'] / row['chunked_ms']:.2f}x)", flush=True)
+  return dict(checkpoint=checkpoint, rows=rows)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--json", help="write the rows here")
   parser.add_argument("--engine", metavar="CHECKPOINT", help="engine A/B on this checkpoint instead of the op table")
+  parser.add_argument("--forward", metavar="CHECKPOINT", help="one-prompt forward A/B on this checkpoint")
   parser.add_argument("--requests", type=int, default=8)
   parser.add_argument("--prompt-len", type=int, default=128)
   args = parser.parse_args(argv)
-  if args.engine:
-    result = engine_ab(args.engine, args.requests, args.prompt_len, args.repeats)
+  if args.engine or args.forward:
+    result = (engine_ab(args.engine, args.requests, args.prompt_len, args.repeats) if args.engine
+              else forward_ab(args.forward, [128, 256, 512], args.repeats))
     if args.json:
       with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
