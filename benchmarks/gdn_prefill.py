@@ -24,6 +24,7 @@ tokens/s of the burst, medians over `--repeats` bursts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -83,16 +84,16 @@ def op(impl: str, chunk_size: int):
   return jax.jit(lambda *a: gated_delta_rule(*a, impl=impl, chunk_size=chunk_size))
 
 
-def time_interleaved(args, fns: dict, repeats: int) -> dict:
-  """Median ms per function after a warm-up (compile) call each; the functions take turns in
-  every repeat, so a load change on the shared machine hits them alike."""
+def time_interleaved(fns: dict, repeats: int) -> dict:
+  """Median ms per zero-argument function after a warm-up (compile) call each; the functions
+  take turns in every repeat, so a load change on the shared machine hits them alike."""
   for fn in fns.values():
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn())
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
       t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(fn())
       times[name].append(1e3 * (time.perf_counter() - t0))
   return {name: statistics.median(t) for name, t in times.items()}
 
@@ -142,16 +143,8 @@ def forward_ab(checkpoint: str, prompt_lens: list[int], repeats: int) -> dict:
   rows = []
   for n in prompt_lens:
     ids = rng.integers(3, model.cfg.vocab_size, size=n).tolist()
-    fns = {name: (lambda opts: lambda: model.logits(ids, opts=opts))(opts) for name, opts in variants.items()}
-    for fn in fns.values():
-      fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-      for name, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        times[name].append(1e3 * (time.perf_counter() - t0))
-    row = dict(prompt_len=n, **{f"{name}_ms": statistics.median(t) for name, t in times.items()})
+    fns = {name: functools.partial(model.logits, ids, opts=opts) for name, opts in variants.items()}
+    row = dict(prompt_len=n, **{f"{name}_ms": ms for name, ms in time_interleaved(fns, repeats).items()})
     rows.append(row)
     print(f"prompt {n:>4}: per-token loop {row['recurrent_ms']:8.1f} ms, chunked {row['chunked_ms']:8.1f} ms "
           f"({row['recurrent_ms'] / row['chunked_ms']:.2f}x)", flush=True)
@@ -185,7 +178,8 @@ def main(argv=None):
     fns.update({f"chunked_{c}": op("reference_chunked", c) for c in CHUNKS})
     fns.update({f"mixed_{c}": op("mixed", c) for c in MIXED_CHUNKS})
     row = dict(bucket=bucket, prefill_lens=prefill, decode_rows=decode)
-    row.update({f"{name}_ms": ms for name, ms in time_interleaved(step, fns, args.repeats).items()})
+    calls = {name: functools.partial(fn, *step) for name, fn in fns.items()}
+    row.update({f"{name}_ms": ms for name, ms in time_interleaved(calls, args.repeats).items()})
     rows.append(row)
     cols = [name for name in fns if name != "recurrent"]
     print(f"{bucket:>4} {str(prefill):<16} {decode:>3} {row['recurrent_ms']:>12.2f} "
