@@ -13,9 +13,10 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
   `impl="chunked"` is the CPU serving path: the per-token loop for decode-sized token buckets
   (T < CHUNKED_MIN_TOKENS), else WY chunks of CPU_CHUNK = 16 for the multi-token rows and one
   batched recurrence step for the one-token rows (`gated_delta_rule_mixed`). Measured by
-  `benchmarks/gdn_prefill.py` on the 2-core box (H=8, K=V=128): ~2x faster than the per-token
-  loop from T = 128 on, slower below (C = 64 is slower everywhere there: each sequence's
-  partial chunk is a whole 64-row pass). `impl="pallas"` dispatches to the Mosaic TPU or
+  `benchmarks/gdn_prefill.py` on the 2-core box (H=8, K=V=128; docs/benchmarks.md round 5):
+  WY chunks of 16 are 1.2-3.9x faster than the per-token loop from T = 128 on and mostly
+  slower below; C = 64 is slower almost everywhere (each sequence's partial chunk is a whole
+  64-row pass); mixed vs every row chunked was within the shared machine's noise. `impl="pallas"` dispatches to the Mosaic TPU or
   Triton GPU kernel.
 """
 
