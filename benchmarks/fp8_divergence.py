@@ -3,7 +3,7 @@ float32 KV): for every sequence, the first position whose greedy token differs, 
 between the best and second-best token there, in each run's own log-probabilities.
 
     python -m benchmarks.fp8_divergence .cache/peers/tiny-llama --workload mixed --scale 0.25 \
-        --num-requests 16 --json benchmarks/results/fp8-divergence.json
+        --num-requests 16 --json benchmarks/results/cpu-2core-tiny-llama-fp8-divergence/fp8-divergence.json
 
 A wrong KV path diverges early with a large margin (the reference run was sure of a token the
 other did not pick); rounding flips a near-tie: a small margin in both runs, anywhere in the

@@ -241,7 +241,7 @@ def main(argv=None):
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({jax.default_backend()}), impl {args.impl}, "
         f"KV {args.kv_dtype}, page size {args.page_size}\n")
-  print("| op | shape | ms | achieved | of roofline |\n|---|---|---:|---:|---:|")
+  print("| op | shape | ms | achieved | of spec-sheet roofline |\n|---|---|---:|---:|---:|")
   rows = run(ops, impl=args.impl, quick=args.quick, kv_dtype=args.kv_dtype,
              page_size=args.page_size, repeats=args.repeats)
   if args.json:

@@ -197,7 +197,7 @@ class KVTransferConfig(_Section):
 
 
 class CompileConfig(_Section):
-    aot: bool = False  # compile every bucket at start-up
+    aot: bool = False  # compile every executable at start-up; then nothing compiles while serving
     cache_dir: str | None = None  # JAX persistent compilation cache; None disables it
 
 

@@ -50,8 +50,9 @@ class KernelOptions:
             return choice
         if jax.default_backend() == "cpu" and not self.interpret:
             # attention: the jnp path whose work follows the real context (the reference, the
-            # spec, always gathers the whole block table)
-            return "chunked" if which == "attention" else "reference"
+            # spec, always gathers the whole block table); gdn: WY chunks for prefill-sized
+            # token buckets, the per-token loop below (pallas_kernels/gdn.py, measured)
+            return "chunked" if which in ("attention", "gdn") else "reference"
         return "pallas"
 
     @property
@@ -116,7 +117,7 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_s
 def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
     """With `opts.tp.gdn`, x / weight / conv_state channels arrive in the per-shard [Q_i K_i V_i]
     order (models/sharding.py); y is returned in the canonical [Q | K | V] order."""
-    impl = "pallas" if opts.impl("gdn").startswith("pallas") else opts.impl("gdn")  # one conv kernel for both
+    impl = "pallas" if opts.impl("gdn").startswith("pallas") else "reference"  # one conv kernel for both
     kwargs = {"interpret": opts.interpret} if impl == "pallas" else {}
 
     def conv(*args):

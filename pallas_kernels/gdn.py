@@ -8,11 +8,16 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
 
 - `gdn_recurrent_reference`: one sequence, per-token `lax.scan` (obviously right).
 - `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
-- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token scan)
-  is the CPU serving path; `impl="reference_chunked"` is the same op in the WY chunked form
-  (matmul-shaped, for accelerators without a kernel; on the 2-core CPU box a 256-token
-  sequence at H=8, K=V=128 took ~95 ms at C=64 and ~45 ms at C=16 against the per-token scan's
-  ~50 ms, whose [H,K,V] state stays in L2, so the scan stays the CPU path); `impl="pallas"` dispatches to the Mosaic TPU or Triton GPU kernel.
+- `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token loop)
+  is the spec; `impl="reference_chunked"` is the same op in the WY chunked form for every row;
+  `impl="chunked"` is the CPU serving path: the per-token loop for decode-sized token buckets
+  (T < CHUNKED_MIN_TOKENS), else WY chunks of CPU_CHUNK = 16 for the multi-token rows and one
+  batched recurrence step for the one-token rows (`gated_delta_rule_mixed`). Measured by
+  `benchmarks/gdn_prefill.py` on the 2-core box (H=8, K=V=128; docs/benchmarks.md round 5):
+  WY chunks of 16 are 1.2-3.9x faster than the per-token loop from T = 128 on and mostly
+  slower below; C = 64 is slower almost everywhere (each sequence's partial chunk is a whole
+  64-row pass); mixed vs every row chunked was within the shared machine's noise. `impl="pallas"` dispatches to the Mosaic TPU or
+  Triton GPU kernel.
 """
 
 import functools
@@ -210,19 +215,21 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_id
   return o.astype(v.dtype), state
 
 
-def ragged_chunk_layout(cu_q_lens, num_seqs, num_tokens, chunk_size):
-  """Tiles every real sequence with chunks that never span two sequences.
+def ragged_chunk_layout(cu_q_lens, num_seqs, num_tokens, chunk_size, min_len=1):
+  """Tiles every real sequence of at least `min_len` tokens with chunks that never span two
+  sequences (shorter sequences get no chunk: another path handles them).
 
   At most T // C + S chunks exist (each sequence adds at most one partial chunk). Returns, per
   chunk slot n: seq [NC], token [NC,C] (flat token of each row), row_valid [NC,C],
-  is_first [NC], is_last [NC] (first / last chunk of its sequence; False for unused slots).
+  is_first [NC], is_last [NC] (first / last chunk of its sequence; False for unused slots),
+  and num_used [] (chunk slots in use: they come first).
   """
   c = chunk_size
   num_seq_slots = cu_q_lens.shape[0] - 1
   num_chunk_slots = num_tokens // c + num_seq_slots
   num_seqs = jnp.reshape(num_seqs, (-1,))[0]
   lengths = cu_q_lens[1:] - cu_q_lens[:-1]
-  is_real = jnp.arange(num_seq_slots) < num_seqs
+  is_real = (jnp.arange(num_seq_slots) < num_seqs) & (lengths >= min_len)
   chunks_per_seq = jnp.where(is_real, (lengths + c - 1) // c, 0)
   chunk_end = jnp.cumsum(chunks_per_seq)
   chunk_slots = jnp.arange(num_chunk_slots, dtype=jnp.int32)
@@ -235,20 +242,22 @@ def ragged_chunk_layout(cu_q_lens, num_seqs, num_tokens, chunk_size):
   row_valid = jnp.arange(c)[None, :] < rows_used[:, None]
   is_first = chunk_used & (index_in_seq == 0)
   is_last = chunk_used & (index_in_seq == chunks_per_seq[seq] - 1)
-  return seq, token, row_valid, is_first, is_last
+  return seq, token, row_valid, is_first, is_last, chunk_end[-1]
 
 
 def gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
-                                       has_initial_state, num_seqs, chunk_size=64):
-  """Ragged op, pure jnp, WY chunked form: the fast CPU path for prefill-sized batches.
+                                       has_initial_state, num_seqs, chunk_size=64, min_len=1):
+  """Ragged op, pure jnp, WY chunked form over the sequences of at least `min_len` tokens
+  (the others are left alone: zero output rows, slots untouched).
 
   Tokens are gathered into per-sequence chunks (rows past a sequence's end are identity
-  steps), the state-independent work runs batched over all chunks, and one `lax.scan` over
-  the chunk slots carries the current sequence's state from and back to its slot.
+  steps), the state-independent work runs batched over all chunk slots, and one loop over the
+  chunk slots in use (a dynamic bound, like the per-token path's) carries the current
+  sequence's state from and back to its slot.
   """
   t, _, h, _, vd = _check_shapes(q, k, v, g, beta)
-  seq, token, row_valid, is_first, is_last = ragged_chunk_layout(
-      cu_q_lens, num_seqs, t, chunk_size)
+  seq, token, row_valid, is_first, is_last, num_used = ragged_chunk_layout(
+      cu_q_lens, num_seqs, t, chunk_size, min_len)
   gather_at = jnp.clip(token, 0, t - 1)
 
   def to_chunks(x):  # [T,H,...] -> [NC,H,C,...] f32, identity rows where invalid
@@ -259,26 +268,69 @@ def gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens, state
   qc, kc = to_chunks(_expand_key_heads(q, h)), to_chunks(_expand_key_heads(k, h))
   prepared = chunk_preparation(qc, kc, to_chunks(v), to_chunks(g), to_chunks(beta))
 
-  def step(carry, xs):
-    current, pool = carry
-    q_n, k_n, prep_n, slot_n, from_slot_n, first_n, last_n = xs
+  xs = (qc, kc, prepared, state_slot_ids[seq], has_initial_state[seq], is_first, is_last)
+
+  def step(n, carry):
+    current, pool, o = carry
+    q_n, k_n, prep_n, slot_n, from_slot_n, first_n, last_n = jax.tree.map(lambda x: x[n], xs)
     current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n], 0.0), current)
     current, o_n = chunk_state_pass(current, q_n, k_n, prep_n)
     pool = pool.at[slot_n].set(jnp.where(last_n, current, pool[slot_n]))
-    return (current, pool), o_n
+    return current, pool, o.at[n].set(o_n)
 
-  xs = (qc, kc, prepared, state_slot_ids[seq], has_initial_state[seq], is_first, is_last)
-  init = (jnp.zeros(state.shape[1:], jnp.float32), state)
-  (_, state), o = lax.scan(step, init, xs)
+  o = jnp.zeros(qc.shape[:3] + (vd,), jnp.float32)                       # [NC,H,C,V]
+  init = (jnp.zeros(state.shape[1:], jnp.float32), state, o)
+  _, state, o = lax.fori_loop(0, num_used, step, init)
   o = jnp.swapaxes(o, 1, 2)                                              # [NC,C,H,V]
   scatter_at = jnp.where(row_valid, token, t)                            # t: dropped
   o = jnp.zeros((t, h, vd), jnp.float32).at[scatter_at].set(o, mode="drop")
   return o.astype(v.dtype), state
 
 
+def gated_delta_rule_single_token_rows(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                       has_initial_state, num_seqs):
+  """Ragged op for the sequences with exactly one new token (decode rows), batched: one
+  recurrence step for all of them at once; other sequences are left alone (zero output rows,
+  slots untouched)."""
+  t, _, h, _, vd = _check_shapes(q, k, v, g, beta)
+  num_seq_slots = cu_q_lens.shape[0] - 1
+  num_seqs = jnp.reshape(num_seqs, (-1,))[0]
+  lengths = cu_q_lens[1:] - cu_q_lens[:-1]
+  is_single = (jnp.arange(num_seq_slots) < num_seqs) & (lengths == 1)          # [S]
+  at = jnp.clip(cu_q_lens[:-1], 0, t - 1)                                       # [S] its token
+  rows = lambda x: jnp.where(                                                   # noqa: E731
+      is_single.reshape((-1,) + (1,) * (x.ndim - 1)), x[at].astype(jnp.float32), 0.0)
+  slots = state_slot_ids
+  current = jnp.where((is_single & has_initial_state)[:, None, None, None], state[slots], 0.0)
+  new_state, o = jax.vmap(recurrent_step)(current, rows(_expand_key_heads(q, h)),
+                                          rows(_expand_key_heads(k, h)), rows(v), rows(g), rows(beta))
+  state = state.at[jnp.where(is_single, slots, state.shape[0])].set(new_state, mode="drop")
+  o = jnp.zeros((t, h, vd), jnp.float32).at[jnp.where(is_single, at, t)].set(o, mode="drop")
+  return o.astype(v.dtype), state
+
+
+# The CPU serving path ("chunked"): measured by benchmarks/gdn_prefill.py on the 2-core box
+# (docs/benchmarks.md, GDN prefill). Token buckets below CHUNKED_MIN_TOKENS (decode-sized steps)
+# keep the per-token loop, which wins there; from it on, sequences with several new tokens run
+# the WY form in chunks of CPU_CHUNK and the one-token rows one batched recurrence step.
+CHUNKED_MIN_TOKENS = 128
+CPU_CHUNK = 16
+
+
+def gated_delta_rule_mixed(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
+                           num_seqs, chunk_size=CPU_CHUNK):
+  """Ragged op, pure jnp: WY chunked form for the multi-token rows, one batched recurrence
+  step for the single-token rows (disjoint rows and slots, so the two compose)."""
+  args = (cu_q_lens, state_slot_ids, has_initial_state, num_seqs)
+  o_multi, state = gated_delta_rule_chunked_reference(q, k, v, g, beta, state, *args,
+                                                      chunk_size=chunk_size, min_len=2)
+  o_single, state = gated_delta_rule_single_token_rows(q, k, v, g, beta, state, *args)
+  return o_multi + o_single, state
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "interpret", "chunk_size"))
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
-                     num_seqs, *, impl="reference", interpret=False, chunk_size=64):
+                     num_seqs, *, impl="reference", interpret=False, chunk_size=None):
   """Gated delta rule over a ragged batch of sequences, from and back to state slots.
 
   q, k [T,Hk,K] (L2-normalised, q scaled by K^-1/2), v [T,H,V], g [T,H] f32 log-decay,
@@ -286,16 +338,25 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
   int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
   Returns (o [T,H,V] in v.dtype, zero on padding tokens for the reference, state pool).
 
-  impl: "reference" (pure jnp per-token scan, the CPU path), "reference_chunked" (pure jnp WY
-  form), "pallas" (TPU kernel on TPU and CPU, GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
+  impl: "reference" (pure jnp per-token loop, the spec), "chunked" (the CPU serving path: the
+  per-token loop below CHUNKED_MIN_TOKENS tokens, else `gated_delta_rule_mixed`),
+  "reference_chunked" (pure jnp WY form for every row), "pallas" (TPU kernel on TPU and CPU,
+  GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
   interpret: False, True, or a `pltpu.InterpretParams()` (TPU kernel only). chunk_size is the
-  WY chunk length (all impls but "reference").
+  WY chunk length (all impls but "reference"; default CPU_CHUNK for "chunked", else 64).
   """
   if state.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
     raise ValueError(f"state {state.shape} does not match heads/dims of q {q.shape}, v {v.shape}")
   if impl == "reference":
     return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
                                       has_initial_state, num_seqs)
+  if impl == "chunked":  # the CPU serving path: a static choice per token bucket
+    if q.shape[0] < CHUNKED_MIN_TOKENS:
+      return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                        has_initial_state, num_seqs)
+    return gated_delta_rule_mixed(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                  has_initial_state, num_seqs, chunk_size=chunk_size or CPU_CHUNK)
+  chunk_size = chunk_size or 64
   if impl == "reference_chunked":
     return gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens,
                                               state_slot_ids, has_initial_state, num_seqs,

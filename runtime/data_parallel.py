@@ -112,13 +112,14 @@ class DataParallelExecutables(StepExecutables):
     sampled rows up to D x max_num_seqs; copy_states takes (rank, src, dst) triples."""
 
     def __init__(self, model, caches, opts, *, size: int, token_buckets, seq_buckets, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False):
+                 max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
+                 max_model_len: int | None = None):
         self.size, self.rank_max_num_seqs = size, max_num_seqs
         self.rank_token_buckets = tuple(token_buckets)
         super().__init__(model, caches, opts, token_buckets=tuple(size * T for T in token_buckets),
                          seq_buckets=seq_buckets, max_num_seqs=size * max_num_seqs,
                          max_blocks_per_seq=max_blocks_per_seq, max_top_k=max_top_k, fuse_greedy=fuse_greedy,
-                         forward_fn=functools.partial(data_parallel_forward, size=size))
+                         max_model_len=max_model_len, forward_fn=functools.partial(data_parallel_forward, size=size))
         groups = model.num_groups
 
         def copy_rank_states(caches, src, dst):  # src, dst [D, max_num_seqs] rank-local slots
@@ -204,6 +205,7 @@ def enable_data_parallel(engine, size: int, fuse_greedy: bool):
     engine.executables = DataParallelExecutables(
         engine.model, engine.caches, engine.opts, size=size, token_buckets=engine.token_buckets,
         seq_buckets=engine.seq_buckets, max_num_seqs=config.max_num_seqs,
-        max_blocks_per_seq=engine.max_blocks_per_seq, max_top_k=config.max_top_k, fuse_greedy=fuse_greedy)
+        max_blocks_per_seq=engine.max_blocks_per_seq, max_top_k=config.max_top_k, fuse_greedy=fuse_greedy,
+        max_model_len=engine.max_model_len)
     return DataParallel(size, engine.token_buckets, config.max_num_seqs, engine.max_blocks_per_seq,
                         config.page_size)

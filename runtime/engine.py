@@ -184,7 +184,7 @@ class LLMEngine:
         self.executables = StepExecutables(
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
-            fuse_greedy=fuse_greedy)
+            fuse_greedy=fuse_greedy, max_model_len=self.max_model_len)
         self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
             self.dp = enable_data_parallel(self, dp_size, fuse_greedy)
@@ -193,8 +193,8 @@ class LLMEngine:
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if config.aot_compile:
-            masked = self.bitmask_width if config.aot_grammar_samplers else 0
-            self.executables.compile_all(progress=progress, bitmask_width=masked)
+            masked = self.bitmask_width if config.aot_grammar_samplers or config.aot_compile_all else 0
+            self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}

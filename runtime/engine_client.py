@@ -191,6 +191,7 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         layer_loop=kernels.layer_loop, fuse_greedy=kernels.fuse_greedy,
         mesh_shape=(mesh.data, mesh.model) if mesh.num_devices > 1 else None, expert_parallel=parallel.expert,
         aot_compile=comp.aot,
+        aot_compile_all=comp.aot,
         compile_cache_dir=str(Path(comp.cache_dir).expanduser()) if comp.cache_dir else None,
         quantization=config.model.quantization, quantization_group_size=config.model.quantization_group_size,
         quantization_keep_float=(tuple(config.model.quantization_keep_float)

@@ -35,6 +35,9 @@ class EngineConfig:
     interpret: Any = False
     aot_compile: bool = True
     aot_grammar_samplers: bool = True  # with aot_compile: also the grammar-masked samplers (structured output)
+    # with aot_compile: every executable a step can ask for (full samplers, scoring backbone, state
+    # copy), then nothing compiles in the serving loop (StepExecutables.compile_all); `serve` with aot
+    aot_compile_all: bool = False
     compile_cache_dir: str | None = None
     max_top_k: int = 256
     seed: int | None = None

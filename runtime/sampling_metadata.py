@@ -72,6 +72,26 @@ class SamplingMetadata:
         """Static (shape-derived): whether this batch carries any penalty token ids."""
         return self.output_ids.shape[1] > 0 or self.prompt_ids.shape[1] > 0
 
+    def with_widths(self, output: int, prompt: int, banned: int, bias: int) -> "SamplingMetadata":
+        """The same rows with every token-id matrix padded (-1; bias values 0) to the given widths,
+        which must be at least the current ones: padding changes no sample, only the shapes (the
+        bounded "full" sampler variant of runtime/step.py)."""
+        rows = self.num_rows
+
+        def pad(matrix, width, fill, name):
+            matrix = np.zeros((rows, 0), np.int32) if matrix is None else np.asarray(matrix)
+            if matrix.shape[1] > width:
+                raise ValueError(f"{name} width {matrix.shape[1]} exceeds {width}")
+            return np.pad(matrix, ((0, 0), (0, width - matrix.shape[1])), constant_values=fill)
+
+        values = self.logit_bias_values if self.logit_bias_values is not None else np.zeros((rows, 0), np.float32)
+        return dataclasses.replace(
+            self, output_ids=pad(self.output_ids, output, -1, "output_ids"),
+            prompt_ids=pad(self.prompt_ids, prompt, -1, "prompt_ids"),
+            banned_ids=pad(self.banned_ids, banned, -1, "banned_ids"),
+            logit_bias_ids=pad(self.logit_bias_ids, bias, -1, "logit_bias_ids"),
+            logit_bias_values=pad(values, bias, 0.0, "logit_bias_values").astype(np.float32))
+
     @classmethod
     def from_params(
         cls,

@@ -21,12 +21,18 @@ target (the next prompt token, -1 where none is wanted) with log_softmax over th
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
 pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
 time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
-It compiles on first use per token bucket.
+Such a step is padded to the largest token bucket: one scoring executable, not one per bucket.
 
-The backbone is compiled ahead of time for every token bucket (`compile_all`, with a progress
-bar and per-bucket timings); a step whose token count exceeds the largest bucket raises
-`BucketMiss`. Sampler variants for penalties / logprobs compile on first use and are logged.
-JAX's persistent compilation cache makes a restart cheap (`enable_persistent_cache`).
+The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
+logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
+fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
+without the grammar bitmask. `compile_all` compiles the backbone of every token bucket (and its
+greedy twin with `fuse_greedy`) and the plain samplers; with `every_variant` also the full
+samplers, the scoring backbone and `copy_states`, and then seals the set: a step that would
+need anything else raises `CompileAfterStartup` instead of compiling in the serving loop.
+Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
+A step whose token count exceeds the largest bucket raises `BucketMiss`. JAX's persistent
+compilation cache makes a restart cheap (`enable_persistent_cache`).
 """
 
 from __future__ import annotations
@@ -48,14 +54,34 @@ from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
 from runtime.sampler import sample, score_tokens
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.types import MAX_LOGPROBS
+from runtime.sampling_metadata import SamplingMetadata, pow2_bucket
+from runtime.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 log = logging.getLogger("jaxserve.step")
 
 SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
+BANNED_WIDTH = 2 * MAX_STOP_TOKEN_IDS  # banned ids of the full sampler: stop token ids + EOS ids
 
-__all__ = ["MAX_LOGPROBS", "StepExecutables", "enable_persistent_cache"]
+__all__ = ["MAX_LOGPROBS", "CompileAfterStartup", "StepExecutables", "enable_persistent_cache"]
+
+
+class CompileAfterStartup(RuntimeError):
+    """A step needed an executable that the sealed start-up set does not hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FullWidths:
+    """Fixed widths of the full sampler's feature matrices (one executable per sequence bucket)."""
+
+    output_ids: int
+    prompt_ids: int
+    banned_ids: int = BANNED_WIDTH
+    logit_bias: int = pow2_bucket(MAX_LOGIT_BIAS)
+
+    @classmethod
+    def for_model_len(cls, max_model_len: int) -> "FullWidths":
+        width = pow2_bucket(max_model_len)
+        return cls(output_ids=width, prompt_ids=width)
 
 
 def enable_persistent_cache(cache_dir: str | Path) -> None:
@@ -89,10 +115,14 @@ def _sharded_spec(x):
 class StepExecutables:
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
                  max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
-                 forward_fn=forward):
+                 max_model_len: int | None = None, forward_fn=forward):
         # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/data_parallel.py)
         forward = forward_fn
         self.model, self.opts = model, opts
+        # With max_model_len every sampler variant is plain or full (bounded); without it the
+        # feature matrices keep their power-of-two widths (one variant per width, compiled lazily).
+        self.full_widths = FullWidths.for_model_len(max_model_len) if max_model_len else None
+        self.sealed = False
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
         # Under a mesh (opts.tp) specs carry the arrays' shardings, step inputs are replicated and
@@ -107,7 +137,7 @@ class StepExecutables:
         self._greedy_backbones: dict[int, object] = {}
         self._scoring_backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
-        self._copy = None
+        self._copy = None  # compiled copy_states (every_variant), else the jit compiles it lazily
         self.compile_seconds: dict[str, float] = {}
         cfg = model.cfg
 
@@ -188,7 +218,14 @@ class StepExecutables:
             logit_bias_ids=spec((S, bias), i32), logit_bias_values=spec((S, bias), f32))
 
     # ---- compile ------------------------------------------------------------------------
+    def _check_unsealed(self, name: str) -> None:
+        if self.sealed:
+            raise CompileAfterStartup(
+                f"{name} was not compiled at start-up and compiling in the serving loop is off "
+                f"({len(self.compile_seconds)} executables compiled at start-up)")
+
     def _compile_backbone(self, T: int, greedy: bool = False):
+        self._check_unsealed(f"{'greedy_' if greedy else ''}backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         fn = self._greedy_backbone_jit if greedy else self._backbone_jit
@@ -198,6 +235,7 @@ class StepExecutables:
         return exe
 
     def _compile_scoring_backbone(self, T: int):
+        self._check_unsealed(f"scoring_backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T),
@@ -208,6 +246,7 @@ class StepExecutables:
 
     def _compile_sampler(self, key):
         S, n_logprobs, out_w, prompt_w, banned, bias, greedy, mask_w = key
+        self._check_unsealed(f"sampler{key}")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
@@ -220,19 +259,46 @@ class StepExecutables:
         self._samplers[key] = exe
         return exe
 
-    def compile_all(self, progress: bool = True, bitmask_width: int = 0) -> dict[str, float]:
+    def _compile_copy_states(self):
+        t0 = time.perf_counter()
+        index = self._host_spec((self.max_num_seqs,), jnp.int32)
+        self._copy = self._copy_jit.trace(self._cache_specs, index, index).lower().compile()
+        self.compile_seconds["copy_states"] = time.perf_counter() - t0
+
+    def _full_key(self, S: int, greedy: bool, mask_w: int) -> tuple:
+        w = self.full_widths
+        return (S, MAX_LOGPROBS, w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias, greedy, mask_w)
+
+    def compile_all(self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False) -> dict[str, float]:
         """Compile every backbone bucket (and its greedy twin with `fuse_greedy`) and the plain and
         all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
-        twins too, so a request with a grammar joining a batch compiles nothing."""
+        twins too, so a request with a grammar joining a batch compiles nothing. `every_variant`
+        (needs max_model_len): also the full samplers, the scoring backbone and copy_states, then
+        seal: nothing compiles after start-up. Logs the count and the time."""
+        if every_variant and self.full_widths is None:
+            raise ValueError("every_variant needs StepExecutables(max_model_len=...) to bound the sampler widths")
+        t_start, before = time.perf_counter(), len(self.compile_seconds)
+        kinds = ("sampler", "greedy sampler") + (("full sampler", "full greedy sampler") if every_variant else ())
         jobs = ([("backbone", T, 0) for T in self.token_buckets]
-                + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets
-                   for kind in ("sampler", "greedy sampler")])
+                + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds])
         jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
+        if every_variant:
+            jobs += [("scoring backbone", self.token_buckets[-1], 0), ("copy states", 0, 0)]
         for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
-            if kind in ("backbone", "greedy backbone"):
-                self._compile_backbone(n, greedy=kind == "greedy backbone")
+            greedy = "greedy" in kind
+            if kind.endswith("backbone"):
+                (self._compile_scoring_backbone(n) if kind == "scoring backbone"
+                 else self._compile_backbone(n, greedy=greedy))
+            elif kind == "copy states":
+                self._compile_copy_states()
+            elif kind.startswith("full"):
+                self._compile_sampler(self._full_key(n, greedy, width))
             else:
-                self._compile_sampler((n, 0, 0, 0, 0, 0, kind == "greedy sampler", width))
+                self._compile_sampler((n, 0, 0, 0, 0, 0, greedy, width))
+        self.sealed = every_variant
+        log.info("compiled %d executables in %.1fs%s", len(self.compile_seconds) - before,
+                 time.perf_counter() - t_start, " (sealed: no compile after start-up)" if self.sealed else "")
+        log.info("executables: %s", ", ".join(self.compile_seconds))
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
@@ -259,12 +325,14 @@ class StepExecutables:
     def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
         """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32."""
         T = batch.input_ids.shape[0]
-        exe = self._scoring_backbones.get(T)
+        if T not in self.token_buckets:
+            raise BucketMiss(f"token count {T} has no compiled backbone bucket {self.token_buckets}")
+        T_max = self.token_buckets[-1]  # one scoring executable: the step padded to the largest bucket
+        batch, targets = _pad_tokens(batch, T_max), np.pad(np.asarray(targets), (0, T_max - T), constant_values=-1)
+        exe = self._scoring_backbones.get(T_max)
         if exe is None:
-            if T not in self.token_buckets:
-                raise BucketMiss(f"token count {T} has no compiled backbone bucket {self.token_buckets}")
-            log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T)
-            exe = self._compile_scoring_backbone(T)
+            log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T_max)
+            exe = self._compile_scoring_backbone(T_max)
         return exe(params, caches, batch, targets)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
@@ -273,6 +341,7 @@ class StepExecutables:
         `bitmask`: None, or the step's [S, W] i32 allowed-token bitmask (structured output)."""
         S = meta.temperature.shape[0]
         mask_w = 0 if bitmask is None else bitmask.shape[1]
+        meta, num_logprobs = self._bounded(meta, num_logprobs)
         key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned,
                meta.num_logit_bias, bool(all_greedy), mask_w)
         exe = self._samplers.get(key)
@@ -282,9 +351,30 @@ class StepExecutables:
             exe = self._compile_sampler(key)
         return exe(params, hidden, meta, bitmask)
 
+    def _bounded(self, meta: SamplingMetadata, num_logprobs: int) -> tuple[SamplingMetadata, int]:
+        """A step using any sampler feature gets the full variant's fixed widths (plain stays plain)."""
+        w = self.full_widths
+        widths = (meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned, meta.num_logit_bias)
+        if w is None or (num_logprobs == 0 and not any(widths)):
+            return meta, num_logprobs
+        return meta.with_widths(w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias), MAX_LOGPROBS
+
     def copy_states(self, caches, pairs: list[tuple[int, int]]):
         src = np.zeros(self.max_num_seqs, np.int32)
         dst = np.zeros(self.max_num_seqs, np.int32)
         for i, (s, d) in enumerate(pairs):
             src[i], dst[i] = s, d
-        return self._copy_jit(caches, src, dst)
+        if self._copy is None:
+            self._check_unsealed("copy_states")
+        return (self._copy or self._copy_jit)(caches, src, dst)
+
+
+def _pad_tokens(batch: ForwardBatch, T: int) -> ForwardBatch:
+    """The same step in token bucket T >= its own: padding tokens read token 0 and write nowhere
+    (slot -1), as `runtime.inputs.build_batch` pads; the per-sequence rows are unchanged."""
+    pad = T - batch.input_ids.shape[0]
+    if pad == 0:
+        return batch
+    grow = lambda a, fill: np.pad(np.asarray(a), (0, pad), constant_values=fill)  # noqa: E731
+    return dataclasses.replace(batch, input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
+                               slot_mapping=grow(batch.slot_mapping, -1))

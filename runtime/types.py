@@ -43,6 +43,7 @@ class StructuredOutput:
 
 MAX_LOGPROBS = 20  # top alternatives the compiled steps can report per token (generated or prompt)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's own limit)
+MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request (bounds the compiled sampler's banned-token width)
 LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI)
 
 
@@ -117,6 +118,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
                    name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"has {len(self.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "repeats a token id")

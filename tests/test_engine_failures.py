@@ -63,6 +63,7 @@ def test_failure_after_the_caches_were_donated_is_fatal(tiny_checkpoint):
 
 @pytest.mark.parametrize("params,param", [
     (dict(min_tokens=2, stop_token_ids=[1099511627776]), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(3, 36))), "stop_token_ids"),  # 33 > MAX_STOP_TOKEN_IDS (sampler width)
     (dict(min_tokens=100), "min_tokens"),  # default max_tokens 16
     (dict(logit_bias={2**40: 1.0}), "logit_bias"),
     (dict(max_tokens=300), "max_tokens"),

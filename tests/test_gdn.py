@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import gdn
 from pallas_kernels.gdn import gated_delta_rule, gdn_chunked_reference, gdn_recurrent_reference
 from kernel_testing import gpu_kernel_interpret
 
@@ -125,7 +126,7 @@ def run_ragged(batch, lengths, **kwargs):
     ([5, 1, 0, 70, 1, 12], 3),
     ([130, 1], 2),
 ])
-@pytest.mark.parametrize("impl", ["reference", "reference_chunked"])
+@pytest.mark.parametrize("impl", ["reference", "reference_chunked", "chunked"])
 def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_head, impl):
   rng = np.random.default_rng(sum(lengths))
   hk, kd, vd = 1, 8, 12
@@ -133,6 +134,25 @@ def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_hea
   batch = make_ragged_batch(rng, lengths, 8, 160, 10, hk, h, kd, vd)
   o, new_pool = run_ragged(batch, lengths, impl=impl, chunk_size=16)
   assert_ragged_result(o, new_pool, *batch, lengths)
+
+
+@pytest.mark.parametrize("lengths", [
+    [100, 1, 1, 0, 1, 17],  # a prompt, decode rows, an empty row, a short prompt
+    [1] * 7,  # decode only in a prefill-sized bucket
+    [16, 32, 2, 1],  # prompts ending on chunk boundaries, a two-token row
+])
+def test_cpu_chunked_path_matches_per_token_recurrence(lengths):
+  """impl="chunked" from CHUNKED_MIN_TOKENS on (WY rows + batched one-token rows) against the
+  per-token loop, on a padded (NaN) ragged step with initial states."""
+  rng = np.random.default_rng(len(lengths))
+  bucket = gdn.CHUNKED_MIN_TOKENS
+  batch = make_ragged_batch(rng, lengths, 8, bucket, 10, 2, 4, 32, 32)
+  o_ref, pool_ref = run_ragged(batch, lengths, impl="reference")
+  o, pool = run_ragged(batch, lengths, impl="chunked")
+  real = int(sum(lengths))
+  np.testing.assert_allclose(np.asarray(o)[:real], np.asarray(o_ref)[:real], rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(pool)[1:], np.asarray(pool_ref)[1:], rtol=2e-5, atol=2e-5)
+  assert np.isfinite(np.asarray(o)).all()
 
 
 def test_split_prefill_equals_one_call():

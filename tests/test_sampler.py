@@ -219,7 +219,8 @@ def test_unfiltered_rows_without_exact_path_are_truncated_to_candidates():
 
 
 @pytest.mark.parametrize("all_greedy", [False, True], ids=["general", "all-greedy-variant"])
-def test_penalties_match_hf_repetition_and_openai_presence_frequency(all_greedy):
+@pytest.mark.parametrize("full_widths", [False, True])
+def test_penalties_match_hf_repetition_and_openai_presence_frequency(all_greedy, full_widths):
     vocab = 40
     rng = np.random.default_rng(4)
     logits = (rng.normal(size=(6, vocab)) * 2).astype(np.float32)
@@ -231,6 +232,8 @@ def test_penalties_match_hf_repetition_and_openai_presence_frequency(all_greedy)
     params = [SamplingParams(temperature=0.0, repetition_penalty=r, presence_penalty=pp, frequency_penalty=fp)
               for r, pp, fp in knobs]
     meta = build(params, pad_to=8, output_ids=outputs, prompt_ids=prompts)
+    if full_widths:  # the bounded "full" sampler variant: every matrix padded to a fixed width
+        meta = meta.with_widths(output=64, prompt=64, banned=8, bias=512)
     padded_logits = np.concatenate([logits, np.zeros((2, vocab), np.float32)])
 
     expected = np.empty_like(logits)
@@ -333,7 +336,8 @@ def test_full_vocabulary_path_spans_blocks_exactly():
 
 
 @pytest.mark.parametrize("all_greedy", [False, True])
-def test_logit_bias_matches_numpy_and_reported_logprobs_stay_raw(all_greedy):
+@pytest.mark.parametrize("full_widths", [False, True])
+def test_logit_bias_matches_numpy_and_reported_logprobs_stay_raw(all_greedy, full_widths):
     """OpenAI logit_bias: added to the logits before sampling (greedy = numpy argmax of logits + bias),
     padded to a power-of-two width; reported logprobs are the raw distribution's (vLLM)."""
     rng = np.random.default_rng(11)
@@ -343,6 +347,8 @@ def test_logit_bias_matches_numpy_and_reported_logprobs_stay_raw(all_greedy):
     params = [SamplingParams(temperature=0.0, logit_bias=b) for b in biases]
     meta = build(params, pad_to=4)
     assert meta.logit_bias_ids.shape == meta.logit_bias_values.shape == (4, 16)
+    if full_widths:  # the bounded "full" sampler variant: every matrix padded to a fixed width
+        meta = meta.with_widths(output=32, prompt=32, banned=8, bias=512)
     padded = np.concatenate([logits, np.zeros((1, vocab), np.float32)])
     out = sample(jnp.asarray(padded), meta, max_top_k=32, num_logprobs=2, all_greedy=all_greedy)
     expected = logits.copy()
