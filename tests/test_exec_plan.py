@@ -59,3 +59,27 @@ def test_plan_buckets_is_what_jaxserve_plan_compiles():
     assert plan_buckets(1024, 256, None, "tpu") == ((16, 32, 64, 128, 256, 512, 1024), (8, 16, 32, 64, 128, 256))
     assert plan_buckets(8, 4, None, "cpu") == ((4, 8), (4,))  # 1.5x steps only up to max_num_seqs
     assert plan_buckets(8, 8, None, "cpu") == ((4, 6, 8), (8,))
+
+
+def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
+    """The constructor takes every choice from the plan: the default one, logged in one line, or
+    one handed to it (nothing compiled: aot off)."""
+    import dataclasses
+    import logging
+
+    import jax
+
+    from runtime.engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=4, max_num_batched_tokens=32,
+                          num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
+        engine = LLMEngine(config)
+    assert engine.plan == plan_execution(config, engine.model.cfg, jax.default_backend())
+    assert [r.getMessage() for r in caplog.records].count(engine.plan.describe()) == 1
+    assert engine.token_buckets == engine.plan.token_buckets and engine.opts.attention == engine.plan.attention_path
+    given = dataclasses.replace(engine.plan, layer_loop="scan", token_buckets=(8, 32), fuse_greedy=False,
+                                attention_path="reference", kv_bit_storage=True)
+    engine = LLMEngine(dataclasses.replace(config, kv_cache_dtype="bfloat16"), plan=given)
+    assert (engine.layer_loop, engine.token_buckets, engine.executables.greedy_buckets) == ("scan", (8, 32), ())
+    assert engine.opts.attention == "reference" and engine.caches["kv"][0].k.dtype == "uint16"  # bf16 held as bits
