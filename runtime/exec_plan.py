@@ -73,8 +73,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         """The one start-up log line."""
         return (f"execution plan ({self.backend}): layers {self.layer_loop}, token buckets {list(self.token_buckets)}, "
-                f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, attention {self.attention_path}, "
-                f"gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
+                f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, "
+                f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
                 f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
 
 
@@ -88,12 +88,13 @@ def plan_execution(engine_config, model_config, backend: str) -> ExecutionPlan:
     token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
     attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
     warnings = (_CPU_DTYPE_WARNING.format(dtype=c.dtype),) if on_cpu and c.dtype != "float32" else ()
+    fuse_greedy_default = FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR
     return ExecutionPlan(
         backend=backend,
         layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend),
         token_buckets=token_buckets,
         seq_buckets=seq_buckets,
-        fuse_greedy=c.fuse_greedy if c.fuse_greedy is not None else (FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR),
+        fuse_greedy=fuse_greedy_default if c.fuse_greedy is None else c.fuse_greedy,
         attention_path=attention,
         gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
         kv_bit_storage=attention in JNP_ATTENTION_PATHS,

@@ -34,7 +34,8 @@ class LLM:
     def __init__(self, model: "str | Model", *, dtype: str | None = None, page_size: int | None = None,
                  num_pages: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
-                 kv_cache_dtype: str | None = None, attention_backend: str | None = None, gdn_backend: str | None = None,
+                 kv_cache_dtype: str | None = None, attention_backend: str | None = None,
+                 gdn_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  **engine_kwargs):
         loaded = model if isinstance(model, Model) else None
