@@ -118,7 +118,7 @@ class LLMEngine:
         if mesh is not None and self.model.tp is None:
             shard_model(self.model, mesh)
         cfg = self.model.cfg
-        self.plan = plan or plan_execution(config, cfg, jax.default_backend())
+        self.plan = plan or plan_execution(config, cfg, jax.default_backend(), dtype=self.model.dtype)
         for warning in self.plan.warnings:
             log.warning("%s", warning)
         log.info("%s", self.plan.describe())

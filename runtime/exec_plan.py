@@ -78,16 +78,18 @@ class ExecutionPlan:
                 f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
 
 
-def plan_execution(engine_config, model_config, backend: str) -> ExecutionPlan:
+def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None) -> ExecutionPlan:
     """Resolve every execution choice for `engine_config` (runtime.engine_config.EngineConfig) serving
-    `model_config` (models.config.ModelConfig: num_layers) on `backend` (cpu | gpu | tpu)."""
+    `model_config` (models.config.ModelConfig: num_layers) on `backend` (cpu | gpu | tpu). `dtype`:
+    the weights' dtype when it is not the config's (a loaded Model handed to the engine)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     c = engine_config
     on_cpu = backend == "cpu"
     token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
     attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
-    warnings = (_CPU_DTYPE_WARNING.format(dtype=c.dtype),) if on_cpu and c.dtype != "float32" else ()
+    dtype = dtype or c.dtype
+    warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype != "float32" else ()
     fuse_greedy_default = FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR
     return ExecutionPlan(
         backend=backend,

@@ -46,6 +46,7 @@ def test_plan_is_frozen_and_warns_about_bf16_on_cpu():
     with pytest.raises(AttributeError):
         plan.layer_loop = "scan"
     assert plan_execution(EngineConfig(model="m", dtype="bfloat16"), SHALLOW, "tpu").warnings == ()
+    assert "float16" in plan_execution(EngineConfig(model="m"), SHALLOW, "cpu", dtype="float16").warnings[0]
     assert not plan_execution(EngineConfig(model="m", aot_compile=False), SHALLOW, "cpu").aot_compile
 
 
@@ -75,7 +76,7 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
                           num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
     with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         engine = LLMEngine(config)
-    assert engine.plan == plan_execution(config, engine.model.cfg, jax.default_backend())
+    assert engine.plan == plan_execution(config, engine.model.cfg, jax.default_backend(), dtype="float32")
     assert [r.getMessage() for r in caplog.records].count(engine.plan.describe()) == 1
     assert engine.token_buckets == engine.plan.token_buckets and engine.opts.attention == engine.plan.attention_path
     given = dataclasses.replace(engine.plan, layer_loop="scan", token_buckets=(8, 32), fuse_greedy=False,
