@@ -202,7 +202,7 @@ class KernelsConfig(_Section):
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
     # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
-    # null: on the CPU backend only (it adds compiles).
+    # null: off (runtime/exec_plan.py: it no longer measured >= 5 % on CPU, and adds compiles).
     fuse_greedy: bool | None = None
 
 

@@ -26,26 +26,34 @@ BACKENDS = ("cpu", "gpu", "tpu")
 # `layer_loop: auto` unrolls the layers on the CPU backend up to this depth. Measured (random
 # Llama, 6 layers, H=384): a 4-sequence decode step 9.4 -> 7.5 ms, because XLA:CPU copies each
 # weight slice a scan step reads; SmolLM2-135M (30 layers): 3% faster for 4x the compile time,
-# so deeper models stay scanned. Accelerators scan (compile time flat in depth).
+# so deeper models stay scanned. Accelerators scan (compile time flat in depth). Re-measured
+# (exec_plan_ab, 2026-12-01): unroll / scan 1.80x on the tiny hybrid (4 layers), 0.99x on the
+# tiny dense (6 layers): kept (>= 5 % on one of them).
 UNROLL_MAX_LAYERS_CPU = 16
 # The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
 # matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
 # tail of a mixed batch decodes a few sequences for many steps. For the same reason CPU also
 # gets the 1.5x buckets (6, 12, 24, ...) up to max_num_seqs, the sizes decode steps take
-# (tiny dense mixed workload: ~10% more tokens/s).
+# (tiny dense mixed workload: ~10% more tokens/s). Re-measured (exec_plan_ab, 2026-12-01,
+# mixed): minimum 4 vs 16 1.34x tiny dense, 0.93x tiny hybrid; 1.5x steps 1.06x tiny dense,
+# 0.97x tiny hybrid: both kept (>= 5 % on the dense model; the run-to-run spread was large).
 MIN_TOKEN_BUCKET_CPU = 4
 MIN_TOKEN_BUCKET_ACCELERATOR = 16
 # Sampler rows: sequence counts round up to powers of two from 8 on every backend (the sampler
 # is a small share of a step; fewer executables).
 MIN_SEQ_BUCKET = 8
-# `fuse_greedy: null` fuses the argmax into a second backbone per decode-sized token bucket on
-# CPU only: there a dispatch plus the sampling metadata are ~1.5 ms of a ~6 ms small-model decode
-# step, which pays for the extra executables; on accelerators the extra compiles do not.
-FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = True, False
+# `fuse_greedy: null` -> off everywhere. The fused greedy backbone (argmax inside, one dispatch,
+# no sampling metadata) was chosen on CPU when a dispatch plus the sampling metadata were ~1.5 ms
+# of a ~6 ms small-model decode step; re-measured (benchmarks/exec_plan_ab.py, 2026-12-01, all
+# greedy, interleaved A/B) it no longer pays: plan / off 0.95x tiny dense, 0.89x tiny hybrid,
+# for 5 more executables (17 -> 12). Dropped (< 5 %); `kernels.fuse_greedy: true` still turns it on.
+FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
 # KV bit storage follows the attention path: the jnp paths ("chunked", "reference") hold bf16 /
 # FP8 pages as raw bits because XLA:CPU converts the whole pool on every scatter into a bf16 /
 # FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms, pallas_kernels/kv_cache.py); the Pallas
-# kernels read float pages. A float32 pool is the same either way.
+# kernels read float pages. A float32 pool is the same either way. Re-measured (exec_plan_ab,
+# 2026-12-01, tiny dense, bf16 KV): bits / float storage 56x. The chunked attention path itself:
+# chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl).
 JNP_ATTENTION_PATHS = ("chunked", "reference")
 _CPU_DTYPE_WARNING = (
     "serving in {dtype} on the CPU backend, where XLA runs {dtype} matmuls more slowly than float32 "
