@@ -3,23 +3,25 @@
 from configs.schema import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
-    CacheConfig,
+    DEFAULTS,
+    CacheSection,
     CompileConfig,
     ConfigError,
     KernelsConfig,
+    KVTransferSection,
     LaunchConfig,
     MeshConfig,
-    ModelConfig,
+    ModelSection,
     MultihostConfig,
     ParallelConfig,
-    SchedulerConfig,
+    SchedulerSection,
     ServerConfig,
     load_config,
     parse_override,
 )
 
 __all__ = [
-    "CONFIG_DIR", "DEFAULT_CONFIG", "CacheConfig", "CompileConfig", "ConfigError", "KernelsConfig",
-    "LaunchConfig", "MeshConfig", "ModelConfig", "MultihostConfig", "ParallelConfig",
-    "SchedulerConfig", "ServerConfig", "load_config", "parse_override",
+    "CONFIG_DIR", "DEFAULTS", "DEFAULT_CONFIG", "CacheSection", "CompileConfig", "ConfigError", "KVTransferSection",
+    "KernelsConfig", "LaunchConfig", "MeshConfig", "ModelSection", "MultihostConfig", "ParallelConfig",
+    "SchedulerSection", "ServerConfig", "load_config", "parse_override",
 ]

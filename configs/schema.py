@@ -5,6 +5,13 @@ None), deep-merges overrides given as dotted keys (`{"cache.page_size": 32}`) or
 dicts, validates, and returns a frozen `LaunchConfig`. Every error is a `ConfigError` whose
 message starts with the dotted field path, e.g. `cache.page_size: must be a power of two`.
 This module imports nothing else of jaxserve.
+
+Defaults: the field defaults below are jaxserve's ONE set of defaults. Every engine is built
+from a `LaunchConfig` by `runtime.engine_config.build_engine_config` (YAML, CLI flags and the
+offline `LLM(...)` alike), and `EngineConfig`'s own field defaults are read from `DEFAULTS`
+here, so a knob left unset means the same everywhere. Section classes are named `*Section`
+where a `*Config` name already means something else (models.config.ModelConfig,
+runtime.config.CacheConfig / SchedulerConfig, runtime.kv_transfer.KVTransferConfig).
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-class ModelConfig(_Section):
+class ModelSection(_Section):
     """Which checkpoint to serve. `path: null` serves the default (tiny) model."""
 
     path: str | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # float32: the CPU test bench's dtype (XLA:CPU runs bf16 matmuls more slowly); accelerator
+    # configs set bfloat16 (configs/*.yaml).
+    dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     max_model_len: int | None = Field(default=None, ge=1)  # None: from the checkpoint's config.json
     served_model_name: str | None = None  # None: the checkpoint directory's name
     # online weight quantization (docs/quantization.md); None: weights as the checkpoint stores them
@@ -50,13 +59,13 @@ class ModelConfig(_Section):
     keep_gguf_quantized: bool = True
 
 
-class CacheConfig(_Section):
+class CacheSection(_Section):
     """Paged KV pool and GDN state slots. Size it by `num_pages` or by `memory_fraction`."""
 
     page_size: int = 16
     num_pages: int | None = Field(default=None, ge=2)  # page 0 is the null page
     memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"  # auto: the model dtype
     enable_prefix_caching: bool = True
     # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
     # align:<tokens>, ends, every_page) and the largest fraction of cache memory their slots
@@ -73,22 +82,22 @@ class CacheConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _one_sizing_rule(self) -> "CacheConfig":
+    def _one_sizing_rule(self) -> "CacheSection":
         if self.num_pages is not None and self.memory_fraction is not None:
             raise ValueError("set num_pages or memory_fraction, not both")
         return self
 
 
-class SchedulerConfig(_Section):
+class SchedulerSection(_Section):
     """Per-step budget and policy. `token_buckets: null` means powers of two up to the max."""
 
     max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
     policy: Literal["fcfs", "priority"] = "fcfs"
     token_buckets: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
-    def _budget_is_consistent(self) -> "SchedulerConfig":
+    def _budget_is_consistent(self) -> "SchedulerSection":
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -184,7 +193,7 @@ class ParallelConfig(_Section):
         return self
 
 
-class KVTransferConfig(_Section):
+class KVTransferSection(_Section):
     """P/D disaggregation (`parallel.role: prefill | decode`; docs/disaggregation.md)."""
 
     connector: str = "jax_transfer"  # a name in runtime.kv_transfer.KV_CONNECTORS (plugins add more)
@@ -197,7 +206,7 @@ class KVTransferConfig(_Section):
 
 
 class CompileConfig(_Section):
-    aot: bool = False  # compile every executable at start-up; then nothing compiles while serving
+    aot: bool = True  # compile every executable at start-up (then nothing compiles while serving); false: on first use
     cache_dir: str | None = None  # JAX persistent compilation cache; None disables it
 
 
@@ -210,7 +219,7 @@ class KernelsConfig(_Section):
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
     # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
-    # null: on the CPU backend only (it adds compiles).
+    # null: off (runtime/exec_plan.py: it no longer measured >= 5 % on CPU, and adds compiles).
     fuse_greedy: bool | None = None
 
 
@@ -244,14 +253,19 @@ class ServerConfig(_Section):
 class LaunchConfig(_Section):
     """Everything one `jaxserve` process needs; YAML and CLI flags only fill it."""
 
-    model: ModelConfig = ModelConfig()
-    cache: CacheConfig = CacheConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
     parallel: ParallelConfig = ParallelConfig()
-    kv_transfer: KVTransferConfig = KVTransferConfig()
+    kv_transfer: KVTransferSection = KVTransferSection()
     compile: CompileConfig = CompileConfig()
     kernels: KernelsConfig = KernelsConfig()
     server: ServerConfig = ServerConfig()
+
+
+DEFAULTS = LaunchConfig()  # the one set of defaults (runtime.engine_config.EngineConfig reads its own from here)
+# cache.memory_fraction: null (and no num_pages) budgets this fraction of device memory
+DEFAULT_MEMORY_FRACTION = 0.9
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> LaunchConfig:

@@ -22,6 +22,7 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
 from models.quantization import QuantizedWeight, param_bytes
@@ -128,7 +129,7 @@ class Model:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         opts = self._with_tp(opts)
         T = len(token_ids)
-        padded = max(16, 1 << (T - 1).bit_length())  # few shapes, few compiles
+        padded = pow2_bucket(T, SEQUENCE_PAD_MIN)  # few shapes, few compiles
         batch = single_sequence_batch(token_ids, page_size, pad_to=padded)
         caches = self.init_caches(2 + padded // page_size, page_size, num_slots=2, kv_dtype=kv_dtype)
         return np.asarray(_logits_fn(self.cfg, opts)(self.params, caches, batch))[:T]
@@ -144,7 +145,7 @@ class Model:
         full = single_sequence_batch(list(range(total)), page_size)
         step = _step_fn(self.cfg, opts)
         out: list[int] = []
-        padded = max(16, 1 << (len(ids) - 1).bit_length())
+        padded = pow2_bucket(len(ids), SEQUENCE_PAD_MIN)
         caches = self.init_caches(2 + (padded + max_new_tokens) // page_size, page_size, num_slots=2)
         batch = dataclasses.replace(single_sequence_batch(ids, page_size, pad_to=padded),
                                     block_tables=full.block_tables,  # one table width: fewer compiles

@@ -28,7 +28,18 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # "pallas_tpu" / "pallas_gpu" name the target explicitly: `jaxserve plan` compiles for a TPU or GPU
 # from a CPU-only host, where "pallas" would pick by the local backend.
-BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu")
+# "chunked" (attention only) is what "auto" resolves to on CPU; runtime/exec_plan.py passes it explicitly.
+BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu", "chunked")
+
+
+def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
+    """What "auto" means for op `which` (attention | gdn | matmul) on `backend` (cpu | gpu | tpu):
+    the Pallas kernels on accelerators (or interpreted), jnp on CPU -- for attention the
+    context-proportional "chunked" path (the reference, the spec, always gathers the whole block
+    table). The engine takes this choice from runtime/exec_plan.py, which calls this."""
+    if backend == "cpu" and not interpret:  # gdn "chunked": WY chunks for prefill-sized buckets (exec_plan)
+        return "chunked" if which in ("attention", "gdn") else "reference"
+    return "pallas"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +57,7 @@ class KernelOptions:
 
     def impl(self, which: str) -> str:
         choice = getattr(self, which)
-        if choice != "auto":
-            return choice
-        if jax.default_backend() == "cpu" and not self.interpret:
-            # attention: the jnp path whose work follows the real context (the reference, the
-            # spec, always gathers the whole block table); gdn: WY chunks for prefill-sized
-            # token buckets, the per-token loop below (pallas_kernels/gdn.py, measured)
-            return "chunked" if which in ("attention", "gdn") else "reference"
-        return "pallas"
+        return auto_impl(which, jax.default_backend(), self.interpret) if choice == "auto" else choice
 
     @property
     def kv_bit_storage(self) -> bool:

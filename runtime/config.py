@@ -1,7 +1,7 @@
 """Frozen runtime configs for the cache and the scheduler, validated once at construction.
 
-`configs/schema.py` validates the YAML; the engine resolves sizes (e.g. num_pages from a
-memory fraction, num_state_slots from the model) and builds these. Counts include the null
+`configs/schema.py` validates the YAML and holds the defaults used here; the engine resolves
+sizes (e.g. num_pages from a memory fraction, num_state_slots from the model) and builds these. Counts include the null
 page / null slot, matching the device arrays. Plain Python, no JAX.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from configs.schema import DEFAULTS
 from paged_kv.cache_manager import CacheManager
 
 
@@ -16,11 +17,13 @@ from paged_kv.cache_manager import CacheManager
 class CacheConfig:
     """KV pages and GDN state slots. num_state_slots == 0: a pure-attention model."""
 
-    page_size: int = 16
+    page_size: int = DEFAULTS.cache.page_size
     num_pages: int = 512
     num_state_slots: int = 0
     enable_prefix_caching: bool = True
-    checkpoint_policy: str = "page"  # hybrids: paged_kv.CheckpointPolicy spec
+    # hybrids: paged_kv.CheckpointPolicy spec. The engine always passes the launch config's
+    # (default "auto"); "page" here keeps unit tests' checkpoints on every page boundary.
+    checkpoint_policy: str = "page"
     num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
 
     def __post_init__(self) -> None:
@@ -53,10 +56,10 @@ class SchedulerConfig:
     a long prompt cannot monopolise a step's budget.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = DEFAULTS.scheduler.max_num_batched_tokens
+    max_num_seqs: int = DEFAULTS.scheduler.max_num_seqs
     max_model_len: int = 2048
-    policy: str = "fcfs"
+    policy: str = DEFAULTS.scheduler.policy
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:

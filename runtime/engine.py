@@ -36,11 +36,12 @@ from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
-from runtime.buckets import pow2_buckets
+from runtime.buckets import pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
+from runtime.exec_plan import ExecutionPlan, plan_execution
 from runtime.inputs import build_batch
 from runtime.kv_transfer.hooks import build_kv_transfer
 from runtime.mesh import make_mesh
@@ -55,17 +56,6 @@ from runtime.validation import validate_request
 
 log = logging.getLogger("jaxserve.engine")
 
-# `layer_loop: auto` unrolls the layers on the CPU backend up to this depth. Measured (random
-# Llama, 6 layers, H=384): a 4-sequence decode step 9.4 -> 7.5 ms, because XLA:CPU copies each
-# weight slice a scan step reads; SmolLM2-135M (30 layers): 3% faster for 4x the compile time.
-UNROLL_MAX_LAYERS_CPU = 16
-# The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
-# matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
-# tail of a mixed batch decodes a few sequences for many steps. For the same reason CPU also
-# gets the 1.5x buckets (6, 12, 24, ...) up to max_num_seqs, the sizes decode steps take
-# (tiny dense mixed workload: ~10% more tokens/s).
-MIN_TOKEN_BUCKET_CPU = 4
-MIN_TOKEN_BUCKET_ACCELERATOR = 16
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
 
 
@@ -100,12 +90,6 @@ def _prompt_targets(out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
     return targets if scored else None
 
 
-def resolve_layer_loop(layer_loop: str, num_layers: int, backend: str) -> str:
-    if layer_loop != "auto":
-        return layer_loop
-    return "unroll" if backend == "cpu" and num_layers <= UNROLL_MAX_LAYERS_CPU else "scan"
-
-
 def _check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len: int) -> None:
     """vLLM's start-up rule: a KV pool that cannot hold one max_model_len sequence is refused
     (otherwise long requests would be admitted and then never fit). Page 0 is the null page."""
@@ -113,12 +97,15 @@ def _check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len
     if usable_tokens < max_model_len:
         raise ValueError(
             f"the KV cache holds {usable_tokens} tokens ({num_pages - 1} usable pages x {page_size}) but one "
-            f"sequence of max_model_len={max_model_len} tokens needs {-(-max_model_len // page_size)} pages; "
+            f"sequence of max_model_len={max_model_len} tokens needs {pages_for(max_model_len, page_size)} pages; "
             f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Model | None = None, progress: bool = False):
+    def __init__(self, config: EngineConfig, model: Model | None = None, progress: bool = False,
+                 plan: ExecutionPlan | None = None):
+        """Carry out `plan` (default: `plan_execution(config, model config, backend)`): every
+        execution choice is made there, none here."""
         self.config = config
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
@@ -130,14 +117,14 @@ class LLMEngine:
                                          expert_parallel=config.expert_parallel)
         if model is not None and qcfg is not None and not model.quantization:
             model.quantize(qcfg)
-        if jax.default_backend() == "cpu" and self.model.dtype != "float32":
-            log.warning("serving in %s on the CPU backend, where XLA runs %s matmuls more slowly than float32 "
-                        "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set "
-                        "model.dtype: float32 for CPU serving", self.model.dtype, self.model.dtype)
         if mesh is not None and self.model.tp is None:
             shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
         cfg = self.model.cfg
-        if resolve_layer_loop(config.layer_loop, cfg.num_layers, jax.default_backend()) == "unroll":
+        self.plan = plan or plan_execution(config, cfg, jax.default_backend(), dtype=self.model.dtype)
+        for warning in self.plan.warnings:
+            log.warning("%s", warning)
+        log.info("%s", self.plan.describe())
+        if self.plan.layer_loop == "unroll":
             self.model.unstack_layers()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
@@ -145,7 +132,7 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
-        self.max_blocks_per_seq = -(-self.max_model_len // page_size)
+        self.max_blocks_per_seq = pages_for(self.max_model_len, page_size)
         num_slots, num_checkpoint_slots = 0, None
         if cfg.is_hybrid:  # one slot per running sequence + the checkpoint budget (docs/prefix_caching.md)
             num_slots, num_checkpoint_slots = plan_state_slots(
@@ -168,32 +155,24 @@ class LLMEngine:
             max_model_len=self.max_model_len, policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
-        self.opts = KernelOptions(attention=config.attention_backend, gdn=config.gdn_backend,
+        self.opts = KernelOptions(attention=self.plan.attention_path, gdn=self.plan.gdn_path,
                                   interpret=config.interpret, tp=self.model.tp)
         self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype,
-                                             bit_storage=self.opts.kv_bit_storage)
-        on_cpu = jax.default_backend() == "cpu"
-        self.token_buckets = pow2_buckets(
-            config.max_num_batched_tokens, explicit=config.token_buckets,
-            minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
-            fine_until=config.max_num_seqs if on_cpu else 0)
-        self.seq_buckets = pow2_buckets(config.max_num_seqs, minimum=8)
-        # The greedy backbones (decode-sized buckets) add executables; on CPU, where a dispatch and
-        # the sampling metadata are ~1.5 ms of a ~6 ms small-model decode step, that pays (auto).
-        fuse_greedy = config.fuse_greedy if config.fuse_greedy is not None else on_cpu
+                                             bit_storage=self.plan.kv_bit_storage)
+        self.token_buckets, self.seq_buckets = self.plan.token_buckets, self.plan.seq_buckets
         self.executables = StepExecutables(
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
-            fuse_greedy=fuse_greedy, max_model_len=self.max_model_len)
+            fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len)
         self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
-            self.dp = enable_data_parallel(self, dp_size, fuse_greedy)
+            self.dp = enable_data_parallel(self, dp_size, self.plan.fuse_greedy)
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
-        if config.aot_compile:
-            masked = self.bitmask_width if config.aot_grammar_samplers or config.aot_compile_all else 0
+        if self.plan.aot_compile:
+            masked = self.bitmask_width if self.plan.grammar_samplers or config.aot_compile_all else 0
             self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -367,7 +346,7 @@ class LLMEngine:
         if plain_greedy:
             return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
         n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
-        S = next(b for b in self.seq_buckets if b >= len(reqs))
+        S = seq_bucket(len(reqs), self.seq_buckets)
         # The device runs the backbone now; the grammar masks are filled meanwhile.
         bitmask = None
         if self._structured is not None and len(self._structured):

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.engine import EngineDeadError, LLMEngine
-from runtime.engine_config import EngineConfig
-from runtime.kv_transfer import KVTransferConfig
+from runtime.engine_config import EngineConfig, build_engine_config
 from runtime.mesh import initialize_multihost
 from runtime.types import EngineRequest
 
@@ -168,36 +167,19 @@ class AsyncEngine:
 
 
 def engine_config_from_launch(config, model_path: str) -> EngineConfig:
-    """Map the validated YAML launch config onto the engine's config.
+    """Map the validated YAML launch config onto the engine's config (`build_engine_config`, the
+    one mapping), after starting `jax.distributed` for a multi-host launch.
 
     `parallel`: `role` prefill / decode (with the `kv_transfer` section) sets up disaggregation;
     `multihost` starts `jax.distributed` (so call this before any other JAX work); `mesh` becomes
     `mesh_shape` when it spans more than one device."""
-    cache, sched, kernels, comp = config.cache, config.scheduler, config.kernels, config.compile
     parallel = config.parallel
     if parallel.multihost is not None and parallel.multihost.num_processes > 1 and parallel.role != "both":
         raise ValueError("multi-process serving (parallel.multihost) runs role: both only; "
                          "P/D disaggregation across processes of one mesh is not built")
     initialize_multihost(parallel)
-    mesh = parallel.mesh
-    return EngineConfig(
-        model=model_path, dtype=config.model.dtype, max_model_len=config.model.max_model_len,
-        page_size=cache.page_size, num_pages=cache.num_pages, memory_fraction=cache.memory_fraction or 0.9,
-        kv_cache_dtype=cache.kv_cache_dtype, enable_prefix_caching=cache.enable_prefix_caching,
-        hybrid_checkpoint_policy=cache.hybrid_checkpoint_policy, hybrid_checkpoint_budget=cache.hybrid_checkpoint_budget,
-        max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-        policy=sched.policy, token_buckets=tuple(sched.token_buckets) if sched.token_buckets else None,
-        attention_backend=kernels.attention_backend, gdn_backend=kernels.gdn_backend,
-        layer_loop=kernels.layer_loop, fuse_greedy=kernels.fuse_greedy,
-        mesh_shape=(mesh.data, mesh.model) if mesh.num_devices > 1 else None, expert_parallel=parallel.expert,
-        aot_compile=comp.aot,
-        aot_compile_all=comp.aot,
-        compile_cache_dir=str(Path(comp.cache_dir).expanduser()) if comp.cache_dir else None,
-        quantization=config.model.quantization, quantization_group_size=config.model.quantization_group_size,
-        quantization_keep_float=(tuple(config.model.quantization_keep_float)
-                                 if config.model.quantization_keep_float is not None else None),
-        keep_gguf_quantized=config.model.keep_gguf_quantized,
-        kv_transfer=KVTransferConfig(role=parallel.role, **config.kv_transfer.model_dump()))
+    # serving compiles every executable a step can ask for at start-up (compile.aot), then seals
+    return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
 
 
 def create_engine_client(config) -> AsyncEngine:

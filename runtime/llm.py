@@ -1,10 +1,17 @@
 """The offline API (vLLM-like): batch generation from Python, no server.
 
     from runtime import LLM, SamplingParams
-    llm = LLM(model="/path/to/hf_dir",  # or an already loaded models.Model dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
+    llm = LLM(model="/path/to/hf_dir",  # or an already loaded models.Model
+              dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
     outs = llm.generate(["Hello", [3, 17, 5]], SamplingParams(max_tokens=32, temperature=0.0))
     outs[0].token_ids, outs[0].text, outs[0].finish_reason
     llm.stats()
+
+Arguments left out (None) take the launch schema's defaults (configs/schema.py), the same as a
+YAML that leaves them out: the keyword arguments become launch keys and the engine config is
+built by `runtime.engine_config.build_engine_config`, the one path. Other keyword arguments
+are EngineConfig fields: those with a launch key (`max_model_len`, `layer_loop`, ...) go through
+the launch config too; the engine-only ones (`interpret`, `seed`, ...) are passed through.
 """
 
 from __future__ import annotations
@@ -16,16 +23,19 @@ from tqdm.auto import tqdm
 
 from models.model import Model
 from runtime.engine import LLMEngine
-from runtime.engine_config import EngineConfig
+from configs.schema import apply_overrides, config_from_dict
+from runtime.engine_config import ENGINE_FIELD_KEYS, build_engine_config
 from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: "str | Model", *, dtype: str = "float32", page_size: int = 16, num_pages: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", attention_backend: str = "auto", gdn_backend: str | None = None,
+    def __init__(self, model: "str | Model", *, dtype: str | None = None, page_size: int | None = None,
+                 num_pages: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
+                 kv_cache_dtype: str | None = None, attention_backend: str | None = None,
+                 gdn_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  **engine_kwargs):
         loaded = model if isinstance(model, Model) else None
@@ -34,11 +44,16 @@ class LLM:
             engine_kwargs.setdefault("mesh_shape", mesh_shape)
         if enable_expert_parallel:  # MoE experts split by expert index over tensor_parallel_size devices
             engine_kwargs.setdefault("expert_parallel", True)
-        config = EngineConfig(
-            model=str(loaded.path if loaded else model), dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-            gdn_backend=gdn_backend or attention_backend, **engine_kwargs)
+        named = dict(dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                     kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
+                     gdn_backend=gdn_backend or attention_backend)  # gdn follows attention unless given
+        fields = {**{k: v for k, v in named.items() if v is not None},  # None: the default
+                  **{k: v for k, v in engine_kwargs.items() if k in ENGINE_FIELD_KEYS}}  # None may mean something
+        engine_only = {k: v for k, v in engine_kwargs.items() if k not in ENGINE_FIELD_KEYS}
+        overrides = {ENGINE_FIELD_KEYS[k]: v for k, v in fields.items()}
+        launch = config_from_dict(apply_overrides({}, overrides))  # ConfigError (a ValueError) naming the key
+        config = build_engine_config(launch, str(loaded.path if loaded else model), **engine_only)
         self.engine = LLMEngine(config, model=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

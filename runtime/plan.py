@@ -44,7 +44,7 @@ from models.abstract import abstract_caches, abstract_model, shard_abstract_mode
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
-from runtime.buckets import pow2_buckets
+from runtime.exec_plan import plan_buckets
 from runtime.mesh import DATA_AXIS, MODEL_AXIS
 from runtime.step import StepExecutables
 
@@ -58,7 +58,6 @@ SHIPPED_MODEL_CONFIGS = {
     "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b.json",
     "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b.json",
 }
-MIN_TOKEN_BUCKET = 16  # runtime/engine.py's MIN_TOKEN_BUCKET_ACCELERATOR
 ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
 
 
@@ -311,9 +310,9 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
                         f"{_gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence")
     impl = f"pallas_{chip.platform}"
     opts = KernelOptions(attention=impl, gdn=impl, tp=model.tp)
-    buckets = pow2_buckets(sched.max_num_batched_tokens, explicit=sched.token_buckets, minimum=MIN_TOKEN_BUCKET)
+    buckets, seq_buckets = plan_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.token_buckets,
+                                        chip.platform)
     buckets = tuple(b for b in buckets if token_buckets is None or b in token_buckets)
-    seq_buckets = pow2_buckets(sched.max_num_seqs, minimum=8)
     steps: list[StepFigures] = []
     if problems:
         pass  # the weights alone overflow: nothing worth compiling

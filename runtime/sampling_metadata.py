@@ -15,16 +15,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
+from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
 from runtime.types import SamplingParams
-
-PENALTY_WIDTH_MIN = 16  # smallest non-zero bucket for the token-id matrices
-
-
-def pow2_bucket(n: int, minimum: int = PENALTY_WIDTH_MIN) -> int:
-    """Width of a token-id matrix holding `n` ids: 0 for 0, else a power of two >= minimum."""
-    if n <= 0:
-        return 0
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +157,7 @@ class SamplingMetadata:
             output_ids=out_matrix,
             prompt_ids=prompt_matrix,
             banned_ids=_padded_id_matrix(banned_ids or [[]] * n, [True] * n, pad_to,
-                                         pow2_bucket(max((len(b) for b in banned_ids or []), default=0), 4)),
+                                         banned_width(max((len(b) for b in banned_ids or []), default=0))),
             logit_bias_ids=bias_ids,
             logit_bias_values=bias_values,
         )

@@ -62,10 +62,11 @@ def assert_all_free(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("family,step", [("llama", "auto"), ("qwen3_5", "auto"), ("qwen3_5", "scan+sampler")])
 def test_batch_invariance_vs_hf(family, step, tiny_checkpoint, hf_model):
-    """`auto` on CPU: layers unrolled, greedy steps through the fused greedy backbone, token
-    buckets from 4; `scan+sampler`: the accelerator defaults (layer scan, separate sampler)."""
+    """`auto` on CPU: layers unrolled, token buckets from 4, greedy steps through the fused greedy
+    backbone (forced on); `scan+sampler`: the accelerator defaults (layer scan, separate sampler)."""
     path = tiny_checkpoint(family)
-    variant = {} if step == "auto" else {"layer_loop": "scan", "fuse_greedy": False}
+    # the fused greedy backbone is forced on in `auto` (the CPU plan leaves it off) so it stays checked
+    variant = {"fuse_greedy": True} if step == "auto" else {"layer_loop": "scan", "fuse_greedy": False}
     engine = LLMEngine(EngineConfig(
         model=str(path), dtype="float32", page_size=16, num_pages=70, max_num_seqs=16,
         max_num_batched_tokens=128, enable_prefix_caching=True, max_model_len=512, **variant))

@@ -1,0 +1,143 @@
+"""The execution plan: every backend- and model-dependent choice of how one engine runs, in one pure function.
+
+    plan = plan_execution(engine_config, model_config, backend="cpu")
+    plan.layer_loop, plan.token_buckets, plan.fuse_greedy, plan.attention_path, ...
+
+`plan_execution` reads the engine config's knobs (each "auto" / None resolved here and nowhere
+else), the model's shape and the backend (cpu | gpu | tpu), and returns a frozen
+`ExecutionPlan`; `LLMEngine.__init__` only carries it out and logs `plan.describe()` in one line.
+No JAX, no devices: the table test in tests/test_exec_plan.py checks it for every backend.
+
+Each CPU rule keeps its measurement next to it. `benchmarks/exec_plan_ab.py` measures every
+CPU choice on vs off (tiny dense + tiny hybrid, tokens/s, one invocation); its table is in
+docs/benchmarks.md. Not to be confused with runtime/plan.py (`jaxserve plan`: compile a launch
+config for an accelerator and report its memory), which takes its buckets from `plan_buckets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.ops import auto_impl
+from runtime.buckets import pow2_buckets
+
+BACKENDS = ("cpu", "gpu", "tpu")
+
+# `layer_loop: auto` unrolls the layers on the CPU backend up to this depth. Measured (random
+# Llama, 6 layers, H=384): a 4-sequence decode step 9.4 -> 7.5 ms, because XLA:CPU copies each
+# weight slice a scan step reads; SmolLM2-135M (30 layers): 3% faster for 4x the compile time,
+# so deeper models stay scanned. Accelerators scan (compile time flat in depth). Re-measured
+# (exec_plan_ab, 2026-12-01): unroll / scan 1.80x on the tiny hybrid (4 layers), 0.99x on the
+# tiny dense (6 layers): kept (>= 5 % on one of them).
+UNROLL_MAX_LAYERS_CPU = 16
+# The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
+# matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
+# tail of a mixed batch decodes a few sequences for many steps. For the same reason CPU also
+# gets the 1.5x buckets (6, 12, 24, ...) up to max_num_seqs, the sizes decode steps take
+# (tiny dense mixed workload: ~10% more tokens/s). Re-measured (exec_plan_ab, 2026-12-01,
+# mixed): minimum 4 vs 16 1.34x tiny dense, 0.93x tiny hybrid; 1.5x steps 1.06x tiny dense,
+# 0.97x tiny hybrid: both kept (>= 5 % on the dense model; the run-to-run spread was large).
+MIN_TOKEN_BUCKET_CPU = 4
+MIN_TOKEN_BUCKET_ACCELERATOR = 16
+# Sampler rows: sequence counts round up to powers of two from 8 on every backend (the sampler
+# is a small share of a step; fewer executables).
+MIN_SEQ_BUCKET = 8
+# `fuse_greedy: null` -> off everywhere. The fused greedy backbone (argmax inside, one dispatch,
+# no sampling metadata) was chosen on CPU when a dispatch plus the sampling metadata were ~1.5 ms
+# of a ~6 ms small-model decode step; re-measured (benchmarks/exec_plan_ab.py, 2026-12-01, all
+# greedy, interleaved A/B) it no longer pays: plan / off 0.95x tiny dense, 0.89x tiny hybrid,
+# for 5 more executables (17 -> 12). Dropped (< 5 %); `kernels.fuse_greedy: true` still turns it on.
+FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
+# KV bit storage follows the attention path: the jnp paths ("chunked", "reference") hold bf16 /
+# FP8 pages as raw bits because XLA:CPU converts the whole pool on every scatter into a bf16 /
+# FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms, pallas_kernels/kv_cache.py); the Pallas
+# kernels read float pages. A float32 pool is the same either way. Re-measured (exec_plan_ab,
+# 2026-12-01, tiny dense, bf16 KV): bits / float storage 56x. The chunked attention path itself:
+# chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl).
+JNP_ATTENTION_PATHS = ("chunked", "reference")
+_CPU_DTYPE_WARNING = (
+    "serving in {dtype} on the CPU backend, where XLA runs {dtype} matmuls more slowly than float32 "
+    "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set model.dtype: float32 for CPU serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """How one engine runs. Every field is resolved (no "auto")."""
+
+    backend: str  # cpu | gpu | tpu
+    layer_loop: str  # "scan" (one compiled layer group under lax.scan) | "unroll"
+    token_buckets: tuple[int, ...]  # backbone token counts compiled
+    seq_buckets: tuple[int, ...]  # sampler row counts compiled
+    fuse_greedy: bool  # a greedy backbone (argmax fused in) per token bucket <= max_num_seqs
+    attention_path: str  # KernelOptions.attention: chunked | reference | pallas | pallas_tpu | pallas_gpu
+    # KernelOptions.gdn: reference (per-token recurrence) | pallas | ...; the chunked-GDN CPU
+    # prefill (issue 14 item 3) picks its path in `_gdn_path`.
+    gdn_path: str
+    kv_bit_storage: bool  # bf16 / FP8 KV pages held as raw bits (models.Model.init_caches)
+    aot_compile: bool  # compile every executable at start-up
+    grammar_samplers: bool  # with aot_compile: also the grammar-masked samplers
+    warnings: tuple[str, ...] = ()  # logged at start-up
+
+    def describe(self) -> str:
+        """The one start-up log line."""
+        return (f"execution plan ({self.backend}): layers {self.layer_loop}, token buckets {list(self.token_buckets)}, "
+                f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, "
+                f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
+                f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
+
+
+def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None) -> ExecutionPlan:
+    """Resolve every execution choice for `engine_config` (runtime.engine_config.EngineConfig) serving
+    `model_config` (models.config.ModelConfig: num_layers) on `backend` (cpu | gpu | tpu). `dtype`:
+    the weights' dtype when it is not the config's (a loaded Model handed to the engine)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    c = engine_config
+    on_cpu = backend == "cpu"
+    token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
+    attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
+    dtype = dtype or c.dtype
+    warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype != "float32" else ()
+    fuse_greedy_default = FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR
+    return ExecutionPlan(
+        backend=backend,
+        layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend),
+        token_buckets=token_buckets,
+        seq_buckets=seq_buckets,
+        fuse_greedy=fuse_greedy_default if c.fuse_greedy is None else c.fuse_greedy,
+        attention_path=attention,
+        gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
+        kv_bit_storage=attention in JNP_ATTENTION_PATHS,
+        aot_compile=c.aot_compile,
+        grammar_samplers=c.aot_grammar_samplers,
+        warnings=warnings,
+    )
+
+
+def plan_buckets(max_num_batched_tokens: int, max_num_seqs: int, explicit: tuple[int, ...] | None,
+                 backend: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(token buckets, sequence buckets) for a backend; `explicit` token buckets win."""
+    on_cpu = backend == "cpu"
+    tokens = pow2_buckets(max_num_batched_tokens, explicit=explicit,
+                          minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
+                          fine_until=max_num_seqs if on_cpu else 0)
+    return tokens, pow2_buckets(max_num_seqs, minimum=MIN_SEQ_BUCKET)
+
+
+def _layer_loop(choice: str, num_layers: int, backend: str) -> str:
+    if choice != "auto":
+        return choice
+    return "unroll" if backend == "cpu" and num_layers <= UNROLL_MAX_LAYERS_CPU else "scan"
+
+
+def _kernel_path(choice: str, op: str, backend: str, interpret) -> str:
+    return auto_impl(op, backend, interpret) if choice == "auto" else choice
+
+
+def _gdn_path(choice: str, backend: str, interpret) -> str:
+    """The GDN layers' path. CPU: "chunked" (pallas_kernels/gdn.py): token buckets of at least
+    CHUNKED_MIN_TOKENS run prefill rows in WY chunks of 16 and one-token rows as one batched
+    recurrence step; smaller buckets keep the per-token loop. Measured (benchmarks/gdn_prefill.py):
+    the WY form is 1.2-3.9x faster than the loop from T = 128, slower at T <= 64; the hybrid's
+    prefill forward 1.20x / 1.31x / 1.30x faster at 128 / 256 / 512 prompt tokens."""
+    return _kernel_path(choice, "gdn", backend, interpret)

@@ -1,0 +1,87 @@
+"""runtime/exec_plan.py: backend x model size x knobs -> ExecutionPlan, as a table written by hand.
+Pure (no devices): the engine constructor only carries the plan out."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from runtime.engine_config import EngineConfig
+from runtime.exec_plan import ExecutionPlan, plan_buckets, plan_execution
+
+SHALLOW, DEEP = SimpleNamespace(num_layers=6), SimpleNamespace(num_layers=30)
+CPU_TOKENS = (4, 6, 8, 12, 16, 32, 64, 128, 256, 512)  # max_num_seqs 16: 1.5x steps up to 16
+ACC_TOKENS = (16, 32, 64, 128, 256, 512)
+SEQS = (8, 16)
+
+# (backend, model, knobs) -> (layer_loop, token buckets, fuse_greedy, attention, gdn, kv bit storage)
+TABLE = [
+    ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "chunked", "reference", True)),
+    ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "chunked", "reference", True)),
+    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "chunked", "reference", True)),
+    ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},
+     ("unroll", CPU_TOKENS, True, "reference", "reference", True)),
+    ("cpu", SHALLOW, {"interpret": True}, ("unroll", CPU_TOKENS, False, "pallas", "pallas", False)),
+    ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "chunked", "reference", True)),
+    ("gpu", SHALLOW, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
+    ("tpu", DEEP, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
+    ("tpu", DEEP, {"layer_loop": "unroll", "fuse_greedy": True}, ("unroll", ACC_TOKENS, True, "pallas", "pallas", False)),
+    ("gpu", DEEP, {"attention_backend": "reference", "gdn_backend": "reference"},
+     ("scan", ACC_TOKENS, False, "reference", "reference", True)),
+]
+
+
+@pytest.mark.parametrize("backend,model,knobs,expected", TABLE)
+def test_plan_table(backend, model, knobs, expected):
+    config = EngineConfig(model="m", max_num_seqs=16, max_num_batched_tokens=512, **knobs)
+    plan = plan_execution(config, model, backend)
+    assert (plan.layer_loop, plan.token_buckets, plan.fuse_greedy, plan.attention_path, plan.gdn_path,
+            plan.kv_bit_storage) == expected
+    assert plan.seq_buckets == SEQS and plan.backend == backend
+    assert plan.aot_compile and plan.grammar_samplers  # the EngineConfig defaults
+    assert "execution plan (" in plan.describe() and str(list(plan.token_buckets)) in plan.describe()
+
+
+def test_plan_is_frozen_and_warns_about_bf16_on_cpu():
+    plan = plan_execution(EngineConfig(model="m", dtype="bfloat16"), SHALLOW, "cpu")
+    assert isinstance(plan, ExecutionPlan) and len(plan.warnings) == 1 and "bfloat16" in plan.warnings[0]
+    with pytest.raises(AttributeError):
+        plan.layer_loop = "scan"
+    assert plan_execution(EngineConfig(model="m", dtype="bfloat16"), SHALLOW, "tpu").warnings == ()
+    assert "float16" in plan_execution(EngineConfig(model="m"), SHALLOW, "cpu", dtype="float16").warnings[0]
+    assert not plan_execution(EngineConfig(model="m", aot_compile=False), SHALLOW, "cpu").aot_compile
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        plan_execution(EngineConfig(model="m"), SHALLOW, "metal")
+
+
+def test_plan_buckets_is_what_jaxserve_plan_compiles():
+    """runtime/plan.py (the accelerator planner) takes its buckets from the same rule."""
+    assert plan_buckets(1024, 256, None, "tpu") == ((16, 32, 64, 128, 256, 512, 1024), (8, 16, 32, 64, 128, 256))
+    assert plan_buckets(8, 4, None, "cpu") == ((4, 8), (4,))  # 1.5x steps only up to max_num_seqs
+    assert plan_buckets(8, 8, None, "cpu") == ((4, 6, 8), (8,))
+
+
+def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
+    """The constructor takes every choice from the plan: the default one, logged in one line, or
+    one handed to it (nothing compiled: aot off)."""
+    import dataclasses
+    import logging
+
+    import jax
+
+    from runtime.engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=4, max_num_batched_tokens=32,
+                          num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
+        engine = LLMEngine(config)
+    assert engine.plan == plan_execution(config, engine.model.cfg, jax.default_backend(), dtype="float32")
+    assert [r.getMessage() for r in caplog.records].count(engine.plan.describe()) == 1
+    assert engine.token_buckets == engine.plan.token_buckets and engine.opts.attention == engine.plan.attention_path
+    given = dataclasses.replace(engine.plan, layer_loop="scan", token_buckets=(8, 32), fuse_greedy=False,
+                                attention_path="reference", kv_bit_storage=True)
+    engine = LLMEngine(dataclasses.replace(config, kv_cache_dtype="bfloat16"), plan=given)
+    assert (engine.layer_loop, engine.token_buckets, engine.executables.greedy_buckets) == ("scan", (8, 32), ())
+    assert engine.opts.attention == "reference" and engine.caches["kv"][0].k.dtype == "uint16"  # bf16 held as bits
