@@ -76,9 +76,18 @@ class KVTransferHooks:
         if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
             return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
                                  priority=request.priority, arrival_time=request.arrival_time)
-        return EngineRequest(request.request_id, prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0),
+        # FP8 pages of a dense model: compute all N tokens (the page holding token N then has the
+        # scales a colocated engine gives it) and ship the first N-1; otherwise compute N-1.
+        computed = prompt if self._computes_last_token else prompt[:-1]
+        return EngineRequest(request.request_id, computed, SamplingParams(max_tokens=1, temperature=0.0),
                              priority=request.priority, arrival_time=request.arrival_time,
                              kv_transfer_params={OFFER: True})
+
+    @property
+    def _computes_last_token(self) -> bool:
+        """FP8 KV and no GDN state (whose state after N-1 tokens a full prefill never holds)."""
+        kv = [x for x in self.engine.caches["kv"] if x is not None]
+        return len(kv) == len(self.engine.caches["kv"]) and kv[0].k_scale is not None
 
     def capture(self, caches, out) -> None:
         for seq in out.sequences:
@@ -86,7 +95,8 @@ class KVTransferHooks:
                 req = seq.request
                 self._offering[seq.request_id] = gather_request_state(
                     caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
-                    num_tokens=seq.start_position + seq.num_new_tokens, block_table=seq.block_table,
+                    num_tokens=seq.start_position + seq.num_new_tokens - int(self._computes_last_token),
+                    block_table=seq.block_table,
                     state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
                     num_slots=self.num_slots, conv_perm=self.conv_perm)
 
