@@ -12,7 +12,8 @@ until an entry is picked) or the callable itself. Installed packages add entries
     "kv_connector.shm" = "my_pkg.shm:SharedMemoryConnector"
 
 An unknown name raises `KeyError` listing the known ones (built-in and installed). Plain Python,
-no JAX.
+no JAX. It lives in `models/` (the lowest layer that needs it: `models.ops` keeps the attention
+and GDN back-ends here) and `runtime.registry` re-exports it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Registry(Generic[T]):
         prefix = self.kind + "."
         return {ep.name[len(prefix):]: ep.value for ep in metadata.entry_points(group=PLUGIN_GROUP)
                 if ep.name.startswith(prefix)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._targets or name in self._plugin_targets()
 
     def names(self) -> list[str]:
         """Every name this registry resolves: built-in entries and installed plugins."""

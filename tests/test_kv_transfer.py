@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from engine_testing import drain
 
+from models.ops import ATTENTION_BACKENDS, GDN_BACKENDS, KernelOptions
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
@@ -62,6 +63,16 @@ class InProcessConnector(KVConnector):
 
     def cancel(self, key):
         pass
+
+
+CALLS = []
+
+
+def spy_attention(*operands, interpret=False, **kwargs):
+    """An attention back-end: the jnp reference, recording that it was traced."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    CALLS.append(operands[0].shape)
+    return ragged_paged_attention(*operands, impl="reference", **kwargs)
 '''
 
 
@@ -76,6 +87,7 @@ def plugin(tmp_path_factory):
     (info / "entry_points.txt").write_text(textwrap.dedent("""\
         [jaxserve.plugins]
         kv_connector.inproc = jaxserve_test_plugin:InProcessConnector
+        attention_backend.spy = jaxserve_test_plugin:spy_attention
         """))
     sys.path.insert(0, str(root))
     importlib.invalidate_caches()
@@ -104,6 +116,22 @@ def test_registry_is_lazy_and_names_what_it_knows():
 def test_plugin_entry_point_joins_the_connector_registry(plugin):
     assert plugin in KV_CONNECTORS.names() and "jax_transfer" in KV_CONNECTORS.names()
     assert KV_CONNECTORS.get(plugin).__module__ == "jaxserve_test_plugin"
+
+
+def test_plugin_attention_backend_is_picked_by_name(plugin, tiny_checkpoint):
+    """`attention_backend: spy` from the plugin's entry point serves the engine; unknown names
+    are refused with the registered ones listed."""
+    import jaxserve_test_plugin
+
+    path, prompt = tiny_checkpoint("llama"), _prompts()[4]
+    want = _run(LLMEngine(_config(path, attention_backend="reference")), prompt).outputs[0].token_ids
+    got = _run(LLMEngine(_config(path, attention_backend="spy")), prompt).outputs[0].token_ids
+    assert got == want and jaxserve_test_plugin.CALLS
+    assert "spy" in ATTENTION_BACKENDS.names() and "reference" in GDN_BACKENDS.names()
+    with pytest.raises(ValueError, match=r"attention_backend must be 'auto' or one of \[.*'spy'"):
+        KernelOptions(attention="nope")
+    with pytest.raises(ValueError, match=r"gdn_backend must be 'auto' or one of"):
+        KernelOptions(gdn="spy")
 
 
 def _config(path, **kw) -> EngineConfig:
