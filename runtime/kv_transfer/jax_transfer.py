@@ -9,11 +9,15 @@ uuid nobody awaits blocks forever.
 
 State nobody will pull (lease expired, decode aborted before pulling) is drained by pulling it
 from this process's own transfer server: the transfer API has no cancel.
+
+Test hook: `JAXSERVE_TEST_KV_PULL_DELAY_S` (environment, decode side) sleeps that long between a
+successful claim and the pull, so a fault test can kill the prefill instance mid-pull.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -29,6 +33,9 @@ from runtime.kv_transfer.leases import Lease, LeaseTable
 log = logging.getLogger("jaxserve.kv_transfer")
 CONTROL_TIMEOUT_S = 5.0
 REAP_INTERVAL_S = 0.25
+# Claims happen on these threads too: enough of them that a claim never waits behind slow pulls
+# long enough for its lease to expire.
+PULL_WORKERS = 16
 
 
 class JaxTransferConnector(KVConnector):
@@ -41,12 +48,13 @@ class JaxTransferConnector(KVConnector):
         self._address = f"{self._advertise}:{self._server.address().rpartition(':')[2]}"
         self._lock = threading.Lock()
         self._connections: dict[str, object] = {}
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxserve-kv-pull")
+        self._pool = ThreadPoolExecutor(max_workers=PULL_WORKERS, thread_name_prefix="jaxserve-kv-pull")
         self._pulls: dict[str, tuple[Future, float, dict, float]] = {}
         self.counters = {"transfers_offered": 0, "transfers_started": 0, "transfers_completed": 0,
                          "transfers_failed": 0, "bytes_transferred": 0, "bytes_pulled": 0, "seconds_transferred": 0.0,
                          "claims_refused": 0, "leases_drained": 0}
         self.leases = LeaseTable(config.lease_s)
+        self._test_delay_s = float(os.environ.get("JAXSERVE_TEST_KV_PULL_DELAY_S", 0))
         self._control = None
         self._stop = threading.Event()
         if config.role == "prefill":
@@ -133,6 +141,10 @@ class JaxTransferConnector(KVConnector):
             raise TransferError(f"prefill instance unreachable: {err}") from None
         if status != 200:
             raise TransferError(f"claim refused ({status}): {reply.get('error')}")
+        if self._test_delay_s:
+            log.info("kv transfer %s claimed; test delay %.2fs before the pull", params["transfer_id"],
+                     self._test_delay_s)
+            time.sleep(self._test_delay_s)
         arrays = self._connect(params["transfer_address"]).pull(int(params["transfer_id"]), specs)
         arrays = jax.block_until_ready(arrays)
         self._release(params, "pulled")
