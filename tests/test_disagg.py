@@ -75,7 +75,7 @@ LAYOUTS = {
     "qwen3_5-tp2-page32": Layout("qwen3_5", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
                                  decode_env=tuple(PULL_DELAY.items()), decode_page=32),
     # faults only: a decode instance short of pages that answers errors instead of recomputing
-    "llama-faults": Layout("llama", prefill=("--set", "kv_transfer.lease_s=60"), decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
+    "llama-faults": Layout("llama", decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
                                             "--set", "kv_transfer.on_pull_failure=error"),
                            decode_env=tuple(PULL_DELAY.items())),
     # slow (pytest -m slow): the dense checkpoint page 16 -> 32, the other hybrids with equal layouts
@@ -89,7 +89,7 @@ EXACTNESS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS 
              for name in LAYOUTS if name != "llama-faults"]
 
 
-def _colocated(cluster, prompts) -> list:
+def _colocated(cluster, prompts, ignore_eos: bool = False) -> list:
     """The decode side's configuration as one colocated engine (built once per cluster)."""
     if cluster.colocated is None:
         layout = cluster.layout
@@ -98,7 +98,8 @@ def _colocated(cluster, prompts) -> list:
             max_num_batched_tokens=64, max_model_len=512, aot_compile=False, kv_cache_dtype=layout.kv_cache_dtype))
     engine, base = cluster.colocated, cluster.colocated.num_steps
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{base}-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+        engine.add_request(EngineRequest(f"r{base}-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                               ignore_eos=ignore_eos)))
     done = drain(engine)
     return [done[f"r{base}-{i}"].outputs[0] for i in range(len(prompts))]
 
@@ -116,7 +117,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def cluster(request, tiny_checkpoint):
     layout = LAYOUTS[request.param]
     path = tiny_checkpoint(layout.family)
-    with PDCluster(path, prefill=["--set", "kv_transfer.lease_s=3", *layout.prefill], decode=list(layout.decode),
+    with PDCluster(path, prefill=list(layout.prefill), decode=list(layout.decode),
                    prefill_env=dict(layout.prefill_env), decode_env=dict(layout.decode_env)) as pd:
         pd.layout, pd.family, pd.path, pd.colocated = layout, layout.family, path, None
         pd.client = openai.OpenAI(base_url=pd.proxy_url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -130,7 +131,8 @@ def _through_proxy(cluster, prompts) -> list[tuple]:
     """Each prompt non-streaming and streaming, IN_FLIGHT at a time -> [(text, finish reason,
     streamed text, streamed usage.completion_tokens)]."""
     def one(prompt):
-        kw = dict(model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        kw = dict(model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})  # HF generates MAX_TOKENS whatever the tokens
         got = cluster.client.completions.create(**kw)
         chunks = list(cluster.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         return (got.choices[0].text, got.choices[0].finish_reason, "".join(c.choices[0].text for c in chunks if c.choices),
@@ -158,7 +160,7 @@ def _assert_all_free(cluster, *, prefill: bool = True) -> None:
 def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
     vocab = hf_model(cluster.family).config.vocab_size
     prompts = _prompts(min(vocab, 1000))
-    expected = _colocated(cluster, prompts)
+    expected = _colocated(cluster, prompts, ignore_eos=True)
     if cluster.layout.kv_cache_dtype == "auto":  # float KV: the colocated engine equals HF
         for i, (prompt, want) in enumerate(zip(prompts, expected)):
             hf_tokens, scores = hf_greedy(hf_model(cluster.family), prompt, MAX_TOKENS)
@@ -192,9 +194,10 @@ def test_chat_through_proxy_equals_prefill_instance_alone(cluster):
     assert len(got.choices[0].logprobs.content) == got.usage.completion_tokens
 
 
-def _prefill_leg(cluster, prompt) -> dict:
+def _prefill_leg(cluster, prompt, **params) -> dict:
+    """The proxy's first leg by hand (`lease_s=2`: this request's state is held for 2 s only)."""
     status, body = _post(cluster.prefill.url + "/v1/completions",
-                         {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+                         {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, **params}})
     assert status == 200, body
     return body["kv_transfer_params"]
 
@@ -218,8 +221,9 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     assert _decode_leg(cluster, prompt, forged) == want  # malformed
     other = _prompts(500)[4]
     assert _decode_leg(cluster, other, params) == _colocated(cluster, [other])[0].text  # wrong prompt
-    expired = _prefill_leg(cluster, prompt)
-    time.sleep(4.0)  # lease_s=3: the prefill side frees it first
+    expired = _prefill_leg(cluster, prompt, lease_s=2)
+    assert expired["lease_s"] == 2  # a request may ask for a shorter hold than the instance's 60 s
+    time.sleep(3.0)  # the prefill side frees it first
     assert _decode_leg(cluster, prompt, expired) == want
     time.sleep(1.0)  # /metrics reads the engine loop's stats snapshot, refreshed every <= 0.5 s when idle
     decode, prefill = wait_all_free(cluster.decode.url), wait_all_free(cluster.prefill.url)
@@ -314,8 +318,8 @@ def test_hybrid_faults_free_state_slots_on_both_sides(cluster):
     prompts = _prompts(500)
     want = {i: out.text for i, out in zip((3, 4), _colocated(cluster, [prompts[3], prompts[4]]))}
     before = scrape(cluster.decode.url)["jaxserve_kv_transfer_fallbacks"]
-    expired = _prefill_leg(cluster, prompts[3])
-    time.sleep(4.0)  # lease_s=3: the prefill side frees it first
+    expired = _prefill_leg(cluster, prompts[3], lease_s=2)
+    time.sleep(3.0)  # the prefill side frees it first
     assert _decode_leg(cluster, prompts[3], expired) == want[3]
     _leave_during_pull(cluster, prompts[4][:180])
     _assert_all_free(cluster)

@@ -48,6 +48,7 @@ class KVTransferHooks:
         self.conv_perm = conv_permutation(engine.model)
         self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots))
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
+        self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
         self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
         self._errors: list[RequestOutput] = []
@@ -72,6 +73,10 @@ class KVTransferHooks:
         if self.config.role != "prefill":
             raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
                              "not prefill")
+        lease_s = params.get("lease_s")  # a shorter hold than the instance's lease_s (never longer)
+        if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float))
+                                    or not lease_s > 0):
+            raise ValueError(f"kv_transfer_params.lease_s must be a positive number of seconds, got {lease_s!r}")
         prompt = list(request.prompt_token_ids)
         if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
             return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
@@ -81,7 +86,7 @@ class KVTransferHooks:
         computed = prompt if self._computes_last_token else prompt[:-1]
         return EngineRequest(request.request_id, computed, SamplingParams(max_tokens=1, temperature=0.0),
                              priority=request.priority, arrival_time=request.arrival_time,
-                             kv_transfer_params={OFFER: True})
+                             kv_transfer_params={OFFER: True, "lease_s": lease_s})
 
     @property
     def _computes_last_token(self) -> bool:
@@ -104,9 +109,10 @@ class KVTransferHooks:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
         self._staged.pop(req.request_id, None)
         captured = self._offering.pop(req.request_id, None)
+        lease_s = self._lease_s.pop(req.request_id, None)
         if captured is None or req.finish_reason in ("abort", "error"):  # fail closed
             return None
-        return {"do_remote_prefill": True, **self.connector.offer(*captured)}
+        return {"do_remote_prefill": True, **self.connector.offer(*captured, **({"lease_s": lease_s} if lease_s else {}))}
 
     # ---- decode role -----------------------------------------------------------------------
     def park(self, req: Request, params: dict | None) -> bool:
@@ -114,6 +120,8 @@ class KVTransferHooks:
         if params and params.get(OFFER):  # prefill role: offer its state once computed
             self.engine.scheduler._check_fits(req)  # registered only once it cannot be refused
             self._offering[req.request_id] = None
+            if params.get("lease_s"):
+                self._lease_s[req.request_id] = float(params["lease_s"])
             return False
         if not params or not params.get("do_remote_prefill"):
             return False

@@ -63,17 +63,18 @@ class JaxTransferConnector(KVConnector):
             threading.Thread(target=self._reap, name="jaxserve-kv-leases", daemon=True).start()
 
     # ---- prefill side ----------------------------------------------------------------------
-    def offer(self, arrays: list, descriptor: dict) -> dict:
+    def offer(self, arrays: list, descriptor: dict, lease_s: float | None = None) -> dict:
         uuid = secrets.randbits(62)
         nbytes = sum(a.nbytes for a in arrays)
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
         held = descriptor["num_pages"] if any(n.startswith("kv") for n, _, _ in descriptor["arrays"]) else 0
         slots = 1 if any(n.startswith("rec") for n, _, _ in descriptor["arrays"]) else 0
         self._server.await_pull(uuid, arrays)
-        self.leases.add(Lease(str(uuid), (arrays, specs), held, slots, nbytes, self.leases.new_deadline()))
+        self.leases.add(Lease(str(uuid), (arrays, specs), held, slots, nbytes, self.leases.new_deadline(lease_s)))
         self._count("transfers_offered")
         return {"transfer_id": str(uuid), "transfer_address": self._address,
-                "control_url": f"http://{self._advertise}:{self._control.port}", "lease_s": self.config.lease_s,
+                "control_url": f"http://{self._advertise}:{self._control.port}",
+                "lease_s": min(self.config.lease_s, lease_s or self.config.lease_s),
                 "descriptor": descriptor}
 
     def _on_claim(self, body: dict) -> tuple[int, dict]:
