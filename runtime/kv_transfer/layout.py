@@ -2,11 +2,11 @@
 
 Prefill side: `gather_request_state` -> a flat list of single-device arrays (the descriptor's
 `arrays`, in order). Decode side: `expected_arrays` re-derives that list from the descriptor and
-this model (any difference is a TransferError), and `write_request_state` maps the prefill
-side's pages onto this engine's block table token by token, through the model's own KV write
-op: so the decode side's page size, KV dtype (FP8: quantized with this side's per-page scales,
-exactly as a one-chunk prefill would) and tensor-parallel sharding all apply, whatever the
-prefill side used. Page and token counts are padded to powers of two (one compile per size).
+this model (any difference is a TransferError), and `write_request_state` copies the pages (and
+FP8 scales) verbatim into this engine's block table when both sides hold the same KV dtype and
+page size, and otherwise maps them token by token through the model's own KV write op: so the
+decode side's page size, KV dtype (FP8: quantized with this side's per-page scales) and
+tensor-parallel sharding all apply, whatever the prefill side used. Page and token counts are padded to powers of two (one compile per size).
 """
 
 from __future__ import annotations
