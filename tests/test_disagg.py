@@ -82,13 +82,15 @@ LAYOUTS = {
     "llama-faults": Layout("llama", decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
                                             "--set", "kv_transfer.on_pull_failure=error"),
                            decode_env=tuple(PULL_DELAY.items())),
-    # slow (pytest -m slow): the dense checkpoint page 16 -> 32, the other hybrids with equal layouts
+    # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with equal layouts
     "llama-page32": Layout("llama", decode=PAGE32, decode_page=32),
     "qwen3_5": Layout("qwen3_5"),
     "qwen3_5_moe": Layout("qwen3_5_moe"),
     "qwen3_next": Layout("qwen3_next"),
 }
-SLOW_LAYOUTS = {"llama-page32", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+# CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
+# verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
+SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
 EXACTNESS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
              for name in LAYOUTS if name != "llama-faults"]
 
