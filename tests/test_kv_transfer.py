@@ -207,6 +207,24 @@ def test_fp8_decode_side_quantizes_with_its_own_scales(plugin, tiny_checkpoint):
     _all_free(decode)
 
 
+def test_fp8_both_sides_copies_pages_and_scales_verbatim(plugin, tiny_checkpoint):
+    """FP8 KV and page 16 on both sides (the verbatim path: pages and scales copied, the
+    prefill side computing token N too): greedy tokens equal a colocated FP8 engine's. The
+    three-process version over 30 prompts is test_disagg.py's `llama-fp8` (slow)."""
+    path = tiny_checkpoint("llama")
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", max_num_seqs=1)
+    prefill = LLMEngine(_config(path, **fp8, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    decode = LLMEngine(_config(path, **fp8, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    colocated = LLMEngine(_config(path, **fp8))
+    for i, prompt in enumerate(_prompts()[2:]):
+        want = _run(colocated, prompt, rid=f"c{i}").outputs[0].token_ids
+        params = _run(prefill, prompt, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params
+        assert params["descriptor"]["kv_dtype"] == "float8_e4m3fn"
+        assert _run(decode, prompt, params, rid=f"d{i}").outputs[0].token_ids == want, f"prompt {i} (len {len(prompt)})"
+    assert decode.stats()["kv_transfer_fallbacks"] == 0
+    _all_free(decode)
+
+
 @pytest.mark.slow
 def test_bf16_prefill_to_fp8_decode_agreement_with_colocated_fp8(plugin, tiny_checkpoint):
     """bf16 KV on prefill, fp8_e4m3 on decode (requantized with the decode side's scales) against
