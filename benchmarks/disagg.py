@@ -1,6 +1,7 @@
 """P/D on this machine: transfer bandwidth, added TTFT, bytes per request, colocated vs 1P+1D.
 
-    python -m benchmarks.disagg [--families llama qwen3_5] [--mixed-family qwen3_5] [--json out.json]
+    python -m benchmarks.disagg [--families llama qwen3_5] [--kv-cache-dtype fp8_e4m3] [--mixed-family qwen3_5]
+                                [--json out.json]
 
 For each tiny checkpoint (built locally, as the tests do) it launches prefill, decode and proxy
 processes on 127.0.0.1 (tests/pd_testing.py) and measures:
@@ -70,9 +71,11 @@ async def _ttfts(url: str, model: str, prompts: list[list[int]]) -> list[float]:
     return out
 
 
-def measure_family(family: str, prompt_len: int, reps: int) -> dict:
+def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str = "auto") -> dict:
+    """`kv_cache_dtype` on both sides (FP8: pages and scales copied verbatim)."""
     rng = np.random.default_rng(0)
-    with PDCluster(checkpoint(family)) as pd:
+    kv = ["--set", f"cache.kv_cache_dtype={kv_cache_dtype}"]
+    with PDCluster(checkpoint(family), prefill=kv, decode=kv) as pd:
         model = json.loads(urllib.request.urlopen(pd.proxy_url + "/v1/models").read())["data"][0]["id"]
         prompts = [[int(t) for t in rng.integers(3, 500, prompt_len)] for _ in range(reps)]
         asyncio.run(_ttfts(pd.proxy_url, model, prompts[:2]))  # compile both sides' buckets
@@ -85,7 +88,7 @@ def measure_family(family: str, prompt_len: int, reps: int) -> dict:
         pulled = after["jaxserve_kv_transfer_bytes_pulled"] - before["jaxserve_kv_transfer_bytes_pulled"]
         seconds = after["jaxserve_kv_transfer_seconds_transferred"] - before["jaxserve_kv_transfer_seconds_transferred"]
         sizes = [bytes_per_request(pd.prefill.url, [int(t) for t in rng.integers(3, 500, n)]) for n in (64, prompt_len)]
-    return {"family": family, "prompt_len": prompt_len, "reps": reps,
+    return {"family": family, "kv_cache_dtype": kv_cache_dtype, "prompt_len": prompt_len, "reps": reps,
             "ttft_colocated_ms": 1e3 * statistics.median(direct), "ttft_pd_ms": 1e3 * statistics.median(via_proxy),
             "added_ttft_ms": 1e3 * (statistics.median(via_proxy) - statistics.median(direct)),
             "pull_bandwidth_MBps": pulled / max(seconds, 1e-9) / 1e6, "bytes_pulled": pulled,
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="*", default=["llama", "qwen3_5"])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="both sides, e.g. fp8_e4m3 (default: model dtype)")
     parser.add_argument("--mixed-family", default="qwen3_5", help="'' skips the colocated vs 1P+1D run")
     parser.add_argument("--rate", type=float, default=2.0)
     parser.add_argument("--json", default=None)
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"families": [], "mixed": None}
     for family in args.families:
         t0 = time.perf_counter()
-        row = measure_family(family, args.prompt_len, args.reps)
+        row = measure_family(family, args.prompt_len, args.reps, args.kv_cache_dtype)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f}s)", flush=True)
         report["families"].append(row)
     if args.mixed_family:

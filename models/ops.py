@@ -1,5 +1,8 @@
 """The thin ops layer models call: picks a reference or Pallas implementation per op.
 
+Attention and GDN back-ends are registry entries (`ATTENTION_BACKENDS`, `GDN_BACKENDS`, kinds
+`attention_backend` / `gdn_backend`): installed packages add their own through entry points.
+
 `KernelOptions` is static (hashable) and travels as a jit static argument. `"auto"` picks the
 Pallas kernels on TPU and GPU and jnp on CPU (for attention the context-proportional
 "chunked" implementation; "reference" forces the spec); `interpret` runs Pallas
@@ -14,12 +17,14 @@ and GDN); the pure-jnp references rely on GSPMD. Without `tp` nothing changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from models.quantization import kernel_supports, qdot, qdot_pallas
+from models.registry import Registry
 from models.sharding import TensorParallel, unpermute_qkv
 from pallas_kernels.causal_conv1d import causal_conv1d as _conv
 from pallas_kernels.gdn import gated_delta_rule as _gdr
@@ -41,6 +46,20 @@ def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
         return "chunked" if which in ("attention", "gdn") else "reference"
     return "pallas"
 
+# Attention and GDN back-ends by name (`attention_backend` / `gdn_backend`; "auto" picks below).
+# An entry is `fn(*operands, interpret=..., **op_kwargs)`: attention `(q, kv, kv_lens,
+# block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret)`, GDN
+# `(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, *, interpret)`.
+# Under tensor parallelism an entry runs per shard (shard_map over heads) if its name starts
+# with "pallas" or it sets `per_shard = True`; otherwise on global arrays (GSPMD). Plugins add
+# entries as `"attention_backend.<name>"` / `"gdn_backend.<name>"` in `jaxserve.plugins`.
+ATTENTION_BACKENDS: Registry = Registry("attention_backend")
+GDN_BACKENDS: Registry = Registry("gdn_backend")
+for _name in ("reference", "chunked", "pallas", "pallas_tpu", "pallas_gpu"):
+    ATTENTION_BACKENDS.register(_name, functools.partial(ragged_paged_attention, impl=_name))
+for _name in BACKENDS[1:]:
+    GDN_BACKENDS.register(_name, functools.partial(_gdr, impl=_name))
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
@@ -51,9 +70,12 @@ class KernelOptions:
     tp: TensorParallel | None = None  # tensor-parallel layout of the parameters and caches
 
     def __post_init__(self):
-        for field in ("attention", "gdn", "matmul"):
-            if getattr(self, field) not in BACKENDS:
-                raise ValueError(f"{field}_backend must be one of {BACKENDS}, got {getattr(self, field)!r}")
+        for field, registry in (("attention", ATTENTION_BACKENDS), ("gdn", GDN_BACKENDS)):
+            name = getattr(self, field)
+            if name != "auto" and name not in registry:
+                raise ValueError(f"{field}_backend must be 'auto' or one of {registry.names()}, got {name!r}")
+        if self.matmul not in BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {BACKENDS}, got {self.matmul!r}")
 
     def impl(self, which: str) -> str:
         choice = getattr(self, which)
@@ -75,6 +97,10 @@ def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):
     return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def _per_shard(name: str, backend) -> bool:
+    return getattr(backend, "per_shard", name.startswith("pallas"))
+
+
 def _kv_specs(kv, axis: str):
     return jax.tree.map(lambda _: P(None, axis), kv)  # k, v [P, Hkv, ps, D]; scales [P, Hkv]
 
@@ -91,14 +117,14 @@ def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
 def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: KernelOptions, *, sm_scale,
                     sliding_window=None, soft_cap=None):
     impl = opts.impl("attention")
-    kwargs = {"interpret": opts.interpret} if impl.startswith("pallas") else {}
+    backend = ATTENTION_BACKENDS.get(impl)
 
     def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs):
-        return ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, **kwargs)
+        return backend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                       sliding_window=sliding_window, soft_cap=soft_cap, interpret=opts.interpret)
 
     tp = opts.tp
-    if tp is not None and impl.startswith("pallas"):
+    if tp is not None and _per_shard(impl, backend):
         heads = P(None, tp.axis)  # q [T, Hq, D]
         attend = _on_mesh(attend, tp, tp.attention, (heads, _kv_specs(kv, tp.axis), P(), P(), P(), P()), heads)
     return attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -106,13 +132,13 @@ def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: Ker
 
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):
     impl = opts.impl("gdn")
-    kwargs = {"interpret": opts.interpret} if impl.startswith("pallas") else {}
+    backend = GDN_BACKENDS.get(impl)
 
     def rule(*args):
-        return _gdr(*args, impl=impl, **kwargs)
+        return backend(*args, interpret=opts.interpret)
 
     tp = opts.tp
-    if tp is not None and impl.startswith("pallas"):
+    if tp is not None and _per_shard(impl, backend):
         heads = P(None, tp.axis)  # q, k [T, Hk, K]; v [T, H, V]; g, beta [T, H]; state [N, H, K, V]
         rule = _on_mesh(rule, tp, tp.gdn, (heads,) * 6 + (P(),) * 4, (heads, heads))
     return rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs)

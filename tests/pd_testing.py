@@ -39,6 +39,8 @@ class Process:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
         self._url: str | None = None
+        self.num_lines = 0  # output lines read so far
+        self._numbered: collections.deque[tuple[int, str]] = collections.deque(maxlen=400)
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(timeout_s) or self._url is None:
@@ -49,11 +51,24 @@ class Process:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.tail.append(line)
+            self._numbered.append((self.num_lines, line))
+            self.num_lines += 1
             match = READY.search(line)
             if match and self._url is None:
                 self._url = match.group(1)
                 self._ready.set()
         self._ready.set()  # exited
+
+    def wait_for_line(self, pattern: str, since: int, timeout_s: float = 60.0) -> str:
+        """The first output line numbered >= `since` (see `num_lines`) matching `pattern`,
+        waiting for it (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for number, line in list(self._numbered):
+                if number >= since and re.search(pattern, line):
+                    return line
+            time.sleep(0.01)
+        raise TimeoutError(f"{self.name}: no line matching {pattern!r}:\n" + "".join(self.tail))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -97,13 +112,13 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 class PDCluster:
     def __init__(self, checkpoint: Path, prefill: list[str] = (), decode: list[str] = (), proxy: list[str] = (),
-                 prefill_env: dict | None = None):
+                 prefill_env: dict | None = None, decode_env: dict | None = None):
         self.processes: list[Process] = []
         try:
             self.prefill = self._start("prefill", ["serve", str(checkpoint), "--role", "prefill", *BASE_FLAGS,
                                                    *prefill], prefill_env)
             self.decode = self._start("decode", ["serve", str(checkpoint), "--role", "decode", *BASE_FLAGS,
-                                                 *decode], None)
+                                                 *decode], decode_env)
             self.proxy = self._start("proxy", ["proxy", "--prefill", self.prefill.url, "--decode", self.decode.url,
                                                "--port", "0", "--log-level", "INFO", *proxy], None)
         except BaseException:

@@ -65,7 +65,9 @@ class KVConnector(abc.ABC):
     # ---- prefill side ----------------------------------------------------------------------
     @abc.abstractmethod
     def offer(self, arrays: list, descriptor: dict) -> dict:
-        """Hold `arrays` under a lease for one pull; -> the transfer parameters (JSON) for the client."""
+        """Hold `arrays` under a lease for one pull; -> the transfer parameters (JSON) for the client.
+        A connector that honours a request's shorter lease also accepts `lease_s=` (seconds); it
+        is only passed when a request asked for one."""
 
     # ---- decode side -----------------------------------------------------------------------
     @abc.abstractmethod

@@ -48,6 +48,7 @@ class KVTransferHooks:
         self.conv_perm = conv_permutation(engine.model)
         self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots))
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
+        self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
         self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
         self._errors: list[RequestOutput] = []
@@ -72,13 +73,26 @@ class KVTransferHooks:
         if self.config.role != "prefill":
             raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
                              "not prefill")
+        lease_s = params.get("lease_s")  # a shorter hold than the instance's lease_s (never longer)
+        if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float))
+                                    or not lease_s > 0):
+            raise ValueError(f"kv_transfer_params.lease_s must be a positive number of seconds, got {lease_s!r}")
         prompt = list(request.prompt_token_ids)
         if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
             return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
                                  priority=request.priority, arrival_time=request.arrival_time)
-        return EngineRequest(request.request_id, prompt[:-1], SamplingParams(max_tokens=1, temperature=0.0),
+        # FP8 pages of a dense model: compute all N tokens (the page holding token N then has the
+        # scales a colocated engine gives it) and ship the first N-1; otherwise compute N-1.
+        computed = prompt if self._computes_last_token else prompt[:-1]
+        return EngineRequest(request.request_id, computed, SamplingParams(max_tokens=1, temperature=0.0),
                              priority=request.priority, arrival_time=request.arrival_time,
-                             kv_transfer_params={OFFER: True})
+                             kv_transfer_params={OFFER: True, "lease_s": lease_s})
+
+    @property
+    def _computes_last_token(self) -> bool:
+        """FP8 KV and no GDN state (whose state after N-1 tokens a full prefill never holds)."""
+        kv = [x for x in self.engine.caches["kv"] if x is not None]
+        return len(kv) == len(self.engine.caches["kv"]) and kv[0].k_scale is not None
 
     def capture(self, caches, out) -> None:
         for seq in out.sequences:
@@ -86,7 +100,8 @@ class KVTransferHooks:
                 req = seq.request
                 self._offering[seq.request_id] = gather_request_state(
                     caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
-                    num_tokens=seq.start_position + seq.num_new_tokens, block_table=seq.block_table,
+                    num_tokens=seq.start_position + seq.num_new_tokens - int(self._computes_last_token),
+                    block_table=seq.block_table,
                     state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
                     num_slots=self.num_slots, conv_perm=self.conv_perm)
 
@@ -94,9 +109,10 @@ class KVTransferHooks:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
         self._staged.pop(req.request_id, None)
         captured = self._offering.pop(req.request_id, None)
+        lease_s = self._lease_s.pop(req.request_id, None)
         if captured is None or req.finish_reason in ("abort", "error"):  # fail closed
             return None
-        return {"do_remote_prefill": True, **self.connector.offer(*captured)}
+        return {"do_remote_prefill": True, **self.connector.offer(*captured, **({"lease_s": lease_s} if lease_s else {}))}
 
     # ---- decode role -----------------------------------------------------------------------
     def park(self, req: Request, params: dict | None) -> bool:
@@ -104,6 +120,8 @@ class KVTransferHooks:
         if params and params.get(OFFER):  # prefill role: offer its state once computed
             self.engine.scheduler._check_fits(req)  # registered only once it cannot be refused
             self._offering[req.request_id] = None
+            if params.get("lease_s"):
+                self._lease_s[req.request_id] = float(params["lease_s"])
             return False
         if not params or not params.get("do_remote_prefill"):
             return False

@@ -9,11 +9,15 @@ uuid nobody awaits blocks forever.
 
 State nobody will pull (lease expired, decode aborted before pulling) is drained by pulling it
 from this process's own transfer server: the transfer API has no cancel.
+
+Test hook: `JAXSERVE_TEST_KV_PULL_DELAY_S` (environment, decode side) sleeps that long between a
+successful claim and the pull, so a fault test can kill the prefill instance mid-pull.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -29,6 +33,9 @@ from runtime.kv_transfer.leases import Lease, LeaseTable
 log = logging.getLogger("jaxserve.kv_transfer")
 CONTROL_TIMEOUT_S = 5.0
 REAP_INTERVAL_S = 0.25
+# Claims happen on these threads too: enough of them that a claim never waits behind slow pulls
+# long enough for its lease to expire.
+PULL_WORKERS = 16
 
 
 class JaxTransferConnector(KVConnector):
@@ -41,12 +48,13 @@ class JaxTransferConnector(KVConnector):
         self._address = f"{self._advertise}:{self._server.address().rpartition(':')[2]}"
         self._lock = threading.Lock()
         self._connections: dict[str, object] = {}
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxserve-kv-pull")
+        self._pool = ThreadPoolExecutor(max_workers=PULL_WORKERS, thread_name_prefix="jaxserve-kv-pull")
         self._pulls: dict[str, tuple[Future, float, dict, float]] = {}
         self.counters = {"transfers_offered": 0, "transfers_started": 0, "transfers_completed": 0,
                          "transfers_failed": 0, "bytes_transferred": 0, "bytes_pulled": 0, "seconds_transferred": 0.0,
                          "claims_refused": 0, "leases_drained": 0}
         self.leases = LeaseTable(config.lease_s)
+        self._test_delay_s = float(os.environ.get("JAXSERVE_TEST_KV_PULL_DELAY_S", 0))
         self._control = None
         self._stop = threading.Event()
         if config.role == "prefill":
@@ -55,17 +63,18 @@ class JaxTransferConnector(KVConnector):
             threading.Thread(target=self._reap, name="jaxserve-kv-leases", daemon=True).start()
 
     # ---- prefill side ----------------------------------------------------------------------
-    def offer(self, arrays: list, descriptor: dict) -> dict:
+    def offer(self, arrays: list, descriptor: dict, lease_s: float | None = None) -> dict:
         uuid = secrets.randbits(62)
         nbytes = sum(a.nbytes for a in arrays)
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
         held = descriptor["num_pages"] if any(n.startswith("kv") for n, _, _ in descriptor["arrays"]) else 0
         slots = 1 if any(n.startswith("rec") for n, _, _ in descriptor["arrays"]) else 0
         self._server.await_pull(uuid, arrays)
-        self.leases.add(Lease(str(uuid), (arrays, specs), held, slots, nbytes, self.leases.new_deadline()))
+        self.leases.add(Lease(str(uuid), (arrays, specs), held, slots, nbytes, self.leases.new_deadline(lease_s)))
         self._count("transfers_offered")
         return {"transfer_id": str(uuid), "transfer_address": self._address,
-                "control_url": f"http://{self._advertise}:{self._control.port}", "lease_s": self.config.lease_s,
+                "control_url": f"http://{self._advertise}:{self._control.port}",
+                "lease_s": min(self.config.lease_s, lease_s or self.config.lease_s),
                 "descriptor": descriptor}
 
     def _on_claim(self, body: dict) -> tuple[int, dict]:
@@ -133,6 +142,10 @@ class JaxTransferConnector(KVConnector):
             raise TransferError(f"prefill instance unreachable: {err}") from None
         if status != 200:
             raise TransferError(f"claim refused ({status}): {reply.get('error')}")
+        if self._test_delay_s:
+            log.info("kv transfer %s claimed; test delay %.2fs before the pull", params["transfer_id"],
+                     self._test_delay_s)
+            time.sleep(self._test_delay_s)
         arrays = self._connect(params["transfer_address"]).pull(int(params["transfer_id"]), specs)
         arrays = jax.block_until_ready(arrays)
         self._release(params, "pulled")

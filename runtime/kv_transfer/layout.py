@@ -2,15 +2,16 @@
 
 Prefill side: `gather_request_state` -> a flat list of single-device arrays (the descriptor's
 `arrays`, in order). Decode side: `expected_arrays` re-derives that list from the descriptor and
-this model (any difference is a TransferError), and `write_request_state` maps the prefill
-side's pages onto this engine's block table token by token, through the model's own KV write
-op: so the decode side's page size, KV dtype (FP8: quantized with this side's per-page scales,
-exactly as a one-chunk prefill would) and tensor-parallel sharding all apply, whatever the
-prefill side used. Page and token counts are padded to powers of two (one compile per size).
+this model (any difference is a TransferError), and `write_request_state` copies the pages (and
+FP8 scales) verbatim into this engine's block table when both sides hold the same KV dtype and
+page size, and otherwise maps them token by token through the model's own KV write op: so the
+decode side's page size, KV dtype (FP8: quantized with this side's per-page scales) and
+tensor-parallel sharding all apply, whatever the prefill side used. Page and token counts are padded to powers of two (one compile per size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -138,10 +139,24 @@ def pull_specs(desc: dict) -> list:
     return [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding) for _, shape, dtype in desc["arrays"]]
 
 
+def _copy_pages(kv, k, v, scales, page_mapping):
+    """Verbatim: the prefill side's pages (and FP8 scales) land as they are in this side's pages
+    `page_mapping` [G*n] (out of range: padding, dropped). Same KV dtype and page size only."""
+    def stored(x):  # wire form (raw bits below float32) -> this pool's storage form
+        return x if x.dtype == kv.k.dtype else jax.lax.bitcast_convert_type(x, kv.k.dtype)
+
+    k_pages = kv.k.at[page_mapping].set(stored(k), mode="drop")
+    v_pages = kv.v.at[page_mapping].set(stored(v), mode="drop")
+    if kv.k_scale is None:
+        return dataclasses.replace(kv, k=k_pages, v=v_pages)
+    return dataclasses.replace(kv, k=k_pages, v=v_pages, k_scale=kv.k_scale.at[page_mapping].set(scales[0], mode="drop"),
+                               v_scale=kv.v_scale.at[page_mapping].set(scales[1], mode="drop"))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,),
-                   static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts"))
-def _write(caches, arrays, slot_mapping, slot, *, src_page_size: int, kv_dtype: str, num_tokens_pad: int,
-           num_slots: int, opts):
+                   static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"))
+def _write(caches, arrays, slot_mapping, page_mapping, slot, *, src_page_size: int, kv_dtype: str,
+           num_tokens_pad: int, num_slots: int, opts, verbatim: bool):
     arrays = list(arrays)
     kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     logical = jnp.dtype(kv_dtype)
@@ -155,6 +170,9 @@ def _write(caches, arrays, slot_mapping, slot, *, src_page_size: int, kv_dtype: 
             continue
         k, v = arrays.pop(0), arrays.pop(0)
         scales = (arrays.pop(0), arrays.pop(0)) if logical.itemsize == 1 else (None, None)
+        if verbatim:
+            kv_out[j] = _copy_pages(kv, k, v, scales, page_mapping)
+            continue
         tokens = []
         for x, scale in zip((k, v), scales):
             if x.dtype != logical:
@@ -172,15 +190,26 @@ def _write(caches, arrays, slot_mapping, slot, *, src_page_size: int, kv_dtype: 
 
 def write_request_state(caches, arrays: list, desc: dict, *, block_table, state_slot: int, page_size: int,
                         num_pages: int, num_slots: int, opts, conv_perm: np.ndarray | None = None) -> dict:
-    """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches."""
+    """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches.
+
+    Same KV dtype and page size on both sides: pages and FP8 scales are copied verbatim (an FP8
+    prefill side's pages are then bit for bit what this side would have computed). Otherwise
+    token by token through this side's KV write (dequantized, requantized with its own scales)."""
     arrays = _reorder_conv(arrays, [name for name, _, _ in desc["arrays"]], conv_perm)
     K, G = desc["num_tokens"], desc["model"]["num_groups"]
+    kv = next((x for x in caches["kv"] if x is not None), None)
+    verbatim = kv is not None and desc["page_size"] == page_size and desc["kv_dtype"] == jnp.dtype(kv.dtype).name
+    n, used = desc["num_pages"], -(-K // page_size)
+    own = np.full(n, num_pages * G, np.int64)  # out of range: dropped
+    own[:used] = np.asarray(list(block_table)[:used], np.int64)
+    page_mapping = np.where(own[None] < num_pages * G, (np.arange(G) * num_pages)[:, None] + own[None],
+                            num_pages * G).astype(np.int32).reshape(-1)                     # [G*n]
     T = _pow2(K)
     t = np.arange(T)
     bt = np.asarray(list(block_table) + [0], np.int64)
     local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size          # [T]
     group_offset = (np.arange(G) * num_pages * page_size)[:, None]                           # [G, 1]
     slots = np.where(t[None] < K, group_offset + local[None], -1).astype(np.int32).reshape(-1)
-    return _write(caches, tuple(arrays), jnp.asarray(slots), jnp.int32(state_slot),
+    return _write(caches, tuple(arrays), jnp.asarray(slots), jnp.asarray(page_mapping), jnp.int32(state_slot),
                   src_page_size=desc["page_size"], kv_dtype=desc["kv_dtype"], num_tokens_pad=T,
-                  num_slots=num_slots, opts=opts)
+                  num_slots=num_slots, opts=opts, verbatim=verbatim)

@@ -40,8 +40,9 @@ class LeaseTable:
                 raise ValueError(f"transfer id {lease.transfer_id!r} already held")
             self._leases[lease.transfer_id] = lease
 
-    def new_deadline(self) -> float:
-        return self._clock() + self.lease_s
+    def new_deadline(self, lease_s: float | None = None) -> float:
+        """Now + the table's lease, or a shorter `lease_s` asked for by one request."""
+        return self._clock() + min(self.lease_s, lease_s or self.lease_s)
 
     def claim(self, transfer_id: str, pull_timeout_s: float) -> Lease | None:
         """The lease if it is live and unclaimed (now claimed), else None."""
