@@ -33,7 +33,8 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # "pallas_tpu" / "pallas_gpu" name the target explicitly: `jaxserve plan` compiles for a TPU or GPU
 # from a CPU-only host, where "pallas" would pick by the local backend.
-# "chunked" (attention only) is what "auto" resolves to on CPU; runtime/exec_plan.py passes it explicitly.
+# "chunked" is what "auto" resolves to on CPU (attention: context-proportional jnp; GDN: WY chunks
+# for prefill-sized buckets); runtime/exec_plan.py passes it explicitly.
 BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu", "chunked")
 
 
