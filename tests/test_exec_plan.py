@@ -15,13 +15,13 @@ SEQS = (8, 16)
 
 # (backend, model, knobs) -> (layer_loop, token buckets, fuse_greedy, attention, gdn, kv bit storage)
 TABLE = [
-    ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "chunked", "reference", True)),
-    ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "chunked", "reference", True)),
-    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "chunked", "reference", True)),
+    ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True)),
+    ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
+    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
     ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},
-     ("unroll", CPU_TOKENS, True, "reference", "reference", True)),
+     ("unroll", CPU_TOKENS, True, "reference", "chunked", True)),
     ("cpu", SHALLOW, {"interpret": True}, ("unroll", CPU_TOKENS, False, "pallas", "pallas", False)),
-    ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "chunked", "reference", True)),
+    ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "chunked", "chunked", True)),
     ("gpu", SHALLOW, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
     ("tpu", DEEP, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
     ("tpu", DEEP, {"layer_loop": "unroll", "fuse_greedy": True}, ("unroll", ACC_TOKENS, True, "pallas", "pallas", False)),
