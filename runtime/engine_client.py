@@ -169,7 +169,7 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
         kv_cache_dtype=cache.kv_cache_dtype, enable_prefix_caching=cache.enable_prefix_caching,
         hybrid_checkpoint_policy=cache.hybrid_checkpoint_policy, hybrid_checkpoint_budget=cache.hybrid_checkpoint_budget,
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-        policy=sched.policy, token_buckets=tuple(sched.token_buckets) if sched.token_buckets else None,
+        policy=sched.policy, async_scheduling=sched.async_scheduling, token_buckets=tuple(sched.token_buckets) if sched.token_buckets else None,
         attention_backend=kernels.attention_backend, gdn_backend=kernels.gdn_backend,
         layer_loop=kernels.layer_loop, fuse_greedy=kernels.fuse_greedy,
         mesh_shape=(mesh.data, mesh.model) if mesh.num_devices > 1 else None, aot_compile=comp.aot,

@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    async_scheduling: bool = True  # plan step n+1 while step n runs (runtime/engine.py); False: wait for each step
     token_buckets: tuple[int, ...] | None = None
     attention_backend: str = "auto"
     gdn_backend: str = "auto"
