@@ -112,3 +112,14 @@ def test_stops_with_a_step_in_flight_equal_sync_and_hf(family, tiny_checkpoint, 
         assert (got.finish_reason, got.stop_reason) == (reason, stop_reason), what
         if text is not None:
             assert got.text == text, what
+
+
+def test_the_async_scheduling_switch_reaches_the_engine_config():
+    from runtime.engine_client import engine_config_from_launch
+    from server.cli import _load, _parser
+
+    on, off = (_load(_parser().parse_args(["config", *flags])) for flags in ([], ["--no-async-scheduling"]))
+    assert on.scheduler.async_scheduling and not off.scheduler.async_scheduling
+    assert engine_config_from_launch(off, "m").async_scheduling is False
+    assert engine_config_from_launch(on, "m").async_scheduling is True
+    assert EngineConfig(model="m").async_scheduling
