@@ -16,10 +16,10 @@ token step n samples; the backbone reads the real tokens from step n's device ar
 (`runtime.async_step`). A request that step n stops (EOS, stop token, stop string) may already
 be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
 at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
-Requests whose next step needs the previous token on the host — a grammar (its bitmask),
-penalties (the token-history matrices) or a state checkpoint that hashes it — make the engine
-wait for the step in flight before it schedules (a synchronous step); everything else, logprobs,
-min_tokens bans, seeds, works on the placeholder. With `async_scheduling=False` the engine
+Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
+penalties (the token-history matrices) — make the engine wait for the step in flight before it
+schedules (a synchronous step); everything else, logprobs, min_tokens bans, seeds, works on the
+placeholder, and a state checkpoint saved at a decode step is hashed when its tokens are known. With `async_scheduling=False` the engine
 waits for each step's tokens right after dispatching it and commits them before the next
 `schedule` (the previous step's outputs are still detokenized while the device runs).
 
@@ -341,7 +341,7 @@ class LLMEngine:
                 continue
             p = req.params
             if (p.structured_output is not None or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                    or p.repetition_penalty != 1.0 or self.scheduler.needs_resolved_tokens(req)):
+                    or p.repetition_penalty != 1.0):
                 return True
         return False
 

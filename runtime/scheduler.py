@@ -260,9 +260,8 @@ class Scheduler:
         where = dict(prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
                      divergence=request.allocation.divergence)
         if self.cache.checkpoints_enabled and policy.saves(end, **where):
-            if PLACEHOLDER_TOKEN in tokens[start:end]:  # the engine resolves these first (needs_resolved_tokens)
-                raise RuntimeError(f"request {request.request_id!r}: a checkpoint would hash a placeholder token")
-            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where))
+            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where),
+                                                 last_token_known=tokens[end - 1] != PLACEHOLDER_TOKEN)
             if copy is not None:
                 out.copy_after.append(copy)
         return ScheduledSequence(
@@ -324,16 +323,6 @@ class Scheduler:
             elif request.finish_reason == "length":
                 request.finish_reason, request.stop_reason = request.stop_check(self.config.max_model_len)
         return finished
-
-    def needs_resolved_tokens(self, request: Request) -> bool:
-        """Whether `request`'s next step hashes its tokens (a state checkpoint at the end of its
-        decode step), so its placeholder must be resolved before it is scheduled."""
-        if not self.cache.checkpoints_enabled or request.status is not RequestStatus.RUNNING:
-            return False
-        end = request.num_computed_tokens + 1
-        return self.cache.checkpoint_policy.saves(
-            end, prefill=request.num_tokens - request.num_computed_tokens > 1, num_tokens=request.num_tokens,
-            page_size=self.cache.page_size, divergence=request.allocation.divergence)
 
     def _advance(self, output: SchedulerOutput):
         """Record the step's progress (KV/state computed, prefix-cache commits) for every request
