@@ -18,10 +18,11 @@ be in step n+1: that one extra token is dropped (never emitted or cached; its pa
 at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
 Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
 penalties (the token-history matrices) — make the engine wait for the step in flight before it
-schedules (a synchronous step); everything else, logprobs, min_tokens bans, seeds, works on the
-placeholder, and a state checkpoint saved at a decode step is hashed when its tokens are known. With `async_scheduling=False` the engine
-waits for each step's tokens right after dispatching it and commits them before the next
-`schedule` (the previous step's outputs are still detokenized while the device runs).
+schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the
+placeholder, and a state checkpoint saved at a decode step is hashed once its tokens are known.
+With `async_scheduling=False` the engine waits for each step's tokens right after dispatching
+it and commits them before the next `schedule` (the previous step's outputs are still
+detokenized while the device runs).
 
 Failures stay local: a step that raises (in input building, dispatch or on the device) ends
 only the requests scheduled in it, each with an output whose `error` is set and whose
