@@ -20,6 +20,8 @@ Per run:
                         that did not block means the device had finished earlier at an unknown
                         time: those steps count 0 (so this is a lower bound) and are counted in
                         `unblocked_waits`.
+  step_ms_p50/p99       intervals between consecutive steps' tokens becoming ready, and the
+                        three slowest with their token counts (what the ITL tail is made of)
 """
 
 from __future__ import annotations
@@ -120,17 +122,22 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
         else:
             idle.append(max(0.0, nxt["dispatched_at"] - rec["ready_at"]) / max(interval, 1e-9))
     assert total == sum(r.max_tokens for r in requests), "engine did not honour max_tokens"
+    # ready-to-ready intervals: how long each step took to come out, with its token count
+    spans = sorted(((b["ready_at"] - a["ready_at"]) * 1e3, b["out"].num_batched_tokens) for a, b in zip(recs, recs[1:]))
     return {"async_scheduling": async_scheduling, "seconds": elapsed, "output_tokens": total,
             "output_tokens_per_s": total / elapsed, "steps": len(timers.records),
             "itl_p50_ms": _percentile(gaps, 50), "itl_p99_ms": _percentile(gaps, 99),
             "host_ms_per_step": 1e3 * statistics.fmean(r["host"] for r in timers.records),
             "wait_ms_per_step": 1e3 * statistics.fmean(r["wait"] for r in recs) if recs else 0.0,
-            "device_idle_share": statistics.fmean(idle) if idle else 0.0, "unblocked_waits": unblocked}
+            "device_idle_share": statistics.fmean(idle) if idle else 0.0, "unblocked_waits": unblocked,
+            "step_ms_p50": _percentile([ms for ms, _ in spans], 50),
+            "step_ms_p99": _percentile([ms for ms, _ in spans], 99),
+            "slowest_steps_ms_tokens": [(round(ms, 1), n) for ms, n in spans[-3:]]}
 
 
 def summarize(runs: list[dict]) -> dict:
     keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "host_ms_per_step", "wait_ms_per_step",
-            "device_idle_share", "steps", "unblocked_waits")
+            "device_idle_share", "steps", "unblocked_waits", "step_ms_p50", "step_ms_p99")
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
