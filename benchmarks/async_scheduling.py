@@ -13,6 +13,11 @@ machine hurts both alike; the summary holds the median of the repeats.
 Per run:
   output_tokens_per_s   output tokens / wall time of the run
   itl_p50/p99_ms        gaps between consecutive tokens of a request as `step()` returns them
+  ttft_p50/p99_ms       from the start of the run (every request added then) to a request's
+                        first token. Synchronous steps return step n's tokens only after step
+                        n+1 ran (the host emits step n while the device runs n+1, then waits),
+                        so a long step shows up in their TTFT; asynchronous steps return them
+                        as soon as they are ready, so the same step shows up in the ITL.
   host_ms_per_step      host time in schedule + input build + dispatch (timers around each)
   wait_ms_per_step      time the host blocks on a step's tokens (device busy, host idle)
   device_idle_share     per step, the time from a step's tokens being ready (the end of a wait
@@ -94,7 +99,7 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
     engine.async_scheduling = async_scheduling
     timers = StepTimers(engine)
     last_emit: dict[str, tuple[float, int]] = {}
-    gaps = []
+    gaps, ttfts = [], []
     try:
         t0 = time.perf_counter()
         for i, r in enumerate(requests):
@@ -105,6 +110,8 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
             for out in engine.step():
                 now, n = time.perf_counter(), len(out.outputs[0].token_ids)
                 prev = last_emit.get(out.request_id)
+                if prev is None and n:
+                    ttfts.append((now - t0) * 1e3)
                 if prev is not None and n > prev[1]:
                     gaps.append((now - prev[0]) * 1e3)
                 last_emit[out.request_id] = (now, n)
@@ -128,6 +135,7 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
     return {"async_scheduling": async_scheduling, "seconds": elapsed, "output_tokens": total,
             "output_tokens_per_s": total / elapsed, "steps": len(timers.records),
             "itl_p50_ms": _percentile(gaps, 50), "itl_p99_ms": _percentile(gaps, 99),
+            "ttft_p50_ms": _percentile(ttfts, 50), "ttft_p99_ms": _percentile(ttfts, 99),
             "host_ms_per_step": 1e3 * statistics.fmean(r["host"] for r in timers.records),
             "wait_ms_per_step": 1e3 * statistics.fmean(r["wait"] for r in recs) if recs else 0.0,
             "device_idle_share": statistics.fmean(idle) if idle else 0.0, "unblocked_waits": unblocked,
@@ -137,7 +145,7 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
-    keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "host_ms_per_step", "wait_ms_per_step",
+    keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "host_ms_per_step", "wait_ms_per_step",
             "device_idle_share", "steps", "unblocked_waits", "step_ms_p50", "step_ms_p99")
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
@@ -173,7 +181,7 @@ def main(argv=None) -> dict:
         for mode in (True, False):
             r = run_once(engine, requests, mode)
             runs[mode].append(r)
-            print(f"rep {rep} async={mode}: {r['output_tokens_per_s']:.1f} tok/s, ITL p50 {r['itl_p50_ms']:.2f} "
+            print(f"rep {rep} async={mode}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.2f} "
                   f"p99 {r['itl_p99_ms']:.2f} ms, host {r['host_ms_per_step']:.2f} ms/step, wait "
                   f"{r['wait_ms_per_step']:.2f} ms/step, device idle {100 * r['device_idle_share']:.1f}% "
                   f"({r['unblocked_waits']} unblocked waits / {r['steps']} steps)", flush=True)
