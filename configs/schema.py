@@ -95,6 +95,9 @@ class SchedulerSection(_Section):
     max_num_batched_tokens: int = Field(default=512, ge=1)
     policy: Literal["fcfs", "priority"] = "fcfs"
     token_buckets: tuple[int, ...] | None = None
+    # Plan step n+1 while step n runs, its tokens fed on the device (runtime/engine.py); false:
+    # the host waits for each step's tokens before it schedules the next.
+    async_scheduling: bool = True
 
     @model_validator(mode="after")
     def _budget_is_consistent(self) -> "SchedulerSection":

@@ -208,25 +208,30 @@ class CacheManager:
         return True
 
     def reserve_checkpoint(
-        self, request_id: str, token_ids: Sequence[int], boundary: int, rolling: bool = False
+        self, request_id: str, token_ids: Sequence[int], boundary: int, rolling: bool = False,
+        last_token_known: bool = True,
     ) -> tuple[int, int] | None:
         """Reserve a slot to save the running state after `boundary` tokens (page aligned).
 
         Returns the `copy_after` pair (running slot, checkpoint slot), or None when that
         boundary is already checkpointed or no slot can be had within the checkpoint budget
         without preempting anyone. A `rolling` checkpoint, once published, replaces the
-        request's previous rolling one.
+        request's previous rolling one. `last_token_known=False` (asynchronous scheduling: the
+        boundary's last token is still being sampled) skips the already-checkpointed lookup,
+        which would hash it; `commit` hashes the real tokens and drops a duplicate then.
         """
         allocation = self.allocations[request_id]
         if not self.checkpoints_enabled or boundary <= 0 or boundary % self.page_size:
             return None
         if allocation.pending_checkpoint is not None:
             raise RuntimeError(f"request {request_id!r} already writes a checkpoint this step")
-        hashes = hash_full_pages(token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, boundary)
-        existing = self.slots.lookup_checkpoint(hashes[boundary // self.page_size - 1])
-        if existing is not None:
-            self.slots.checkpoints.touch(existing)
-            return None
+        if last_token_known:
+            hashes = hash_full_pages(token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes,
+                                     boundary)
+            existing = self.slots.lookup_checkpoint(hashes[boundary // self.page_size - 1])
+            if existing is not None:
+                self.slots.checkpoints.touch(existing)
+                return None
         if rolling and allocation.rolling_checkpoint is not None and self._checkpoints_at_budget():
             self._drop_checkpoint(allocation.rolling_checkpoint)  # replace it in place: evict nobody
             allocation.rolling_checkpoint = None

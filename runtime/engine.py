@@ -7,9 +7,22 @@
             ...
 
 One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbone ->
-(save state checkpoints) -> sample, all dispatched asynchronously; while the device runs them
-the host detokenizes and emits the previous step's outputs, then waits for this step's tokens
-and commits them (token-level stops) to the scheduler.
+(save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
+previous step's tokens, resolves them and emits its outputs while the device runs this step.
+
+Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
+scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
+token step n samples; the backbone reads the real tokens from step n's device array
+(`runtime.async_step`). A request that step n stops (EOS, stop token, stop string) may already
+be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
+at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
+Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
+penalties (the token-history matrices) — make the engine wait for the step in flight before it
+schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the
+placeholder, and a state checkpoint saved at a decode step is hashed once its tokens are known.
+With `async_scheduling=False` the engine waits for each step's tokens right after dispatching
+it and commits them before the next `schedule` (the previous step's outputs are still
+detokenized while the device runs).
 
 Failures stay local: a step that raises (in input building, dispatch or on the device) ends
 only the requests scheduled in it, each with an output whose `error` is set and whose
@@ -36,6 +49,7 @@ from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
+from runtime.async_step import InFlightStep, no_feed_rows
 from runtime.buckets import pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
@@ -49,7 +63,7 @@ from runtime.request import Request
 from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.step import StepExecutables, enable_persistent_cache
+from runtime.step import StepExecutables, TokenFeed, enable_persistent_cache
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
@@ -182,7 +196,9 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self._consecutive_failures = 0
-        self._prev = None  # (SchedulerOutput, tokens, logprobs) of the step whose outputs are not emitted yet
+        self._prev: InFlightStep | None = None  # the step whose outputs are not emitted yet
+        self.async_scheduling = config.async_scheduling
+        self._no_prev_tokens = np.zeros(self.executables.max_num_seqs, np.int32)  # TokenFeed of a step feeding nothing
         self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
 
     @property
@@ -272,24 +288,30 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and dispatch step n, then — while the device runs it — detokenize and emit the
-        outputs of step n-1; finally wait for step n's tokens and commit them to the scheduler.
+        """Schedule and dispatch step n; then — while the device runs it — wait for step n-1's
+        tokens, resolve and emit them; finally record step n's progress with placeholders
+        (asynchronous scheduling) or wait for its tokens (synchronous).
 
-        A stop string found while emitting step n-1 finishes its request after step n was
-        dispatched; that one extra token is discarded (the scheduler skips finished requests).
+        A stop found in step n-1's tokens finishes its request after step n was dispatched;
+        that one extra token is discarded (the scheduler skips finished requests).
         """
-        failed = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        if self._prev is not None and self._must_resolve_first(self._prev):
+            outputs += self._settle_prev()[0]
         out = self.scheduler.schedule()
         pending = failure = None
         try:
             pending = None if out.is_empty else self._dispatch(out)
         except Exception as err:  # noqa: BLE001 - fail this step's requests, keep serving
             failure = err
-        outputs = failed + (self._emit(*self._prev) if self._prev is not None else [])
-        self._prev = None
-        if pending is not None:
+        if self._prev is not None:
+            settled, prev_failure = self._settle_prev()
+            outputs += settled
+            if pending is not None and failure is None:
+                failure = prev_failure  # this step ran on the failed step's caches and tokens
+        if pending is not None and failure is None:
             try:
-                self._prev = self._commit(out, pending)
+                self._prev = self._record(out, pending)
             except Exception as err:  # noqa: BLE001
                 failure = err
         if failure is not None:
@@ -297,6 +319,38 @@ class LLMEngine:
         elif not out.is_empty:
             self._consecutive_failures = 0
         return outputs
+
+    def _must_resolve_first(self, prev: InFlightStep) -> bool:
+        """Whether the next schedule needs the in-flight step's tokens on the host (see the module doc)."""
+        if prev.resolved:
+            return False
+        for _, req, index in prev.placed:
+            if index is None or req.is_finished:
+                continue
+            p = req.params
+            if (p.structured_output is not None or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                    or p.repetition_penalty != 1.0):
+                return True
+        return False
+
+    def _record(self, out: SchedulerOutput, pending) -> InFlightStep:
+        """Step n's progress into the scheduler (placeholders for its tokens); synchronous
+        scheduling resolves them at once."""
+        sampled, scores = pending
+        step = InFlightStep(out, sampled, scores, self.scheduler.update_with_placeholders(out))
+        if not self.async_scheduling:
+            self._resolve(step)
+        return step
+
+    def _settle_prev(self) -> tuple[list[RequestOutput], Exception | None]:
+        """Resolve and emit the step in flight: (outputs, None), or — if it failed on the device —
+        the error outputs of its requests and the failure."""
+        prev, self._prev = self._prev, None
+        try:
+            self._resolve(prev)
+        except Exception as err:  # noqa: BLE001
+            return self._fail_step(prev.out, err), err
+        return self._emit(prev), None
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
         """End the requests of a failed step with an error output each; raise EngineDeadError
@@ -316,6 +370,13 @@ class LLMEngine:
             raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
         return outputs
 
+    def _token_feed(self, out: SchedulerOutput, batch) -> TokenFeed:
+        """Where `out`'s placeholder rows read their tokens: the in-flight step's device array."""
+        prev, num_token_rows = self._prev, batch.input_ids.shape[0]
+        if prev is None or prev.resolved:
+            return TokenFeed(self._no_prev_tokens, no_feed_rows(num_token_rows))
+        return TokenFeed(prev.sampled.tokens, prev.feed_rows(out, num_token_rows, batch.logits_indices))
+
     def _dispatch(self, out: SchedulerOutput):
         self.num_steps += 1
         if self.dp is not None:  # one equally padded slice per DP rank
@@ -323,6 +384,7 @@ class LLMEngine:
         else:
             batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
                                 max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
+        feed = self._token_feed(out, batch)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
         targets = _prompt_targets(out, batch.input_ids.shape[0])
@@ -334,11 +396,11 @@ class LLMEngine:
             self.caches = self.kv_transfer.load(self.caches, out)
         scores = None
         if plain_greedy:
-            self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch)
+            self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch, feed)
         elif targets is not None:
-            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
+            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, feed, targets)
         else:
-            self.caches, hidden = ex.run_backbone(params, self.caches, batch)
+            self.caches, hidden = ex.run_backbone(params, self.caches, batch, feed)
         if self.kv_transfer is not None:
             self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
@@ -366,24 +428,23 @@ class LLMEngine:
                 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
                 and p.structured_output is None and not req.banned_token_ids())
 
-    def _commit(self, out: SchedulerOutput, pending):
-        sampled, scores = pending
-        tokens = np.asarray(sampled.tokens)  # the only wait on the device
-        if scores is not None:
-            self._record_prompt_logprobs(out, scores)
-        logprobs = None
-        if sampled.top_ids.shape[1]:
-            logprobs = (np.asarray(sampled.logprobs), np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs))
-        new_tokens = {s.request_id: [int(tokens[i])] for i, s in enumerate(out.sequences) if s.sample}
+    def _resolve(self, step: InFlightStep) -> None:
+        """Wait for the step's tokens; write them over its placeholders and apply the token stops
+        (EOS, stop tokens, a completed grammar)."""
+        if step.resolved:
+            return
+        step.resolve()  # the only wait on the device
+        if step.scores is not None:
+            self._record_prompt_logprobs(step.out, step.scores)
         grammar_done = []
         if self._structured is not None and len(self._structured):
-            grammar_done = [rid for rid, (token,) in new_tokens.items() if self._structured.advance(rid, token)]
-        self.scheduler.update_from_output(out, new_tokens)
+            grammar_done = [req.request_id for row, req, index in step.placed
+                            if index is not None and self._structured.advance(req.request_id, int(step.tokens[row]))]
+        self.scheduler.resolve_placeholders(step.placed, step.tokens)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
             if req is not None and not req.is_finished:
                 self.scheduler.finish(rid, "stop")
-        return out, tokens, logprobs
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, scores) -> None:
         """Fill each scored request's prompt logprobs from the step's TokenScores (positions
@@ -397,23 +458,23 @@ class LLMEngine:
                 record[predicted] = TokenLogprob(request.prompt_token_ids[predicted], float(logprobs[row]), [
                     (int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])], int(ranks[row]))
 
-    def _emit(self, out: SchedulerOutput, tokens: np.ndarray, logprobs) -> list[RequestOutput]:
+    def _emit(self, step: InFlightStep) -> list[RequestOutput]:
         outputs = []
-        for i, s in enumerate(out.sequences):
-            req = s.request
-            if not s.sample or req.request_id not in self._requests:
+        for row, req, index in step.placed:
+            if req.request_id not in self._requests:
                 continue
-            if req.params.max_tokens == 0:  # scored, nothing sampled
+            if index is None:  # scored, nothing sampled
                 outputs.append(self._output(req, finished=req.is_finished))
                 continue
+            token = int(step.tokens[row])
             if req.request_id in self._logprobs:
-                lp, top_ids, top_lp = logprobs
+                lp, top_ids, top_lp = step.logprobs
                 n = req.params.logprobs
                 self._logprobs[req.request_id].append(TokenLogprob(
-                    int(tokens[i]), float(lp[i]), [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])]))
+                    token, float(lp[row]), [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]))
             detok = self._detok.get(req.request_id)
             if detok is not None:
-                hit = detok.add([int(tokens[i])])
+                hit = detok.add([token])
                 if hit is not None and not req.is_finished:
                     self.scheduler.finish(req.request_id, "stop", hit)
             outputs.append(self._output(req, finished=req.is_finished))
@@ -424,7 +485,7 @@ class LLMEngine:
         if finished and detok is not None:
             detok.flush()
         completion = CompletionOutput(
-            index=0, token_ids=list(req.output_token_ids), text=detok.visible_text(finished) if detok else "",
+            index=0, token_ids=req.resolved_output_token_ids, text=detok.visible_text(finished) if detok else "",
             logprobs=list(self._logprobs[req.request_id]) if req.request_id in self._logprobs else None,
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,

@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _S.max_num_batched_tokens
     long_prefill_token_threshold: int = 0
     policy: str = _S.policy
+    async_scheduling: bool = _S.async_scheduling  # plan step n+1 while step n runs (runtime/engine.py); False: wait for each step
     token_buckets: tuple[int, ...] | None = _S.token_buckets
     attention_backend: str = _K.attention_backend
     gdn_backend: str = _K.gdn_backend
@@ -108,6 +109,7 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "policy": "scheduler.policy",
+    "async_scheduling": "scheduler.async_scheduling",
     "token_buckets": "scheduler.token_buckets",
     "attention_backend": "kernels.attention_backend",
     "gdn_backend": "kernels.gdn_backend",

@@ -45,6 +45,7 @@ import numpy as np
 
 from models.batch import ForwardBatch
 from runtime.sampling_metadata import SamplingMetadata
+from runtime.step import TokenFeed
 
 log = logging.getLogger("jaxserve.multihost")
 
@@ -56,9 +57,9 @@ EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED = 1, 2, 3
 # method -> its argument names in order. params / caches / hidden are each process's own device
 # arrays; every other argument is a host value the leader sends.
 STEP_METHODS = {
-    "run_backbone": ("params", "caches", "batch"),
-    "run_greedy_backbone": ("params", "caches", "batch"),
-    "run_scoring_backbone": ("params", "caches", "batch", "targets"),
+    "run_backbone": ("params", "caches", "batch", "feed"),
+    "run_greedy_backbone": ("params", "caches", "batch", "feed"),
+    "run_scoring_backbone": ("params", "caches", "batch", "feed", "targets"),
     "run_sampler": ("params", "hidden", "meta", "num_logprobs", "all_greedy", "bitmask"),
     "copy_states": ("caches", "pairs"),
 }
@@ -189,7 +190,10 @@ class LeaderExecutables:
 
         def broadcast_then_call(*args, **kwargs):
             bound = {**dict(zip(STEP_METHODS[name], args)), **kwargs}
-            seq = self._leader.send(name, {k: v for k, v in bound.items() if k not in DEVICE_ARGS})
+            host = {k: v for k, v in bound.items() if k not in DEVICE_ARGS}
+            if "feed" in host:  # asynchronous scheduling's TokenFeed: only its host rows travel, the
+                host["feed"] = np.asarray(host["feed"].rows)  # tokens are each process's own last ones
+            seq = self._leader.send(name, host)
             with self._leader.running(seq):
                 result = attr(*args, **kwargs)
             tokens = _tokens_of(name, result)
@@ -367,6 +371,7 @@ class Follower:
     def __init__(self, engine, multihost):
         self.engine, self.multihost = engine, multihost
         self.caches, self.hidden = engine.caches, None
+        self.last_tokens = None  # this process's tokens of the last sampling call (the TokenFeed source)
         self.steps = 0
 
     def follow(self) -> int:
@@ -443,7 +448,13 @@ class Follower:
         """One of the leader's executable calls, with this process's own device arrays."""
         own = {"params": self.engine.model.params, "caches": self.caches, "hidden": self.hidden}
         names = STEP_METHODS[op]
+        if "feed" in args:  # the leader's rows over this process's own previous tokens (same values: checked)
+            prev = self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens
+            args = {**args, "feed": TokenFeed(prev, args["feed"])}
         result = getattr(self.engine.executables, op)(**{n: own[n] for n in names if n in DEVICE_ARGS}, **args)
+        tokens = _tokens_of(op, result)
+        if tokens is not None:
+            self.last_tokens = tokens
         if op == "copy_states":
             self.caches = result
         elif op in ("run_backbone", "run_scoring_backbone"):

@@ -4,6 +4,11 @@
 After a preemption by recompute everything is freed and `num_computed_tokens` drops to the
 prefix-cache hit at readmission, so the tokens to prefill are prompt + outputs so far.
 Pages and the state slot live in the cache manager's `SequenceAllocation`, referenced here.
+
+Asynchronous scheduling appends a `PLACEHOLDER_TOKEN` for a token still being sampled on the
+device (the next step is planned with it and reads the real token on the device); it is
+replaced by `resolve_output` as soon as the token reaches the host, always before anything
+hashes, emits or penalises it.
 Plain Python, no JAX.
 """
 
@@ -16,6 +21,9 @@ from dataclasses import dataclass, field
 from paged_kv.cache_manager import SequenceAllocation
 from paged_kv.state_slots import NULL_SLOT
 from runtime.types import FinishReason, SamplingParams
+
+
+PLACEHOLDER_TOKEN = -1  # an output token sampled on the device, not yet seen by the host
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +92,26 @@ class Request:
     def append_output(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def resolve_output(self, index: int, token_id: int) -> None:
+        """Replace the placeholder at output position `index` with the sampled token."""
+        if self.output_token_ids[index] != PLACEHOLDER_TOKEN:
+            raise RuntimeError(f"request {self.request_id!r}: output {index} is not a placeholder")
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+
+    @property
+    def resolved_output_token_ids(self) -> list[int]:
+        """The output tokens the host knows (without trailing placeholders)."""
+        ids = self.output_token_ids
+        n = len(ids)
+        while n and ids[n - 1] == PLACEHOLDER_TOKEN:
+            n -= 1
+        return ids[:n]
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN
 
     @property
     def end_token_ids(self) -> tuple[int, ...]:

@@ -9,7 +9,17 @@
         finished = scheduler.update_from_output(out, sampled)
     scheduler.abort(request_id)                    # any time; frees pages and slot
 
-`schedule` and `update_from_output` strictly alternate. Each step, under a budget of
+`schedule` and `update_from_output` (or `update_with_placeholders`) strictly alternate.
+
+Asynchronous scheduling (the engine's default) plans step n+1 before step n's tokens reach the
+host: `update_with_placeholders(out)` records step n's progress right after its dispatch and
+appends a `PLACEHOLDER_TOKEN` for each sampled token, so the next `schedule` feeds it like any
+decode token (the engine gathers the real one on the device); only the length rules
+(`max_tokens`, `max_model_len`) can end a request then. `resolve_placeholders` writes the real
+tokens once they arrive and applies the token stops (EOS, stop tokens); a request stopped
+there may already be in the next step, whose token for it is then dropped (`update_*` skip
+finished requests). A length finish made on a placeholder is provisional: if the real token is
+a stop token the reason becomes "stop", as the synchronous order would have said. Each step, under a budget of
 `max_num_batched_tokens` tokens and `max_num_seqs` running requests:
 
 1. running requests in policy order: a decode feeds 1 token, a request still prefilling
@@ -41,7 +51,7 @@ from dataclasses import dataclass, field
 from paged_kv.cache_manager import CacheManager, PrefixHit
 from runtime.config import SchedulerConfig
 from runtime.policies import get_policy
-from runtime.request import Request, RequestStatus
+from runtime.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from runtime.types import FinishReason
 
 
@@ -250,7 +260,8 @@ class Scheduler:
         where = dict(prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
                      divergence=request.allocation.divergence)
         if self.cache.checkpoints_enabled and policy.saves(end, **where):
-            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where))
+            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where),
+                                                 last_token_known=tokens[end - 1] != PLACEHOLDER_TOKEN)
             if copy is not None:
                 out.copy_after.append(copy)
         return ScheduledSequence(
@@ -269,31 +280,71 @@ class Scheduler:
         `sampled` holds the new token(s) of each sequence with `.sample` set. Requests aborted
         since `schedule` are skipped. Returns the requests that finished in this update.
         """
-        self._take_in_flight(output)
         finished = []
-        for seq in output.sequences:
+        for _, seq in self._advance(output):
+            request = seq.request
+            if seq.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {seq.request_id!r}, whose step ended its prefill")
+            if request.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
+                self._stop(request, finished)
+                continue
+            for token in sampled[seq.request_id]:
+                request.append_output([int(token)])
+                if self._stop(request, finished):
+                    break
+        return finished
+
+    def update_with_placeholders(self, output: SchedulerOutput) -> list[tuple[int, Request, int | None]]:
+        """Asynchronous scheduling: advance progress by the step's tokens while its sampled tokens
+        are still on the device, appending a placeholder for each. Returns (row, request, output
+        index of its placeholder) per sampling row — index None for a scoring-only request
+        (max_tokens 0), which ends here — for `resolve_placeholders`."""
+        placed = []
+        for row, seq in self._advance(output):
+            request, index = seq.request, None
+            if request.params.max_tokens != 0:
+                request.append_output([PLACEHOLDER_TOKEN])
+                index = request.num_output_tokens - 1
+            placed.append((row, request, index))
+            self._stop(request, [])  # the length rules only: the token is not known yet
+        return placed
+
+    def resolve_placeholders(self, placed: list[tuple[int, Request, int | None]], tokens) -> list[Request]:
+        """Write each placeholder's real token (`tokens[row]`) and apply the token stops; returns
+        the requests that finished here. A request already ended for length gets "stop" if its
+        last token is a stop token (the order a synchronous step would have judged them in)."""
+        finished = []
+        for row, request, index in placed:
+            if index is None:
+                continue
+            request.resolve_output(index, int(tokens[row]))
+            if request.status is not RequestStatus.FINISHED:
+                self._stop(request, finished)
+            elif request.finish_reason == "length":
+                request.finish_reason, request.stop_reason = request.stop_check(self.config.max_model_len)
+        return finished
+
+    def _advance(self, output: SchedulerOutput):
+        """Record the step's progress (KV/state computed, prefix-cache commits) for every request
+        still running as scheduled; yields (row, sequence) for those whose step samples."""
+        self._take_in_flight(output)
+        for row, seq in enumerate(output.sequences):
             request = seq.request
             if self.requests.get(seq.request_id) is not request or request.status is not RequestStatus.RUNNING:
                 continue
             assert request.num_computed_tokens == seq.start_position, (request, seq.start_position)
             request.num_computed_tokens += seq.num_new_tokens
             self.cache.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            if not seq.sample:
-                continue
-            if seq.request_id not in sampled:
-                raise ValueError(f"no sampled token for request {seq.request_id!r}, whose step ended its prefill")
-            if request.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
-                self.finish(request.request_id, *request.stop_check(self.config.max_model_len))
-                finished.append(request)
-                continue
-            for token in sampled[seq.request_id]:
-                request.append_output([int(token)])
-                stop = request.stop_check(self.config.max_model_len)
-                if stop is not None:
-                    self.finish(request.request_id, *stop)
-                    finished.append(request)
-                    break
-        return finished
+            if seq.sample:
+                yield row, seq
+
+    def _stop(self, request: Request, finished: list[Request]) -> bool:
+        """Apply the finish rule to `request` (ending it, appended to `finished`); True if it ended."""
+        stop = request.stop_check(self.config.max_model_len)
+        if stop is not None:
+            self.finish(request.request_id, *stop)
+            finished.append(request)
+        return stop is not None
 
     def abandon(self, output: SchedulerOutput) -> list[Request]:
         """Drop a step whose execution failed: no progress is recorded, and its requests that

@@ -1,10 +1,17 @@
 """The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
 
-    backbone[T](params, caches, batch) -> (caches, hidden [max_num_seqs, H])   caches donated
-    scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
+    backbone[T](params, caches, batch, feed) -> (caches, hidden [max_num_seqs, H])   caches donated
+    scoring_backbone[T](params, caches, batch, feed, targets [T]) -> (caches, hidden, TokenScores [T])
     sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
-    greedy_backbone[T](params, caches, batch) -> (caches, tokens [min(T, max_num_seqs)])
+    greedy_backbone[T](params, caches, batch, feed) -> (caches, tokens [max_num_seqs])
     copy_states(caches, src, dst) -> caches                                     caches donated
+
+`feed` is the device token feed of asynchronous scheduling (`TokenFeed`): the previous step's
+sampled tokens [max_num_seqs] as they lie on the device, and for each token row the row of
+that array it takes (-1: keep `batch.input_ids`). A step planned while the previous one still
+ran has placeholder ids in its host `input_ids`; the backbone gathers the real tokens on the
+device, so the host never waits for them. Every step's sampled tokens come out padded to
+`max_num_seqs` rows (the greedy backbone's and the sampler's alike) so one feed shape serves.
 
 `greedy_backbone` (with `fuse_greedy=True`) is the backbone with the argmax of the logits
 fused in: the step of a batch whose every request is plain greedy (temperature 0, no
@@ -62,7 +69,7 @@ log = logging.getLogger("jaxserve.step")
 SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
 BANNED_WIDTH = 2 * MAX_STOP_TOKEN_IDS  # banned ids of the full sampler: stop token ids + EOS ids
 
-__all__ = ["MAX_LOGPROBS", "CompileAfterStartup", "StepExecutables", "enable_persistent_cache"]
+__all__ = ["MAX_LOGPROBS", "CompileAfterStartup", "StepExecutables", "TokenFeed", "enable_persistent_cache"]
 
 
 class CompileAfterStartup(RuntimeError):
@@ -104,6 +111,32 @@ def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenFeed:
+    """prev_tokens [max_num_seqs] i32 (device: the previous step's sampled tokens), rows [T] i32:
+    the prev_tokens row each token row takes, -1 where the host's input id stands."""
+
+    prev_tokens: jax.Array
+    rows: jax.Array
+
+
+jax.tree_util.register_dataclass(TokenFeed, data_fields=["prev_tokens", "rows"], meta_fields=[])
+
+
+def feed_tokens(batch: ForwardBatch, feed: TokenFeed | None) -> ForwardBatch:
+    """The batch with every fed row's input id taken from the previous step's tokens (a gather)."""
+    if feed is None:
+        return batch
+    fed = jnp.where(feed.rows >= 0, feed.prev_tokens[jnp.maximum(feed.rows, 0)], batch.input_ids)
+    return dataclasses.replace(batch, input_ids=fed)
+
+
+def pad_tokens(tokens: jax.Array, rows: int) -> jax.Array:
+    """tokens [n] -> [rows]: cut or zero-padded (rows past the live sequences are padding anyway)."""
+    n = tokens.shape[0]
+    return tokens[:rows] if n >= rows else jnp.pad(tokens, (0, rows - n))
+
+
 def _spec(x):
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
@@ -141,25 +174,26 @@ class StepExecutables:
         self.compile_seconds: dict[str, float] = {}
         cfg = model.cfg
 
-        def backbone(params, caches, batch):
-            hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
+        def backbone(params, caches, batch, feed=None):
+            hidden, caches = forward(params, caches, feed_tokens(batch, feed), cfg=cfg, opts=opts)
             return caches, hidden
 
         pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated)}
         self._backbone_jit = jax.jit(backbone, donate_argnums=1, **pinned)
 
-        def greedy_backbone(params, caches, batch):
-            caches, hidden = backbone(params, caches, batch)
+        def greedy_backbone(params, caches, batch, feed=None):
+            caches, hidden = backbone(params, caches, batch, feed)
             rows = min(batch.input_ids.shape[0], max_num_seqs)
-            return caches, jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
+            tokens = jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
+            return caches, pad_tokens(tokens, max_num_seqs)
 
         self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
 
-        def scoring_backbone(params, caches, batch, targets):
+        def scoring_backbone(params, caches, batch, feed, targets):
             S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
             rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
-            hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=rows), cfg=cfg,
-                                     opts=opts)
+            batch = dataclasses.replace(feed_tokens(batch, feed), logits_indices=rows)
+            hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
             return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
 
         scoring_pinned = {} if opts.tp is None else {
@@ -168,8 +202,9 @@ class StepExecutables:
 
         def sampler(params, hidden, meta, bitmask, *, num_rows, num_logprobs, all_greedy):
             logits = compute_logits(params, hidden[:num_rows])
-            return sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs,
-                          all_greedy=all_greedy)
+            out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs,
+                         all_greedy=all_greedy)
+            return dataclasses.replace(out, tokens=pad_tokens(out.tokens, max_num_seqs))  # one feed shape
 
         pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
         self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs", "all_greedy"), **pinned)
@@ -203,6 +238,10 @@ class StepExecutables:
             state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
             num_seqs=spec((), i32), logits_indices=spec((S,), i32))
 
+    def _feed_spec(self, T: int) -> TokenFeed:
+        return TokenFeed(prev_tokens=self._host_spec((self.max_num_seqs,), jnp.int32),
+                         rows=self._host_spec((T,), jnp.int32))
+
     def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
                    bias: int = 0) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
@@ -229,7 +268,7 @@ class StepExecutables:
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
         fn = self._greedy_backbone_jit if greedy else self._backbone_jit
-        exe = fn.trace(params, self._cache_specs, self._batch_spec(T)).lower().compile()
+        exe = fn.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)).lower().compile()
         self.compile_seconds[f"{'greedy_' if greedy else ''}backbone[T={T}]"] = time.perf_counter() - t0
         (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
@@ -238,7 +277,7 @@ class StepExecutables:
         self._check_unsealed(f"scoring_backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
-        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T),
+        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T),
                                                self._host_spec((T,), jnp.int32)).lower().compile()
         self.compile_seconds[f"scoring_backbone[T={T}]"] = time.perf_counter() - t0
         self._scoring_backbones[T] = exe
@@ -302,15 +341,15 @@ class StepExecutables:
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
-    def run_backbone(self, params, caches, batch: ForwardBatch):
+    def run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed):
         """-> (caches, hidden [max_num_seqs, H])."""
-        return self._run_backbone(params, caches, batch, greedy=False)
+        return self._run_backbone(params, caches, batch, feed, greedy=False)
 
-    def run_greedy_backbone(self, params, caches, batch: ForwardBatch):
-        """-> (caches, argmax tokens of the first min(T, max_num_seqs) rows)."""
-        return self._run_backbone(params, caches, batch, greedy=True)
+    def run_greedy_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed):
+        """-> (caches, argmax tokens [max_num_seqs]: the first min(T, max_num_seqs) rows, zero padded)."""
+        return self._run_backbone(params, caches, batch, feed, greedy=True)
 
-    def _run_backbone(self, params, caches, batch: ForwardBatch, greedy: bool):
+    def _run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed, greedy: bool):
         T = batch.input_ids.shape[0]
         exe = (self._greedy_backbones if greedy else self._backbones).get(T)
         if exe is None:
@@ -320,20 +359,21 @@ class StepExecutables:
                 raise BucketMiss(f"token count {T} has no compiled {kind} bucket {buckets}")
             log.info("compiling %s bucket T=%d (not compiled ahead of time)", kind, T)
             exe = self._compile_backbone(T, greedy=greedy)
-        return exe(params, caches, batch)
+        return exe(params, caches, batch, feed)
 
-    def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
+    def run_scoring_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed, targets: np.ndarray):
         """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32."""
         T = batch.input_ids.shape[0]
         if T not in self.token_buckets:
             raise BucketMiss(f"token count {T} has no compiled backbone bucket {self.token_buckets}")
         T_max = self.token_buckets[-1]  # one scoring executable: the step padded to the largest bucket
         batch, targets = _pad_tokens(batch, T_max), np.pad(np.asarray(targets), (0, T_max - T), constant_values=-1)
+        feed = TokenFeed(feed.prev_tokens, np.pad(np.asarray(feed.rows), (0, T_max - T), constant_values=-1))
         exe = self._scoring_backbones.get(T_max)
         if exe is None:
             log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T_max)
             exe = self._compile_scoring_backbone(T_max)
-        return exe(params, caches, batch, targets)
+        return exe(params, caches, batch, feed, targets)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
                     bitmask: np.ndarray | None = None):

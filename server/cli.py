@@ -72,6 +72,8 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--max-num-seqs", "scheduler.max_num_seqs", "most sequences in one step", type=int),
     ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "token budget of one step",
                type=int),
+    ConfigFlag("--async-scheduling", "scheduler.async_scheduling",
+               "plan the next step while the device runs this one", boolean=True),
     ConfigFlag("--gpu-memory-utilization", "cache.memory_fraction",
                "fraction of device memory to budget for weights + KV cache (replaces cache.num_pages)", type=float,
                also=(("cache.num_pages", None),)),
