@@ -58,6 +58,7 @@ class DataParallelScheduler:
         self.config = config
         self.ranks = [Scheduler(config, cache_config.build_manager()) for _ in range(size)]
         self.rank_of: dict[str, int] = {}
+        self._placed_rank: dict[str, int] = {}  # request id -> rank, of the step whose placeholders are out
         self.tokens_last_step = 0
         self.max_tokens_per_step = 0
         self.num_scheduled_steps = 0
@@ -128,6 +129,26 @@ class DataParallelScheduler:
 
     def update_from_output(self, output: DataParallelOutput, sampled: dict[str, list[int]]) -> list[Request]:
         finished = [r for s, o in zip(self.ranks, output.ranks) for r in s.update_from_output(o, sampled)]
+        for request in finished:
+            self.rank_of.pop(request.request_id, None)
+        return finished
+
+    def update_with_placeholders(self, output: DataParallelOutput) -> list[tuple[int, Request, int | None]]:
+        """Asynchronous scheduling, per rank; rows are rows of the combined step (rank order)."""
+        placed, offset, self._placed_rank = [], 0, {}
+        for rank, (s, o) in enumerate(zip(self.ranks, output.ranks)):
+            for row, request, index in s.update_with_placeholders(o):
+                placed.append((offset + row, request, index))
+                self._placed_rank[request.request_id] = rank
+            offset += len(o.sequences)
+        return placed
+
+    def resolve_placeholders(self, placed: list[tuple[int, Request, int | None]], tokens) -> list[Request]:
+        """Each placeholder resolved by its own rank's scheduler (which frees what a stop frees)."""
+        by_rank: list[list] = [[] for _ in self.ranks]
+        for entry in placed:
+            by_rank[self._placed_rank.get(entry[1].request_id, 0)].append(entry)
+        finished = [r for s, entries in zip(self.ranks, by_rank) for r in s.resolve_placeholders(entries, tokens)]
         for request in finished:
             self.rank_of.pop(request.request_id, None)
         return finished
