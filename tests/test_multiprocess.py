@@ -81,6 +81,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # start-up and logits only; the serving test below covers it end to end
 def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
     from models.model import load_model
 
