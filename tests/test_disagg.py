@@ -82,15 +82,23 @@ LAYOUTS = {
     "llama-faults": Layout("llama", decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
                                             "--set", "kv_transfer.on_pull_failure=error"),
                            decode_env=tuple(PULL_DELAY.items())),
-    # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with equal layouts
+    # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with
+    # equal and bridged layouts, and the hybrid with FP8 on both sides (the adopt rule: the
+    # prefill side ships the state after all N tokens and its first token, which decode emits)
     "llama-page32": Layout("llama", decode=PAGE32, decode_page=32),
     "qwen3_5": Layout("qwen3_5"),
+    "qwen3_5-fp8": Layout("qwen3_5", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
     "qwen3_5_moe": Layout("qwen3_5_moe"),
+    "qwen3_5_moe-tp2-page32": Layout("qwen3_5_moe", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
+                                     decode_page=32),
     "qwen3_next": Layout("qwen3_next"),
+    "qwen3_next-tp2-page32": Layout("qwen3_next", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
+                                    decode_page=32),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
-SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5-fp8", "qwen3_5_moe", "qwen3_5_moe-tp2-page32",
+                "qwen3_next", "qwen3_next-tp2-page32"}
 EXACTNESS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
              for name in LAYOUTS if name != "llama-faults"]
 
