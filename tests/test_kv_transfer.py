@@ -337,3 +337,26 @@ def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
         prefill.add_request(EngineRequest("lease", [5] * 8, GREEDY,
                                           kv_transfer_params={"do_remote_decode": True, "lease_s": -1}))
     assert not prefill.kv_transfer._offering and not prefill.has_unfinished()
+
+
+def test_descriptor_last_token_rules_are_checked():
+    """Both rules are read; the token count must match the rule and an adopted token must be a
+    token id of the model (else the decode side refuses the descriptor and falls back)."""
+    from runtime.kv_transfer.base import TransferError
+    from runtime.kv_transfer.descriptor import build_descriptor, check_descriptor
+    prompt, sig = [7, 8, 9, 10], {"vocab_size": 100}
+
+    def desc(num_tokens, rule, **extra):
+        d = build_descriptor(prompt_token_ids=prompt, num_tokens=num_tokens, rule=rule, page_size=16, num_pages=1,
+                             kv_dtype="float32", kv_wire="values", signature=sig, arrays=[])
+        return {**d, **extra}
+
+    assert check_descriptor(desc(3, "prefill_n_minus_1"), prompt_token_ids=prompt, signature=sig) == 3
+    assert check_descriptor(desc(4, "prefill_n_adopt", first_token=5), prompt_token_ids=prompt, signature=sig) == 4
+    for bad, match in [(desc(4, "prefill_n_minus_1"), "expected N-1"), (desc(3, "prefill_n_adopt", first_token=5),
+                       "expected N"), (desc(4, "prefill_n_adopt"), "first_token None"),
+                       (desc(4, "prefill_n_adopt", first_token=100), "first_token 100"),
+                       (desc(4, "prefill_n_adopt", first_token=True), "first_token True"),
+                       (desc(4, "decode_recomputes"), "last-token rule")]:
+        with pytest.raises(TransferError, match=match):
+            check_descriptor(bad, prompt_token_ids=prompt, signature=sig)
