@@ -47,8 +47,8 @@ def model_signature(cfg, num_groups: int) -> dict:
     return sig
 
 
-def build_descriptor(*, prompt_token_ids, num_tokens: int, rule: str = LAST_TOKEN_RULE, page_size: int, num_pages: int, kv_dtype: str,
-                     kv_wire: str, signature: dict, arrays: list[list]) -> dict:
+def build_descriptor(*, prompt_token_ids, num_tokens: int, rule: str = LAST_TOKEN_RULE, page_size: int,
+                     num_pages: int, kv_dtype: str, kv_wire: str, signature: dict, arrays: list[list]) -> dict:
     return {"version": DESCRIPTOR_VERSION, "rule": rule, "num_tokens": num_tokens,
             "token_digest": token_digest(prompt_token_ids[:num_tokens]), "page_size": page_size,
             "num_pages": num_pages, "kv_dtype": kv_dtype, "kv_wire": kv_wire, "model": signature,

@@ -99,7 +99,8 @@ def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, bloc
     G = model_groups(caches, num_pages, num_slots)
     entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
     desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, rule=rule,
-                            page_size=page_size, num_pages=n, kv_dtype=kv_dtype, kv_wire="values" if kv_dtype == "float32" else "bits",
+                            page_size=page_size, num_pages=n, kv_dtype=kv_dtype,
+                            kv_wire="values" if kv_dtype == "float32" else "bits",
                             signature=model_signature(cfg, G), arrays=entries)
     return arrays, desc
 
