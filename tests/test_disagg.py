@@ -226,6 +226,31 @@ def _decode_leg(cluster, prompt, params) -> str:
     return body["choices"][0]["text"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["qwen3_5-fp8"], indirect=True)
+def test_hybrid_fp8_adopted_first_token_once_or_local_prefill(cluster):
+    """The adopt rule through the proxy: `max_tokens: 1` is answered by the adopted token alone
+    (once, streamed once, usage 1); a request asking for logprobs cannot adopt the prefill side's
+    greedy token (no logprobs shipped) and prefills locally, exactly, counted; nothing left held."""
+    prompt = _prompts(500)[3]
+    want = _colocated(cluster, [prompt])[0].text  # (builds cluster.colocated)
+    cluster.colocated.add_request(EngineRequest("one", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+    want_one = drain(cluster.colocated)["one"].outputs[0].text
+    before = scrape(cluster.decode.url)
+    kw = dict(model=cluster.model, prompt=prompt, temperature=0)
+    got = cluster.client.completions.create(**kw, max_tokens=1)
+    assert (got.choices[0].text, got.choices[0].finish_reason, got.usage.completion_tokens) == (want_one, "length", 1)
+    chunks = list(cluster.client.completions.create(**kw, max_tokens=1, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_one
+    assert chunks[-1].usage.completion_tokens == 1
+    got = cluster.client.completions.create(**kw, max_tokens=MAX_TOKENS, logprobs=1)
+    assert got.choices[0].text == want and len(got.choices[0].logprobs.tokens) == got.usage.completion_tokens
+    decode = _settled(cluster.decode.url)
+    assert decode["jaxserve_kv_transfer_fallbacks"] - before["jaxserve_kv_transfer_fallbacks"] == 1, decode
+    _assert_all_free(cluster)
+
+
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     prompt = _prompts(500)[3]
