@@ -82,15 +82,23 @@ LAYOUTS = {
     "llama-faults": Layout("llama", decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
                                             "--set", "kv_transfer.on_pull_failure=error"),
                            decode_env=tuple(PULL_DELAY.items())),
-    # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with equal layouts
+    # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with
+    # equal and bridged layouts, and the hybrid with FP8 on both sides (the adopt rule: the
+    # prefill side ships the state after all N tokens and its first token, which decode emits)
     "llama-page32": Layout("llama", decode=PAGE32, decode_page=32),
     "qwen3_5": Layout("qwen3_5"),
+    "qwen3_5-fp8": Layout("qwen3_5", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
     "qwen3_5_moe": Layout("qwen3_5_moe"),
+    "qwen3_5_moe-tp2-page32": Layout("qwen3_5_moe", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
+                                     decode_page=32),
     "qwen3_next": Layout("qwen3_next"),
+    "qwen3_next-tp2-page32": Layout("qwen3_next", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
+                                    decode_page=32),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
-SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5_moe", "qwen3_next"}
+SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5-fp8", "qwen3_5_moe", "qwen3_5_moe-tp2-page32",
+                "qwen3_next", "qwen3_next-tp2-page32"}
 EXACTNESS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
              for name in LAYOUTS if name != "llama-faults"]
 
@@ -216,6 +224,31 @@ def _decode_leg(cluster, prompt, params) -> str:
                          {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params})
     assert status == 200, body
     return body["choices"][0]["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["qwen3_5-fp8"], indirect=True)
+def test_hybrid_fp8_adopted_first_token_once_or_local_prefill(cluster):
+    """The adopt rule through the proxy: `max_tokens: 1` is answered by the adopted token alone
+    (once, streamed once, usage 1); a request asking for logprobs cannot adopt the prefill side's
+    greedy token (no logprobs shipped) and prefills locally, exactly, counted; nothing left held."""
+    prompt = _prompts(500)[3]
+    want = _colocated(cluster, [prompt])[0].text  # (builds cluster.colocated)
+    cluster.colocated.add_request(EngineRequest("one", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+    want_one = drain(cluster.colocated)["one"].outputs[0].text
+    before = scrape(cluster.decode.url)
+    kw = dict(model=cluster.model, prompt=prompt, temperature=0)
+    got = cluster.client.completions.create(**kw, max_tokens=1)
+    assert (got.choices[0].text, got.choices[0].finish_reason, got.usage.completion_tokens) == (want_one, "length", 1)
+    chunks = list(cluster.client.completions.create(**kw, max_tokens=1, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_one
+    assert chunks[-1].usage.completion_tokens == 1
+    got = cluster.client.completions.create(**kw, max_tokens=MAX_TOKENS, logprobs=1)
+    assert got.choices[0].text == want and len(got.choices[0].logprobs.tokens) == got.usage.completion_tokens
+    decode = _settled(cluster.decode.url)
+    assert decode["jaxserve_kv_transfer_fallbacks"] - before["jaxserve_kv_transfer_fallbacks"] == 1, decode
+    _assert_all_free(cluster)
 
 
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)

@@ -207,11 +207,14 @@ def test_fp8_decode_side_quantizes_with_its_own_scales(plugin, tiny_checkpoint):
     _all_free(decode)
 
 
-def test_fp8_both_sides_copies_pages_and_scales_verbatim(plugin, tiny_checkpoint):
+@pytest.mark.parametrize("family, rule", [("llama", "prefill_n_minus_1"), ("qwen3_5", "prefill_n_adopt")])
+def test_fp8_both_sides_copies_pages_and_scales_verbatim(plugin, tiny_checkpoint, family, rule):
     """FP8 KV and page 16 on both sides (the verbatim path: pages and scales copied, the
     prefill side computing token N too): greedy tokens equal a colocated FP8 engine's. The
-    three-process version over 30 prompts is test_disagg.py's `llama-fp8` (slow)."""
-    path = tiny_checkpoint("llama")
+    hybrid takes the adopt rule (state after N + the prefill side's first token, emitted once by
+    the decode side); a request asking for logprobs cannot adopt it and prefills locally. The
+    three-process versions over 30 prompts are test_disagg.py's `llama-fp8` / `qwen3_5-fp8`."""
+    path = tiny_checkpoint(family)
     fp8 = dict(kv_cache_dtype="fp8_e4m3", max_num_seqs=1)
     prefill = LLMEngine(_config(path, **fp8, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
     decode = LLMEngine(_config(path, **fp8, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
@@ -219,10 +222,25 @@ def test_fp8_both_sides_copies_pages_and_scales_verbatim(plugin, tiny_checkpoint
     for i, prompt in enumerate(_prompts()[2:]):
         want = _run(colocated, prompt, rid=f"c{i}").outputs[0].token_ids
         params = _run(prefill, prompt, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params
-        assert params["descriptor"]["kv_dtype"] == "float8_e4m3fn"
+        assert params["descriptor"]["kv_dtype"] == "float8_e4m3fn" and params["descriptor"]["rule"] == rule
+        assert params["descriptor"]["num_tokens"] == len(prompt) - (rule == "prefill_n_minus_1")
         assert _run(decode, prompt, params, rid=f"d{i}").outputs[0].token_ids == want, f"prompt {i} (len {len(prompt)})"
     assert decode.stats()["kv_transfer_fallbacks"] == 0
+    if rule == "prefill_n_adopt":  # one token: finished by the adopted token alone
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        params = _run(prefill, prompt, {"do_remote_decode": True}, rid="p1").kv_transfer_params
+        decode.add_request(EngineRequest("d1", prompt, one, kv_transfer_params=params))
+        out = drain(decode)["d1"]
+        assert out.outputs[0].token_ids == want[:1] and out.outputs[0].finish_reason == "length"
+        assert decode.stats()["kv_transfer_fallbacks"] == 0
+        lp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+        params = _run(prefill, prompt, {"do_remote_decode": True}, rid="p2").kv_transfer_params
+        decode.add_request(EngineRequest("d2", prompt, lp, kv_transfer_params=params))
+        out = drain(decode)["d2"]
+        assert out.outputs[0].token_ids == want and len(out.outputs[0].logprobs) == len(want)
+        assert decode.stats()["kv_transfer_fallbacks"] == 1
     _all_free(decode)
+    _all_free(prefill)
 
 
 @pytest.mark.slow
@@ -319,3 +337,26 @@ def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
         prefill.add_request(EngineRequest("lease", [5] * 8, GREEDY,
                                           kv_transfer_params={"do_remote_decode": True, "lease_s": -1}))
     assert not prefill.kv_transfer._offering and not prefill.has_unfinished()
+
+
+def test_descriptor_last_token_rules_are_checked():
+    """Both rules are read; the token count must match the rule and an adopted token must be a
+    token id of the model (else the decode side refuses the descriptor and falls back)."""
+    from runtime.kv_transfer.base import TransferError
+    from runtime.kv_transfer.descriptor import build_descriptor, check_descriptor
+    prompt, sig = [7, 8, 9, 10], {"vocab_size": 100}
+
+    def desc(num_tokens, rule, **extra):
+        d = build_descriptor(prompt_token_ids=prompt, num_tokens=num_tokens, rule=rule, page_size=16, num_pages=1,
+                             kv_dtype="float32", kv_wire="values", signature=sig, arrays=[])
+        return {**d, **extra}
+
+    assert check_descriptor(desc(3, "prefill_n_minus_1"), prompt_token_ids=prompt, signature=sig) == 3
+    assert check_descriptor(desc(4, "prefill_n_adopt", first_token=5), prompt_token_ids=prompt, signature=sig) == 4
+    for bad, match in [(desc(4, "prefill_n_minus_1"), "expected N-1"), (desc(3, "prefill_n_adopt", first_token=5),
+                       "expected N"), (desc(4, "prefill_n_adopt"), "first_token None"),
+                       (desc(4, "prefill_n_adopt", first_token=100), "first_token 100"),
+                       (desc(4, "prefill_n_adopt", first_token=True), "first_token True"),
+                       (desc(4, "decode_recomputes"), "last-token rule")]:
+        with pytest.raises(TransferError, match=match):
+            check_descriptor(bad, prompt_token_ids=prompt, signature=sig)

@@ -1,6 +1,7 @@
 """The transfer descriptor: what a prefill instance holds for one request, as JSON.
 
-    {"version": 1, "rule": "prefill_n_minus_1", "num_tokens": K, "token_digest": sha256 of the K ids,
+    {"version": 1, "rule": "prefill_n_minus_1" | "prefill_n_adopt", "num_tokens": K,
+     "token_digest": sha256 of the K ids, "first_token": id (prefill_n_adopt only),
      "page_size": 16, "num_pages": n (padded), "kv_dtype": "float32", "kv_wire": "values" | "bits",
      "model": {layer_types, num_kv_heads, head_dim, conv, rec, num_groups},
      "arrays": [[name, shape, wire dtype], ...]}          # the pulled arrays, in this order
@@ -21,10 +22,14 @@ import struct
 from runtime.kv_transfer.base import TransferError
 
 DESCRIPTOR_VERSION = 1
-# The last-token rule (docs/disaggregation.md): the prefill side computes the first N-1 prompt
-# tokens; the decode side receives their KV / state and feeds token N itself, so its first
-# sampled token comes from its own forward pass over the true last token.
+# The last-token rules (docs/disaggregation.md). N-1: the prefill side ships the KV / state of
+# the first N-1 prompt tokens; the decode side feeds token N itself, so its first sampled token
+# comes from its own forward pass over the true last token. Adopt (GDN hybrids with FP8 KV):
+# the prefill side ships the state after all N tokens plus its first (greedy) sampled token; the
+# decode side emits that token as its first output and feeds it in its first step.
 LAST_TOKEN_RULE = "prefill_n_minus_1"
+ADOPT_RULE = "prefill_n_adopt"
+LAST_TOKEN_RULES = {LAST_TOKEN_RULE: 1, ADOPT_RULE: 0}  # rule -> prompt tokens not shipped
 
 
 def token_digest(token_ids) -> str:
@@ -42,9 +47,9 @@ def model_signature(cfg, num_groups: int) -> dict:
     return sig
 
 
-def build_descriptor(*, prompt_token_ids, num_tokens: int, page_size: int, num_pages: int, kv_dtype: str,
-                     kv_wire: str, signature: dict, arrays: list[list]) -> dict:
-    return {"version": DESCRIPTOR_VERSION, "rule": LAST_TOKEN_RULE, "num_tokens": num_tokens,
+def build_descriptor(*, prompt_token_ids, num_tokens: int, rule: str = LAST_TOKEN_RULE, page_size: int,
+                     num_pages: int, kv_dtype: str, kv_wire: str, signature: dict, arrays: list[list]) -> dict:
+    return {"version": DESCRIPTOR_VERSION, "rule": rule, "num_tokens": num_tokens,
             "token_digest": token_digest(prompt_token_ids[:num_tokens]), "page_size": page_size,
             "num_pages": num_pages, "kv_dtype": kv_dtype, "kv_wire": kv_wire, "model": signature,
             "arrays": arrays}
@@ -56,12 +61,17 @@ def check_descriptor(desc, *, prompt_token_ids, signature: dict) -> int:
         raise TransferError("descriptor must be a JSON object")
     if desc.get("version") != DESCRIPTOR_VERSION:
         raise TransferError(f"descriptor version {desc.get('version')!r}, this instance reads {DESCRIPTOR_VERSION}")
-    if desc.get("rule") != LAST_TOKEN_RULE:
-        raise TransferError(f"last-token rule {desc.get('rule')!r}, this instance needs {LAST_TOKEN_RULE!r}")
-    num_tokens = desc.get("num_tokens")
-    if not isinstance(num_tokens, int) or num_tokens != len(prompt_token_ids) - 1:
+    rule = desc.get("rule")
+    if not isinstance(rule, str) or rule not in LAST_TOKEN_RULES:
+        raise TransferError(f"last-token rule {rule!r}, this instance reads {sorted(LAST_TOKEN_RULES)}")
+    num_tokens, unshipped = desc.get("num_tokens"), LAST_TOKEN_RULES[rule]
+    if not isinstance(num_tokens, int) or num_tokens != len(prompt_token_ids) - unshipped:
         raise TransferError(f"descriptor covers {num_tokens!r} tokens; the prompt has {len(prompt_token_ids)} "
-                            f"(expected N-1)")
+                            f"(rule {rule}: expected N{'-1' if unshipped else ''})")
+    if rule == ADOPT_RULE:
+        first = desc.get("first_token")
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < signature["vocab_size"]:
+            raise TransferError(f"descriptor's first_token {first!r} is not a token id of this model")
     if desc.get("token_digest") != token_digest(prompt_token_ids[:num_tokens]):
         raise TransferError("descriptor's token digest does not match this request's prompt")
     if desc.get("model") != signature:

@@ -1,17 +1,24 @@
 """The engine's side of disaggregation: what `LLMEngine` calls at each of its hook points.
 
 Prefill role (`kv_transfer_params: {"do_remote_decode": true}`): `prepare` turns the request into
-"compute the first N-1 prompt tokens, sample one throw-away token"; `capture` gathers the pages
-and state slot right after the step that computed them; `finished` offers them through the
-connector and returns the transfer parameters the response carries. The pages go back to the
-pool (and the prefix cache) as usual: the lease holds a gathered copy, which nothing can
-overwrite.
+"compute the prompt, sample one greedy token"; `capture` gathers the pages and state slot right
+after the step that computed them; `finished` offers them through the connector and returns the
+transfer parameters the response carries. The pages go back to the pool (and the prefix cache)
+as usual: the lease holds a gathered copy, which nothing can overwrite.
+
+The last-token rule (descriptor `rule`): by default the state of the first N-1 prompt tokens
+is shipped and the sampled token thrown away (`prefill_n_minus_1`; dense FP8 computes all N so
+the pages get a colocated engine's per-page scales, and ships N-1). A GDN hybrid with FP8 KV
+ships the state after all N tokens plus its sampled token (`prefill_n_adopt`): its GDN state
+after N-1 and the FP8 scales a colocated engine gives the page of token N cannot both hold.
 
 Decode role (`{"do_remote_prefill": true, transfer_id, ..., descriptor}`): `park` validates the
 descriptor against this model and prompt and starts the pull; `poll` (every step) moves pulled
-requests into the scheduler with `num_external_tokens = N-1`, or on failure recomputes locally
-(default) or fails the request with an error, counted; `load` writes the pulled state into the
-pages and slot the scheduler allocated, before that step's forward pass feeds token N.
+requests into the scheduler with `num_external_tokens` = the descriptor's tokens (N-1, or N
+after emitting the adopted first token once, as a step would), or on failure recomputes
+locally (default) or fails the request with an error, counted; `load` writes the pulled state
+into the pages and slot the scheduler allocated, before that step's forward pass feeds token N
+(or the adopted token).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 
 from runtime.kv_transfer import KV_CONNECTORS
 from runtime.kv_transfer.base import KVTransferConfig, TransferError
-from runtime.kv_transfer.descriptor import check_descriptor, model_signature
+from runtime.kv_transfer.descriptor import ADOPT_RULE, LAST_TOKEN_RULE, check_descriptor, model_signature
 from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
                                         pull_specs, write_request_state)
 from runtime.request import Request, RequestStatus
@@ -51,7 +58,7 @@ class KVTransferHooks:
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
         self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
-        self._errors: list[RequestOutput] = []
+        self._ready: list[RequestOutput] = []  # errors and adopted first tokens, for the next step
         self.num_fallbacks = 0
         self.num_errors = 0
 
@@ -81,8 +88,9 @@ class KVTransferHooks:
         if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
             return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
                                  priority=request.priority, arrival_time=request.arrival_time)
-        # FP8 pages of a dense model: compute all N tokens (the page holding token N then has the
-        # scales a colocated engine gives it) and ship the first N-1; otherwise compute N-1.
+        # FP8 pages: compute all N tokens (the page holding token N then has the scales a
+        # colocated engine gives it); a dense model ships the first N-1, a hybrid all N plus the
+        # sampled token (the adopt rule). Otherwise compute and ship N-1.
         computed = prompt if self._computes_last_token else prompt[:-1]
         return EngineRequest(request.request_id, computed, SamplingParams(max_tokens=1, temperature=0.0),
                              priority=request.priority, arrival_time=request.arrival_time,
@@ -90,9 +98,16 @@ class KVTransferHooks:
 
     @property
     def _computes_last_token(self) -> bool:
-        """FP8 KV and no GDN state (whose state after N-1 tokens a full prefill never holds)."""
+        """FP8 KV: the prefill side computes all N prompt tokens."""
         kv = [x for x in self.engine.caches["kv"] if x is not None]
-        return len(kv) == len(self.engine.caches["kv"]) and kv[0].k_scale is not None
+        return bool(kv) and kv[0].k_scale is not None
+
+    @property
+    def rule(self) -> str:
+        """This prefill instance's last-token rule: adopt for FP8 KV next to GDN state (whose
+        state after N-1 tokens a full prefill never holds), else N-1."""
+        hybrid = any(x is None for x in self.engine.caches["kv"])
+        return ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
 
     def capture(self, caches, out) -> None:
         for seq in out.sequences:
@@ -100,10 +115,11 @@ class KVTransferHooks:
                 req = seq.request
                 self._offering[seq.request_id] = gather_request_state(
                     caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
-                    num_tokens=seq.start_position + seq.num_new_tokens - int(self._computes_last_token),
+                    num_tokens=seq.start_position + seq.num_new_tokens - int(self._computes_last_token
+                                                                             and self.rule == LAST_TOKEN_RULE),
                     block_table=seq.block_table,
                     state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
-                    num_slots=self.num_slots, conv_perm=self.conv_perm)
+                    num_slots=self.num_slots, conv_perm=self.conv_perm, rule=self.rule)
 
     def finished(self, req: Request) -> dict | None:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
@@ -112,6 +128,11 @@ class KVTransferHooks:
         lease_s = self._lease_s.pop(req.request_id, None)
         if captured is None or req.finish_reason in ("abort", "error"):  # fail closed
             return None
+        if captured[1]["rule"] == ADOPT_RULE:  # ship the sampled token with the state after it
+            tokens = req.resolved_output_token_ids
+            if not tokens:
+                return None
+            captured[1]["first_token"] = int(tokens[0])
         return {"do_remote_prefill": True, **self.connector.offer(*captured, **({"lease_s": lease_s} if lease_s else {}))}
 
     # ---- decode role -----------------------------------------------------------------------
@@ -137,8 +158,39 @@ class KVTransferHooks:
                 raise ValueError(f"kv_transfer_params: {err}") from None
             self._failed(req, str(err), in_engine=False)
             return False
+        if desc["rule"] == ADOPT_RULE and not self._can_adopt(req):
+            # The shipped token is the prefill side's greedy pick and the state is past it: this
+            # request's own sampling could pick another, so it prefills locally (exact; counted).
+            self.connector.cancel(req.request_id)  # releases the lease (or drops a pull under way)
+            self.num_fallbacks += 1
+            log.info("request %s: sampling parameters differ from greedy; prefilling locally", req.request_id)
+            return False
         self._parked[req.request_id] = (req, desc)
         return True
+
+    @staticmethod
+    def _can_adopt(req: Request) -> bool:
+        """The prefill side's greedy first token is this request's first token (no logprobs: the
+        prefill side does not ship them)."""
+        p = req.params
+        return (p.temperature <= 0.0 and p.logprobs is None and p.prompt_logprobs is None
+                and p.repetition_penalty == 1.0 and not p.logit_bias and p.structured_output is None
+                and p.max_tokens != 0 and not req.banned_token_ids())
+
+    def _adopt(self, req: Request, token: int) -> RequestOutput:
+        """Emit the prefill side's first token as this request's first output (exactly once),
+        applying the request's stop rules as a step's token would."""
+        engine = self.engine
+        req.append_output([token])
+        end = req.stop_check(engine.max_model_len)
+        detok = engine._detok.get(req.request_id)
+        hit = detok.add([token]) if detok is not None else None
+        if end is None and hit is not None:
+            end = ("stop", hit)
+        if end is not None:  # still waiting: nothing allocated, nothing to load
+            engine.scheduler.finish(req.request_id, *end)
+            self._staged.pop(req.request_id, None)
+        return engine._output(req, finished=req.is_finished)
 
     def poll(self) -> list[RequestOutput]:
         for result in self.connector.poll():
@@ -152,7 +204,9 @@ class KVTransferHooks:
             req.num_external_tokens = desc["num_tokens"]
             self._staged[req.request_id] = (result.arrays, desc)
             self.engine.scheduler.add_request(req)
-        errors, self._errors = self._errors, []
+            if desc["rule"] == ADOPT_RULE:  # queued with the adopted token, fed by its first step
+                self._ready.append(self._adopt(req, desc["first_token"]))
+        errors, self._ready = self._ready, []
         if self._parked and not self.engine.scheduler.has_unfinished():
             time.sleep(IDLE_WAIT_S)  # only pulls in flight: don't spin
         return errors
@@ -169,7 +223,7 @@ class KVTransferHooks:
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         output = self.engine._output(req, finished=True)
         output.error = f"kv transfer failed: {reason}"
-        self._errors.append(output)
+        self._ready.append(output)
 
     def load(self, caches, out):
         """Write pulled state into the pages/slot of requests admitted this step."""
@@ -194,7 +248,7 @@ class KVTransferHooks:
 
     # ---- both ------------------------------------------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._parked or self._errors)
+        return bool(self._parked or self._ready)
 
     def stats(self) -> dict[str, float]:
         return {**self.connector.stats(), "kv_transfer_fallbacks": self.num_fallbacks,

@@ -22,7 +22,7 @@ from models import ops
 from models.config import ATTENTION
 from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
-from runtime.kv_transfer.descriptor import build_descriptor, model_signature
+from runtime.kv_transfer.descriptor import LAST_TOKEN_RULE, build_descriptor, model_signature
 
 
 def _pow2(n: int) -> int:
@@ -82,7 +82,7 @@ def _reorder_conv(arrays: list, names: list[str], order: np.ndarray | None) -> l
 
 def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, block_table, state_slot: int,
                          page_size: int, num_pages: int, num_slots: int,
-                         conv_perm: np.ndarray | None = None) -> tuple[list, dict]:
+                         conv_perm: np.ndarray | None = None, rule: str = LAST_TOKEN_RULE) -> tuple[list, dict]:
     """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
     The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
     undone)."""
@@ -98,8 +98,9 @@ def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, bloc
     kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
     G = model_groups(caches, num_pages, num_slots)
     entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
-    desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, page_size=page_size,
-                            num_pages=n, kv_dtype=kv_dtype, kv_wire="values" if kv_dtype == "float32" else "bits",
+    desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, rule=rule,
+                            page_size=page_size, num_pages=n, kv_dtype=kv_dtype,
+                            kv_wire="values" if kv_dtype == "float32" else "bits",
                             signature=model_signature(cfg, G), arrays=entries)
     return arrays, desc
 
