@@ -59,6 +59,7 @@ from runtime.exec_plan import ExecutionPlan, plan_execution
 from runtime.inputs import build_batch
 from runtime.kv_transfer.hooks import build_kv_transfer
 from runtime.mesh import make_mesh
+from runtime.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.request import Request
 from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
@@ -80,28 +81,6 @@ class EngineDeadError(RuntimeError):
 # A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
 # fails every step without consuming the caches is as dead as one that lost them.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-def _scored_rows(out: SchedulerOutput):
-    """(flat row, request, prompt position it predicts) for every token row of the step whose
-    request wants prompt logprobs and whose next token is still in the prompt."""
-    row = 0
-    for s in out.sequences:
-        if s.request.params.prompt_logprobs is not None:
-            last = min(s.start_position + s.num_new_tokens, s.request.num_prompt_tokens - 1)
-            for position in range(s.start_position, last):
-                yield row + position - s.start_position, s.request, position + 1
-        row += s.num_new_tokens
-
-
-def _prompt_targets(out: SchedulerOutput, num_rows: int) -> np.ndarray | None:
-    """targets [T] i32 for the scoring backbone: at each scored row the prompt token that
-    follows it, -1 elsewhere; None when no row is scored."""
-    targets = np.full(num_rows, -1, np.int32)
-    scored = False
-    for row, request, predicted in _scored_rows(out):
-        targets[row], scored = request.prompt_token_ids[predicted], True
-    return targets if scored else None
 
 
 def _check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len: int) -> None:
@@ -191,7 +170,7 @@ class LLMEngine:
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
-        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self._prompt_logprobs = PromptLogprobRecords()
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
@@ -268,7 +247,7 @@ class LLMEngine:
         if params.logprobs is not None:
             self._logprobs[req.request_id] = []
         if params.prompt_logprobs is not None:
-            self._prompt_logprobs[req.request_id] = [None] * req.num_prompt_tokens
+            self._prompt_logprobs.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
@@ -387,7 +366,7 @@ class LLMEngine:
         feed = self._token_feed(out, batch)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        targets = _prompt_targets(out, batch.input_ids.shape[0])
+        targets = prompt_targets(out, batch.input_ids.shape[0])
         plain_greedy = (targets is None and batch.input_ids.shape[0] in ex.greedy_buckets
                         and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
@@ -435,7 +414,7 @@ class LLMEngine:
             return
         step.resolve()  # the only wait on the device
         if step.scores is not None:
-            self._record_prompt_logprobs(step.out, step.scores)
+            self._prompt_logprobs.record(step.out, step.scores)
         grammar_done = []
         if self._structured is not None and len(self._structured):
             grammar_done = [req.request_id for row, req, index in step.placed
@@ -445,18 +424,6 @@ class LLMEngine:
             req = self._requests.get(rid)
             if req is not None and not req.is_finished:
                 self.scheduler.finish(rid, "stop")
-
-    def _record_prompt_logprobs(self, out: SchedulerOutput, scores) -> None:
-        """Fill each scored request's prompt logprobs from the step's TokenScores (positions
-        scored before a preemption keep their first value)."""
-        logprobs, ranks, top_ids, top_lp = (
-            np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs))
-        for row, request, predicted in _scored_rows(out):
-            record = self._prompt_logprobs.get(request.request_id)
-            if record is not None and record[predicted] is None:
-                n = request.params.prompt_logprobs
-                record[predicted] = TokenLogprob(request.prompt_token_ids[predicted], float(logprobs[row]), [
-                    (int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])], int(ranks[row]))
 
     def _emit(self, step: InFlightStep) -> list[RequestOutput]:
         outputs = []
@@ -490,7 +457,7 @@ class LLMEngine:
             finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
         output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
                                num_cached_tokens=req.num_cached_tokens,
-                               prompt_logprobs=self._finished_prompt_logprobs(req))
+                               prompt_logprobs=self._prompt_logprobs.finished(req.request_id))
         if finished and self.kv_transfer is not None:
             output.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:
@@ -499,12 +466,5 @@ class LLMEngine:
             self._requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)
-            self._prompt_logprobs.pop(req.request_id, None)
+            self._prompt_logprobs.pop(req.request_id)
         return output
-
-    def _finished_prompt_logprobs(self, req: Request) -> list[TokenLogprob | None] | None:
-        """The prompt logprobs once every prompt position is scored (the first is always None)."""
-        record = self._prompt_logprobs.get(req.request_id)
-        if record is None or any(entry is None for entry in record[1:]):
-            return None
-        return list(record)
