@@ -19,6 +19,7 @@ from runtime.policies import get_policy
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
 from runtime.types import SamplingParams
+from import_testing import imports_jax
 
 VOCAB = 50
 
@@ -376,12 +377,4 @@ def test_random_workload_keeps_invariants_and_outputs(seed, prefix, hybrid):
 
 
 def test_scheduling_modules_do_not_import_jax():
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys, paged_kv, runtime.scheduler, runtime.config, runtime.request, runtime.policies; "
-            "print('jax' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.stdout.strip() == "False"
+    assert not imports_jax("paged_kv", "runtime.scheduler", "runtime.config", "runtime.request", "runtime.policies")

@@ -19,6 +19,7 @@ from server.chat_output import ChatOutputParser
 from server.reasoning import Qwen3ReasoningParser
 from server.testing import FakeEngine, LiveServer, build_test_tokenizer
 from tests.structured_cases import ADD_TOOL, TOOLS
+from import_testing import imports_jax
 
 TOOL_TEMPLATE = (
     "{%- if tools %}<|system|># Tools\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|end|>"
@@ -224,15 +225,7 @@ def test_structured_output_benchmark_sections_without_a_model(tokenizer):
 
 
 def test_server_and_grammar_modules_do_not_import_jax():
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys, server.app, server.structured, server.chat_output, runtime.structured_output; "
-            "print('jax' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.stdout.strip() == "False"
+    assert not imports_jax("server.app", "server.structured", "server.chat_output", "runtime.structured_output")
 
 
 class _SlowBackend:
