@@ -14,6 +14,7 @@
 #     through importlib.metadata("vllm"): a minimal `vllm` dist-info is written for it.
 set -euo pipefail
 VENV="${1:-.cache/peers/vllm-venv}"
+mkdir -p "$(dirname "$VENV")" && VENV="$(cd "$(dirname "$VENV")" && pwd)/$(basename "$VENV")"  # absolute: a check below runs from /
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 
