@@ -32,17 +32,19 @@ from benchmarks.workloads import WORKLOADS, make_uniform, make_workload, summari
 
 
 def vllm_bench_serve(url: str, tokenizer_dir: str, *, input_len: int, output_len: int, num_prompts: int,
-                     out_dir: Path, name: str) -> dict:
+                     out_dir: Path, name: str, max_concurrency: int | None = None, seed: int = 0) -> dict:
     """Run vLLM's own client against `url`; -> its saved result JSON."""
     cmd = [str(peers.VLLM_VENV / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
            "--model", "bench-model", "--tokenizer", tokenizer_dir, "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--random-range-ratio", "0",
-           "--num-prompts", str(num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+           "--num-prompts", str(num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", str(seed),
            # greedy like our client: `vllm bench serve` stopped sending temperature 0 by default
            # (its requests then sample at the server's default temperature 1.0)
            "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
+    if max_concurrency:
+        cmd += ["--max-concurrency", str(max_concurrency)]
     log = out_dir / f"{name}.log"
     with open(log, "w") as f:
         subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=peers.vllm_env(), check=True, timeout=3600)

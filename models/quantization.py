@@ -172,7 +172,11 @@ def _permute_input(x, w: QuantizedWeight):
 def qdot(x, w):
     """x [T, K] @ w [K, N] -> [T, N] in x's dtype; `w` a float array or a 2-D QuantizedWeight."""
     if not isinstance(w, QuantizedWeight):
-        return x @ w
+        # f32 accumulation, rounded to x's dtype: what x @ w means for bf16, spelled so XLA:CPU's
+        # XNNPACK dot takes bf16 operands as they are (a bf16-output dot gets both operands
+        # converted to f32 first: 4-5x slower)
+        return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(x.dtype)
     x = _permute_input(x, w)
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     if w.act != "none":

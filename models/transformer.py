@@ -22,7 +22,7 @@ from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
-from models.quantization import embed_lookup, qdot, tied_head
+from models.quantization import QuantizedWeight, embed_lookup, qdot, tied_head
 from models.tokenwise import tokenwise
 
 
@@ -210,5 +210,9 @@ def unstack_layers(params: dict) -> dict:
 
 def compute_logits(params, hidden):
     """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head)."""
+    if "lm_head" not in params and not isinstance(params["embed"], QuantizedWeight):
+        # tied float embedding [V, H]: contract its H axis in place. Spelled as embed.T @ ..., XLA:CPU
+        # materialises a transposed (and, for bf16, float32-converted) copy of the table every call.
+        return lax.dot_general(hidden, params["embed"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     w = params["lm_head"] if "lm_head" in params else tied_head(params["embed"])
     return qdot(hidden, w).astype(jnp.float32)

@@ -26,10 +26,15 @@ BACKENDS = ("cpu", "gpu", "tpu")
 # `layer_loop: auto` unrolls the layers on the CPU backend up to this depth. Measured (random
 # Llama, 6 layers, H=384): a 4-sequence decode step 9.4 -> 7.5 ms, because XLA:CPU copies each
 # weight slice a scan step reads; SmolLM2-135M (30 layers): 3% faster for 4x the compile time,
-# so deeper models stay scanned. Accelerators scan (compile time flat in depth). Re-measured
+# so deeper float32 models stay scanned. Accelerators scan (compile time flat in depth). Re-measured
 # (exec_plan_ab, 2026-12-01): unroll / scan 1.80x on the tiny hybrid (4 layers), 0.99x on the
 # tiny dense (6 layers): kept (>= 5 % on one of them).
 UNROLL_MAX_LAYERS_CPU = 16
+# bf16 / fp16 weights on CPU are unrolled at any depth. Under a scan XLA:CPU cannot hand the
+# sliced bf16 weight to its XNNPACK dot: it converts the whole stacked weight set to float32
+# outside the loop on every call (SmolLM2-135M bf16, 16-sequence decode step: 368 ms scanned vs
+# 99 ms unrolled, float32 150 ms; 2026-12-01, /tmp profile in docs/benchmarks.md round 6).
+UNROLL_ANY_DEPTH_CPU_DTYPES = ("bfloat16", "float16")
 # The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
 # matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
 # tail of a mixed batch decodes a few sequences for many steps. For the same reason CPU also
@@ -55,9 +60,13 @@ FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
 # 2026-12-01, tiny dense, bf16 KV): bits / float storage 56x. The chunked attention path itself:
 # chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl).
 JNP_ATTENTION_PATHS = ("chunked", "reference")
+# bf16 on CPU is the fast dtype since the float32-accumulating dot spelling (models/quantization.qdot)
+# and the unrolled layers: decode step 1.5x (SmolLM2), 1.6x (tiny dense), 1.3x (tiny hybrid) float32's.
+# float16 has no such measurement: it is served, with a warning.
 _CPU_DTYPE_WARNING = (
-    "serving in {dtype} on the CPU backend, where XLA runs {dtype} matmuls more slowly than float32 "
-    "(a bf16 GDN hybrid served ~1.5x fewer tokens/s, docs/benchmarks.md); set model.dtype: float32 for CPU serving")
+    "serving in {dtype} on the CPU backend, which is not measured there (bfloat16 is: ~1.3-1.6x "
+    "float32's tokens/s, docs/benchmarks.md); prefer model.dtype: bfloat16 or float32 for CPU serving")
+CPU_WARNED_DTYPES = ("float16",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +106,11 @@ def plan_execution(engine_config, model_config, backend: str, dtype: str | None 
     token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
     attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
     dtype = dtype or c.dtype
-    warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype != "float32" else ()
+    warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype in CPU_WARNED_DTYPES else ()
     fuse_greedy_default = FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR
     return ExecutionPlan(
         backend=backend,
-        layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend),
+        layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend, dtype),
         token_buckets=token_buckets,
         seq_buckets=seq_buckets,
         fuse_greedy=fuse_greedy_default if c.fuse_greedy is None else c.fuse_greedy,
@@ -124,10 +133,12 @@ def plan_buckets(max_num_batched_tokens: int, max_num_seqs: int, explicit: tuple
     return tokens, pow2_buckets(max_num_seqs, minimum=MIN_SEQ_BUCKET)
 
 
-def _layer_loop(choice: str, num_layers: int, backend: str) -> str:
+def _layer_loop(choice: str, num_layers: int, backend: str, dtype: str) -> str:
     if choice != "auto":
         return choice
-    return "unroll" if backend == "cpu" and num_layers <= UNROLL_MAX_LAYERS_CPU else "scan"
+    if backend != "cpu":
+        return "scan"
+    return "unroll" if num_layers <= UNROLL_MAX_LAYERS_CPU or dtype in UNROLL_ANY_DEPTH_CPU_DTYPES else "scan"
 
 
 def _kernel_path(choice: str, op: str, backend: str, interpret) -> str:

@@ -17,6 +17,9 @@ SEQS = (8, 16)
 TABLE = [
     ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True)),
     ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
+    ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True)),  # any depth
+    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
+    ("tpu", DEEP, {"dtype": "bfloat16"}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
     ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
     ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},
      ("unroll", CPU_TOKENS, True, "reference", "chunked", True)),
@@ -41,13 +44,15 @@ def test_plan_table(backend, model, knobs, expected):
     assert "execution plan (" in plan.describe() and str(list(plan.token_buckets)) in plan.describe()
 
 
-def test_plan_is_frozen_and_warns_about_bf16_on_cpu():
-    plan = plan_execution(EngineConfig(model="m", dtype="bfloat16"), SHALLOW, "cpu")
-    assert isinstance(plan, ExecutionPlan) and len(plan.warnings) == 1 and "bfloat16" in plan.warnings[0]
+def test_plan_is_frozen_and_warns_about_unmeasured_cpu_dtypes():
+    plan = plan_execution(EngineConfig(model="m", dtype="float16"), SHALLOW, "cpu")
+    assert isinstance(plan, ExecutionPlan) and len(plan.warnings) == 1 and "float16" in plan.warnings[0]
     with pytest.raises(AttributeError):
         plan.layer_loop = "scan"
-    assert plan_execution(EngineConfig(model="m", dtype="bfloat16"), SHALLOW, "tpu").warnings == ()
+    assert plan_execution(EngineConfig(model="m", dtype="float16"), SHALLOW, "tpu").warnings == ()
     assert "float16" in plan_execution(EngineConfig(model="m"), SHALLOW, "cpu", dtype="float16").warnings[0]
+    # bfloat16 is CPU's fast dtype (measured, docs/benchmarks.md round 6): no warning
+    assert plan_execution(EngineConfig(model="m", dtype="bfloat16"), DEEP, "cpu").warnings == ()
     assert not plan_execution(EngineConfig(model="m", aot_compile=False), SHALLOW, "cpu").aot_compile
 
 

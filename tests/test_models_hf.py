@@ -49,3 +49,21 @@ def test_greedy_matches_hf_generate(family, tiny_checkpoint, hf_model):
         expected, scores = hf_greedy(hf, ids, 24)
         got = ours.greedy(ids, 24)
         assert_greedy_match(got, expected, scores, f"{family} prompt {n}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_model):
+    """bf16 weights (CPU's fast serving dtype, runtime/exec_plan.py): our logits are as close to HF's
+    float32 logits as HF's own bfloat16 model is (bf16 rounding, not a wrong op, is the difference)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(family)
+    ours = load_model(path, dtype="bfloat16")
+    hf_fp32 = hf_model(family)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for n in (1, 65):
+        ids = _prompt(ours.cfg.vocab_size, n, seed=300 + n)
+        reference = _hf_logits(hf_fp32, ids)
+        ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
+        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
+        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{family} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
