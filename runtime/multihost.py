@@ -461,17 +461,19 @@ class Follower:
             if tokens is not None:
                 self._send(sock, {"seq": self.steps, "tokens": tokens_digest(tokens)})
 
+    def _prev_tokens(self):
+        return self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens
+
     def run(self, op: str, args: dict):
         """One of the leader's executable calls, with this process's own device arrays."""
         own = {"params": self.engine.model.params, "caches": self.caches, "hidden": self.hidden, "table": self.table}
         names = STEP_METHODS[op]
-        prev = self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens
         if args.get("feed") is not None:  # the leader's rows over this process's own previous tokens (checked)
-            args = {**args, "feed": TokenFeed(prev, args["feed"])}
+            args = {**args, "feed": TokenFeed(self._prev_tokens(), args["feed"])}
         if "batch" in args and args["batch"] is None:  # prepared on the device: this process's own
             args = {**args, "batch": self.batch}
         if "prev_tokens" in args and args["prev_tokens"] is None:
-            args = {**args, "prev_tokens": prev}
+            args = {**args, "prev_tokens": self._prev_tokens()}
         result = getattr(self.engine.executables, op)(**{n: own[n] for n in names if n in DEVICE_ARGS}, **args)
         tokens = _tokens_of(op, result)
         if tokens is not None:
