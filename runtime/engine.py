@@ -267,6 +267,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
+        if self.request_table is not None:
+            stats["table_rows_used"] = self.request_table.num_used
         return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
 
     # ---- one iteration ----------------------------------------------------------------------

@@ -135,3 +135,46 @@ def test_a_placeholder_before_the_last_token_is_refused():
     out = SchedulerOutput([ScheduledSequence(req, [PLACEHOLDER_TOKEN, 5], 0, [1], 0, False, True)])
     with pytest.raises(RuntimeError, match="only its last token"):
         host.plan(out, 8)
+
+
+# ---- the engine on the table ------------------------------------------------------------------------
+def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpoint, hf_model):
+    """64 greedy requests at once on 64 table rows, a page pool small enough to preempt, chunked
+    prefill, four aborts mid-flight and stop tokens at various positions: every finished request
+    equals HF `generate`, and at the end every row, page and slot is free."""
+    from engine_testing import drain
+    from hf_reference import assert_greedy_match, hf_greedy
+    from test_engine_hf import assert_all_free
+
+    from runtime.engine import LLMEngine
+    from runtime.engine_config import EngineConfig
+    from runtime.types import EngineRequest, SamplingParams
+
+    path = tiny_checkpoint("llama")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", page_size=16, num_pages=40, max_num_seqs=64,
+                                    max_num_batched_tokens=128, max_model_len=128, enable_prefix_caching=False))
+    hf = hf_model("llama")
+    rng = np.random.default_rng(5)
+    vocab, n = engine.model.cfg.vocab_size, 8
+    sizes = 16 * rng.integers(0, 3, 64) + rng.integers(12, 16, 64)  # every request grows a page while decoding
+    prompts = [rng.integers(3, vocab, size=int(k)).tolist() for k in sizes]
+    expected = [hf_greedy(hf, p, n) for p in prompts]
+    for i, (p, (tokens, _)) in enumerate(zip(prompts, expected)):
+        stop = [tokens[i % n]] if i % 3 == 0 else []  # a stop token at position i % 8
+        engine.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                                    stop_token_ids=stop)))
+    aborted = {"r1", "r2", "r40", "r63"}
+    done = {}
+    for _ in range(3):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.request_table.num_used <= len(engine.scheduler.running)
+    for rid in aborted:
+        assert engine.abort(rid) is not None
+    done.update(drain(engine))
+    assert engine.stats()["num_preemptions"] > 0, "the page pool was meant to force preemptions"
+    assert_all_free(engine)
+    for i, (tokens, scores) in enumerate(expected):
+        if f"r{i}" in aborted:
+            continue
+        want = tokens[: tokens.index(tokens[i % n]) + 1] if i % 3 == 0 else tokens
+        assert_greedy_match(done[f"r{i}"].outputs[0].token_ids, want, scores, f"prompt {i}")
