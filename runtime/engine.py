@@ -6,15 +6,22 @@
         for out in engine.step():   # cumulative RequestOutputs of requests that advanced
             ...
 
-One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbone ->
+One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> backbone ->
 (save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
 previous step's tokens, resolves them and emits its outputs while the device runs this step.
 
+Inputs come from the device-resident request table (runtime/request_table.py,
+runtime/table_prepare.py): each running request holds a row (block-table row, tokens computed,
+last token, state slot) from its placement to its finish or preemption; the host turns the
+`SchedulerOutput` into a small `TableStep` (rows, token counts, the token ids it knows, new
+rows' start and slot, new pages) and the `prepare` executable gathers the `ForwardBatch` on the
+device. Attention DP builds its rank-major batch on the host instead (runtime/data_parallel.py).
+
 Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
 scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
-token step n samples; the backbone reads the real tokens from step n's device array
-(`runtime.async_step`). A request that step n stops (EOS, stop token, stop string) may already
-be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
+token step n samples; step n+1's `prepare` writes step n's device token array into the table's
+`last_token` rows and reads the placeholders from there (DP: `runtime.async_step`'s TokenFeed).
+A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
 at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
 Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
 penalties (the token-history matrices) — make the engine wait for the step in flight before it
@@ -26,7 +33,8 @@ detokenized while the device runs).
 
 Failures stay local: a step that raises (in input building, dispatch or on the device) ends
 only the requests scheduled in it, each with an output whose `error` is set and whose
-finish_reason is "error"; their pages and slots are freed and the next `step()` serves the
+finish_reason is "error"; their pages, slots and table rows are freed (a row is reset when it
+is placed again, so a failed step leaves nothing wrong behind) and the next `step()` serves the
 rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
 device can be trusted any more, and the owner must exit), and so are
 MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.

@@ -178,3 +178,9 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
             continue
         want = tokens[: tokens.index(tokens[i % n]) + 1] if i % 3 == 0 else tokens
         assert_greedy_match(done[f"r{i}"].outputs[0].token_ids, want, scores, f"prompt {i}")
+
+
+def test_the_host_side_imports_no_jax():
+    from import_testing import imports_jax
+
+    assert not imports_jax("runtime.request_table")
