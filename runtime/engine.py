@@ -275,8 +275,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
-        if self.request_table is not None:
-            stats["table_rows_used"] = self.request_table.num_used
+        stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
         return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -358,6 +357,8 @@ class LLMEngine:
             output = self._output(req, finished=True)
             output.error = f"the engine step failed ({type(err).__name__})"
             outputs.append(output)
+        if self.request_table is not None:
+            self.request_table.sweep()
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
             raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
         self._consecutive_failures += 1
@@ -366,9 +367,8 @@ class LLMEngine:
         return outputs
 
     def _step_inputs(self, out: SchedulerOutput):
-        """-> (ForwardBatch, TokenFeed or None, prompt-logprob targets or None). The request table's
-        prepare gathers the batch on the device (a scoring step in the largest bucket); attention
-        DP builds its rank-major batch on the host and feeds placeholders through a TokenFeed."""
+        """-> (batch, TokenFeed or None, prompt-logprob targets or None): gathered on the device by
+        the request table's prepare (scoring: largest bucket); attention DP: host-built + TokenFeed."""
         if self.dp is not None:
             batch = self.dp.build_batch(out)
             return batch, self._token_feed(out, batch), prompt_targets(out, batch.input_ids.shape[0])
@@ -378,7 +378,7 @@ class LLMEngine:
             max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
         step, writes = self.request_table.plan(out, T)
         table = self.table
-        for write in writes:
+        for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
             table = ex.run_write_table(table, write)
         prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
         self.table, batch = ex.run_prepare(table, step, prev_tokens)
