@@ -167,10 +167,11 @@ def main(argv=None) -> dict:
             for name, tree in trees.items():
                 r = run_child(tree, args.checkpoint, seqs, args.compile_cache)
                 runs[name][str(seqs)].append(r)
-                print(f"rep {rep} seqs {seqs} {name}: " + ", ".join(
-                    f"{w} host {r[w]['host_ms']:.2f} ms/step step {r[w]['step_ms']:.2f} ms" for w in ("decode", "mixed")),
-                    flush=True)
-    summary = {name: {seqs: {w: {k: statistics.median(r[w][k] for r in rs) for k in KEYS} for w in ("decode", "mixed")}
+                line = ", ".join(f"{w} host {r[w]['host_ms']:.2f} ms/step step {r[w]['step_ms']:.2f} ms"
+                                 for w in ("decode", "mixed"))
+                print(f"rep {rep} seqs {seqs} {name}: {line}", flush=True)
+    median = lambda rs, w, k: statistics.median(r[w][k] for r in rs)  # noqa: E731
+    summary = {name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in ("decode", "mixed")}
                       for seqs, rs in per_seqs.items()} for name, per_seqs in runs.items()}
     result = {"checkpoint": args.checkpoint, "trees": trees, "repeats": args.repeats,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "median": summary, "runs": runs}

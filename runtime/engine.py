@@ -10,19 +10,19 @@ One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> back
 (save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
 previous step's tokens, resolves them and emits its outputs while the device runs this step.
 
-Inputs come from the device-resident request table (runtime/request_table.py,
-runtime/table_prepare.py): each running request holds a row (block-table row, tokens computed,
-last token, state slot) from its placement to its finish or preemption; the host turns the
-`SchedulerOutput` into a small `TableStep` (rows, token counts, the token ids it knows, new
-rows' start and slot, new pages) and the `prepare` executable gathers the `ForwardBatch` on the
-device. Attention DP builds its rank-major batch on the host instead (runtime/data_parallel.py).
+Inputs come from the device-resident request table (runtime/request_table.py, table_prepare.py):
+a running request holds a row (block-table row, tokens computed, last token, state slot) from its
+placement to its finish or preemption; the host sends a small `TableStep` (rows, token counts,
+known token ids, new rows' start and slot, new pages) and the `prepare` executable gathers the
+`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/data_parallel.py).
 
 Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
 scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
 token step n samples; step n+1's `prepare` writes step n's device token array into the table's
 `last_token` rows and reads the placeholders from there (DP: `runtime.async_step`'s TokenFeed).
-A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
-at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
+A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that
+one extra token is dropped (never emitted or cached; its pages are freed at the stop). A length
+stop (`max_tokens`) is known without the token, so it costs nothing.
 Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
 penalties (the token-history matrices) — make the engine wait for the step in flight before it
 schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the

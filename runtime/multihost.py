@@ -387,7 +387,8 @@ class Follower:
     def __init__(self, engine, multihost):
         self.engine, self.multihost = engine, multihost
         self.caches, self.hidden = engine.caches, None
-        self.table, self.batch = getattr(engine, "table", None), None  # this process's request table and last prepared batch
+        # this process's own request table and the batch its last run_prepare gathered
+        self.table, self.batch = getattr(engine, "table", None), None
         self.last_tokens = None  # this process's tokens of the last sampling call (prev_tokens, TokenFeed)
         self.steps = 0
 
