@@ -3,7 +3,7 @@
     prepare[T](table, table_step, prev_tokens [max_num_seqs]) -> (table, batch)   the request table
     write_table(table, table_write) -> table                                    overflowing page writes
     backbone[T](params, caches, batch[, feed]) -> (caches, hidden [max_num_seqs, H])   caches donated
-    scoring_backbone[T](params, caches, batch[, feed], targets [T]) -> (caches, hidden, TokenScores [T])
+    scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
     greedy_backbone[T](params, caches, batch[, feed]) -> (caches, tokens [max_num_seqs])
     copy_states(caches, src, dst) -> caches                                     caches donated
@@ -37,14 +37,14 @@ target (the next prompt token, -1 where none is wanted) with log_softmax over th
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
 pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
 time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
-Such a step is padded to the largest token bucket: one scoring executable, not one per bucket.
+Such a step is prepared in the largest token bucket: one scoring executable, not one per bucket.
 
 The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
 logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
 fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
-without the grammar bitmask. `compile_all` compiles the prepare and backbone of every token bucket
-(and its greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with `every_variant` also the full
-samplers, the scoring backbone and `copy_states`, and then seals the set: a step that would
+without the grammar bitmask. `compile_all` compiles the prepare and the backbone of every token
+bucket (and its greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with
+`every_variant` also the full samplers, the scoring backbone and `copy_states`, and then seals the set: a step that would
 need anything else raises `CompileAfterStartup` instead of compiling in the serving loop.
 Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
 A step whose token count exceeds the largest bucket raises `BucketMiss`. JAX's persistent
