@@ -44,8 +44,9 @@ logit bias or logprobs in the step) or "full" (any of them: every feature matrix
 fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
 without the grammar bitmask. `compile_all` compiles the prepare and the backbone of every token
 bucket (and its greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with
-`every_variant` also the full samplers, the scoring backbone and `copy_states`, and then seals the set: a step that would
-need anything else raises `CompileAfterStartup` instead of compiling in the serving loop.
+`every_variant` also the full samplers, the scoring backbone and `copy_states`, and then seals
+the set: a step that would need anything else raises `CompileAfterStartup` instead of
+compiling in the serving loop.
 Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
 A step whose token count exceeds the largest bucket raises `BucketMiss`. JAX's persistent
 compilation cache makes a restart cheap (`enable_persistent_cache`).
