@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep, TableWrite
+from runtime.request_table import TableStep
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.step import TokenFeed
 
@@ -72,7 +72,7 @@ DEVICE_ARGS = frozenset({"params", "caches", "hidden", "table"})
 # Host values on the leader travel; device values (the batch the request table's prepare
 # gathered, the previous step's sampled tokens) travel as None: each process uses its own.
 OWN_IF_ON_DEVICE = ("batch", "prev_tokens")
-_DATACLASSES = {cls.__name__: cls for cls in (ForwardBatch, SamplingMetadata, TableStep, TableWrite)}
+_DATACLASSES = {cls.__name__: cls for cls in (ForwardBatch, SamplingMetadata, TableStep)}
 
 
 class DivergenceError(RuntimeError):

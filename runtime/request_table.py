@@ -7,18 +7,19 @@ or is preempted. Each step the host sends only what changed — a `TableStep` of
 token bucket — and the device gathers the step's `ForwardBatch` from the table itself
 (`StepExecutables.run_prepare`):
 
-    rows [S]          table row of each batch sequence; padding -> the null row (R)
-    num_new [S]       tokens the sequence feeds this step (0 for padding)
+    meta [5S + 3W]    rows [S]: table row of each batch sequence (padding: the null row R);
+                      num_new [S]: tokens it feeds; then the step's write (`split_write`):
+                      rows (re)placed this step — reset_rows, reset_start (tokens computed so
+                      far), reset_slot (state slot), [S] each; their block-table row is
+                      cleared — and block-table writes page_rows, page_cols, pages [W] each
+                      (row R + 1: nothing, dropped)
     host_tokens [T]   the token ids the host knows (prompt, recompute, resolved outputs); -1 where
                       the row's `last_token` (the previous step's sample, still on the device) goes
-    write             a `TableWrite`: rows (re)placed this step (row, tokens computed so far,
-                      state slot; their block-table row is cleared) and block-table writes
-                      (row, column, page) padded to W with row R + 1 (dropped)
 
 with S = max_num_seqs, R = max_num_seqs (the table has R + 1 rows, the last one the null row
 of padding sequences), T the token bucket and W = `page_write_width(T)`. A step whose page
 writes exceed W (placements with a long prefix hit) sends the overflow ahead of it in
-`TableWrite` chunks of the largest bucket's W (`StepExecutables.run_write_table`, one
+write chunks `[3S + 3W]` of the largest bucket's W (`StepExecutables.run_write_table`, one
 executable), the first carrying the resets.
 
 `RequestTableHost` mirrors what the device holds (per row: the request's allocation, tokens
@@ -27,7 +28,7 @@ scheduler disagree about a row (a preempted request readmitted, a new allocation
 reset, which also keeps a failed step from leaving a wrong row behind. Plain numpy, no JAX.
 
     table = RequestTableHost(max_num_seqs=16, page_size=16, max_num_tokens=512)
-    step, writes = table.plan(scheduler_output, token_bucket)   # TableStep, [TableWrite] (overflow)
+    step, writes = table.plan(scheduler_output, token_bucket)   # TableStep, [write chunk] (overflow)
     table.sweep()                                       # free the rows of ended requests
 """
 
@@ -42,25 +43,24 @@ from runtime.scheduler import SchedulerOutput
 
 
 @dataclass
-class TableWrite:
-    """Row placements and block-table writes (numpy; fixed shapes [S] and [W])."""
-
-    reset_rows: np.ndarray  # [S] i32: rows (re)placed, R + 1 for none (dropped)
-    reset_start: np.ndarray  # [S] i32: their tokens already computed (prefix hit, P/D load)
-    reset_slot: np.ndarray  # [S] i32: their state slot
-    page_rows: np.ndarray  # [W] i32, R + 1 for padding (dropped)
-    page_cols: np.ndarray  # [W] i32
-    pages: np.ndarray  # [W] i32
-
-
-@dataclass
 class TableStep:
-    """One step's update of the device table and what the device gathers the batch from."""
+    """One step's update of the device table and what the device gathers the batch from: two
+    int32 host arrays, so a step costs two small transfers.
 
-    rows: np.ndarray  # [S] i32, NULL row (R) for padding sequences
-    num_new: np.ndarray  # [S] i32
-    host_tokens: np.ndarray  # [T] i32, -1: the row's last_token
-    write: TableWrite
+    meta [5S + 3W]: rows [S] (padding: the null row R), num_new [S], then the step's write
+    (`split_write`); host_tokens [T]: -1 where the row's `last_token` stands."""
+
+    meta: np.ndarray
+    host_tokens: np.ndarray
+
+
+def split_write(write, num_seqs: int) -> tuple:
+    """A write [3S + 3W] (numpy or jax) -> (reset_rows [S], reset_start [S], reset_slot [S],
+    page_rows [W], page_cols [W], pages [W]). Rows R + 1 mark nothing (dropped)."""
+    S = num_seqs
+    W = (write.shape[0] - 3 * S) // 3
+    return tuple(write[a:b] for a, b in zip((0, S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W),
+                                            (S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W, 3 * S + 3 * W)))
 
 
 @dataclass
@@ -105,15 +105,16 @@ class RequestTableHost:
         self._rows[row] = None
         self._free.append(row)
 
-    def plan(self, out: SchedulerOutput, num_tokens: int) -> tuple[TableStep, list[TableWrite]]:
-        """`out` as a table update in token bucket `num_tokens` -> (step, writes to apply before
-        it: empty unless its page writes overflow W; then the first one carries the resets)."""
+    def plan(self, out: SchedulerOutput, num_tokens: int) -> tuple[TableStep, list[np.ndarray]]:
+        """`out` as a table update in token bucket `num_tokens` -> (step, writes [3S + 3W'] to
+        apply before it: none unless its page writes overflow W; then the first carries the resets)."""
         self.sweep()
-        S, T, drop = self.num_rows, num_tokens, self.null_row + 1
-        rows = np.full(S, self.null_row, np.int32)
-        num_new = np.zeros(S, np.int32)
-        resets = np.zeros((3, S), np.int32)
-        resets[0] = drop
+        S, T = self.num_rows, num_tokens
+        width = page_write_width(T, S, self.page_size)
+        meta = np.zeros(5 * S + 3 * width, np.int32)
+        rows, num_new, write = meta[:S], meta[S : 2 * S], meta[2 * S :]
+        rows[:] = self.null_row
+        resets = self._blank(write, width)
         tokens: list[int] = []
         writes: list[tuple[int, int, int]] = []
         for i, seq in enumerate(out.sequences):
@@ -131,23 +132,31 @@ class RequestTableHost:
             tokens.extend(ids)
         host_tokens = np.zeros(T, np.int32)
         host_tokens[: len(tokens)] = tokens
-        width = page_write_width(T, S, self.page_size)
         overflow = max(len(writes) - width, 0)
-        extra = [self._write(resets if start == 0 else None, writes[start : min(start + self.overflow_width, overflow)],
-                             self.overflow_width) for start in range(0, overflow, self.overflow_width)]
-        step_write = self._write(None if extra else resets, writes[overflow:], width)
-        return TableStep(rows, num_new, host_tokens, step_write), extra
+        extra = []
+        for start in range(0, overflow, self.overflow_width):
+            chunk = np.zeros(3 * S + 3 * self.overflow_width, np.int32)
+            chunk_resets = self._blank(chunk, self.overflow_width)
+            if start == 0:  # the resets go first: they clear the rows the pages are written to
+                chunk_resets[:] = resets
+                self._blank(write, width)
+            self._fill_pages(chunk, writes[start : min(start + self.overflow_width, overflow)])
+            extra.append(chunk)
+        self._fill_pages(write, writes[overflow:])
+        return TableStep(meta, host_tokens), extra
 
-    def _write(self, resets: np.ndarray | None, writes: list[tuple[int, int, int]], width: int) -> TableWrite:
-        drop = self.null_row + 1
-        if resets is None:
-            resets = np.zeros((3, self.num_rows), np.int32)
-            resets[0] = drop
-        pages = np.zeros((3, width), np.int32)
-        pages[0] = drop
+    def _blank(self, write: np.ndarray, width: int) -> np.ndarray:
+        """Mark a write buffer empty (rows R + 1, dropped); -> its resets view [3, S]."""
+        S = self.num_rows
+        write[:] = 0
+        write[:S] = write[3 * S : 3 * S + width] = self.null_row + 1
+        return write[: 3 * S].reshape(3, S)
+
+    def _fill_pages(self, write: np.ndarray, writes: list[tuple[int, int, int]]) -> None:
         if writes:
+            width = (write.shape[0] - 3 * self.num_rows) // 3
+            pages = write[3 * self.num_rows :].reshape(3, width)
             pages[:, : len(writes)] = np.asarray(writes, np.int32).T
-        return TableWrite(*resets, *pages)
 
     def _place(self, seq) -> tuple[int, _Row, bool]:
         """(row, mirror, whether the row is (re)placed this step) of a scheduled sequence."""

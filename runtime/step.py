@@ -71,7 +71,7 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.request_table import TableStep, TableWrite, page_write_width
+from runtime.request_table import TableStep, page_write_width
 from runtime.table_prepare import RequestTable, apply_write, init_table, prepare
 from runtime.sampler import sample, score_tokens
 from runtime.sampling_metadata import SamplingMetadata, pow2_bucket
@@ -270,16 +270,13 @@ class StepExecutables:
         """An empty request table (every row free) on the device."""
         return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
 
-    def _table_write_spec(self, T: int) -> TableWrite:
-        S, W = self.max_num_seqs, page_write_width(T, self.max_num_seqs, self.page_size)
-        return TableWrite(*(self._host_spec((S,), jnp.int32) for _ in range(3)),
-                          *(self._host_spec((W,), jnp.int32) for _ in range(3)))
+    def _table_write_width(self, T: int) -> int:
+        """3S + 3W: a write (runtime/request_table.py) of token bucket T."""
+        return 3 * self.max_num_seqs + 3 * page_write_width(T, self.max_num_seqs, self.page_size)
 
     def _table_step_spec(self, T: int) -> TableStep:
-        S = self.max_num_seqs
-        i32 = jnp.int32
-        return TableStep(rows=self._host_spec((S,), i32), num_new=self._host_spec((S,), i32),
-                         host_tokens=self._host_spec((T,), i32), write=self._table_write_spec(T))
+        meta = 2 * self.max_num_seqs + self._table_write_width(T)
+        return TableStep(meta=self._host_spec((meta,), jnp.int32), host_tokens=self._host_spec((T,), jnp.int32))
 
     def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
                    bias: int = 0) -> SamplingMetadata:
@@ -326,7 +323,7 @@ class StepExecutables:
         self._check_unsealed("write_table")
         t0 = time.perf_counter()
         table = jax.tree.map(self._specs, self.new_table())
-        spec = self._table_write_spec(self.token_buckets[-1])
+        spec = self._host_spec((self._table_write_width(self.token_buckets[-1]),), jnp.int32)
         self._write_table = self._write_table_jit.trace(table, spec).lower().compile()
         self.compile_seconds["write_table"] = time.perf_counter() - t0
         return self._write_table
@@ -417,7 +414,7 @@ class StepExecutables:
             exe = self._compile_prepare(T)
         return exe(table, step, prev_tokens)
 
-    def run_write_table(self, table: RequestTable, write: TableWrite) -> RequestTable:
+    def run_write_table(self, table: RequestTable, write: np.ndarray) -> RequestTable:
         """Page writes that overflow a step's own (see runtime/request_table.py)."""
         return (self._write_table or self._compile_write_table())(table, write)
 

@@ -6,7 +6,7 @@
 `prepare` is vLLM Model Runner V2's prepare-inputs kernel as one small XLA program: it writes
 the previous step's sampled tokens (`prev_tokens [max_num_seqs]`, by that step's batch position)
 into the `last_token` of the rows that step ran (`step_rows`, kept in the table), applies the
-step's `TableWrite` (row resets, then block-table writes), gathers the step's `ForwardBatch`
+step's write (row resets, then block-table writes), gathers the step's `ForwardBatch`
 from the table, and advances `num_computed` of every row in the step. The result equals
 `runtime.inputs.build_batch` of the same `SchedulerOutput` (tests/test_request_table.py).
 
@@ -23,12 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep, TableWrite
+from runtime.request_table import TableStep, split_write
 
-jax.tree_util.register_dataclass(TableWrite, data_fields=[f.name for f in dataclasses.fields(TableWrite)],
-                                 meta_fields=[])
-jax.tree_util.register_dataclass(TableStep, data_fields=[f.name for f in dataclasses.fields(TableStep)],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(TableStep, data_fields=["meta", "host_tokens"], meta_fields=[])
 
 
 @jax.tree_util.register_dataclass
@@ -51,23 +48,24 @@ def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> Req
     return table if sharding is None else jax.device_put(table, sharding)
 
 
-def apply_write(table: RequestTable, write: TableWrite) -> RequestTable:
-    """Row resets (tokens computed, state slot, a cleared block-table row), then page writes."""
-    r = write.reset_rows
+def apply_write(table: RequestTable, write: jax.Array) -> RequestTable:
+    """write [3S + 3W] (`runtime.request_table.split_write`): row resets (tokens computed, state
+    slot, a cleared block-table row), then page writes."""
+    r, start, slot, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
     block_tables = table.block_tables.at[r].set(0, mode="drop")
-    block_tables = block_tables.at[write.page_rows, write.page_cols].set(write.pages, mode="drop")
+    block_tables = block_tables.at[page_rows, page_cols].set(pages, mode="drop")
     return dataclasses.replace(table, block_tables=block_tables,
-                               num_computed=table.num_computed.at[r].set(write.reset_start, mode="drop"),
-                               state_slot=table.state_slot.at[r].set(write.reset_slot, mode="drop"))
+                               num_computed=table.num_computed.at[r].set(start, mode="drop"),
+                               state_slot=table.state_slot.at[r].set(slot, mode="drop"))
 
 
 def prepare(table: RequestTable, step: TableStep, prev_tokens: jax.Array, *, page_size: int
             ) -> tuple[RequestTable, ForwardBatch]:
     """-> (the table after the step, the step's ForwardBatch). prev_tokens [max_num_seqs] i32."""
+    S, T = table.step_rows.shape[0], step.host_tokens.shape[0]
     last_token = table.last_token.at[table.step_rows].set(prev_tokens)  # padding -> the null row
-    table = apply_write(dataclasses.replace(table, last_token=last_token), step.write)
-    rows, num_new = step.rows, step.num_new  # [S]
-    S, T = rows.shape[0], step.host_tokens.shape[0]
+    table = apply_write(dataclasses.replace(table, last_token=last_token), step.meta[2 * S :])
+    rows, num_new = step.meta[:S], step.meta[S : 2 * S]  # [S]
     live = num_new > 0
     start = table.num_computed[rows]  # [S]
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new, dtype=jnp.int32)])  # [S+1]
