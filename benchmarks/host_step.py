@@ -19,6 +19,8 @@ Per step (timers wrapped around the engine's own methods, so both trees are meas
   schedule_ms      `Scheduler.schedule`
   dispatch_ms      `LLMEngine._dispatch`: building the inputs + enqueueing the executables
   rest_ms          host_ms - schedule_ms - dispatch_ms: commit, emit, detokenize, bookkeeping
+  *_p50            the median over the steps of a run instead of the mean (spikes of a shared
+                   machine hit the mean)
 The summary holds each tree's median over the repeats and table/main ratios, plus the load
 average before and after. With `--profile`, one child per tree runs the decode workload under
 cProfile and the parent writes each tree's top functions (cumulative and own time).
@@ -35,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-KEYS = ("step_ms", "wait_ms", "host_ms", "schedule_ms", "dispatch_ms", "rest_ms", "tokens_per_s")
+KEYS = ("step_ms", "wait_ms", "host_ms", "schedule_ms", "dispatch_ms", "rest_ms", "tokens_per_s", "host_ms_p50",
+        "dispatch_ms_p50", "step_ms_p50")
 
 
 # ---- child: one engine, timed ---------------------------------------------------------------------
@@ -75,15 +78,19 @@ def serve(engine, requests, tag: str) -> dict:
 
     timers = Timers(engine)
     steps, step_time, tokens = 0, 0.0, 0
+    per_step = []  # (step, wait, schedule, dispatch) seconds of each step
     try:
         t_start = time.perf_counter()
         for i, r in enumerate(requests):
             engine.add_request(EngineRequest(f"{tag}{i}", list(r.prompt_ids),
                                              SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)))
         while engine.has_unfinished():
+            before = dict(timers.totals)
             t0 = time.perf_counter()
             outs = engine.step()
-            step_time += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            step_time += dt
+            per_step.append((dt, *(timers.totals[k] - before[k] for k in ("wait", "schedule", "dispatch"))))
             steps += 1
             tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         elapsed = time.perf_counter() - t_start
@@ -94,7 +101,11 @@ def serve(engine, requests, tag: str) -> dict:
     host = step_time - t["wait"]
     return {"steps": steps, "step_ms": per(step_time), "wait_ms": per(t["wait"]), "host_ms": per(host),
             "schedule_ms": per(t["schedule"]), "dispatch_ms": per(t["dispatch"]),
-            "rest_ms": per(host - t["schedule"] - t["dispatch"]), "tokens_per_s": tokens / elapsed}
+            "rest_ms": per(host - t["schedule"] - t["dispatch"]), "tokens_per_s": tokens / elapsed,
+            # medians over the steps: robust to the spikes of a shared machine
+            "host_ms_p50": 1e3 * statistics.median(d - w for d, w, _, _ in per_step),
+            "dispatch_ms_p50": 1e3 * statistics.median(x for _, _, _, x in per_step),
+            "step_ms_p50": 1e3 * statistics.median(d for d, _, _, _ in per_step)}
 
 
 def workloads(vocab_size: int, seqs: int) -> dict:
@@ -178,8 +189,8 @@ def main(argv=None) -> dict:
     if len(trees) == 2:
         base, new = list(trees)
         result["ratio_new_over_base"] = {
-            seqs: {w: {k: summary[new][seqs][w][k] / summary[base][seqs][w][k] for k in ("host_ms", "step_ms",
-                                                                                      "dispatch_ms", "tokens_per_s")}
+            seqs: {w: {k: summary[new][seqs][w][k] / summary[base][seqs][w][k]
+                       for k in ("host_ms", "host_ms_p50", "dispatch_ms", "dispatch_ms_p50", "step_ms", "tokens_per_s")}
                    for w in ("decode", "mixed")} for seqs in summary[base]}
     if args.profile:
         with open(args.profile, "w") as f:
