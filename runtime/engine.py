@@ -373,9 +373,9 @@ class LLMEngine:
             batch = self.dp.build_batch(out)
             return batch, self._token_feed(out, batch), prompt_targets(out, batch.input_ids.shape[0])
         ex, T_max = self.executables, self.token_buckets[-1]
+        T = bucket_for(max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
         targets = prompt_targets(out, T_max)
-        T = T_max if targets is not None else bucket_for(
-            max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
+        T = T_max if targets is not None else T
         step, writes = self.request_table.plan(out, T)
         table = self.table
         for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
