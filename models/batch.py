@@ -1,7 +1,8 @@
 """ForwardBatch: the flat, padded, ragged batch one model step consumes (see docs/interfaces.md).
 
-Built on the host by runtime/inputs.py; every field is an array so one bucket of shapes maps to
-exactly one compiled executable.
+Gathered on the device from the request table (runtime/table_prepare.py) on the one-rank and
+tensor-parallel paths, built on the host by runtime/inputs.py under attention data parallelism;
+every field is an array so one bucket of shapes maps to exactly one compiled executable.
 """
 
 from __future__ import annotations

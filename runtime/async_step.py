@@ -2,12 +2,15 @@
 
 Asynchronous scheduling keeps one step in flight: step n+1 is scheduled, built and dispatched
 while step n runs, each of its rows that continues a request of step n feeding a placeholder
-(`runtime.request.PLACEHOLDER_TOKEN`) that the backbone replaces on the device with step n's
-sampled token (`runtime.step.TokenFeed`: a gather from step n's token array, never a host
-read). Only then does the host wait for step n's tokens, resolve the placeholders and emit.
+(`runtime.request.PLACEHOLDER_TOKEN`) that the device replaces with step n's sampled token,
+never a host read: the request table's `prepare` writes step n's token array (`sampled.tokens`)
+into the rows step n ran and reads a placeholder row's `last_token` (runtime/table_prepare.py);
+attention DP's host-built batch gathers it through a `runtime.step.TokenFeed` whose rows
+`feed_rows` computes. Only then does the host wait for step n's tokens, resolve the
+placeholders and emit.
 
     step = InFlightStep(out, sampled, scores, placed)   # placed: Scheduler.update_with_placeholders
-    rows = step.feed_rows(next_out, T, batch.logits_indices)  # [T] i32 for the next step's TokenFeed
+    rows = step.feed_rows(next_out, T, batch.logits_indices)  # attention DP: [T] i32 for its TokenFeed
     step.resolve()                                       # host copy of the tokens (waits once)
 
 Plain host code: numpy only (the device arrays are held, never computed on, here).

@@ -109,7 +109,10 @@ def stack_rank_caches(caches: dict, size: int, mesh) -> dict:
 
 class DataParallelExecutables(StepExecutables):
     """`StepExecutables` over the flat DP batch: token buckets are D x the per-rank buckets, the
-    sampled rows up to D x max_num_seqs; copy_states takes (rank, src, dst) triples."""
+    sampled rows up to D x max_num_seqs; copy_states takes (rank, src, dst) triples. The batch is
+    built on the host (no request table), so placeholders come through the TokenFeed."""
+
+    token_feed = True
 
     def __init__(self, model, caches, opts, *, size: int, token_buckets, seq_buckets, max_num_seqs: int,
                  max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,

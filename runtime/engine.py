@@ -6,16 +6,23 @@
         for out in engine.step():   # cumulative RequestOutputs of requests that advanced
             ...
 
-One `step()` = schedule -> build inputs -> (restore state checkpoints) -> backbone ->
+One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> backbone ->
 (save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
 previous step's tokens, resolves them and emits its outputs while the device runs this step.
 
+Inputs come from the device-resident request table (runtime/request_table.py, table_prepare.py):
+a running request holds a row (block-table row, tokens computed, last token, state slot) from its
+placement to its finish or preemption; the host sends a small `TableStep` (rows, token counts,
+known token ids, new rows' start and slot, new pages) and the `prepare` executable gathers the
+`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/data_parallel.py).
+
 Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
 scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
-token step n samples; the backbone reads the real tokens from step n's device array
-(`runtime.async_step`). A request that step n stops (EOS, stop token, stop string) may already
-be in step n+1: that one extra token is dropped (never emitted or cached; its pages are freed
-at the stop). A length stop (`max_tokens`) is known without the token, so it costs nothing.
+token step n samples; step n+1's `prepare` writes step n's device token array into the table's
+`last_token` rows and reads the placeholders from there (DP: `runtime.async_step`'s TokenFeed).
+A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that
+one extra token is dropped (never emitted or cached; its pages are freed at the stop). A length
+stop (`max_tokens`) is known without the token, so it costs nothing.
 Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
 penalties (the token-history matrices) — make the engine wait for the step in flight before it
 schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the
@@ -26,7 +33,8 @@ detokenized while the device runs).
 
 Failures stay local: a step that raises (in input building, dispatch or on the device) ends
 only the requests scheduled in it, each with an output whose `error` is set and whose
-finish_reason is "error"; their pages and slots are freed and the next `step()` serves the
+finish_reason is "error"; their pages, slots and table rows are freed (a row is reset when it
+is placed again, so a failed step leaves nothing wrong behind) and the next `step()` serves the
 rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
 device can be trusted any more, and the owner must exit), and so are
 MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.
@@ -50,17 +58,17 @@ from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.async_step import InFlightStep, no_feed_rows
-from runtime.buckets import pages_for, seq_bucket
+from runtime.buckets import bucket_for, pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
 from runtime.exec_plan import ExecutionPlan, plan_execution
-from runtime.inputs import build_batch
 from runtime.kv_transfer.hooks import build_kv_transfer
 from runtime.mesh import make_mesh
 from runtime.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.request import Request
+from runtime.request_table import RequestTableHost
 from runtime.sampler import SamplerOutput
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import Scheduler, SchedulerOutput
@@ -156,10 +164,14 @@ class LLMEngine:
         self.executables = StepExecutables(
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
-            fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len)
+            fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len, page_size=page_size)
+        # the device-resident request table (runtime/request_table.py); attention DP builds host batches
+        self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1])
+        self.table = self.executables.new_table()
         self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
             self.dp = enable_data_parallel(self, dp_size, self.plan.fuse_greedy)
+            self.request_table = self.table = None
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
@@ -177,7 +189,7 @@ class LLMEngine:
         self._consecutive_failures = 0
         self._prev: InFlightStep | None = None  # the step whose outputs are not emitted yet
         self.async_scheduling = config.async_scheduling
-        self._no_prev_tokens = np.zeros(self.executables.max_num_seqs, np.int32)  # TokenFeed of a step feeding nothing
+        self._no_prev_tokens = np.zeros(self.executables.max_num_seqs, np.int32)  # prev_tokens of a step after none
         self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
 
     @property
@@ -263,6 +275,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
+        stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
         return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -297,6 +310,8 @@ class LLMEngine:
             outputs += self._fail_step(out, failure)
         elif not out.is_empty:
             self._consecutive_failures = 0
+        if self.request_table is not None:
+            self.request_table.sweep()  # rows of requests ended in this step are free when idle
         return outputs
 
     def _must_resolve_first(self, prev: InFlightStep) -> bool:
@@ -342,6 +357,8 @@ class LLMEngine:
             output = self._output(req, finished=True)
             output.error = f"the engine step failed ({type(err).__name__})"
             outputs.append(output)
+        if self.request_table is not None:
+            self.request_table.sweep()
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
             raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
         self._consecutive_failures += 1
@@ -349,8 +366,26 @@ class LLMEngine:
             raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
         return outputs
 
+    def _step_inputs(self, out: SchedulerOutput):
+        """-> (batch, TokenFeed or None, prompt-logprob targets or None): gathered on the device by
+        the request table's prepare (scoring: largest bucket); attention DP: host-built + TokenFeed."""
+        if self.dp is not None:
+            batch = self.dp.build_batch(out)
+            return batch, self._token_feed(out, batch), prompt_targets(out, batch.input_ids.shape[0])
+        ex, T_max = self.executables, self.token_buckets[-1]
+        T = bucket_for(max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
+        targets = prompt_targets(out, T_max)
+        T = T_max if targets is not None else T
+        step, writes = self.request_table.plan(out, T)
+        table = self.table
+        for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
+            table = ex.run_write_table(table, write)
+        prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
+        self.table, batch = ex.run_prepare(table, step, prev_tokens)
+        return batch, None, targets
+
     def _token_feed(self, out: SchedulerOutput, batch) -> TokenFeed:
-        """Where `out`'s placeholder rows read their tokens: the in-flight step's device array."""
+        """Attention DP: where `out`'s placeholder rows read their tokens (the in-flight step's device array)."""
         prev, num_token_rows = self._prev, batch.input_ids.shape[0]
         if prev is None or prev.resolved:
             return TokenFeed(self._no_prev_tokens, no_feed_rows(num_token_rows))
@@ -358,15 +393,9 @@ class LLMEngine:
 
     def _dispatch(self, out: SchedulerOutput):
         self.num_steps += 1
-        if self.dp is not None:  # one equally padded slice per DP rank
-            batch = self.dp.build_batch(out)
-        else:
-            batch = build_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.config.max_num_seqs,
-                                max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.config.page_size)
-        feed = self._token_feed(out, batch)
+        batch, feed, targets = self._step_inputs(out)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        targets = prompt_targets(out, batch.input_ids.shape[0])
         plain_greedy = (targets is None and batch.input_ids.shape[0] in ex.greedy_buckets
                         and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
@@ -377,7 +406,7 @@ class LLMEngine:
         if plain_greedy:
             self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch, feed)
         elif targets is not None:
-            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, feed, targets)
+            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
         else:
             self.caches, hidden = ex.run_backbone(params, self.caches, batch, feed)
         if self.kv_transfer is not None:

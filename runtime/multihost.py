@@ -9,10 +9,12 @@
 One SPMD step over a mesh that spans several processes is N programs, one per process, that
 must be launched in the same order with the same arguments: the collectives inside them pair up.
 The leader's `StepExecutables` are wrapped (`LeaderExecutables`): before each call
-(`run_backbone`, `run_greedy_backbone`, `run_scoring_backbone`, `run_sampler`, `copy_states`) its
-host arguments (the `ForwardBatch`, sampling metadata, prompt targets, bitmask, slot pairs) go to
+(`run_write_table`, `run_prepare`, `run_backbone`, `run_greedy_backbone`, `run_scoring_backbone`,
+`run_sampler`, `copy_states`) its host arguments (the request table's `TableStep`, sampling
+metadata, prompt targets, bitmask, slot pairs; attention DP's host-built `ForwardBatch`) go to
 every follower in one frame over TCP; the follower runs the same method of its own executables
-with its own device arrays (`params`, `caches`, the last backbone's `hidden`). Why not
+with its own device arrays (`params`, `caches`, its own request table, the batch its own
+`run_prepare` gathered, the last backbone's `hidden`, its last sampled tokens). Why not
 `multihost_utils.broadcast_one_to_all` or the same scheduler on every process: docs/scaling.md.
 
 Frame (leader -> follower): u32 header length, JSON header {seq, op, args, digest}, then the raw
@@ -44,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
+from runtime.request_table import TableStep
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.step import TokenFeed
 
@@ -57,14 +60,19 @@ EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED = 1, 2, 3
 # method -> its argument names in order. params / caches / hidden are each process's own device
 # arrays; every other argument is a host value the leader sends.
 STEP_METHODS = {
+    "run_write_table": ("table", "write"),
+    "run_prepare": ("table", "step", "prev_tokens"),
     "run_backbone": ("params", "caches", "batch", "feed"),
     "run_greedy_backbone": ("params", "caches", "batch", "feed"),
-    "run_scoring_backbone": ("params", "caches", "batch", "feed", "targets"),
+    "run_scoring_backbone": ("params", "caches", "batch", "targets"),
     "run_sampler": ("params", "hidden", "meta", "num_logprobs", "all_greedy", "bitmask"),
     "copy_states": ("caches", "pairs"),
 }
-DEVICE_ARGS = frozenset({"params", "caches", "hidden"})
-_DATACLASSES = {cls.__name__: cls for cls in (ForwardBatch, SamplingMetadata)}
+DEVICE_ARGS = frozenset({"params", "caches", "hidden", "table"})
+# Host values on the leader travel; device values (the batch the request table's prepare
+# gathered, the previous step's sampled tokens) travel as None: each process uses its own.
+OWN_IF_ON_DEVICE = ("batch", "prev_tokens")
+_DATACLASSES = {cls.__name__: cls for cls in (ForwardBatch, SamplingMetadata, TableStep)}
 
 
 class DivergenceError(RuntimeError):
@@ -176,6 +184,11 @@ def _tokens_of(method: str, result):
     return None
 
 
+def _on_host(value) -> bool:
+    """A numpy value (or a ForwardBatch of them) that the leader sends as it is."""
+    return isinstance(value.input_ids if isinstance(value, ForwardBatch) else value, (np.ndarray, np.generic))
+
+
 # ---- leader -------------------------------------------------------------------------------------
 class LeaderExecutables:
     """The leader's `StepExecutables`, each step method first sent to every follower."""
@@ -191,8 +204,11 @@ class LeaderExecutables:
         def broadcast_then_call(*args, **kwargs):
             bound = {**dict(zip(STEP_METHODS[name], args)), **kwargs}
             host = {k: v for k, v in bound.items() if k not in DEVICE_ARGS}
-            if "feed" in host:  # asynchronous scheduling's TokenFeed: only its host rows travel, the
+            if host.get("feed") is not None:  # attention DP's TokenFeed: only its host rows travel, the
                 host["feed"] = np.asarray(host["feed"].rows)  # tokens are each process's own last ones
+            for name_ in OWN_IF_ON_DEVICE:
+                if name_ in host and not _on_host(host[name_]):
+                    host[name_] = None
             seq = self._leader.send(name, host)
             with self._leader.running(seq):
                 result = attr(*args, **kwargs)
@@ -371,7 +387,9 @@ class Follower:
     def __init__(self, engine, multihost):
         self.engine, self.multihost = engine, multihost
         self.caches, self.hidden = engine.caches, None
-        self.last_tokens = None  # this process's tokens of the last sampling call (the TokenFeed source)
+        # this process's own request table and the batch its last run_prepare gathered
+        self.table, self.batch = getattr(engine, "table", None), None
+        self.last_tokens = None  # this process's tokens of the last sampling call (prev_tokens, TokenFeed)
         self.steps = 0
 
     def follow(self) -> int:
@@ -444,18 +462,28 @@ class Follower:
             if tokens is not None:
                 self._send(sock, {"seq": self.steps, "tokens": tokens_digest(tokens)})
 
+    def _prev_tokens(self):
+        return self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens
+
     def run(self, op: str, args: dict):
         """One of the leader's executable calls, with this process's own device arrays."""
-        own = {"params": self.engine.model.params, "caches": self.caches, "hidden": self.hidden}
+        own = {"params": self.engine.model.params, "caches": self.caches, "hidden": self.hidden, "table": self.table}
         names = STEP_METHODS[op]
-        if "feed" in args:  # the leader's rows over this process's own previous tokens (same values: checked)
-            prev = self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens
-            args = {**args, "feed": TokenFeed(prev, args["feed"])}
+        if args.get("feed") is not None:  # the leader's rows over this process's own previous tokens (checked)
+            args = {**args, "feed": TokenFeed(self._prev_tokens(), args["feed"])}
+        if "batch" in args and args["batch"] is None:  # prepared on the device: this process's own
+            args = {**args, "batch": self.batch}
+        if "prev_tokens" in args and args["prev_tokens"] is None:
+            args = {**args, "prev_tokens": self._prev_tokens()}
         result = getattr(self.engine.executables, op)(**{n: own[n] for n in names if n in DEVICE_ARGS}, **args)
         tokens = _tokens_of(op, result)
         if tokens is not None:
             self.last_tokens = tokens
-        if op == "copy_states":
+        if op == "run_prepare":
+            self.table, self.batch = result
+        elif op == "run_write_table":
+            self.table = result
+        elif op == "copy_states":
             self.caches = result
         elif op in ("run_backbone", "run_scoring_backbone"):
             self.caches, self.hidden = result[0], result[1]

@@ -1,17 +1,26 @@
 """The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
 
-    backbone[T](params, caches, batch, feed) -> (caches, hidden [max_num_seqs, H])   caches donated
-    scoring_backbone[T](params, caches, batch, feed, targets [T]) -> (caches, hidden, TokenScores [T])
+    prepare[T](table, table_step, prev_tokens [max_num_seqs]) -> (table, batch)   the request table
+    write_table(table, table_write) -> table                                    overflowing page writes
+    backbone[T](params, caches, batch[, feed]) -> (caches, hidden [max_num_seqs, H])   caches donated
+    scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
-    greedy_backbone[T](params, caches, batch, feed) -> (caches, tokens [max_num_seqs])
+    greedy_backbone[T](params, caches, batch[, feed]) -> (caches, tokens [max_num_seqs])
     copy_states(caches, src, dst) -> caches                                     caches donated
 
-`feed` is the device token feed of asynchronous scheduling (`TokenFeed`): the previous step's
-sampled tokens [max_num_seqs] as they lie on the device, and for each token row the row of
-that array it takes (-1: keep `batch.input_ids`). A step planned while the previous one still
-ran has placeholder ids in its host `input_ids`; the backbone gathers the real tokens on the
-device, so the host never waits for them. Every step's sampled tokens come out padded to
-`max_num_seqs` rows (the greedy backbone's and the sampler's alike) so one feed shape serves.
+The step's `ForwardBatch` is gathered on the device from the request table
+(`runtime.table_prepare`, `runtime.request_table`): `prepare` takes the host's small
+`TableStep` (table rows, token counts, the token ids the host knows, row resets and page
+writes) and the previous step's sampled tokens as they lie on the device, and returns the
+batch the backbone consumes; the host never builds or transfers the per-token and per-sequence
+arrays, and a step planned while the previous one still ran reads that step's tokens (its
+placeholders) from the table. Every step's sampled tokens come out padded to `max_num_seqs`
+rows (the greedy backbone's and the sampler's alike) so one `prev_tokens` shape serves.
+
+Attention data parallelism (`DataParallelExecutables`, `token_feed = True`) builds its
+rank-major batch on the host instead and keeps `feed`, the device token feed of asynchronous
+scheduling (`TokenFeed`): the previous step's sampled tokens [max_num_seqs] and, for each token
+row, the row of that array it takes (-1: keep `batch.input_ids`).
 
 `greedy_backbone` (with `fuse_greedy=True`) is the backbone with the argmax of the logits
 fused in: the step of a batch whose every request is plain greedy (temperature 0, no
@@ -28,15 +37,16 @@ target (the next prompt token, -1 where none is wanted) with log_softmax over th
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
 pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
 time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
-Such a step is padded to the largest token bucket: one scoring executable, not one per bucket.
+Such a step is prepared in the largest token bucket: one scoring executable, not one per bucket.
 
 The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
 logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
 fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
-without the grammar bitmask. `compile_all` compiles the backbone of every token bucket (and its
-greedy twin with `fuse_greedy`) and the plain samplers; with `every_variant` also the full
-samplers, the scoring backbone and `copy_states`, and then seals the set: a step that would
-need anything else raises `CompileAfterStartup` instead of compiling in the serving loop.
+without the grammar bitmask. `compile_all` compiles the prepare and the backbone of every token
+bucket (and its greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with
+`every_variant` also the full samplers, the scoring backbone and `copy_states`, and then seals
+the set: a step that would need anything else raises `CompileAfterStartup` instead of
+compiling in the serving loop.
 Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
 A step whose token count exceeds the largest bucket raises `BucketMiss`. JAX's persistent
 compilation cache makes a restart cheap (`enable_persistent_cache`).
@@ -45,6 +55,7 @@ compilation cache makes a restart cheap (`enable_persistent_cache`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -60,6 +71,8 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
+from runtime.request_table import TableStep, page_write_width
+from runtime.table_prepare import RequestTable, apply_write, init_table, prepare
 from runtime.sampler import sample, score_tokens
 from runtime.sampling_metadata import SamplingMetadata, pow2_bucket
 from runtime.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
@@ -146,9 +159,11 @@ def _sharded_spec(x):
 
 
 class StepExecutables:
+    token_feed = False  # the backbones take a TokenFeed (host-built batches: attention DP) instead of the table
+
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
                  max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
-                 max_model_len: int | None = None, forward_fn=forward):
+                 max_model_len: int | None = None, forward_fn=forward, page_size: int = 16):
         # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/data_parallel.py)
         forward = forward_fn
         self.model, self.opts = model, opts
@@ -171,8 +186,15 @@ class StepExecutables:
         self._scoring_backbones: dict[int, object] = {}
         self._samplers: dict[tuple, object] = {}
         self._copy = None  # compiled copy_states (every_variant), else the jit compiles it lazily
+        self.page_size = page_size
+        self._prepares: dict[int, object] = {}
+        self._write_table = None
         self.compile_seconds: dict[str, float] = {}
         cfg = model.cfg
+
+        pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
+        self._prepare_jit = jax.jit(functools.partial(prepare, page_size=page_size), **pinned)
+        self._write_table_jit = jax.jit(apply_write, **pinned)
 
         def backbone(params, caches, batch, feed=None):
             hidden, caches = forward(params, caches, feed_tokens(batch, feed), cfg=cfg, opts=opts)
@@ -189,10 +211,10 @@ class StepExecutables:
 
         self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
 
-        def scoring_backbone(params, caches, batch, feed, targets):
+        def scoring_backbone(params, caches, batch, targets):
             S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
             rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
-            batch = dataclasses.replace(feed_tokens(batch, feed), logits_indices=rows)
+            batch = dataclasses.replace(batch, logits_indices=rows)
             hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
             return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
 
@@ -238,9 +260,23 @@ class StepExecutables:
             state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
             num_seqs=spec((), i32), logits_indices=spec((S,), i32))
 
-    def _feed_spec(self, T: int) -> TokenFeed:
+    def _feed_spec(self, T: int) -> TokenFeed | None:
+        if not self.token_feed:
+            return None
         return TokenFeed(prev_tokens=self._host_spec((self.max_num_seqs,), jnp.int32),
                          rows=self._host_spec((T,), jnp.int32))
+
+    def new_table(self) -> RequestTable:
+        """An empty request table (every row free) on the device."""
+        return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+
+    def _table_write_width(self, T: int) -> int:
+        """3S + 3W: a write (runtime/request_table.py) of token bucket T."""
+        return 3 * self.max_num_seqs + 3 * page_write_width(T, self.max_num_seqs, self.page_size)
+
+    def _table_step_spec(self, T: int) -> TableStep:
+        meta = 2 * self.max_num_seqs + self._table_write_width(T)
+        return TableStep(meta=self._host_spec((meta,), jnp.int32), host_tokens=self._host_spec((T,), jnp.int32))
 
     def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
                    bias: int = 0) -> SamplingMetadata:
@@ -273,11 +309,30 @@ class StepExecutables:
         (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
 
+    def _compile_prepare(self, T: int):
+        self._check_unsealed(f"prepare[T={T}]")
+        t0 = time.perf_counter()
+        table = jax.tree.map(self._specs, self.new_table())
+        tokens = self._host_spec((self.max_num_seqs,), jnp.int32)
+        self._prepares[T] = self._prepare_jit.trace(table, self._table_step_spec(T), tokens).lower().compile()
+        self.compile_seconds[f"prepare[T={T}]"] = time.perf_counter() - t0
+        return self._prepares[T]
+
+    def _compile_write_table(self):
+        """One executable for the rare overflowing page writes, at the largest bucket's width."""
+        self._check_unsealed("write_table")
+        t0 = time.perf_counter()
+        table = jax.tree.map(self._specs, self.new_table())
+        spec = self._host_spec((self._table_write_width(self.token_buckets[-1]),), jnp.int32)
+        self._write_table = self._write_table_jit.trace(table, spec).lower().compile()
+        self.compile_seconds["write_table"] = time.perf_counter() - t0
+        return self._write_table
+
     def _compile_scoring_backbone(self, T: int):
         self._check_unsealed(f"scoring_backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
-        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T),
+        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T),
                                                self._host_spec((T,), jnp.int32)).lower().compile()
         self.compile_seconds[f"scoring_backbone[T={T}]"] = time.perf_counter() - t0
         self._scoring_backbones[T] = exe
@@ -309,7 +364,8 @@ class StepExecutables:
         return (S, MAX_LOGPROBS, w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias, greedy, mask_w)
 
     def compile_all(self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False) -> dict[str, float]:
-        """Compile every backbone bucket (and its greedy twin with `fuse_greedy`) and the plain and
+        """Compile every prepare and backbone bucket (and the greedy twin with `fuse_greedy`),
+        write_table, and the plain and
         all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
         twins too, so a request with a grammar joining a batch compiles nothing. `every_variant`
         (needs max_model_len): also the full samplers, the scoring backbone and copy_states, then
@@ -321,6 +377,8 @@ class StepExecutables:
         jobs = ([("backbone", T, 0) for T in self.token_buckets]
                 + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds])
         jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
+        if not self.token_feed:  # the request table's executables
+            jobs += [("prepare", T, 0) for T in self.token_buckets] + [("write table", 0, 0)]
         if every_variant:
             jobs += [("scoring backbone", self.token_buckets[-1], 0), ("copy states", 0, 0)]
         for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
@@ -330,6 +388,10 @@ class StepExecutables:
                  else self._compile_backbone(n, greedy=greedy))
             elif kind == "copy states":
                 self._compile_copy_states()
+            elif kind == "prepare":
+                self._compile_prepare(n)
+            elif kind == "write table":
+                self._compile_write_table()
             elif kind.startswith("full"):
                 self._compile_sampler(self._full_key(n, greedy, width))
             else:
@@ -341,15 +403,30 @@ class StepExecutables:
         return dict(self.compile_seconds)
 
     # ---- run ----------------------------------------------------------------------------
-    def run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed):
+    def run_prepare(self, table: RequestTable, step: TableStep, prev_tokens) -> tuple[RequestTable, ForwardBatch]:
+        """-> (table after the step, the step's device ForwardBatch). prev_tokens [max_num_seqs]."""
+        T = step.host_tokens.shape[0]
+        exe = self._prepares.get(T)
+        if exe is None:
+            if T not in self.token_buckets:
+                raise BucketMiss(f"token count {T} has no compiled prepare bucket {self.token_buckets}")
+            log.info("compiling prepare bucket T=%d (not compiled ahead of time)", T)
+            exe = self._compile_prepare(T)
+        return exe(table, step, prev_tokens)
+
+    def run_write_table(self, table: RequestTable, write: np.ndarray) -> RequestTable:
+        """Page writes that overflow a step's own (see runtime/request_table.py)."""
+        return (self._write_table or self._compile_write_table())(table, write)
+
+    def run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None = None):
         """-> (caches, hidden [max_num_seqs, H])."""
         return self._run_backbone(params, caches, batch, feed, greedy=False)
 
-    def run_greedy_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed):
+    def run_greedy_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None = None):
         """-> (caches, argmax tokens [max_num_seqs]: the first min(T, max_num_seqs) rows, zero padded)."""
         return self._run_backbone(params, caches, batch, feed, greedy=True)
 
-    def _run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed, greedy: bool):
+    def _run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None, greedy: bool):
         T = batch.input_ids.shape[0]
         exe = (self._greedy_backbones if greedy else self._backbones).get(T)
         if exe is None:
@@ -361,19 +438,17 @@ class StepExecutables:
             exe = self._compile_backbone(T, greedy=greedy)
         return exe(params, caches, batch, feed)
 
-    def run_scoring_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed, targets: np.ndarray):
-        """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32."""
-        T = batch.input_ids.shape[0]
-        if T not in self.token_buckets:
-            raise BucketMiss(f"token count {T} has no compiled backbone bucket {self.token_buckets}")
-        T_max = self.token_buckets[-1]  # one scoring executable: the step padded to the largest bucket
-        batch, targets = _pad_tokens(batch, T_max), np.pad(np.asarray(targets), (0, T_max - T), constant_values=-1)
-        feed = TokenFeed(feed.prev_tokens, np.pad(np.asarray(feed.rows), (0, T_max - T), constant_values=-1))
+    def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
+        """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32;
+        the step is prepared in the largest token bucket (one scoring executable)."""
+        T, T_max = batch.input_ids.shape[0], self.token_buckets[-1]
+        if T != T_max:
+            raise BucketMiss(f"a scoring step must be prepared in the largest token bucket {T_max}, not {T}")
         exe = self._scoring_backbones.get(T_max)
         if exe is None:
             log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T_max)
             exe = self._compile_scoring_backbone(T_max)
-        return exe(params, caches, batch, feed, targets)
+        return exe(params, caches, batch, targets)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
                     bitmask: np.ndarray | None = None):
@@ -408,13 +483,3 @@ class StepExecutables:
             self._check_unsealed("copy_states")
         return (self._copy or self._copy_jit)(caches, src, dst)
 
-
-def _pad_tokens(batch: ForwardBatch, T: int) -> ForwardBatch:
-    """The same step in token bucket T >= its own: padding tokens read token 0 and write nowhere
-    (slot -1), as `runtime.inputs.build_batch` pads; the per-sequence rows are unchanged."""
-    pad = T - batch.input_ids.shape[0]
-    if pad == 0:
-        return batch
-    grow = lambda a, fill: np.pad(np.asarray(a), (0, pad), constant_values=fill)  # noqa: E731
-    return dataclasses.replace(batch, input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
-                               slot_mapping=grow(batch.slot_mapping, -1))

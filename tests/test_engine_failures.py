@@ -22,6 +22,7 @@ def assert_nothing_held(engine):
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
     assert s["slots_free"] + s["slots_cached"] == s["slots_total"], s
     assert s["num_running"] == s["num_waiting"] == 0, s
+    assert s["table_rows_used"] == 0, s  # every request-table row is free again
 
 
 def _serve(engine, requests):
@@ -30,7 +31,7 @@ def _serve(engine, requests):
     return drain(engine)
 
 
-@pytest.mark.parametrize("fail", ["run_sampler", "run_backbone"])
+@pytest.mark.parametrize("fail", ["run_sampler", "run_backbone", "run_prepare"])
 def test_failed_step_fails_only_its_requests_then_50_succeed(engine, fail):
     sampled = SamplingParams(max_tokens=3, temperature=0.8, seed=1)
     for i in range(3):

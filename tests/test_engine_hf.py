@@ -58,6 +58,7 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
     assert s["slots_free"] + s["slots_cached"] == s["slots_total"], s
     assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+    assert s.get("table_rows_used", 0) == 0, s  # every request-table row is free again
 
 
 @pytest.mark.parametrize("family,step", [("llama", "auto"), ("qwen3_5", "auto"), ("qwen3_5", "scan+sampler")])

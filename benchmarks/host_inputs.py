@@ -1,0 +1,94 @@
+"""The host's share of building one step's inputs, without a device: the old host batch builder
+(`runtime.inputs.build_batch`, still attention DP's) vs the request table's `RequestTableHost.plan`,
+on the same synthetic steps, in one process.
+
+    python -m benchmarks.host_inputs --seqs 16 64 --json out.json
+
+Steps: `seqs` running requests, each decoding one token (the last one a placeholder) at
+positions 100.. (prompt 100, page size 16, max_model_len 1024), or a mixed step with every
+fourth request feeding a 32-token chunk (a request past 1000 tokens starts over). Timed: the median over 5 rounds of the mean
+over 300 steps. Complements benchmarks/host_step.py, whose engine steps on a shared 2-core
+machine also carry the device work and its noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from runtime.buckets import bucket_for
+from runtime.inputs import build_batch
+from runtime.request import PLACEHOLDER_TOKEN
+from runtime.request_table import RequestTableHost
+from runtime.scheduler import ScheduledSequence, SchedulerOutput
+
+PAGE, MAX_BLOCKS, BUCKETS = 16, 64, (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _Request:
+    def __init__(self, i: int):
+        self.request_id, self.allocation = f"r{i}", object()
+
+
+def steps(seqs: int, n: int, mixed: bool) -> list[SchedulerOutput]:
+    reqs = [_Request(i) for i in range(seqs)]
+    pages = {r.request_id: list(range(1 + i * MAX_BLOCKS, 1 + (i + 1) * MAX_BLOCKS)) for i, r in enumerate(reqs)}
+    outs, computed = [], {r.request_id: 0 for r in reqs}
+    for k in range(n + 1):
+        out = SchedulerOutput()
+        for i, r in enumerate(reqs):
+            start = computed[r.request_id]
+            if k == 0:
+                ids = list(range(3, 103))
+            elif mixed and i % 4 == 0:
+                ids = list(range(3, 35))
+            else:
+                ids = [PLACEHOLDER_TOKEN]
+            if start + len(ids) > 1000:  # wraps around: recomputed from the start
+                start, ids = 0, list(range(3, 35))
+            table = pages[r.request_id][: -(-(start + len(ids)) // PAGE)]
+            out.sequences.append(ScheduledSequence(r, ids, start, table, 0, start > 0, True))
+            computed[r.request_id] = start + len(ids)
+        outs.append(out)
+    return outs
+
+
+def time_per_step(fn, outs) -> float:
+    t0 = time.perf_counter()
+    for out in outs:
+        fn(out)
+    return 1e6 * (time.perf_counter() - t0) / len(outs)
+
+
+def measure(seqs: int, mixed: bool, n: int = 300, rounds: int = 5) -> dict:
+    outs = steps(seqs, n, mixed)
+    bucket = lambda out: bucket_for(max(out.num_batched_tokens, len(out.sequences)), BUCKETS)  # noqa: E731
+    build, plan = [], []
+    for _ in range(rounds):
+        host = RequestTableHost(seqs, PAGE, BUCKETS[-1])
+        host.plan(outs[0], bucket(outs[0]))  # placements (prefill of 100 tokens)
+        plan.append(time_per_step(lambda out: host.plan(out, bucket(out)), outs[1:]))
+        build.append(time_per_step(lambda out: build_batch(out, token_buckets=BUCKETS, max_num_seqs=seqs,
+                                                           max_blocks_per_seq=MAX_BLOCKS, page_size=PAGE), outs[1:]))
+    b, p = statistics.median(build), statistics.median(plan)
+    return {"build_batch_us": b, "table_plan_us": p, "ratio_plan_over_build": p / b}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    result = {str(s): {w: measure(s, w == "mixed") for w in ("decode", "mixed")} for s in args.seqs}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The host side of the device-resident request table (vLLM Model Runner V2's persistent batch).
+
+Every running request owns one row of a table that lives on the device (`runtime.table_prepare`:
+block-table row, tokens already computed, last token, state slot). A row is assigned when the
+request is first scheduled (or scheduled again after a preemption) and freed when it finishes
+or is preempted. Each step the host sends only what changed — a `TableStep` of fixed shapes per
+token bucket — and the device gathers the step's `ForwardBatch` from the table itself
+(`StepExecutables.run_prepare`):
+
+    meta [5S + 3W]    rows [S]: table row of each batch sequence (padding: the null row R);
+                      num_new [S]: tokens it feeds; then the step's write (`split_write`):
+                      rows (re)placed this step — reset_rows, reset_start (tokens computed so
+                      far), reset_slot (state slot), [S] each; their block-table row is
+                      cleared — and block-table writes page_rows, page_cols, pages [W] each
+                      (row R + 1: nothing, dropped)
+    host_tokens [T]   the token ids the host knows (prompt, recompute, resolved outputs); -1 where
+                      the row's `last_token` (the previous step's sample, still on the device) goes
+
+with S = max_num_seqs, R = max_num_seqs (the table has R + 1 rows, the last one the null row
+of padding sequences), T the token bucket and W = `page_write_width(T)`. A step whose page
+writes exceed W (placements with a long prefix hit) sends the overflow ahead of it in
+write chunks `[3S + 3W]` of the largest bucket's W (`StepExecutables.run_write_table`, one
+executable), the first carrying the resets.
+
+`RequestTableHost` mirrors what the device holds (per row: the request's allocation, tokens
+computed, pages written, state slot) so that it can tell what changed; when its mirror and the
+scheduler disagree about a row (a preempted request readmitted, a new allocation) the row is
+reset, which also keeps a failed step from leaving a wrong row behind. Plain numpy, no JAX.
+
+    table = RequestTableHost(max_num_seqs=16, page_size=16, max_num_tokens=512)
+    step, writes = table.plan(scheduler_output, token_bucket)   # TableStep, [write chunk] (overflow)
+    table.sweep()                                       # free the rows of ended requests
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.request import PLACEHOLDER_TOKEN
+from runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class TableStep:
+    """One step's update of the device table and what the device gathers the batch from: two
+    int32 host arrays, so a step costs two small transfers.
+
+    meta [5S + 3W]: rows [S] (padding: the null row R), num_new [S], then the step's write
+    (`split_write`); host_tokens [T]: -1 where the row's `last_token` stands."""
+
+    meta: np.ndarray
+    host_tokens: np.ndarray
+
+
+def split_write(write, num_seqs: int) -> tuple:
+    """A write [3S + 3W] (numpy or jax) -> (reset_rows [S], reset_start [S], reset_slot [S],
+    page_rows [W], page_cols [W], pages [W]). Rows R + 1 mark nothing (dropped)."""
+    S = num_seqs
+    W = (write.shape[0] - 3 * S) // 3
+    return tuple(write[a:b] for a, b in zip((0, S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W),
+                                            (S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W, 3 * S + 3 * W)))
+
+
+@dataclass
+class _Row:
+    request: object  # the Request
+    allocation: object  # its SequenceAllocation when placed: a new one means a new placement
+    num_computed: int
+    num_pages: int
+    state_slot: int
+
+
+def page_write_width(num_tokens: int, max_num_seqs: int, page_size: int) -> int:
+    """W of token bucket T: enough for every sequence's new pages in a step without placements
+    (T // page_size + one boundary page per sequence) plus one more page per sequence."""
+    return num_tokens // page_size + 2 * max_num_seqs
+
+
+class RequestTableHost:
+    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int):
+        """max_num_tokens: the largest token bucket (its W is the width of overflow writes)."""
+        self.num_rows, self.page_size = max_num_seqs, page_size
+        self.overflow_width = page_write_width(max_num_tokens, max_num_seqs, page_size)
+        self.null_row = max_num_seqs
+        self._rows: list[_Row | None] = [None] * max_num_seqs
+        self._row_of: dict[str, int] = {}
+        self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out row 0 first
+
+    @property
+    def num_used(self) -> int:
+        return len(self._row_of)
+
+    def sweep(self) -> None:
+        """Free the rows whose request no longer holds the allocation it was placed with
+        (finished, aborted, failed or preempted)."""
+        for request_id, row in list(self._row_of.items()):
+            entry = self._rows[row]
+            if entry.request.allocation is not entry.allocation:
+                self._release(request_id, row)
+
+    def _release(self, request_id: str, row: int) -> None:
+        del self._row_of[request_id]
+        self._rows[row] = None
+        self._free.append(row)
+
+    def plan(self, out: SchedulerOutput, num_tokens: int) -> tuple[TableStep, list[np.ndarray]]:
+        """`out` as a table update in token bucket `num_tokens` -> (step, writes [3S + 3W'] to
+        apply before it: none unless its page writes overflow W; then the first carries the resets)."""
+        self.sweep()
+        S, T = self.num_rows, num_tokens
+        width = page_write_width(T, S, self.page_size)
+        meta = np.zeros(5 * S + 3 * width, np.int32)
+        rows, num_new, write = meta[:S], meta[S : 2 * S], meta[2 * S :]
+        rows[:] = self.null_row
+        resets = self._blank(write, width)
+        tokens: list[int] = []
+        writes: list[tuple[int, int, int]] = []
+        for i, seq in enumerate(out.sequences):
+            row, entry, placed = self._place(seq)
+            if placed:
+                resets[:, i] = row, seq.start_position, seq.state_slot
+            table = seq.block_table
+            writes.extend((row, col, table[col]) for col in range(entry.num_pages, len(table)))
+            entry.num_pages = len(table)
+            entry.num_computed += seq.num_new_tokens
+            rows[i], num_new[i] = row, seq.num_new_tokens
+            ids = seq.token_ids
+            if PLACEHOLDER_TOKEN in ids[:-1]:
+                raise RuntimeError(f"request {seq.request_id!r}: only its last token may wait on the device")
+            tokens.extend(ids)
+        host_tokens = np.zeros(T, np.int32)
+        host_tokens[: len(tokens)] = tokens
+        overflow = max(len(writes) - width, 0)
+        extra = []
+        for start in range(0, overflow, self.overflow_width):
+            chunk = np.zeros(3 * S + 3 * self.overflow_width, np.int32)
+            chunk_resets = self._blank(chunk, self.overflow_width)
+            if start == 0:  # the resets go first: they clear the rows the pages are written to
+                chunk_resets[:] = resets
+                self._blank(write, width)
+            self._fill_pages(chunk, writes[start : min(start + self.overflow_width, overflow)])
+            extra.append(chunk)
+        self._fill_pages(write, writes[overflow:])
+        return TableStep(meta, host_tokens), extra
+
+    def _blank(self, write: np.ndarray, width: int) -> np.ndarray:
+        """Mark a write buffer empty (rows R + 1, dropped); -> its resets view [3, S]."""
+        S = self.num_rows
+        write[:] = 0
+        write[:S] = write[3 * S : 3 * S + width] = self.null_row + 1
+        return write[: 3 * S].reshape(3, S)
+
+    def _fill_pages(self, write: np.ndarray, writes: list[tuple[int, int, int]]) -> None:
+        if writes:
+            width = (write.shape[0] - 3 * self.num_rows) // 3
+            pages = write[3 * self.num_rows :].reshape(3, width)
+            pages[:, : len(writes)] = np.asarray(writes, np.int32).T
+
+    def _place(self, seq) -> tuple[int, _Row, bool]:
+        """(row, mirror, whether the row is (re)placed this step) of a scheduled sequence."""
+        request = seq.request
+        row = self._row_of.get(seq.request_id)
+        entry = None if row is None else self._rows[row]
+        if (entry is not None and entry.allocation is request.allocation
+                and entry.num_computed == seq.start_position and entry.state_slot == seq.state_slot):
+            return row, entry, False
+        if row is None:
+            if not self._free:
+                raise RuntimeError(f"request table full ({self.num_rows} rows) placing {seq.request_id!r}")
+            row = self._free.pop()
+            self._row_of[seq.request_id] = row
+        entry = _Row(request, request.allocation, seq.start_position, 0, seq.state_slot)
+        self._rows[row] = entry
+        return row, entry, True
