@@ -32,8 +32,9 @@ BACKENDS = ("cpu", "gpu", "tpu")
 UNROLL_MAX_LAYERS_CPU = 16
 # bf16 / fp16 weights on CPU are unrolled at any depth. Under a scan XLA:CPU cannot hand the
 # sliced bf16 weight to its XNNPACK dot: it converts the whole stacked weight set to float32
-# outside the loop on every call (SmolLM2-135M bf16, 16-sequence decode step: 368 ms scanned vs
-# 99 ms unrolled, float32 150 ms; 2026-12-01, /tmp profile in docs/benchmarks.md round 6).
+# outside the loop on every call (`python -m benchmarks.cpu_dtype`, 2026-12-01, decode step of 16
+# sequences, bf16 scanned / unrolled / float32: SmolLM2-135M 337-392 / 90-120 / 182-213 ms, tiny
+# dense 33.6 / 11.9 / 16.2 ms; docs/benchmarks.md round 6).
 UNROLL_ANY_DEPTH_CPU_DTYPES = ("bfloat16", "float16")
 # The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
 # matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
