@@ -115,8 +115,8 @@ def breakdown(checkpoint: str, rows: int = 16) -> dict:
 
     def matmuls(x, layers, embed):
         for w in layers:
-            q, _, _ = dot(x, w["q"]), dot(x, w["k"]), dot(x, w["v"])
-            x = x + dot(q * 0.01, w["o"])
+            q, k, v = dot(x, w["q"]), dot(x, w["k"]), dot(x, w["v"])
+            x = x + dot(q * 0.01, w["o"]) + 1e-3 * (k[:, :1] + v[:, :1])  # k, v used: not dead code
             x = x + dot(jax.nn.silu(dot(x, w["g"])) * dot(x, w["u"]), w["d"]) * 0.001
         return lax.dot_general(x, embed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
