@@ -62,11 +62,12 @@ FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
 # chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl).
 JNP_ATTENTION_PATHS = ("chunked", "reference")
 # bf16 on CPU is the fast dtype since the float32-accumulating dot spelling (models/quantization.qdot)
-# and the unrolled layers: decode step 1.5x (SmolLM2), 1.6x (tiny dense), 1.3x (tiny hybrid) float32's.
+# and the unrolled layers: decode step 1.62x (SmolLM2), 1.36x (tiny dense), 1.64x (tiny hybrid) float32's
+# speed (benchmarks/cpu_dtype.py); at saturation 1.4-2.2x float32's tokens/s (benchmarks/saturation.py).
 # float16 has no such measurement: it is served, with a warning.
 _CPU_DTYPE_WARNING = (
-    "serving in {dtype} on the CPU backend, which is not measured there (bfloat16 is: ~1.3-1.6x "
-    "float32's tokens/s, docs/benchmarks.md); prefer model.dtype: bfloat16 or float32 for CPU serving")
+    "serving in {dtype} on the CPU backend, which is not measured there (bfloat16 is: 1.4-2.2x "
+    "float32's tokens/s, docs/benchmarks.md round 6); prefer model.dtype: bfloat16 or float32 for CPU serving")
 CPU_WARNED_DTYPES = ("float16",)
 
 
