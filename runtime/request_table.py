@@ -35,6 +35,7 @@ reset, which also keeps a failed step from leaving a wrong row behind. Plain num
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -59,8 +60,8 @@ def split_write(write, num_seqs: int) -> tuple:
     page_rows [W], page_cols [W], pages [W]). Rows R + 1 mark nothing (dropped)."""
     S = num_seqs
     W = (write.shape[0] - 3 * S) // 3
-    return tuple(write[a:b] for a, b in zip((0, S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W),
-                                            (S, 2 * S, 3 * S, 3 * S + W, 3 * S + 2 * W, 3 * S + 3 * W)))
+    ends = list(accumulate((S, S, S, W, W, W)))
+    return tuple(write[end - size : end] for size, end in zip((S, S, S, W, W, W), ends))
 
 
 @dataclass
