@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
 
-Backend = Literal["auto", "pallas", "reference"]
+# auto: Pallas on TPU / GPU; on CPU "native" attention (jnp with the decode pass in C++,
+# pallas_kernels/cpu_native.py) and "chunked" GDN. "chunked" / "reference": the jnp paths.
+Backend = Literal["auto", "pallas", "reference", "chunked", "native"]
 
 
 class ConfigError(ValueError):

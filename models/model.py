@@ -25,10 +25,10 @@ from models.ops import KernelOptions
 from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
-from models.quantization import QuantizedWeight, param_bytes
+from models.quantization import OutInWeight, QuantizedWeight, param_bytes
 from models.sharding import shard_caches, shard_model
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
-from models.transformer import compute_logits, forward, unstack_layers
+from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
 
 log = logging.getLogger("jaxserve.model")
@@ -67,10 +67,21 @@ class Model:
         `unstack_layers`); logs which scheme each module group got."""
         if self.quantization:
             raise ValueError(f"model is already quantized ({sorted(set(self.quantization.values()))})")
-        if self.tp is not None or self.unrolled:
-            raise ValueError("quantize the model before sharding or unstacking it")
+        if self.tp is not None or self.unrolled or self.out_in:
+            raise ValueError("quantize the model before sharding, unstacking or transposing it")
         self.params, self.quantization = quantize_params(self.params, qcfg)
         log_report(self.quantization)
+
+    def hold_out_in(self) -> None:
+        """Hold every float projection weight as its [out, in] transpose (`OutInWeight`, the CPU
+        plan's weight layout; runtime/exec_plan.py). Idempotent; call after `unstack_layers`.
+        Quantized weights, norms, the conv and the MoE expert stacks are left as they are."""
+        self.params = out_in_projections(self.params)
+
+    @property
+    def out_in(self) -> bool:
+        return any(isinstance(w, OutInWeight) for w in jax.tree.leaves(
+            self.params, is_leaf=lambda w: isinstance(w, OutInWeight)))
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters on the device(s), scales included."""

@@ -33,18 +33,20 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 # "pallas_tpu" / "pallas_gpu" name the target explicitly: `jaxserve plan` compiles for a TPU or GPU
 # from a CPU-only host, where "pallas" would pick by the local backend.
-# "chunked" is what "auto" resolves to on CPU (attention: context-proportional jnp; GDN: WY chunks
-# for prefill-sized buckets); runtime/exec_plan.py passes it explicitly.
+# "native" is what "auto" resolves to on CPU: the "chunked" jnp paths (attention: context-proportional;
+# GDN: WY chunks for prefill-sized buckets) with their decode / recurrent rows in the C++ kernels of
+# pallas_kernels/cpu_native.py (jnp where those can't be built); runtime/exec_plan.py passes it explicitly.
 BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu", "chunked")
 
 
 def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
     """What "auto" means for op `which` (attention | gdn | matmul) on `backend` (cpu | gpu | tpu):
-    the Pallas kernels on accelerators (or interpreted), jnp on CPU -- for attention the
-    context-proportional "chunked" path (the reference, the spec, always gathers the whole block
-    table). The engine takes this choice from runtime/exec_plan.py, which calls this."""
-    if backend == "cpu" and not interpret:  # gdn "chunked": WY chunks for prefill-sized buckets (exec_plan)
-        return "chunked" if which in ("attention", "gdn") else "reference"
+    the Pallas kernels on accelerators (or interpreted); on CPU "native" for attention and GDN
+    (the context-proportional / WY-chunked jnp paths with their decode rows in C++; the reference,
+    the spec, always gathers the whole block table) and the jnp matmul. The engine takes this
+    choice from runtime/exec_plan.py, which calls this."""
+    if backend == "cpu" and not interpret:
+        return "native" if which in ("attention", "gdn") else "reference"
     return "pallas"
 
 # Attention and GDN back-ends by name (`attention_backend` / `gdn_backend`; "auto" picks below).
@@ -56,10 +58,13 @@ def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
 # entries as `"attention_backend.<name>"` / `"gdn_backend.<name>"` in `jaxserve.plugins`.
 ATTENTION_BACKENDS: Registry = Registry("attention_backend")
 GDN_BACKENDS: Registry = Registry("gdn_backend")
-for _name in ("reference", "chunked", "pallas", "pallas_tpu", "pallas_gpu"):
+for _name in ("reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu"):
     ATTENTION_BACKENDS.register(_name, functools.partial(ragged_paged_attention, impl=_name))
-for _name in BACKENDS[1:]:
+for _name in (*BACKENDS[1:], "native"):
     GDN_BACKENDS.register(_name, functools.partial(_gdr, impl=_name))
+# The native C++ kernels are custom calls GSPMD cannot split: under tensor parallelism they run
+# per head shard, like the Pallas kernels.
+ATTENTION_BACKENDS.get("native").per_shard = GDN_BACKENDS.get("native").per_shard = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +92,7 @@ class KernelOptions:
         """Whether bf16 / FP8 KV pages should be held as raw bits: the jnp attention paths want it
         (XLA:CPU would convert the whole pool per write, see pallas_kernels/kv_cache.py); the
         Pallas kernels read float pages."""
-        return self.impl("attention") in ("chunked", "reference")
+        return self.impl("attention") in ("native", "chunked", "reference")
 
 
 def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):

@@ -22,7 +22,7 @@ from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
-from models.quantization import QuantizedWeight, embed_lookup, qdot, tied_head
+from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
 
 
@@ -206,6 +206,29 @@ def unstack_layers(params: dict) -> dict:
     n_groups = jax.tree.leaves(groups)[0].shape[0]
     layers = tuple(jax.tree.map(lambda a, g=g: a[g], groups) for g in range(n_groups))
     return {**{k: v for k, v in params.items() if k != "groups"}, "layers": layers}
+
+
+# The [K, N] weights `ops.linear` / `qdot` multiply (the rest: norms, biases, the GDN conv,
+# A_log / dt_bias, MoE expert stacks, the embedding).
+PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                         "shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate",
+                         "router", "in_qkv", "in_z", "in_b", "in_a", "out_proj"})
+
+
+def out_in_projections(params: dict) -> dict:
+    """Every float projection (and an untied lm_head) as an `OutInWeight` [..., N, K]: the CPU
+    weight layout. Stacked `groups` keep their leading axis; idempotent."""
+    def layer(p: dict) -> dict:
+        return {k: out_in(w) if k in PROJECTIONS else w for k, w in p.items()}
+
+    out = dict(params)
+    if "layers" in params:
+        out["layers"] = type(params["layers"])(type(group)(layer(p) for p in group) for group in params["layers"])
+    if "groups" in params:
+        out["groups"] = type(params["groups"])(layer(p) for p in params["groups"])
+    if "lm_head" in params:
+        out["lm_head"] = out_in(params["lm_head"])
+    return out
 
 
 def compute_logits(params, hidden):

@@ -328,6 +328,25 @@ def gated_delta_rule_mixed(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, h
   return o_multi + o_single, state
 
 
+def gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs,
+                            chunk_size=CPU_CHUNK):
+  """The CPU serving path with the C++ recurrence (`cpu_native.gdn_recurrent`): below
+  CHUNKED_MIN_TOKENS every row runs the per-token recurrence in C++; from it on the multi-token
+  rows run the jnp WY chunks and the one-token rows the C++ step."""
+  from pallas_kernels import cpu_native
+  t = q.shape[0]
+  live = jnp.arange(cu_q_lens.shape[0] - 1) < jnp.reshape(num_seqs, (-1,))[0]
+  o_multi = None
+  rows = live
+  if t >= CHUNKED_MIN_TOKENS:
+    rows = live & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
+    o_multi, state = gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
+                                                        has_initial_state, num_seqs, chunk_size=chunk_size, min_len=2)
+  o, state = cpu_native.gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, rows)
+  o = o.astype(v.dtype)
+  return (o if o_multi is None else o_multi + o), state
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "interpret", "chunk_size"))
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
                      num_seqs, *, impl="reference", interpret=False, chunk_size=None):
@@ -338,8 +357,10 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
   int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
   Returns (o [T,H,V] in v.dtype, zero on padding tokens for the reference, state pool).
 
-  impl: "reference" (pure jnp per-token loop, the spec), "chunked" (the CPU serving path: the
-  per-token loop below CHUNKED_MIN_TOKENS tokens, else `gated_delta_rule_mixed`),
+  impl: "reference" (pure jnp per-token loop, the spec), "chunked" (jnp CPU path: the
+  per-token loop below CHUNKED_MIN_TOKENS tokens, else `gated_delta_rule_mixed`), "native" (the
+  CPU serving path: "chunked" with its recurrent rows in C++, `gated_delta_rule_native`; "chunked"
+  where the native kernels can't be built),
   "reference_chunked" (pure jnp WY form for every row), "pallas" (TPU kernel on TPU and CPU,
   GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
   interpret: False, True, or a `pltpu.InterpretParams()` (TPU kernel only). chunk_size is the
@@ -350,6 +371,12 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
   if impl == "reference":
     return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
                                       has_initial_state, num_seqs)
+  if impl == "native":  # the CPU serving path with its recurrent rows in C++ (pallas_kernels/cpu_native.py)
+    from pallas_kernels import cpu_native
+    if cpu_native.available():
+      return gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
+                                     num_seqs, chunk_size=chunk_size or CPU_CHUNK)
+    impl = "chunked"
   if impl == "chunked":  # the CPU serving path: a static choice per token bucket
     if q.shape[0] < CHUNKED_MIN_TOKENS:
       return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,

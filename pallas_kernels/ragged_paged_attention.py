@@ -23,7 +23,7 @@ from jax import lax
 from pallas_kernels.kv_cache import KVPages, dequantize
 from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, true_num_seqs
 
-IMPLS = ("reference", "chunked", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLS = ("reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
@@ -166,7 +166,8 @@ def ragged_paged_attention(
   cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
   num_seqs:     int32 [] or [1], the true number of sequences
   impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
-                context: the CPU serving path) | "pallas" (kernel for the default backend; on CPU with
+                context) | "native" (the CPU serving path: "chunked" with its decode pass in
+                the C++ kernel of pallas_kernels/cpu_native.py, jnp where that can't be built) | "pallas" (kernel for the default backend; on CPU with
                 `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
   interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
   Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
@@ -184,12 +185,12 @@ def ragged_paged_attention(
   impl = _pick_impl(impl, interpret)
   if kv.view is not None and impl.startswith("pallas"):
     raise ValueError("KV pages in bit storage (KVPages.view set) are for the jnp paths "
-                     "('reference', 'chunked'); the Pallas kernels take float pages")
+                     "('reference', 'chunked', 'native'); the Pallas kernels take float pages")
   if impl == "reference":
     return ragged_paged_attention_reference(*args, **options)
-  if impl == "chunked":
+  if impl in ("chunked", "native"):
     from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
-    return ragged_paged_attention_chunked(*args, **options)
+    return ragged_paged_attention_chunked(*args, **options, native_decode=impl == "native")
   if impl == "pallas_tpu":
     from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

@@ -127,6 +127,8 @@ class LLMEngine:
         log.info("%s", self.plan.describe())
         if self.plan.layer_loop == "unroll":
             self.model.unstack_layers()
+        if self.plan.weight_layout == "out_in":
+            self.model.hold_out_in()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
         self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included

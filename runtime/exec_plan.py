@@ -59,8 +59,15 @@ FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
 # FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms, pallas_kernels/kv_cache.py); the Pallas
 # kernels read float pages. A float32 pool is the same either way. Re-measured (exec_plan_ab,
 # 2026-12-01, tiny dense, bf16 KV): bits / float storage 56x. The chunked attention path itself:
-# chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl).
-JNP_ATTENTION_PATHS = ("chunked", "reference")
+# chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl). "native" (the
+# CPU default: "chunked" with its decode pass in C++, pallas_kernels/cpu_native.py) reads the bits too.
+JNP_ATTENTION_PATHS = ("native", "chunked", "reference")
+# Weight layout: on CPU the float projections are held [out, in] (models.quantization.OutInWeight),
+# the right-hand side XLA:CPU's XNNPACK dot packs fastest. Measured (30 SmolLM2-135M layers of
+# projections, 2026-12-01): bf16 26.6 -> 18.8 ms at 16 rows, 24.5 -> 17.5 at 4, 38.2 -> 31.2 at
+# 64; float32 42.9 -> 37.3 at 16, equal at 4 and 64. Accelerators and meshes keep [in, out] (the
+# sharding rules and the Pallas quantized matmul are written for it).
+WEIGHT_LAYOUT_CPU, WEIGHT_LAYOUT_DEFAULT = "out_in", "in_out"
 # bf16 on CPU is the fast dtype since the float32-accumulating dot spelling (models/quantization.qdot)
 # and the unrolled layers: decode step 1.62x (SmolLM2), 1.36x (tiny dense), 1.64x (tiny hybrid) float32's
 # speed (benchmarks/cpu_dtype.py); at saturation 1.4-2.2x float32's tokens/s (benchmarks/saturation.py).
@@ -80,11 +87,12 @@ class ExecutionPlan:
     token_buckets: tuple[int, ...]  # backbone token counts compiled
     seq_buckets: tuple[int, ...]  # sampler row counts compiled
     fuse_greedy: bool  # a greedy backbone (argmax fused in) per token bucket <= max_num_seqs
-    attention_path: str  # KernelOptions.attention: chunked | reference | pallas | pallas_tpu | pallas_gpu
+    attention_path: str  # KernelOptions.attention: native | chunked | reference | pallas | pallas_tpu | pallas_gpu
     # KernelOptions.gdn: reference (per-token recurrence) | pallas | ...; the chunked-GDN CPU
     # prefill (issue 14 item 3) picks its path in `_gdn_path`.
     gdn_path: str
     kv_bit_storage: bool  # bf16 / FP8 KV pages held as raw bits (models.Model.init_caches)
+    weight_layout: str  # "in_out" ([K, N] as loaded) | "out_in" (float projections transposed, Model.hold_out_in)
     aot_compile: bool  # compile every executable at start-up
     grammar_samplers: bool  # with aot_compile: also the grammar-masked samplers
     warnings: tuple[str, ...] = ()  # logged at start-up
@@ -94,6 +102,7 @@ class ExecutionPlan:
         return (f"execution plan ({self.backend}): layers {self.layer_loop}, token buckets {list(self.token_buckets)}, "
                 f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, "
                 f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
+                f"weights {self.weight_layout}, "
                 f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
 
 
@@ -119,6 +128,7 @@ def plan_execution(engine_config, model_config, backend: str, dtype: str | None 
         attention_path=attention,
         gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
         kv_bit_storage=attention in JNP_ATTENTION_PATHS,
+        weight_layout=WEIGHT_LAYOUT_CPU if on_cpu and c.mesh_shape is None else WEIGHT_LAYOUT_DEFAULT,
         aot_compile=c.aot_compile,
         grammar_samplers=c.aot_grammar_samplers,
         warnings=warnings,

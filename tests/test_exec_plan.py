@@ -13,23 +13,25 @@ CPU_TOKENS = (4, 6, 8, 12, 16, 32, 64, 128, 256, 512)  # max_num_seqs 16: 1.5x s
 ACC_TOKENS = (16, 32, 64, 128, 256, 512)
 SEQS = (8, 16)
 
-# (backend, model, knobs) -> (layer_loop, token buckets, fuse_greedy, attention, gdn, kv bit storage)
+# (backend, model, knobs) -> (layer_loop, token buckets, fuse_greedy, attention, gdn, kv bit storage, weights)
 TABLE = [
-    ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True)),
-    ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
-    ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True)),  # any depth
-    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
-    ("tpu", DEEP, {"dtype": "bfloat16"}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
-    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "chunked", "chunked", True)),
+    ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),
+    ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
+    ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),  # any depth
+    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
+    ("tpu", DEEP, {"dtype": "bfloat16"}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
+    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
     ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},
-     ("unroll", CPU_TOKENS, True, "reference", "chunked", True)),
-    ("cpu", SHALLOW, {"interpret": True}, ("unroll", CPU_TOKENS, False, "pallas", "pallas", False)),
-    ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "chunked", "chunked", True)),
-    ("gpu", SHALLOW, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
-    ("tpu", DEEP, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False)),
-    ("tpu", DEEP, {"layer_loop": "unroll", "fuse_greedy": True}, ("unroll", ACC_TOKENS, True, "pallas", "pallas", False)),
+     ("unroll", CPU_TOKENS, True, "reference", "native", True, "out_in")),
+    ("cpu", SHALLOW, {"interpret": True}, ("unroll", CPU_TOKENS, False, "pallas", "pallas", False, "out_in")),
+    ("cpu", SHALLOW, {"attention_backend": "chunked", "gdn_backend": "chunked"}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True, "out_in")),
+    ("cpu", DEEP, {"mesh_shape": (1, 2)}, ("scan", CPU_TOKENS, False, "native", "native", True, "in_out")),  # sharding rules
+    ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "native", "native", True, "out_in")),
+    ("gpu", SHALLOW, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
+    ("tpu", DEEP, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
+    ("tpu", DEEP, {"layer_loop": "unroll", "fuse_greedy": True}, ("unroll", ACC_TOKENS, True, "pallas", "pallas", False, "in_out")),
     ("gpu", DEEP, {"attention_backend": "reference", "gdn_backend": "reference"},
-     ("scan", ACC_TOKENS, False, "reference", "reference", True)),
+     ("scan", ACC_TOKENS, False, "reference", "reference", True, "in_out")),
 ]
 
 
@@ -38,7 +40,7 @@ def test_plan_table(backend, model, knobs, expected):
     config = EngineConfig(model="m", max_num_seqs=16, max_num_batched_tokens=512, **knobs)
     plan = plan_execution(config, model, backend)
     assert (plan.layer_loop, plan.token_buckets, plan.fuse_greedy, plan.attention_path, plan.gdn_path,
-            plan.kv_bit_storage) == expected
+            plan.kv_bit_storage, plan.weight_layout) == expected
     assert plan.seq_buckets == SEQS and plan.backend == backend
     assert plan.aot_compile and plan.grammar_samplers  # the EngineConfig defaults
     assert "execution plan (" in plan.describe() and str(list(plan.token_buckets)) in plan.describe()
@@ -86,7 +88,9 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
     assert [r.getMessage() for r in caplog.records].count(engine.plan.describe()) == 1
     assert engine.token_buckets == engine.plan.token_buckets and engine.opts.attention == engine.plan.attention_path
     given = dataclasses.replace(engine.plan, layer_loop="scan", token_buckets=(8, 32), fuse_greedy=False,
-                                attention_path="reference", kv_bit_storage=True)
+                                attention_path="reference", kv_bit_storage=True, weight_layout="in_out")
+    assert engine.model.out_in and engine.plan.weight_layout == "out_in"  # CPU: projections held [out, in]
     engine = LLMEngine(dataclasses.replace(config, kv_cache_dtype="bfloat16"), plan=given)
+    assert not engine.model.out_in
     assert (engine.layer_loop, engine.token_buckets, engine.executables.greedy_buckets) == ("scan", (8, 32), ())
     assert engine.opts.attention == "reference" and engine.caches["kv"][0].k.dtype == "uint16"  # bf16 held as bits

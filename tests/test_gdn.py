@@ -126,7 +126,7 @@ def run_ragged(batch, lengths, **kwargs):
     ([5, 1, 0, 70, 1, 12], 3),
     ([130, 1], 2),
 ])
-@pytest.mark.parametrize("impl", ["reference", "reference_chunked", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "reference_chunked", "chunked", "native"])
 def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_head, impl):
   rng = np.random.default_rng(sum(lengths))
   hk, kd, vd = 1, 8, 12
@@ -141,14 +141,16 @@ def test_ragged_reference_matches_per_sequence_oracle(lengths, heads_per_key_hea
     [1] * 7,  # decode only in a prefill-sized bucket
     [16, 32, 2, 1],  # prompts ending on chunk boundaries, a two-token row
 ])
-def test_cpu_chunked_path_matches_per_token_recurrence(lengths):
-  """impl="chunked" from CHUNKED_MIN_TOKENS on (WY rows + batched one-token rows) against the
-  per-token loop, on a padded (NaN) ragged step with initial states."""
+@pytest.mark.parametrize("impl", ["chunked", "native"])
+@pytest.mark.parametrize("bucket", [gdn.CHUNKED_MIN_TOKENS, 120])
+def test_cpu_chunked_path_matches_per_token_recurrence(lengths, impl, bucket):
+  """impl="chunked" / "native" from CHUNKED_MIN_TOKENS on (WY rows + batched or C++ one-token
+  rows) and below it (per-token loop / C++ for every row) against the per-token loop, on a padded
+  (NaN) ragged step with initial states (V = 128 takes the C++ kernel's fixed-width loop)."""
   rng = np.random.default_rng(len(lengths))
-  bucket = gdn.CHUNKED_MIN_TOKENS
-  batch = make_ragged_batch(rng, lengths, 8, bucket, 10, 2, 4, 32, 32)
+  batch = make_ragged_batch(rng, lengths, 8, bucket, 10, 2, 4, 32, 128)
   o_ref, pool_ref = run_ragged(batch, lengths, impl="reference")
-  o, pool = run_ragged(batch, lengths, impl="chunked")
+  o, pool = run_ragged(batch, lengths, impl=impl)
   real = int(sum(lengths))
   np.testing.assert_allclose(np.asarray(o)[:real], np.asarray(o_ref)[:real], rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(pool)[1:], np.asarray(pool_ref)[1:], rtol=2e-5, atol=2e-5)

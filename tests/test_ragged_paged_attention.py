@@ -151,14 +151,14 @@ def random_seqs(rng, kind: str, count: int):
 @pytest.mark.parametrize("kind,kv_dtype", [
     ("decode", "bf16"), ("prefill", "bf16"), ("mixed", "bf16"), ("mixed", "float32"),
     ("decode", "fp8_e4m3fn"), ("prefill", "fp8_e4m3fn"), ("mixed", "fp8_e5m2")])
-@pytest.mark.parametrize("impl", ["reference", "chunked", "chunked-bit-storage"])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "chunked-bit-storage", "native", "native-bit-storage"])
 def test_reference_matches_oracle(kind, kv_dtype, impl):
   rng = np.random.default_rng(zlib.crc32(f"{kind}-{kv_dtype}".encode()))
   seqs = random_seqs(rng, kind, 4)
   batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype=kv_dtype, q_dtype=jnp.float32)
-  if impl == "chunked-bit-storage":  # bf16 / FP8 pages held as uint16 / uint8 bits (CPU serving)
-    impl, batch.kv = "chunked", batch.kv.with_bit_storage()
+  if impl.endswith("-bit-storage"):  # bf16 / FP8 pages held as uint16 / uint8 bits (CPU serving)
+    impl, batch.kv = impl.removesuffix("-bit-storage"), batch.kv.with_bit_storage()
     assert kv_dtype == "float32" or jnp.issubdtype(batch.kv.k.dtype, jnp.unsignedinteger)
   got = run(batch, sm_scale=0.125, impl=impl)
   np.testing.assert_allclose(got, oracle(batch, sm_scale=0.125), atol=2e-4, rtol=1e-4)
@@ -166,7 +166,7 @@ def test_reference_matches_oracle(kind, kv_dtype, impl):
 
 @pytest.mark.parametrize("group,sliding_window,soft_cap", [
     (1, None, None), (4, 20, None), (8, None, 3.0), (4, 7, 5.0), (8, 20, None), (1, 7, 5.0)])
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "native"])
 def test_reference_gqa_window_softcap(group, sliding_window, soft_cap, impl):
   rng = np.random.default_rng(group * 100 + (sliding_window or 0))
   seqs = [(65, 65), (1, 300), (17, 63), (16, 16), (5, 15)]
@@ -178,7 +178,7 @@ def test_reference_gqa_window_softcap(group, sliding_window, soft_cap, impl):
 
 
 @pytest.mark.parametrize("group,sliding_window,soft_cap", [(8, 20, 3.0), (1, None, None)])
-@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "chunked", "native"])
 def test_reference_decode_batch(group, sliding_window, soft_cap, impl):
   """A pure decode step (every sequence has one query) takes the all-sequences-at-once path."""
   rng = np.random.default_rng(5)
@@ -256,13 +256,14 @@ def test_tpu_kernel_under_tpu_simulator():
 
 @pytest.mark.parametrize("seqs", [[(1, 40), (1, 7), (1, 130)], [(3, 20), (1, 50), (1, 1)]],
                          ids=["decode", "mixed"])
-def test_chunked_with_fewer_tokens_than_sequence_slots(seqs):
+@pytest.mark.parametrize("impl", ["chunked", "native"])
+def test_chunked_with_fewer_tokens_than_sequence_slots(seqs, impl):
   """A small token bucket under a large max_num_seqs: the decode pass runs one row per token."""
   rng = np.random.default_rng(len(seqs))
   batch = make_batch(rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype="bf16", q_dtype=jnp.float32, pad_tokens=2, pad_seqs=12)
   assert batch.q.shape[0] < batch.kv_lens.shape[0]
-  np.testing.assert_allclose(run(batch, sm_scale=0.125, impl="chunked"), oracle(batch, sm_scale=0.125),
+  np.testing.assert_allclose(run(batch, sm_scale=0.125, impl=impl), oracle(batch, sm_scale=0.125),
                              atol=2e-4, rtol=1e-4)
 
 
