@@ -10,7 +10,8 @@ with alpha_t = exp(g_t), state S in [K, V] layout, fp32. Value head h reads key 
 - `gdn_chunked_reference`: one sequence, the WY chunked form (the algorithm the kernels use).
 - `gated_delta_rule`: the ragged op of docs/interfaces.md. `impl="reference"` (per-token loop)
   is the spec; `impl="reference_chunked"` is the same op in the WY chunked form for every row;
-  `impl="chunked"` is the CPU serving path: the per-token loop for decode-sized token buckets
+  `impl="native"` is the CPU serving path: every row's recurrence in C++ (pallas_kernels/cpu_native.py;
+  `gated_delta_rule_native`). `impl="chunked"`, the all-jnp CPU path (and native's fallback): the per-token loop for decode-sized token buckets
   (T < CHUNKED_MIN_TOKENS), else WY chunks of CPU_CHUNK = 16 for the multi-token rows and one
   batched recurrence step for the one-token rows (`gated_delta_rule_mixed`). Measured by
   `benchmarks/gdn_prefill.py` on the 2-core box (H=8, K=V=128; docs/benchmarks.md round 5):
@@ -328,23 +329,16 @@ def gated_delta_rule_mixed(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, h
   return o_multi + o_single, state
 
 
-def gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs,
-                            chunk_size=CPU_CHUNK):
-  """The CPU serving path with the C++ recurrence (`cpu_native.gdn_recurrent`): below
-  CHUNKED_MIN_TOKENS every row runs the per-token recurrence in C++; from it on the multi-token
-  rows run the jnp WY chunks and the one-token rows the C++ step."""
+def gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs):
+  """The CPU serving path: every row's per-token recurrence in C++ (`cpu_native.gdn_recurrent`),
+  prefill rows included. With the state pool donated (the engine's steps), per GDN layer (H=8,
+  Hk=4, K=V=128; `python -m benchmarks.cpu_native`): 16 decode rows 2.0 -> 0.4 ms against the
+  jnp per-token loop; a 512-token prefill (4 x 128) 15.6 -> 7.5 ms against the jnp WY chunks
+  ("chunked"), which the C++ recurrence also beats."""
   from pallas_kernels import cpu_native
-  t = q.shape[0]
   live = jnp.arange(cu_q_lens.shape[0] - 1) < jnp.reshape(num_seqs, (-1,))[0]
-  o_multi = None
-  rows = live
-  if t >= CHUNKED_MIN_TOKENS:
-    rows = live & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
-    o_multi, state = gated_delta_rule_chunked_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
-                                                        has_initial_state, num_seqs, chunk_size=chunk_size, min_len=2)
-  o, state = cpu_native.gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, rows)
-  o = o.astype(v.dtype)
-  return (o if o_multi is None else o_multi + o), state
+  o, state = cpu_native.gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, live)
+  return o.astype(v.dtype), state
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "interpret", "chunk_size"))
@@ -359,8 +353,8 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
 
   impl: "reference" (pure jnp per-token loop, the spec), "chunked" (jnp CPU path: the
   per-token loop below CHUNKED_MIN_TOKENS tokens, else `gated_delta_rule_mixed`), "native" (the
-  CPU serving path: "chunked" with its recurrent rows in C++, `gated_delta_rule_native`; "chunked"
-  where the native kernels can't be built),
+  CPU serving path: every row's recurrence in C++, `gated_delta_rule_native`; "chunked" where the
+  native kernels can't be built),
   "reference_chunked" (pure jnp WY form for every row), "pallas" (TPU kernel on TPU and CPU,
   GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
   interpret: False, True, or a `pltpu.InterpretParams()` (TPU kernel only). chunk_size is the
@@ -375,7 +369,7 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
     from pallas_kernels import cpu_native
     if cpu_native.available():
       return gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
-                                     num_seqs, chunk_size=chunk_size or CPU_CHUNK)
+                                     num_seqs)
     impl = "chunked"
   if impl == "chunked":  # the CPU serving path: a static choice per token bucket
     if q.shape[0] < CHUNKED_MIN_TOKENS:
