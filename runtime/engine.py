@@ -181,6 +181,10 @@ class LLMEngine:
         if self.plan.aot_compile:
             masked = self.bitmask_width if self.plan.grammar_samplers or config.aot_compile_all else 0
             self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
+            if jax.process_count() == 1:  # multi-host: a lone warm-up step would wait on the followers
+                t0 = time.perf_counter()
+                self.caches = self.executables.warm_up(self.model.params, self.caches)
+                log.info("warmed up the compiled steps in %.1fs", time.perf_counter() - t0)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}

@@ -44,6 +44,22 @@ class _Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(deliveries: list[tuple[_Sink, object]]) -> None:
+    """A step's outputs to their requests' queues: one wake-up of each event loop per step, not
+    one per request (each `call_soon_threadsafe` writes the loop's self-pipe; 16 streams at
+    ~150 steps/s made that a sixth of the engine thread's time on the 2-core bench)."""
+    by_loop: dict = {}
+    for sink, item in deliveries:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
@@ -155,12 +171,14 @@ class AsyncEngine:
                 break
             if self.engine.has_unfinished():
                 outputs = self.engine.step()  # a failed step comes back as error outputs; raising is fatal
+                deliveries = []
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None:
-                        sink.put(out)
+                        deliveries.append((sink, out))
                         if out.finished:
                             del self._sinks[out.request_id]
+                _deliver(deliveries)
             self._stats = self.engine.stats()
         for rid in list(self._sinks):
             self.engine.abort(rid)

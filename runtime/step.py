@@ -410,6 +410,27 @@ class StepExecutables:
         log.info("executables: %s", ", ".join(self.compile_seconds))
         return dict(self.compile_seconds)
 
+    def warm_up(self, params, caches):
+        """Run every compiled backbone and sampler once on an empty batch (no live sequence: every
+        KV write goes to slot -1 and no state slot is touched); returns the caches (donated and
+        handed back). XLA:CPU does part of its work on an executable's first run: 70-140 ms per
+        bucket for the tiny dense model (`first-run` in docs/benchmarks.md round 7), which would
+        otherwise land on the first request that reaches each bucket."""
+        def zeros(spec):
+            return None if spec is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+
+        for greedy, exes in ((False, self._backbones), (True, self._greedy_backbones)):
+            for T, exe in sorted(exes.items()):
+                batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
+                caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
+                jax.block_until_ready(out)
+        hidden = jnp.zeros((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
+        for key, exe in sorted(self._samplers.items()):
+            S, _, out_w, prompt_w, banned, bias, _, mask_w = key
+            meta = zeros(self._meta_spec(S, out_w, prompt_w, banned, bias))
+            jax.block_until_ready(exe(params, hidden, meta, jnp.zeros((S, mask_w), jnp.int32) if mask_w else None))
+        return caches
+
     # ---- run ----------------------------------------------------------------------------
     def run_prepare(self, table: RequestTable, step: TableStep, prev_tokens) -> tuple[RequestTable, ForwardBatch]:
         """-> (table after the step, the step's device ForwardBatch). prev_tokens [max_num_seqs]."""

@@ -117,4 +117,16 @@ def serve(engine: EngineClient, server_config: ServerConfig) -> int:
     if follow is not None:
         logger.info("multi-host follower: no HTTP server; following process 0's steps")
         return follow()
-    return asyncio.run(serve_async(engine, server_config))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(serve_async(engine, server_config))
+
+
+def _loop_factory():
+    """uvloop's event loop where it is installed (a dependency on Linux / macOS; vLLM serves on it
+    too): the streaming path writes one SSE event per token per request, and libuv's transport
+    writes cost less than asyncio's. The standard loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
