@@ -35,13 +35,16 @@ VARIANTS = (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "scan"))
 
 
 def _time(fn, *args, reps: int = 10) -> float:
-    fn(*args).block_until_ready()
+    """Best of 3 batches of `reps` calls, ms per call (`fn` may return a pytree)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         for _ in range(reps):
             out = fn(*args)
-        out.block_until_ready()
+        jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t) / reps)
     return best * 1e3
 

@@ -29,19 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _time(fn, *args, reps: int = 10) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best * 1e3
+from benchmarks.cpu_dtype import _time
 
 
 def attention(layers: int = 30, rows: int = 16, pages: int = 4096) -> dict:

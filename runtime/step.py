@@ -414,7 +414,7 @@ class StepExecutables:
         """Run every compiled backbone and sampler once on an empty batch (no live sequence: every
         KV write goes to slot -1 and no state slot is touched); returns the caches (donated and
         handed back). XLA:CPU does part of its work on an executable's first run: 70-140 ms per
-        bucket for the tiny dense model (`first-run` in docs/benchmarks.md round 7), which would
+        bucket for the tiny dense model (docs/benchmarks.md round 7, item 5), which would
         otherwise land on the first request that reaches each bucket."""
         def zeros(spec):
             return None if spec is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
