@@ -99,10 +99,11 @@ class OutInWeight:
 
 
 def out_in(w):
-    """`w` [..., K, N] as an `OutInWeight` (a copy); quantized weights and OutInWeights unchanged."""
+    """`w` [..., K, N] as an `OutInWeight` (its transpose, a new array); quantized weights and
+    OutInWeights unchanged."""
     if isinstance(w, (QuantizedWeight, OutInWeight)):
         return w
-    return OutInWeight(jnp.swapaxes(w, -1, -2).copy())
+    return OutInWeight(jnp.swapaxes(w, -1, -2))
 
 
 # ---- schemes ------------------------------------------------------------------------------------

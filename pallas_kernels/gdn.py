@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import cpu_native
+
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -335,7 +337,6 @@ def gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, 
   Hk=4, K=V=128; `python -m benchmarks.cpu_native`): 16 decode rows 2.0 -> 0.4 ms against the
   jnp per-token loop; a 512-token prefill (4 x 128) 15.6 -> 7.5 ms against the jnp WY chunks
   ("chunked"), which the C++ recurrence also beats."""
-  from pallas_kernels import cpu_native
   live = jnp.arange(cu_q_lens.shape[0] - 1) < jnp.reshape(num_seqs, (-1,))[0]
   o, state = cpu_native.gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, live)
   return o.astype(v.dtype), state
@@ -366,7 +367,6 @@ def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_ini
     return gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids,
                                       has_initial_state, num_seqs)
   if impl == "native":  # the CPU serving path with its recurrent rows in C++ (pallas_kernels/cpu_native.py)
-    from pallas_kernels import cpu_native
     if cpu_native.available():
       return gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state,
                                      num_seqs)

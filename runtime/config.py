@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from configs.schema import DEFAULTS
 from paged_kv.cache_manager import CacheManager
+from runtime.buckets import pages_for
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,14 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+
+def check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len: int) -> None:
+    """vLLM's start-up rule: a KV pool that cannot hold one max_model_len sequence is refused
+    (otherwise long requests would be admitted and then never fit). Page 0 is the null page."""
+    usable_tokens = (num_pages - 1) * page_size
+    if usable_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {usable_tokens} tokens ({num_pages - 1} usable pages x {page_size}) but one "
+            f"sequence of max_model_len={max_model_len} tokens needs {pages_for(max_model_len, page_size)} pages; "
+            f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len")

@@ -59,7 +59,7 @@ from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.async_step import InFlightStep, no_feed_rows
 from runtime.buckets import bucket_for, pages_for, seq_bucket
-from runtime.config import CacheConfig, SchedulerConfig
+from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
 from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
@@ -89,17 +89,6 @@ class EngineDeadError(RuntimeError):
 # A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
 # fails every step without consuming the caches is as dead as one that lost them.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-def _check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len: int) -> None:
-    """vLLM's start-up rule: a KV pool that cannot hold one max_model_len sequence is refused
-    (otherwise long requests would be admitted and then never fit). Page 0 is the null page."""
-    usable_tokens = (num_pages - 1) * page_size
-    if usable_tokens < max_model_len:
-        raise ValueError(
-            f"the KV cache holds {usable_tokens} tokens ({num_pages - 1} usable pages x {page_size}) but one "
-            f"sequence of max_model_len={max_model_len} tokens needs {pages_for(max_model_len, page_size)} pages; "
-            f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len")
 
 
 class LLMEngine:
@@ -148,7 +137,7 @@ class LLMEngine:
         if dp_size > 1 and cfg.is_hybrid and config.num_state_slots:  # DP: configured pools are totals
             num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
         num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
-        _check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
+        check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         checkpoint_policy=config.hybrid_checkpoint_policy,
@@ -182,9 +171,7 @@ class LLMEngine:
             masked = self.bitmask_width if self.plan.grammar_samplers or config.aot_compile_all else 0
             self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
             if jax.process_count() == 1:  # multi-host: a lone warm-up step would wait on the followers
-                t0 = time.perf_counter()
                 self.caches = self.executables.warm_up(self.model.params, self.caches)
-                log.info("warmed up the compiled steps in %.1fs", time.perf_counter() - t0)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}

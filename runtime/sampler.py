@@ -38,7 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.transformer import compute_logits
 from runtime.sampling_metadata import SamplingMetadata
+from runtime.types import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,3 +341,18 @@ def hlo_has_full_sort(hlo_text: str, vocab: int) -> bool:
             if vocab in (int(d) for d in dims.split(",") if d):
                 return True
     return False
+
+
+SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
+
+
+def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
+    """hidden [T, H], targets [T] -> TokenScores [T]: logits `block` rows at a time (lax.map), so
+    a large prefill bucket never holds [T, V] floats."""
+    T = hidden.shape[0]
+    block = min(T, block)
+    padded = -(-T // block) * block
+    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0))).reshape(padded // block, block, -1)
+    targets = jnp.pad(targets, (0, padded - T), constant_values=-1).reshape(padded // block, block)
+    scores = lax.map(lambda xs: score_tokens(compute_logits(params, xs[0]), xs[1], MAX_LOGPROBS), (hidden, targets))
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)

@@ -17,7 +17,7 @@ import numpy as np
 
 from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
 from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
-from runtime.types import SamplingParams
+from runtime.types import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,3 +178,20 @@ jax.tree_util.register_dataclass(
     data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
     meta_fields=[],
 )
+
+
+BANNED_WIDTH = 2 * MAX_STOP_TOKEN_IDS  # banned ids of the full sampler: stop token ids + EOS ids
+
+@dataclasses.dataclass(frozen=True)
+class FullWidths:
+    """Fixed widths of the full sampler's feature matrices (one executable per sequence bucket)."""
+
+    output_ids: int
+    prompt_ids: int
+    banned_ids: int = BANNED_WIDTH
+    logit_bias: int = pow2_bucket(MAX_LOGIT_BIAS)
+
+    @classmethod
+    def for_model_len(cls, max_model_len: int) -> "FullWidths":
+        width = pow2_bucket(max_model_len)
+        return cls(output_ids=width, prompt_ids=width)

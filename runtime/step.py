@@ -35,7 +35,7 @@ dispatch is a real share of the step; larger (prefill) steps keep backbone + sam
 same forward pass also keeps the final hidden state of every token row, and scores each row's
 target (the next prompt token, -1 where none is wanted) with log_softmax over the full
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
-pass; the cost is the logits of every token row of that step (computed SCORE_BLOCK rows at a
+pass; the cost is the logits of every token row of that step (computed `runtime.sampler.SCORE_BLOCK` rows at a
 time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
 Such a step is prepared in the largest token bucket: one scoring executable, not one per bucket.
 
@@ -73,14 +73,11 @@ from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
 from runtime.request_table import TableStep, page_write_width
 from runtime.table_prepare import RequestTable, apply_write, init_table, prepare
-from runtime.sampler import sample, score_tokens
-from runtime.sampling_metadata import SamplingMetadata, pow2_bucket
-from runtime.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from runtime.sampler import sample, score_hidden_rows
+from runtime.sampling_metadata import FullWidths, SamplingMetadata
+from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
-
-SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
-BANNED_WIDTH = 2 * MAX_STOP_TOKEN_IDS  # banned ids of the full sampler: stop token ids + EOS ids
 
 __all__ = ["MAX_LOGPROBS", "CompileAfterStartup", "StepExecutables", "TokenFeed", "enable_persistent_cache"]
 
@@ -89,39 +86,12 @@ class CompileAfterStartup(RuntimeError):
     """A step needed an executable that the sealed start-up set does not hold."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FullWidths:
-    """Fixed widths of the full sampler's feature matrices (one executable per sequence bucket)."""
-
-    output_ids: int
-    prompt_ids: int
-    banned_ids: int = BANNED_WIDTH
-    logit_bias: int = pow2_bucket(MAX_LOGIT_BIAS)
-
-    @classmethod
-    def for_model_len(cls, max_model_len: int) -> "FullWidths":
-        width = pow2_bucket(max_model_len)
-        return cls(output_ids=width, prompt_ids=width)
-
-
 def enable_persistent_cache(cache_dir: str | Path) -> None:
     """JAX persistent compilation cache on local disk; cache every compile, however small."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
-    """hidden [T, H], targets [T] -> TokenScores [T]: logits `block` rows at a time (lax.map), so
-    a large prefill bucket never holds [T, V] floats."""
-    T = hidden.shape[0]
-    block = min(T, block)
-    padded = -(-T // block) * block
-    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0))).reshape(padded // block, block, -1)
-    targets = jnp.pad(targets, (0, padded - T), constant_values=-1).reshape(padded // block, block)
-    scores = lax.map(lambda xs: score_tokens(compute_logits(params, xs[0]), xs[1], MAX_LOGPROBS), (hidden, targets))
-    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +386,8 @@ class StepExecutables:
         handed back). XLA:CPU does part of its work on an executable's first run: 70-140 ms per
         bucket for the tiny dense model (docs/benchmarks.md round 7, item 5), which would
         otherwise land on the first request that reaches each bucket."""
+        t0 = time.perf_counter()
+
         def zeros(spec):
             return None if spec is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
 
@@ -429,6 +401,8 @@ class StepExecutables:
             S, _, out_w, prompt_w, banned, bias, _, mask_w = key
             meta = zeros(self._meta_spec(S, out_w, prompt_w, banned, bias))
             jax.block_until_ready(exe(params, hidden, meta, jnp.zeros((S, mask_w), jnp.int32) if mask_w else None))
+        log.info("warmed up %d backbones and %d samplers in %.1fs", len(self._backbones) + len(self._greedy_backbones),
+                 len(self._samplers), time.perf_counter() - t0)
         return caches
 
     # ---- run ----------------------------------------------------------------------------

@@ -94,3 +94,30 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
     assert not engine.model.out_in
     assert (engine.layer_loop, engine.token_buckets, engine.executables.greedy_buckets) == ("scan", (8, 32), ())
     assert engine.opts.attention == "reference" and engine.caches["kv"][0].k.dtype == "uint16"  # bf16 held as bits
+
+
+def test_start_up_warm_up_writes_nothing(tiny_checkpoint, hf_model):
+    """The start-up warm-up runs every compiled backbone and sampler on an empty batch: every KV
+    page (the null page 0 included), conv state and recurrent state must still be the zeros the
+    pools were created with, and the first real request still matches HF's greedy tokens."""
+    import jax
+    import numpy as np
+
+    from hf_reference import assert_greedy_match, hf_greedy
+    from runtime.engine import LLMEngine
+    from runtime.types import EngineRequest, SamplingParams
+
+    path = tiny_checkpoint("qwen3_5")
+    config = EngineConfig(model=str(path), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40,
+                          max_model_len=256, token_buckets=(8, 32), load_tokenizer=False)
+    engine = LLMEngine(config)
+    leaves = [x for x in jax.tree.leaves(engine.caches) if x is not None]
+    assert leaves and all(not np.asarray(x).any() for x in leaves)
+    prompt = [5, 9, 13, 200, 17, 3, 44]
+    engine.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    expected, scores = hf_greedy(hf_model("qwen3_5"), prompt, 6)
+    assert_greedy_match(list(tokens), expected, scores, "engine after warm-up vs HF")
