@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import write_json
+
 from benchmarks.workloads import make_workload
 
 
@@ -191,9 +193,7 @@ def main(argv=None) -> dict:
               "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "async_on": on, "async_off": off,
               "ratio_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"], "runs": runs}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
+    write_json(args.json, result, indent=1)
     return result
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import write_json
+
 VARIANTS = (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "scan"))
 
 
@@ -198,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "bf16_over_f32_speed": medians["float32/auto"] / medians["bfloat16/auto"]}
         print(f"{Path(checkpoint).name}: float32 {medians['float32/auto']:.1f}, bf16 {medians['bfloat16/auto']:.1f} "
               f"(plan), bf16 scanned {medians['bfloat16/scan']:.1f} ms/step", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import write_json
+
 from benchmarks.cpu_dtype import _time
 
 
@@ -167,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(name, json.dumps(report[name]), flush=True)
     if args.engine:
         report["engine_decode_step_bf16"] = engine(args.engine, args.repeats)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

@@ -19,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks import write_json
 from runtime.buckets import bucket_for
 from runtime.inputs import build_batch
 from runtime.request import PLACEHOLDER_TOKEN
@@ -84,9 +85,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     result = {str(s): {w: measure(s, w == "mixed") for w in ("decode", "mixed")} for s in args.seqs}
     print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result, indent=1)
     return result
 
 

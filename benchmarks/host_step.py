@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import write_json
+
 KEYS = ("step_ms", "wait_ms", "host_ms", "schedule_ms", "dispatch_ms", "rest_ms", "tokens_per_s", "host_ms_p50",
         "dispatch_ms_p50", "step_ms_p50")
 
@@ -199,9 +201,7 @@ def main(argv=None) -> dict:
                 f.write(f"===== {name} ({tree}), {max(args.seqs)} sequences, decode workload =====\n")
                 f.write(json.dumps(r["decode"]) + "\n" + r["profile"] + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result, indent=1)
     return result
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import peers
+from benchmarks import peers, write_json
 from benchmarks.compare_servers import vllm_bench_serve
 from benchmarks.serve import benchmark_server
 from benchmarks.workloads import make_workload
@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if keep is not None:
             case = Case(**{**case.__dict__, "servers": tuple(s for s in case.servers if s[0] in keep)})
         reports.append(run_case(name, case, args.repeats, out_dir, args.base_port, args.startup_timeout))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"cpu_count": os.cpu_count(), "cases": reports}, indent=2))
+        write_json(args.json, {"cpu_count": os.cpu_count(), "cases": reports})
     print(format_table(reports), flush=True)
     return 0
 
