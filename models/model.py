@@ -25,7 +25,7 @@ from models.ops import KernelOptions
 from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
-from models.quantization import OutInWeight, QuantizedWeight, param_bytes
+from models.quantization import OutInWeight, PackedWeight, QuantizedWeight, packed, param_bytes
 from models.sharding import shard_caches, shard_model
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
@@ -78,10 +78,21 @@ class Model:
         Quantized weights, norms, the conv and the MoE expert stacks are left as they are."""
         self.params = out_in_projections(self.params)
 
+    def hold_packed(self) -> None:
+        """Hold every bf16 projection weight packed for the native CPU matmul (`PackedWeight`, the
+        CPU plan's layout for bf16 where the kernel runs AVX512-BF16). Idempotent; call after
+        `unstack_layers`. Float32 and quantized weights are left as they are."""
+        self.params = out_in_projections(self.params, hold=packed)
+        embed = self.params["embed"]
+        if "lm_head" not in self.params and "head_packed" not in self.params and not isinstance(
+                embed, QuantizedWeight) and embed.dtype == jnp.bfloat16:  # tied: the logits' weight [V, H] packed
+            self.params["head_packed"] = packed(OutInWeight(embed))
+
     @property
     def out_in(self) -> bool:
-        return any(isinstance(w, OutInWeight) for w in jax.tree.leaves(
-            self.params, is_leaf=lambda w: isinstance(w, OutInWeight)))
+        """Whether the projections are held in a CPU layout ([out, in] or packed), not as loaded."""
+        return any(isinstance(w, (OutInWeight, PackedWeight)) for w in jax.tree.leaves(
+            self.params, is_leaf=lambda w: isinstance(w, (OutInWeight, PackedWeight))))
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters on the device(s), scales included."""

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from pallas_kernels import cpu_native
 from pallas_kernels.quantized_matmul import dequantize_codes, quantized_matmul
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -104,6 +105,49 @@ def out_in(w):
     if isinstance(w, (QuantizedWeight, OutInWeight)):
         return w
     return OutInWeight(jnp.swapaxes(w, -1, -2))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A bf16 `[..., K, N]` weight packed once for the native CPU matmul
+    (`pallas_kernels.cpu_native.pack_bf16_weight`: `p` `[..., ceil(N/16), ceil(K/2), 32]`).
+
+    The CPU plan's weight layout for bf16 on a CPU with AVX512-BF16 (runtime/exec_plan.py):
+    XLA:CPU's dot re-packs its weight operand on every call, which is most of a decode step's
+    projection time; this weight is packed at load and streamed once per call. `qdot` runs the
+    kernel at every row count: in the engine it beats XLA's dot on prefill-sized steps too
+    (SmolLM2-135M bf16, a 512-token prefill step 562 -> 435 ms; decode rows
+    `benchmarks/cpu_native.py`). Without the kernel (or for a float32 x) `qdot` unpacks it.
+    """
+
+    p: Any
+    k: int = dataclasses.field(metadata=dict(static=True))
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.p.shape[:-3], self.k, self.n)
+
+    @property
+    def ndim(self) -> int:
+        return self.p.ndim - 1
+
+    @property
+    def dtype(self):
+        return self.p.dtype
+
+
+def packed(w):
+    """A bf16 weight `w` [..., K, N] (or an OutInWeight of one) as a `PackedWeight` (a new array);
+    anything else (float32, quantized, already packed) unchanged."""
+    if isinstance(w, OutInWeight) and w.t.dtype == jnp.bfloat16:
+        *_, n, k = w.t.shape
+        return PackedWeight(cpu_native.pack_bf16_weight(w.t, out_in=True), k, n)
+    if isinstance(w, (QuantizedWeight, OutInWeight, PackedWeight)) or jnp.dtype(w.dtype) != jnp.bfloat16:
+        return w
+    *_, k, n = w.shape
+    return PackedWeight(cpu_native.pack_bf16_weight(w), k, n)
 
 
 # ---- schemes ------------------------------------------------------------------------------------
@@ -205,8 +249,12 @@ def _permute_input(x, w: QuantizedWeight):
 
 
 def qdot(x, w):
-    """x [T, K] @ w [K, N] -> [T, N] in x's dtype; `w` a float array, an OutInWeight or a 2-D
-    QuantizedWeight."""
+    """x [T, K] @ w [K, N] -> [T, N] in x's dtype; `w` a float array, an OutInWeight, a
+    PackedWeight or a 2-D QuantizedWeight."""
+    if isinstance(w, PackedWeight):
+        if x.dtype == jnp.bfloat16 and cpu_native.available():
+            return cpu_native.bf16_matmul(x, w.p, w.n)
+        w = OutInWeight(cpu_native.unpack_bf16_weight(w.p, w.n, w.k, out_in=True))
     if isinstance(w, OutInWeight):
         return lax.dot_general(x, w.t, (((x.ndim - 1,), (w.t.ndim - 1,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(x.dtype)

@@ -22,7 +22,8 @@ from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
-from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
+from models.quantization import QuantizedWeight, embed_lookup, out_in, packed, qdot, tied_head
+from pallas_kernels import cpu_native
 from models.tokenwise import tokenwise
 
 
@@ -215,11 +216,12 @@ PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
                          "router", "in_qkv", "in_z", "in_b", "in_a", "out_proj"})
 
 
-def out_in_projections(params: dict) -> dict:
+def out_in_projections(params: dict, hold=out_in) -> dict:
     """Every float projection (and an untied lm_head) as an `OutInWeight` [..., N, K]: the CPU
-    weight layout. Stacked `groups` keep their leading axis; idempotent."""
+    weight layout (`hold=packed`: every bf16 one as a `PackedWeight`, the CPU layout for the
+    native matmul). Stacked `groups` keep their leading axis; idempotent."""
     def layer(p: dict) -> dict:
-        return {k: out_in(w) if k in PROJECTIONS else w for k, w in p.items()}
+        return {k: hold(w) if k in PROJECTIONS else w for k, w in p.items()}
 
     out = dict(params)
     if "layers" in params:
@@ -227,12 +229,16 @@ def out_in_projections(params: dict) -> dict:
     if "groups" in params:
         out["groups"] = type(params["groups"])(layer(p) for p in params["groups"])
     if "lm_head" in params:
-        out["lm_head"] = out_in(params["lm_head"])
+        out["lm_head"] = hold(params["lm_head"])
     return out
 
 
 def compute_logits(params, hidden):
-    """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head)."""
+    """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head; `head_packed`:
+    the tied embedding's copy packed for the native CPU matmul, Model.hold_packed)."""
+    head = params.get("head_packed")
+    if head is not None and hidden.dtype == jnp.bfloat16 and cpu_native.available():
+        return cpu_native.bf16_matmul(hidden, head.p, head.n, out_dtype=jnp.float32)
     if "lm_head" not in params and not isinstance(params["embed"], QuantizedWeight):
         # tied float embedding [V, H]: contract its H axis in place. Spelled as embed.T @ ..., XLA:CPU
         # materialises a transposed (and, for bf16, float32-converted) copy of the table every call.

@@ -49,7 +49,8 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 # lets the dot products vectorize.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-freciprocal-math", "-shared", "-fPIC", "-std=c++17")
-TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent"}
+TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent",
+           "jaxserve_bf16_matmul": "JaxserveBf16Matmul"}
 KV_FORMATS = {"float32": 0, "bfloat16": 1}  # FP8 pages: 2, through a 256-entry table
 _NO_SCALE = np.ones((1, 1), np.float32)
 # Under jax.vmap (attention data parallelism maps the forward over ranks) a call per rank.
@@ -122,7 +123,8 @@ def available() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(path))
             for name, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            _state.update(ok=True, path=path, lib=lib)
+            lib.JaxserveBf16MatmulSimd.restype = ctypes.c_int32
+            _state.update(ok=True, path=path, lib=lib, matmul_simd=bool(lib.JaxserveBf16MatmulSimd()))
         except Exception as e:  # noqa: BLE001 -- any build / load failure means: take the jnp path
             log.warning("native CPU kernels unavailable, using the jnp paths: %s", e)
             _state.update(ok=False, error=str(e))
@@ -178,3 +180,38 @@ def gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initia
                             input_output_aliases={5: 1}, vmap_method=VMAP_METHOD)
     return call(f32(q), f32(k), f32(v), f32(g), f32(beta), state, i32(cu_q_lens), i32(state_slot_ids),
                 i32(has_initial_state), i32(rows))
+
+
+def matmul_simd() -> bool:
+    """Whether `bf16_matmul` runs its AVX512-BF16 loop here (else a scalar float32 loop: correct,
+    slow; the CPU plan then keeps XLA's dot). Builds the kernels on the first call."""
+    return available() and _state.get("matmul_simd", False)
+
+
+def pack_bf16_weight(w: jax.Array, *, out_in: bool = False) -> jax.Array:
+    """A bf16 weight [..., K, N] (or [..., N, K] with `out_in`) in `bf16_matmul`'s packed layout
+    [..., ceil(N/16), ceil(K/2), 32]: 16 output columns x 2 input rows per 64-byte vector, zero
+    padded. A new array; done once when the weights are loaded (Model.hold_packed)."""
+    t = w if out_in else jnp.swapaxes(w, -1, -2)  # [..., N, K]
+    *lead, n, k = t.shape
+    t = jnp.pad(t.astype(jnp.bfloat16), [(0, 0)] * len(lead) + [(0, -n % 16), (0, k % 2)])
+    t = t.reshape(*lead, (n + 15) // 16, 16, (k + 1) // 2, 2)
+    return jnp.swapaxes(t, -3, -2).reshape(*lead, (n + 15) // 16, (k + 1) // 2, 32)
+
+
+def unpack_bf16_weight(wp: jax.Array, n: int, k: int, *, out_in: bool = False) -> jax.Array:
+    """`pack_bf16_weight`'s inverse: [..., NB, KP, 32] -> [..., K, N] (or [..., N, K] with `out_in`)."""
+    *lead, nb, kp, _ = wp.shape
+    t = jnp.swapaxes(wp.reshape(*lead, nb, kp, 16, 2), -3, -2).reshape(*lead, nb * 16, kp * 2)[..., :n, :k]
+    return t if out_in else jnp.swapaxes(t, -1, -2)
+
+
+def bf16_matmul(x: jax.Array, wp: jax.Array, n: int, out_dtype=jnp.bfloat16) -> jax.Array:
+    """x [..., K] bf16 @ the packed weight `wp` [NB, KP, 32] -> [..., n] in `out_dtype` (bf16:
+    the float32 accumulation rounded to nearest even, as XLA's bf16 dot with preferred float32
+    then a convert; or float32). Call only when `available()`."""
+    *lead, k = x.shape
+    rows = int(np.prod(lead)) if lead else 1
+    call = jax.ffi.ffi_call("jaxserve_bf16_matmul", jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)),
+                            vmap_method=VMAP_METHOD)
+    return call(x.reshape(rows, k).astype(jnp.bfloat16), wp).reshape(*lead, n)

@@ -56,6 +56,7 @@ import numpy as np
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
+from pallas_kernels import cpu_native
 from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.async_step import InFlightStep, no_feed_rows
 from runtime.buckets import bucket_for, pages_for, seq_bucket
@@ -110,7 +111,9 @@ class LLMEngine:
         if mesh is not None and self.model.tp is None:
             shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
         cfg = self.model.cfg
-        self.plan = plan or plan_execution(config, cfg, jax.default_backend(), dtype=self.model.dtype)
+        backend = jax.default_backend()
+        self.plan = plan or plan_execution(config, cfg, backend, dtype=self.model.dtype,
+                                           native_matmul=backend == "cpu" and cpu_native.matmul_simd())
         for warning in self.plan.warnings:
             log.warning("%s", warning)
         log.info("%s", self.plan.describe())
@@ -118,6 +121,8 @@ class LLMEngine:
             self.model.unstack_layers()
         if self.plan.weight_layout == "out_in":
             self.model.hold_out_in()
+        elif self.plan.weight_layout == "packed":
+            self.model.hold_packed()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
         self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included

@@ -67,7 +67,12 @@ JNP_ATTENTION_PATHS = ("native", "chunked", "reference")
 # projections, 2026-12-01): bf16 26.6 -> 18.8 ms at 16 rows, 24.5 -> 17.5 at 4, 38.2 -> 31.2 at
 # 64; float32 42.9 -> 37.3 at 16, equal at 4 and 64. Accelerators and meshes keep [in, out] (the
 # sharding rules and the Pallas quantized matmul are written for it).
-WEIGHT_LAYOUT_CPU, WEIGHT_LAYOUT_DEFAULT = "out_in", "in_out"
+# bf16 weights, where the native matmul runs AVX512-BF16 (`native_matmul`), are held packed for
+# it instead (models.quantization.PackedWeight: 30 SmolLM2-135M layers of projections on an AMD
+# EPYC Zen 4, 2 cores, 2026-12-01: 3.2x [out, in]'s speed at 4 rows, 1.65x at 16; in the engine
+# a SmolLM2 bf16 decode step of 16 rows ~48 -> ~31 ms and a 512-token prefill step 562 -> 435 ms).
+# The tied lm_head gets a packed copy of the embedding (+vocab x hidden bf16; 5.2 -> 3.1 ms at 16 rows).
+WEIGHT_LAYOUT_CPU, WEIGHT_LAYOUT_DEFAULT, WEIGHT_LAYOUT_NATIVE = "out_in", "in_out", "packed"
 # bf16 on CPU is the fast dtype since the float32-accumulating dot spelling (models/quantization.qdot)
 # and the unrolled layers: decode step 1.62x (SmolLM2), 1.36x (tiny dense), 1.64x (tiny hybrid) float32's
 # speed (benchmarks/cpu_dtype.py); at saturation 1.4-2.2x float32's tokens/s (benchmarks/saturation.py).
@@ -92,7 +97,9 @@ class ExecutionPlan:
     # prefill (issue 14 item 3) picks its path in `_gdn_path`.
     gdn_path: str
     kv_bit_storage: bool  # bf16 / FP8 KV pages held as raw bits (models.Model.init_caches)
-    weight_layout: str  # "in_out" ([K, N] as loaded) | "out_in" (float projections transposed, Model.hold_out_in)
+    # "in_out" ([K, N] as loaded) | "out_in" (float projections transposed, Model.hold_out_in) |
+    # "packed" (bf16 projections packed for the native matmul, Model.hold_packed)
+    weight_layout: str
     aot_compile: bool  # compile every executable at start-up
     grammar_samplers: bool  # with aot_compile: also the grammar-masked samplers
     warnings: tuple[str, ...] = ()  # logged at start-up
@@ -106,10 +113,13 @@ class ExecutionPlan:
                 f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
 
 
-def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None) -> ExecutionPlan:
+def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None, *,
+                   native_matmul: bool = False) -> ExecutionPlan:
     """Resolve every execution choice for `engine_config` (runtime.engine_config.EngineConfig) serving
     `model_config` (models.config.ModelConfig: num_layers) on `backend` (cpu | gpu | tpu). `dtype`:
-    the weights' dtype when it is not the config's (a loaded Model handed to the engine)."""
+    the weights' dtype when it is not the config's (a loaded Model handed to the engine).
+    `native_matmul`: whether this CPU runs the native bf16 matmul's AVX512-BF16 loop
+    (`pallas_kernels.cpu_native.matmul_simd()`, a fact about the machine the caller looks up)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     c = engine_config
@@ -128,7 +138,7 @@ def plan_execution(engine_config, model_config, backend: str, dtype: str | None 
         attention_path=attention,
         gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
         kv_bit_storage=attention in JNP_ATTENTION_PATHS,
-        weight_layout=WEIGHT_LAYOUT_CPU if on_cpu and c.mesh_shape is None else WEIGHT_LAYOUT_DEFAULT,
+        weight_layout=_weight_layout(on_cpu and c.mesh_shape is None, dtype, native_matmul),
         aot_compile=c.aot_compile,
         grammar_samplers=c.aot_grammar_samplers,
         warnings=warnings,
@@ -143,6 +153,12 @@ def plan_buckets(max_num_batched_tokens: int, max_num_seqs: int, explicit: tuple
                           minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
                           fine_until=max_num_seqs if on_cpu else 0)
     return tokens, pow2_buckets(max_num_seqs, minimum=MIN_SEQ_BUCKET)
+
+
+def _weight_layout(cpu_single_device: bool, dtype: str, native_matmul: bool) -> str:
+    if not cpu_single_device:  # accelerators and meshes: the sharding rules and Pallas kernels take [K, N]
+        return WEIGHT_LAYOUT_DEFAULT
+    return WEIGHT_LAYOUT_NATIVE if dtype == "bfloat16" and native_matmul else WEIGHT_LAYOUT_CPU
 
 
 def _layer_loop(choice: str, num_layers: int, backend: str, dtype: str) -> str:

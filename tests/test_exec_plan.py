@@ -58,6 +58,19 @@ def test_plan_is_frozen_and_warns_about_unmeasured_cpu_dtypes():
     assert not plan_execution(EngineConfig(model="m", aot_compile=False), SHALLOW, "cpu").aot_compile
 
 
+def test_packed_weights_where_the_native_matmul_runs():
+    """bf16 on a CPU whose native matmul runs AVX512-BF16 (`native_matmul`, a fact the engine
+    looks up): projections packed for it; float32, meshes and accelerators keep their layouts."""
+    bf16 = EngineConfig(model="m", dtype="bfloat16")
+    assert plan_execution(bf16, DEEP, "cpu", native_matmul=True).weight_layout == "packed"
+    assert plan_execution(bf16, DEEP, "cpu", native_matmul=False).weight_layout == "out_in"
+    assert plan_execution(EngineConfig(model="m"), DEEP, "cpu", native_matmul=True).weight_layout == "out_in"
+    assert plan_execution(EngineConfig(model="m"), DEEP, "cpu", dtype="bfloat16", native_matmul=True).weight_layout == "packed"
+    meshed = EngineConfig(model="m", dtype="bfloat16", mesh_shape=(1, 2))
+    assert plan_execution(meshed, DEEP, "cpu", native_matmul=True).weight_layout == "in_out"
+    assert plan_execution(bf16, DEEP, "tpu", native_matmul=True).weight_layout == "in_out"
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend must be one of"):
         plan_execution(EngineConfig(model="m"), SHALLOW, "metal")

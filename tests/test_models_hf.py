@@ -5,6 +5,7 @@ through the paged caches (prefill, then one token per step) is compared with HF 
 accepting a divergence only where HF's top-2 logit gap is below 1e-3.
 """
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -59,6 +60,35 @@ def test_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_mod
 
     path = tiny_checkpoint(family)
     ours = load_model(path, dtype="bfloat16")
+    hf_fp32 = hf_model(family)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for n in (1, 65):
+        ids = _prompt(ours.cfg.vocab_size, n, seed=300 + n)
+        reference = _hf_logits(hf_fp32, ids)
+        ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
+        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
+        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{family} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_model):
+    """The CPU plan's bf16 layout (`Model.hold_packed`: projections, and a tied embedding's logits
+    copy, packed for the native matmul): the same bound against HF's float32 logits as above, at a
+    decode-sized and a prefill-sized row count."""
+    from transformers import AutoModelForCausalLM
+
+    from models.quantization import PackedWeight
+    from pallas_kernels import cpu_native
+
+    if not cpu_native.matmul_simd():
+        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
+    path = tiny_checkpoint(family)
+    ours = load_model(path, dtype="bfloat16")
+    ours.unstack_layers()
+    ours.hold_packed()
+    layer = ours.params["layers"][0]
+    assert any(isinstance(w, PackedWeight) for w in jax.tree.leaves(layer, is_leaf=lambda w: isinstance(w, PackedWeight)))
+    assert ("head_packed" in ours.params) == ("lm_head" not in ours.params)
     hf_fp32 = hf_model(family)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for n in (1, 65):
