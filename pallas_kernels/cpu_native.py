@@ -2,7 +2,7 @@
 
     from pallas_kernels import cpu_native
     cpu_native.available()                      # builds csrc/cpu_kernels.cc once, then cached
-    out = cpu_native.paged_decode_attention(q, kv, kv_lens, block_tables, sm_scale=...)
+    out = cpu_native.ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=...)
 
 Why: on the CPU test bench the decode pass of ragged paged attention (one query token per
 sequence against its pages) is a batch of [G, D] x [D, L] dots, gathers and selects that
@@ -18,8 +18,9 @@ compiler, the flags, jaxlib and the CPU's flags, and written atomically, so conc
 with no C++ compiler, or `JAXSERVE_NATIVE=0`, `available()` is False and every caller takes its
 pure-jnp path (the same function the kernel is tested against), with one warning.
 
-Each kernel has a jnp reference it is tested against: `paged_decode_attention` the float64
+Each kernel has a reference it is tested against: `ragged_paged_attention` the float64
 oracle and `ragged_paged_attention(impl="reference")` (tests/test_ragged_paged_attention.py),
+`bf16_matmul` the float64 product (tests/test_cpu_native.py),
 `gdn_recurrent` `gated_delta_rule(impl="reference")` (tests/test_gdn.py).
 """
 
@@ -49,7 +50,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 # lets the dot products vectorize.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-freciprocal-math", "-shared", "-fPIC", "-std=c++17")
-TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent",
+TARGETS = {"jaxserve_ragged_attention": "JaxserveRaggedAttention", "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent",
            "jaxserve_bf16_matmul": "JaxserveBf16Matmul"}
 KV_FORMATS = {"float32": 0, "bfloat16": 1}  # FP8 pages: 2, through a 256-entry table
 _NO_SCALE = np.ones((1, 1), np.float32)
@@ -136,17 +137,17 @@ def _fp8_table(dtype) -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(jnp.dtype(dtype)).astype(np.float32)
 
 
-def paged_decode_attention(q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array, *,
-                           sm_scale: float, sliding_window: int | None = None,
+def ragged_paged_attention(q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
+                           cu_q_lens: jax.Array, num_seqs, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None) -> jax.Array:
-    """Attention of ONE query token per row against its paged keys and values.
+    """Ragged paged attention (`pallas_kernels.ragged_paged_attention`'s arguments and semantics)
+    in C++: decode tokens and prefill chunks of one batch in one call.
 
-    q [R, Hq, D] (any float dtype), kv pages [P, Hkv, ps, D] (float32, bf16 or FP8; float or
-    bit storage), kv_lens [R] int32 (the query sits at position kv_len - 1; 0 = a dead row,
-    whose output is zeros), block_tables [R, MB] int32. Returns [R, Hq, D] float32.
-    Call only when `available()`.
+    q [T, Hq, D] (any float dtype), kv pages [P, Hkv, ps, D] (float32, bf16 or FP8; float or
+    bit storage), kv_lens [S], block_tables [S, MB], cu_q_lens [S+1] int32, num_seqs [] or [1].
+    Returns [T, Hq, D] float32, zeros for tokens no live sequence owns. Call only when `available()`.
     """
-    R, Hq, D = q.shape
+    T, Hq, D = q.shape
     dtype = jnp.dtype(kv.dtype)
     if is_fp8(dtype):
         kv_format, table = 2, _fp8_table(dtype)
@@ -155,10 +156,11 @@ def paged_decode_attention(q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_
     scaled = kv.k_scale is not None
     k_scale = kv.k_scale if scaled else _NO_SCALE
     v_scale = kv.v_scale if scaled else _NO_SCALE
-    call = jax.ffi.ffi_call("jaxserve_paged_decode", jax.ShapeDtypeStruct((R, Hq, D), jnp.float32),
+    call = jax.ffi.ffi_call("jaxserve_ragged_attention", jax.ShapeDtypeStruct((T, Hq, D), jnp.float32),
                             vmap_method=VMAP_METHOD)
-    return call(q.astype(jnp.float32), kv.k, kv.v, k_scale, v_scale, jnp.asarray(table),
-                block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    return call(q.astype(jnp.float32), kv.k, kv.v, k_scale, v_scale, jnp.asarray(table), i32(block_tables),
+                i32(kv_lens), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
                 sliding_window=np.int32(sliding_window or 0), kv_format=np.int32(kv_format),
                 scaled=np.int32(scaled))

@@ -166,8 +166,9 @@ def ragged_paged_attention(
   cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
   num_seqs:     int32 [] or [1], the true number of sequences
   impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
-                context) | "native" (the CPU serving path: "chunked" with its decode pass in
-                the C++ kernel of pallas_kernels/cpu_native.py, jnp where that can't be built) | "pallas" (kernel for the default backend; on CPU with
+                context) | "native" (the CPU serving path: the whole batch in the C++ kernel
+                of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
+                "pallas" (kernel for the default backend; on CPU with
                 `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
   interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
   Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
@@ -190,7 +191,7 @@ def ragged_paged_attention(
     return ragged_paged_attention_reference(*args, **options)
   if impl in ("chunked", "native"):
     from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
-    return ragged_paged_attention_chunked(*args, **options, native_decode=impl == "native")
+    return ragged_paged_attention_chunked(*args, **options, native=impl == "native")
   if impl == "pallas_tpu":
     from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

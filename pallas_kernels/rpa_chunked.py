@@ -10,10 +10,11 @@ Sequences with one query token (decode) are attended together in one batched pas
 sequences with several (prefill chunks) loop over their query blocks, so a mixed step (one
 chunked prefill beside 15 decodes, H=6, D=64, 300-token contexts) costs ~5 ms, not ~13.
 
-`native_decode=True` (impl="native", the CPU serving path) runs that batched decode pass in the
-C++ kernel of pallas_kernels/cpu_native.py when it is available: 30 layers of 16 rows of ~200
-bf16 tokens (SmolLM2's heads) 27 ms -> 4.5 ms on the 2-core bench. The jnp pass below is its
-fallback and, with the reference, its test oracle.
+`native=True` (impl="native", the CPU serving path) runs the whole batch, decode tokens and
+prefill chunks, in the C++ kernel of pallas_kernels/cpu_native.py when it is available (30
+layers of 16 decode rows of ~200 bf16 tokens, SmolLM2's heads: 20 -> 11 ms; the tiny dense
+model's 512-token prefill step: its while loops were ~40 % of the step). The jnp passes below are
+its fallback where no compiler is found.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _online_attend_shared(q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, 
 
 def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
                                    sliding_window=None, soft_cap=None, chunk_pages: int = 8,
-                                   prefill_chunk_pages: int = 4, block_q: int = 64, native_decode: bool = False):
+                                   prefill_chunk_pages: int = 4, block_q: int = 64, native: bool = False):
   """Same signature and semantics as the reference; padding rows come back as zeros.
 
   chunk_pages: KV pages per online-softmax step of the decode pass; prefill_chunk_pages and
@@ -124,6 +125,9 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
   64 rows / 4 pages (one layer, 2 shared cores): that late chunk 20.8 -> 17.6 ms, and a step of
   four fresh 40-80-token prompts 4.3 -> 2.1 ms (16-page chunks mostly held masked keys there).
   """
+  if native and cpu_native.available():
+    return cpu_native.ragged_paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                             sliding_window=sliding_window, soft_cap=soft_cap).astype(q.dtype)
   T, Hq, D = q.shape
   S, MB = block_tables.shape
   Hkv = kv.num_kv_heads
@@ -156,10 +160,6 @@ def ragged_paged_attention_chunked(q, kv: KVPages, kv_lens, block_tables, cu_q_l
     else:
       token = jnp.minimum(cu_q_lens[:-1], T - 1)                         # [S]
       row_live, row_kv_len, row_tables = one_token, kv_lens, tables
-    if native_decode and cpu_native.available():
-      o = cpu_native.paged_decode_attention(q[token], kv, jnp.where(row_live, row_kv_len, 0), row_tables,
-                                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-      return out.at[jnp.where(row_live, token, T)].set(o.astype(q.dtype), mode="drop")
     rows = q[token].astype(jnp.float32).reshape(-1, Hkv, G, D)
     pos = row_kv_len - 1
     n = (jnp.max(jnp.where(row_live, row_kv_len, 0)) + L - 1) // L

@@ -191,6 +191,18 @@ def test_reference_decode_batch(group, sliding_window, soft_cap, impl):
                              atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("page_size,head_dim", [(8, 128), (32, 64), (16, 80)])
+def test_native_page_sizes_and_head_dims(page_size, head_dim):
+  """The C++ kernel gathers keys 16 at a time across pages of any size; head dims it has a
+  constant for (64 / 128 / 256) and one it has not (80: the runtime-dim loops)."""
+  rng = np.random.default_rng(page_size + head_dim)
+  seqs = [(40, 40), (1, 75), (17, 50), (1, 1), (3, 33)]
+  batch = make_batch(rng, seqs, num_q_heads=6, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                     kv_dtype="bf16", q_dtype=jnp.float32, pad_tokens=3, pad_seqs=2)
+  options = dict(sm_scale=head_dim ** -0.5, sliding_window=30)
+  np.testing.assert_allclose(run(batch, **options, impl="native"), oracle(batch, **options), atol=2e-4, rtol=1e-4)
+
+
 def test_reference_bf16_queries_and_no_nan_leak():
   rng = np.random.default_rng(7)
   seqs = [(1, 300), (63, 64), (15, 15)]

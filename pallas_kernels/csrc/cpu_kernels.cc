@@ -7,10 +7,12 @@
 //
 //   jaxserve_gdn_recurrent: the gated delta rule token by token for selected rows, states
 //   updated in place in their slots (the decode rows of pallas_kernels/gdn.py's "native" path).
-//   jaxserve_paged_decode: one query token per row against its paged K/V (the decode pass of
-//   pallas_kernels/rpa_chunked.py). XLA:CPU runs that pass as ~10 GFLOP/s batched 3x64 dots,
-//   gathers and selects (~0.9 ms a layer for 16 rows of ~200 tokens); here each (row, KV head)
-//   reads its pages once, in place.
+//   jaxserve_ragged_attention: ragged paged attention, decode tokens and prefill chunks in one call
+//   (impl "native" of pallas_kernels/ragged_paged_attention.py). XLA:CPU runs the jnp form as
+//   ~10 GFLOP/s batched 3x64 dots, gathers and selects (~0.9 ms a layer for 16 decode rows of
+//   ~200 tokens) and a while loop per prefill sequence; here each (token tile, KV head) reads
+//   its pages in place.
+//   jaxserve_bf16_matmul: x @ a bf16 weight packed once at load (the CPU plan's "packed" layout).
 
 #include <algorithm>
 #include <atomic>
@@ -126,28 +128,29 @@ inline float VecExp(float x) {
 }
 
 struct DecodeArgs {
-  const float* q;            // [R, Hq, D]
+  const float* q;            // [T, Hq, D]
   const void* k;             // [P, Hkv, ps, D]
   const void* v;
   const float* k_scale;      // [P, Hkv] when scaled
   const float* v_scale;
   const float* lut;          // [256] when kv_format == kLut8
-  const int32_t* tables;     // [R, MB]
-  const int32_t* kv_lens;    // [R]
-  float* out;                // [R, Hq, D]
+  const int32_t* tables;     // [S, MB]
+  const int32_t* kv_lens;    // [S]
+  float* out;                // [T, Hq, D]
   int64_t P, Hq, Hkv, ps, MB, D;
   float sm_scale, soft_cap;
   int32_t sliding_window, kv_format, scaled;
 };
 
-// One (row, KV head): its G query heads against the row's keys, two passes over the pages
-// (scores, then the weighted values). kD: the head dim as a constant (0: a runtime dim).
+// One decode token (query row r of sequence s) and KV head h: its G query heads against the
+// sequence's keys, two passes over the pages (scores, then the weighted values). kD: the head
+// dim as a constant (0: a runtime dim).
 template <int kD>
-void DecodeItem(const DecodeArgs& a, int64_t r, int64_t h) {
+void DecodeItem(const DecodeArgs& a, int64_t r, int64_t s, int64_t h) {
   const int64_t D = kD ? kD : a.D;
   const int64_t G = a.Hq / a.Hkv, ps = a.ps, block = ps * D;
   float* __restrict o = a.out + (r * a.Hq + h * G) * D;
-  const int64_t n = std::min<int64_t>(a.kv_lens[r], a.MB * ps);
+  const int64_t n = std::min<int64_t>(a.kv_lens[s], a.MB * ps);
   if (n <= 0) {
     std::fill(o, o + G * D, 0.0f);
     return;
@@ -161,7 +164,7 @@ void DecodeItem(const DecodeArgs& a, int64_t r, int64_t h) {
   float* __restrict page = page_buf.data();
   float* __restrict qs = q_buf.data();
   for (int64_t i = 0; i < G * D; ++i) qs[i] = a.q[(r * a.Hq + h * G) * D + i] * a.sm_scale;
-  const int32_t* row_pages = a.tables + r * a.MB;
+  const int32_t* row_pages = a.tables + s * a.MB;
   auto page_id = [&](int64_t t0) {
     int64_t pid = row_pages[t0 / ps];
     return (pid < 0 || pid >= a.P) ? int64_t{0} : pid;
@@ -241,42 +244,184 @@ void DecodeItem(const DecodeArgs& a, int64_t r, int64_t h) {
   }
 }
 
+// Up to kTileQ query tokens of one sequence (tokens r0 .. r0 + nq, at positions pos0 ..) and KV
+// head h, all G query heads, against the keys each may see, 16 keys at a time with an online
+// softmax. The 16 keys are gathered transposed ([D, 16]) so a query's 16 scores are one vector
+// of FMAs, and the values [16, D] so the weighted sum is too.
+constexpr int64_t kTileQ = 16;
+
+template <int kD>
+void PrefillTile(const DecodeArgs& a, int64_t r0, int64_t s, int64_t h, int64_t pos0, int64_t nq) {
+  const int64_t D = kD ? kD : a.D;
+  const int64_t G = a.Hq / a.Hkv, ps = a.ps, NQ = nq * G;
+  const int64_t kv_len = std::min<int64_t>(a.kv_lens[s], a.MB * ps);
+  thread_local std::vector<float> q_buf, acc_buf, ml_buf, kt_buf, v_buf, row_buf;
+  q_buf.resize(NQ * D);
+  acc_buf.assign(NQ * D, 0.0f);
+  ml_buf.resize(2 * NQ);
+  kt_buf.resize(D * 16);
+  v_buf.resize(16 * D);
+  row_buf.resize(D);
+  float* __restrict qs = q_buf.data();
+  float* __restrict acc = acc_buf.data();
+  float* __restrict m = ml_buf.data();
+  float* __restrict l = ml_buf.data() + NQ;
+  float* __restrict kt = kt_buf.data();
+  float* __restrict vb = v_buf.data();
+  float* __restrict row = row_buf.data();
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < G * D; ++j) qs[i * G * D + j] = a.q[((r0 + i) * a.Hq + h * G) * D + j] * a.sm_scale;
+  for (int64_t j = 0; j < NQ; ++j) {
+    m[j] = kMaskValue;
+    l[j] = 0.0f;
+  }
+  const int32_t* row_pages = a.tables + s * a.MB;
+  auto page_id = [&](int64_t key) {
+    int64_t pid = row_pages[key / ps];
+    return (pid < 0 || pid >= a.P) ? int64_t{0} : pid;
+  };
+  const int64_t last = std::min(kv_len, pos0 + nq);  // keys [.., last) are visible to some query
+  const int64_t first = a.sliding_window > 0 ? std::max<int64_t>(0, pos0 - a.sliding_window + 1) : 0;
+  for (int64_t k0 = first - first % 16; k0 < last; k0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, last - k0);
+    for (int64_t c = 0; c < 16; ++c) {
+      if (c < nk) {
+        const int64_t key = k0 + c, pid = page_id(key);
+        const int64_t offset = ((pid * a.Hkv + h) * ps + key % ps) * D;
+        LoadRow(a.k, offset, D, a.kv_format, a.lut, a.scaled ? a.k_scale[pid * a.Hkv + h] : 1.0f, row);
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + c] = row[d];
+        LoadRow(a.v, offset, D, a.kv_format, a.lut, a.scaled ? a.v_scale[pid * a.Hkv + h] : 1.0f, vb + c * D);
+      } else {
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + c] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) vb[c * D + d] = 0.0f;
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t pos = pos0 + i;
+      const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
+      if (k0 > pos || k0 + 16 <= lo) continue;  // no key of this block is visible to query i
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = i * G + g;
+        const float* __restrict qj = qs + j * D;
+        float sc[16];
+        for (int64_t c = 0; c < 16; ++c) sc[c] = 0.0f;
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t c = 0; c < 16; ++c) sc[c] += qj[d] * kt[d * 16 + c];
+        if (a.soft_cap > 0.0f)
+          for (int64_t c = 0; c < 16; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
+        float mx = m[j];
+        for (int64_t c = 0; c < 16; ++c) {
+          const int64_t key = k0 + c;
+          const bool visible = c < nk && key <= pos && key >= lo;
+          sc[c] = visible ? sc[c] : kMaskValue;
+          mx = std::max(mx, sc[c]);
+        }
+        const float alpha = VecExp(m[j] - mx);
+        float sum = 0.0f;
+        for (int64_t c = 0; c < 16; ++c) {
+          sc[c] = sc[c] == kMaskValue ? 0.0f : VecExp(sc[c] - mx);
+          sum += sc[c];
+        }
+        l[j] = l[j] * alpha + sum;
+        m[j] = mx;
+        float* __restrict aj = acc + j * D;
+        if constexpr (kD > 0) {  // the row of acc in registers across the 16 keys
+          float r[kD];
+          for (int64_t d = 0; d < kD; ++d) r[d] = aj[d] * alpha;
+          for (int64_t c = 0; c < nk; ++c) {
+            const float pc = sc[c];
+            const float* __restrict vc = vb + c * kD;
+            for (int64_t d = 0; d < kD; ++d) r[d] += pc * vc[d];
+          }
+          for (int64_t d = 0; d < kD; ++d) aj[d] = r[d];
+        } else {
+          for (int64_t d = 0; d < D; ++d) aj[d] *= alpha;
+          for (int64_t c = 0; c < nk; ++c) {
+            const float pc = sc[c];
+            const float* __restrict vc = vb + c * D;
+            for (int64_t d = 0; d < D; ++d) aj[d] += pc * vc[d];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j = i * G + g;
+      const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+      float* __restrict o = a.out + ((r0 + i) * a.Hq + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[j * D + d] * inv;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-// jaxserve_paged_decode
+// jaxserve_ragged_attention: ragged paged attention (pallas_kernels/ragged_paged_attention.py's
+// spec) for the CPU: every live sequence's query tokens against its paged keys and values.
 //
-//   q        [R, Hq, D] f32          one query token per row
+//   q        [T, Hq, D] f32          the batch's query tokens, sequence after sequence
 //   k, v     [P, Hkv, ps, D]         f32 | bf16 bits (u16 / bf16) | FP8 bits (u8 / f8) via `lut`
 //   k_scale, v_scale [P, Hkv] f32    per-page scales (FP8, `scaled` = 1), or [1, 1] ignored
 //   lut      [256] f32               FP8 byte -> value (kv_format 2), else ignored
-//   tables   [R, MB] s32             page ids of each row
-//   kv_lens  [R] s32                 keys of each row (0: a dead row, output zeros)
-//   -> out   [R, Hq, D] f32
+//   tables   [S, MB] s32             page ids of each sequence
+//   kv_lens  [S] s32                 keys of each sequence, its new tokens included
+//   cu_q_lens [S + 1] s32, num_seqs [1] s32   sequence s owns tokens cu[s] .. cu[s+1] (s < num_seqs)
+//   -> out   [T, Hq, D] f32          zeros for tokens no live sequence owns
 // Attributes: sm_scale, soft_cap (0: none), sliding_window (0: none), kv_format, scaled (0/1).
-// The query sits at position kv_len - 1 and sees keys max(0, kv_len - window) .. kv_len - 1.
-ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                           ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> kv_lens,
-                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap, int32_t sliding_window,
-                           int32_t kv_format, int32_t scaled, ffi::ThreadPool pool) {
+// Token i of a sequence with q_len tokens sits at position kv_len - q_len + i and sees keys
+// max(0, position - window + 1) .. position. A one-token sequence (decode) is one work item per
+// KV head (DecodeItem); longer ones are tiles of kTileQ tokens per KV head (PrefillTile).
+ffi::Error RaggedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::S32> tables,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                               float soft_cap, int32_t sliding_window, int32_t kv_format, int32_t scaled,
+                               ffi::ThreadPool pool) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_decode: q [R,Hq,D], k/v [P,Hkv,ps,D], tables [R,MB]");
+    return ffi::Error::InvalidArgument("ragged_attention: q [T,Hq,D], k/v [P,Hkv,ps,D], tables [S,MB]");
   DecodeArgs a{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(), v_scale.typed_data(),
                lut.typed_data(), tables.typed_data(), kv_lens.typed_data(), out->typed_data(),
                kd[0], qd[1], kd[1], kd[2], td[1], qd[2], sm_scale, soft_cap, sliding_window, kv_format, scaled};
-  const int64_t R = qd[0];
-  if (kd[3] != a.D || a.Hq % a.Hkv != 0 || a.Hq / a.Hkv > 64 || td[0] != R || kv_lens.element_count() != R)
-    return ffi::Error::InvalidArgument("paged_decode: shapes disagree");
-  auto run = [&](auto item) {
-    ParallelFor(pool, R * a.Hkv, [&](int64_t i) { item(a, i / a.Hkv, i % a.Hkv); });
+  const int64_t T = qd[0], S = td[0];
+  if (kd[3] != a.D || a.Hq % a.Hkv != 0 || a.Hq / a.Hkv > 64 || kv_lens.element_count() != S ||
+      cu_q_lens.element_count() != S + 1 || num_seqs.element_count() != 1)
+    return ffi::Error::InvalidArgument("ragged_attention: shapes disagree");
+  std::memset(a.out, 0, sizeof(float) * T * a.Hq * a.D);
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t live = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, S);
+  struct Item {
+    int64_t r0, s, pos0, nq;  // nq == 0: a decode token
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < live; ++s) {
+    const int64_t begin = cu[s], end = cu[s + 1];
+    if (begin < 0 || end < begin || end > T)
+      return ffi::Error::InvalidArgument("ragged_attention: cu_q_lens is not ascending within [0, T]");
+    if (end - begin == 1) {
+      items.push_back({begin, s, 0, 0});
+      continue;
+    }
+    const int64_t q_len = end - begin, kv_len = kv_lens.typed_data()[s];
+    for (int64_t q0 = 0; q0 < q_len; q0 += kTileQ)
+      items.push_back({begin + q0, s, kv_len - q_len + q0, std::min(kTileQ, q_len - q0)});
+  }
+  const int64_t n = static_cast<int64_t>(items.size()) * a.Hkv;
+  auto run = [&](auto decode, auto tile) {
+    ParallelFor(pool, n, [&](int64_t i) {
+      const Item& it = items[i / a.Hkv];
+      const int64_t h = i % a.Hkv;
+      if (it.nq == 0) decode(a, it.r0, it.s, h);
+      else tile(a, it.r0, it.s, h, it.pos0, it.nq);
+    });
   };
   switch (a.D) {
-    case 64: run(DecodeItem<64>); break;
-    case 128: run(DecodeItem<128>); break;
-    case 256: run(DecodeItem<256>); break;
-    default: run(DecodeItem<0>); break;
+    case 64: run(DecodeItem<64>, PrefillTile<64>); break;
+    case 128: run(DecodeItem<128>, PrefillTile<128>); break;
+    case 256: run(DecodeItem<256>, PrefillTile<256>); break;
+    default: run(DecodeItem<0>, PrefillTile<0>); break;
   }
   return ffi::Error::Success();
 }
@@ -513,7 +658,7 @@ ffi::Error Bf16MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> wp, f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedAttention, RaggedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::AnyBuffer>()         // k
@@ -523,6 +668,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lut
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
