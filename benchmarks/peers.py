@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -148,7 +150,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None = None, timeout_s: float = 900):
-    """Start a server process (its output to `log_path`), wait until it serves, stop it afterwards."""
+    """Start a server process (its output to `log_path`), wait until it serves, stop it afterwards.
+    Refuses a port something already listens on: a stray server there would answer in this one's place."""
+    port = urllib.parse.urlsplit(url).port
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} is in use ({e}); stop whatever listens there first") from e
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,

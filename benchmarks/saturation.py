@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None, help="server logs and vllm bench serve results (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    # SIGTERM (a killed benchmark) unwinds like Ctrl-C, so every server it started is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="saturation-"))
     keep = None if args.servers is None else {s.strip() for s in args.servers.split(",")}
     reports = []
