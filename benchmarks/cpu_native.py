@@ -1,18 +1,20 @@
 """The CPU plan's native kernels and weight layout against the jnp paths they replace, side by side.
 
-    python -m benchmarks.cpu_native --json benchmarks/results/cpu-2core-r7/cpu-native.json
+    python -m benchmarks.cpu_native --json benchmarks/results/cpu-2core-r8/cpu-native.json
     python -m benchmarks.cpu_native --engine .cache/peers/tiny-llama .cache/peers/qwen3_5-small \
         .cache/peers/smollm2-135m-hf            # + the engine's decode step with / without them
 
 Parts (each a ratio of two spellings in one process, best of 3 x 10 calls):
 - decode attention: SmolLM2-135M's heads (Hq 9, Hkv 3, D 64), 16 rows of 150-260 bf16 tokens,
   30 layers each with its own page pool (so pages come from memory, as in a step):
-  `pallas_kernels/cpu_native.paged_decode_attention` vs the jnp decode pass of
+  `pallas_kernels/cpu_native.ragged_paged_attention` vs the jnp decode pass of
   `rpa_chunked` (impl "native" vs "chunked");
+- prefill attention: the same heads, 4 fresh 128-token prompts in one ragged step, 30 layers;
 - GDN recurrence: the hybrid's GDN shape (H 8, Hk 4, K = V = 128), 16 one-token rows,
   6 layers each with its own state pool: `cpu_native.gdn_recurrent` vs the jnp per-token loop;
-- projections: SmolLM2's 30 layers of q/k/v/o/gate/up/down dots in bf16 at 4 / 16 / 64 rows,
-  weights [in, out] vs [out, in] (`models.quantization.OutInWeight`).
+- projections: SmolLM2's 30 layers of q/k/v/o/gate/up/down dots in bf16 at 4 / 16 / 64 / 512
+  rows, weights [in, out] vs [out, in] (`models.quantization.OutInWeight`, XLA's dot) vs packed
+  for the native matmul (`models.quantization.PackedWeight`).
 `--engine`: the median ms of an engine decode step (16 sequences, bf16, `benchmarks.cpu_dtype`)
 in fresh processes with the native kernels on and off (`JAXSERVE_NATIVE=0`), alternated.
 """
@@ -110,7 +112,7 @@ def projections(layers: int = 30) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from models.quantization import out_in, qdot
+    from models.quantization import out_in, packed, qdot
 
     H, I, Hq, Hkv, D = 576, 1536, 9, 3, 64
     rng = np.random.default_rng(2)
@@ -118,6 +120,7 @@ def projections(layers: int = 30) -> dict:
     in_out = [{n: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.02, jnp.bfloat16)
                for n, s in shapes.items()} for _ in range(layers)]
     transposed = [{n: out_in(w) for n, w in layer.items()} for layer in in_out]
+    native = [{n: packed(w) for n, w in layer.items()} for layer in in_out]
 
     def run(x, params):
         for w in params:
@@ -129,11 +132,42 @@ def projections(layers: int = 30) -> dict:
 
     fn = jax.jit(run)
     out = {}
-    for rows in (4, 16, 64):
+    for rows in (4, 16, 64, 512):
         x = jnp.ones((rows, H), jnp.bfloat16)
-        ms = {"in_out": _time(fn, x, in_out), "out_in": _time(fn, x, transposed)}
-        out[rows] = {"ms": ms, "speedup": ms["in_out"] / ms["out_in"]}
+        ms = {"in_out": _time(fn, x, in_out), "out_in": _time(fn, x, transposed), "packed": _time(fn, x, native)}
+        out[rows] = {"ms": ms, "speedup_out_in": ms["in_out"] / ms["out_in"], "speedup_packed": ms["out_in"] / ms["packed"]}
     return {"layers": layers, "rows": out}
+
+
+def prefill_attention(layers: int = 30, seqs: int = 4, length: int = 128) -> dict:
+    """SmolLM2's heads, `seqs` fresh prompts of `length` tokens in one ragged step (causal), each
+    layer its own pool: the C++ ragged kernel vs the jnp chunked path (impl "native" vs "chunked")."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kv_cache import KVPages
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    Hq, Hkv, D, ps, pages = 9, 3, 64, 16, 1024
+    rng = np.random.default_rng(3)
+    bits = lambda: jax.lax.bitcast_convert_type(  # noqa: E731
+        jnp.asarray(rng.standard_normal((pages, Hkv, ps, D)), jnp.bfloat16), jnp.uint16)
+    pools = [KVPages(k=bits(), v=bits(), view="bfloat16") for _ in range(layers)]
+    mb = length // ps
+    tables = jnp.asarray(1 + rng.permutation(pages - 1)[: seqs * mb].reshape(seqs, mb).astype(np.int32))
+    kv_lens = jnp.full((seqs,), length, jnp.int32)
+    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * length
+    q = jnp.asarray(rng.standard_normal((seqs * length, Hq, D)), jnp.bfloat16)
+
+    def stack(impl):
+        def run(q, pools):
+            for kv in pools:
+                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(seqs), sm_scale=D ** -0.5, impl=impl)
+            return q
+        return jax.jit(run)
+
+    out = {impl: _time(stack(impl), q, pools) for impl in ("chunked", "native")}
+    return {"layers": layers, "seqs": seqs, "length": length, "ms": out, "speedup": out["chunked"] / out["native"]}
 
 
 def engine(checkpoints: list[str], repeats: int) -> dict:
@@ -164,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native kernels unavailable: {cpu_native._state.get('error')}", file=sys.stderr)
         return 1
     report: dict = {"cpu_count": os.cpu_count()}
-    for name, part in (("decode_attention", attention), ("gdn_recurrent", gdn), ("projections", projections)):
+    for name, part in (("decode_attention", attention), ("prefill_attention", prefill_attention),
+                       ("gdn_recurrent", gdn), ("projections", projections)):
         report[name] = part()
         print(name, json.dumps(report[name]), flush=True)
     if args.engine:

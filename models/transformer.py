@@ -22,7 +22,7 @@ from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
-from models.quantization import QuantizedWeight, embed_lookup, out_in, packed, qdot, tied_head
+from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from pallas_kernels import cpu_native
 from models.tokenwise import tokenwise
 
