@@ -34,7 +34,7 @@ UNROLL_MAX_LAYERS_CPU = 16
 # sliced bf16 weight to its XNNPACK dot: it converts the whole stacked weight set to float32
 # outside the loop on every call (`python -m benchmarks.cpu_dtype`, 2026-12-01, decode step of 16
 # sequences, bf16 scanned / unrolled / float32: SmolLM2-135M 337-392 / 90-120 / 182-213 ms, tiny
-# dense 33.6 / 11.9 / 16.2 ms; docs/benchmarks.md round 6).
+# dense 33.6 / 11.9 / 16.2 ms; docs/benchmarks.md round 6, in git history at 2c77c4d).
 UNROLL_ANY_DEPTH_CPU_DTYPES = ("bfloat16", "float16")
 # The smallest default token bucket: 16 rows fill an accelerator's matmul tile anyway; on CPU a
 # matmul's cost follows its rows (4 vs 16 rows: ~2x faster MLP on the 6-layer model), and the
@@ -79,7 +79,7 @@ WEIGHT_LAYOUT_CPU, WEIGHT_LAYOUT_DEFAULT, WEIGHT_LAYOUT_NATIVE = "out_in", "in_o
 # float16 has no such measurement: it is served, with a warning.
 _CPU_DTYPE_WARNING = (
     "serving in {dtype} on the CPU backend, which is not measured there (bfloat16 is: 1.4-2.2x "
-    "float32's tokens/s, docs/benchmarks.md round 6); prefer model.dtype: bfloat16 or float32 for CPU serving")
+    "float32's tokens/s at saturation, benchmarks/saturation.py); prefer model.dtype: bfloat16 or float32 for CPU serving")
 CPU_WARNED_DTYPES = ("float16",)
 
 

@@ -384,8 +384,8 @@ class StepExecutables:
         """Run every compiled backbone and sampler once on an empty batch (no live sequence: every
         KV write goes to slot -1 and no state slot is touched); returns the caches (donated and
         handed back). XLA:CPU does part of its work on an executable's first run: 70-140 ms per
-        bucket for the tiny dense model (docs/benchmarks.md round 7, item 5), which would
-        otherwise land on the first request that reaches each bucket."""
+        bucket for the tiny dense model (docs/benchmarks.md round 7, item 5, in git history at
+        e136513), which would otherwise land on the first request that reaches each bucket."""
         t0 = time.perf_counter()
 
         def zeros(spec):

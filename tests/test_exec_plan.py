@@ -53,7 +53,7 @@ def test_plan_is_frozen_and_warns_about_unmeasured_cpu_dtypes():
         plan.layer_loop = "scan"
     assert plan_execution(EngineConfig(model="m", dtype="float16"), SHALLOW, "tpu").warnings == ()
     assert "float16" in plan_execution(EngineConfig(model="m"), SHALLOW, "cpu", dtype="float16").warnings[0]
-    # bfloat16 is CPU's fast dtype (measured, docs/benchmarks.md round 6): no warning
+    # bfloat16 is CPU's fast dtype (measured: benchmarks/saturation.py, docs/benchmarks.md): no warning
     assert plan_execution(EngineConfig(model="m", dtype="bfloat16"), DEEP, "cpu").warnings == ()
     assert not plan_execution(EngineConfig(model="m", aot_compile=False), SHALLOW, "cpu").aot_compile
 
