@@ -120,7 +120,7 @@ def llama_cpp_serve_command(checkpoint: str | Path, port: int, *, max_model_len:
 
 def jaxserve_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
                            max_num_batched_tokens: int, dtype: str = "float32", enable_prefix_caching: bool = True,
-                           compile_cache_dir: str | None = None) -> list[str]:
+                           compile_cache_dir: str | None = None, extra_sets: dict | None = None) -> list[str]:
     sets = {"model.path": str(checkpoint), "model.dtype": dtype, "model.max_model_len": max_model_len,
             "model.served_model_name": "bench-model", "server.port": port,
             "scheduler.max_num_seqs": max_num_seqs, "scheduler.max_num_batched_tokens": max_num_batched_tokens,
@@ -128,6 +128,7 @@ def jaxserve_serve_command(checkpoint: str | Path, port: int, *, max_model_len: 
             "server.max_waiting_requests": 4096, "compile.aot": "true"}
     if compile_cache_dir:
         sets["compile.cache_dir"] = compile_cache_dir
+    sets.update(extra_sets or {})  # e.g. an A/B variant's launch-config overrides
     cmd = [sys.executable, "-m", "server.cli", "serve"]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

@@ -19,6 +19,10 @@ one server is ever under load; the idle ones wait on their sockets.
 
 Per server: medians over the repeats of output tok/s, TTFT p50, TPOT p50 / p99, ITL p50 / p99;
 and ours / vLLM for output tok/s with the target's condition (>= 1.2x and p99 TPOT no worse).
+
+`--ours-variant LABEL:KEY=VALUE[,KEY=VALUE...]` (repeatable) adds one more server to every case,
+ours in bf16 with those launch-config overrides, named `ours-bf16-LABEL`: an A/B in the same
+invocation, e.g. `--ours-variant gil5ms:server.gil_switch_interval_ms=5` (Python's default).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Case:
     max_model_len: int = 2048
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    # (label, kind, dtype) or (label, "ours", dtype, {launch-config key: value})
     servers: tuple = field(default=(("ours-fp32", "ours", "float32"), ("ours-bf16", "ours", "bfloat16"),
                                     ("vllm-bf16", "vllm", "bfloat16")))
 
@@ -68,11 +73,13 @@ CASES = {
 }
 
 
-def _server_command(kind: str, checkpoint: str, port: int, dtype: str, case: Case, cache_dir: str) -> tuple:
+def _server_command(kind: str, checkpoint: str, port: int, dtype: str, case: Case, cache_dir: str,
+                    sets: dict | None = None) -> tuple:
     limits = dict(max_model_len=case.max_model_len, max_num_seqs=case.max_num_seqs,
                   max_num_batched_tokens=case.max_num_batched_tokens, dtype=dtype)
     if kind == "ours":
-        return peers.jaxserve_serve_command(checkpoint, port, **limits, compile_cache_dir=cache_dir), None
+        return peers.jaxserve_serve_command(checkpoint, port, **limits, compile_cache_dir=cache_dir,
+                                            extra_sets=sets), None
     return peers.vllm_serve_command(checkpoint, port, **limits), peers.vllm_env(num_threads=os.cpu_count())
 
 
@@ -101,14 +108,15 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
     vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     servers = [s for s in case.servers if s[1] != "vllm" or peers.vllm_available()]
     report = {"case": name, "case_config": {k: v for k, v in case.__dict__.items() if k != "servers"},
-              "servers": [s[0] for s in servers], "runs": {s[0]: [] for s in servers}, "load_average": []}
+              "servers": [s[0] for s in servers], "server_sets": {s[0]: s[3] for s in servers if len(s) > 3},
+              "runs": {s[0]: [] for s in servers}, "load_average": []}
     case_dir = out_dir / name
     case_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         urls = {}
-        for i, (label, kind, dtype) in enumerate(servers):
+        for i, (label, kind, dtype, *sets) in enumerate(servers):
             port = base_port + i
-            cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"))
+            cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"), *sets)
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
             stack.enter_context(peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env,
@@ -139,6 +147,15 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
     return report
 
 
+def parse_variant(spec: str) -> tuple:
+    """`LABEL:KEY=VALUE[,KEY=VALUE...]` -> ("ours-bf16-LABEL", "ours", "bfloat16", {KEY: VALUE})."""
+    label, sep, pairs = spec.partition(":")
+    sets = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+    if not sep or not label or not sets or len(sets) != len([p for p in pairs.split(",") if p]):
+        raise SystemExit(f"--ours-variant {spec!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...]")
+    return (f"ours-bf16-{label}", "ours", "bfloat16", sets)
+
+
 def format_table(reports: list[dict]) -> str:
     lines = ["| case | server | output tok/s | vs vLLM | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
              "|---|---|---|---|---|---|---|"]
@@ -157,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--servers", default=None, help="subset of labels, e.g. ours-bf16,vllm-bf16")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests per run for every case (default: the case's; 32 runs last ~1-2 s on the "
+                             "tiny models, where the host's noise moves single runs by +-30%%)")
+    parser.add_argument("--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                        help="one more server per case: ours in bf16 with these launch-config overrides")
     parser.add_argument("--base-port", type=int, default=8400)
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument("--out-dir", default=None, help="server logs and vllm bench serve results (default: a temp dir)")
@@ -165,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a killed benchmark) unwinds like Ctrl-C, so every server it started is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="saturation-"))
-    keep = None if args.servers is None else {s.strip() for s in args.servers.split(",")}
+    variants = tuple(parse_variant(v) for v in args.ours_variant)
+    keep = None if args.servers is None else {s.strip() for s in args.servers.split(",")} | {v[0] for v in variants}
     reports = []
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
         case = CASES[name]
+        servers = case.servers + variants
         if keep is not None:
-            case = Case(**{**case.__dict__, "servers": tuple(s for s in case.servers if s[0] in keep)})
+            servers = tuple(s for s in servers if s[0] in keep)
+        case = Case(**{**case.__dict__, "servers": servers,
+                       "num_requests": args.num_requests or case.num_requests})
         reports.append(run_case(name, case, args.repeats, out_dir, args.base_port, args.startup_timeout))
         write_json(args.json, {"cpu_count": os.cpu_count(), "cases": reports})
     print(format_table(reports), flush=True)

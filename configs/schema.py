@@ -246,6 +246,11 @@ class ServerConfig(_Section):
     chat_template_timeout_s: float = Field(default=5.0, gt=0.0)  # a longer render is stopped: 400
     reasoning_parser: Literal["qwen3"] | None = None  # split <think>...</think> into reasoning_content
     grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)  # structured output: slower -> 400
+    # Python's GIL switch interval while serving (sys.setswitchinterval; Python's default is 5 ms).
+    # The engine loop thread shares the GIL with the HTTP event loop: when a step's tokens are
+    # ready it waits for the GIL until the event loop's thread yields it, at the latest after this
+    # interval, while a small model's whole step takes 3-5 ms on CPU. See server/runner.serve.
+    gil_switch_interval_ms: float = Field(default=0.5, gt=0.0, le=100.0)
 
     @field_validator("api_key")
     @classmethod

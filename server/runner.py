@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -117,6 +118,11 @@ def serve(engine: EngineClient, server_config: ServerConfig) -> int:
     if follow is not None:
         logger.info("multi-host follower: no HTTP server; following process 0's steps")
         return follow()
+    # The engine thread waits for the GIL whenever the event loop's thread holds it (streaming
+    # thousands of SSE events a second); Python hands it over after the switch interval at the
+    # latest. Measured (benchmarks/saturation.py --ours-variant, tiny dense bf16, 2-core CPU,
+    # 2026-12-02): 0.5 ms instead of Python's 5 ms: see docs/benchmarks.md round 9.
+    sys.setswitchinterval(server_config.gil_switch_interval_ms / 1e3)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve_async(engine, server_config))
 

@@ -155,6 +155,23 @@ def test_jaxserve_command_is_a_valid_launch_config():
     assert config.cache.num_pages == 8 * 64 + 1  # every sequence can reach max_model_len
 
 
+def test_saturation_variant_is_a_valid_launch_config():
+    from benchmarks.peers import jaxserve_serve_command
+    from benchmarks.saturation import parse_variant
+    from configs.schema import load_config, parse_override
+
+    label, kind, dtype, sets = parse_variant("gil5ms:server.gil_switch_interval_ms=5,scheduler.max_num_seqs=4")
+    assert (label, kind, dtype) == ("ours-bf16-gil5ms", "ours", "bfloat16")
+    cmd = jaxserve_serve_command("/ckpt", 8201, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
+                                 dtype=dtype, extra_sets=sets)
+    config = load_config(None, dict(parse_override(cmd[i + 1]) for i, a in enumerate(cmd) if a == "--set"))
+    assert config.server.gil_switch_interval_ms == 5.0 and config.scheduler.max_num_seqs == 4
+    assert config.model.dtype == "bfloat16"
+    for bad in ("gil5ms", "gil5ms:", ":a=1", "x:a=1,b"):
+        with pytest.raises(SystemExit, match="--ours-variant"):
+            parse_variant(bad)
+
+
 # ---- throughput.py's vLLM leg (no vLLM needed) --------------------------------------------------
 
 

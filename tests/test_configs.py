@@ -137,3 +137,27 @@ def test_pd_pairs_serve_one_model_with_their_own_shapes(stem):
     assert decode.scheduler.max_num_batched_tokens < prefill.scheduler.max_num_batched_tokens
     assert prefill.kv_transfer.connector == decode.kv_transfer.connector == "jax_transfer"
     assert prefill.server.port != decode.server.port and prefill.kv_transfer.control_port
+
+
+def test_serve_sets_the_gil_switch_interval(monkeypatch):
+    """The engine thread shares the GIL with the HTTP loop: `server.gil_switch_interval_ms` is
+    applied before serving (Python's default is 5 ms)."""
+    import sys
+
+    from server import runner
+
+    seen = {}
+
+    async def fake_serve_async(engine, server_config, *args, **kwargs):
+        seen["interval"] = sys.getswitchinterval()
+        return 0
+
+    monkeypatch.setattr(runner, "serve_async", fake_serve_async)
+    before = sys.getswitchinterval()
+    try:
+        config = load_config(None, {"server.gil_switch_interval_ms": 0.25})
+        assert runner.serve(object(), config.server) == 0
+        assert seen["interval"] == pytest.approx(0.25e-3)
+        assert load_config(None).server.gil_switch_interval_ms == 0.5
+    finally:
+        sys.setswitchinterval(before)
