@@ -181,20 +181,23 @@ def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.
     x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
     rope = rope_tables(batch.positions, cfg)
     n_groups = cfg.num_layers // cfg.layer_period()
-    if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
-        for g, params_g in enumerate(params["layers"]):
-            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
-    elif scan_layers and n_groups > 1:
-        def body(carry, xs):
-            x, caches = carry
-            params_g, g = xs
-            return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
+    # The real tokens are the first cu_q_lens[num_seqs] rows; the native CPU matmul (packed bf16
+    # weights) skips the bucket's padding rows after them. Other paths ignore this.
+    with cpu_native.token_rows(batch.cu_q_lens[batch.num_seqs], x.shape[0]):
+        if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
+            for g, params_g in enumerate(params["layers"]):
+                x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+        elif scan_layers and n_groups > 1:
+            def body(carry, xs):
+                x, caches = carry
+                params_g, g = xs
+                return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
 
-        (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
-    else:
-        for g in range(n_groups):
-            params_g = jax.tree.map(lambda a: a[g], params["groups"])
-            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+            (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
+        else:
+            for g in range(n_groups):
+                params_g = jax.tree.map(lambda a: a[g], params["groups"])
+                x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
 

@@ -114,10 +114,56 @@ def test_bf16_matmul_scalar_loop_matches_float64(tmp_path):
 
     def call(x, wp, n, out_dtype):
         ffi = jax.ffi.ffi_call("jaxserve_bf16_matmul_scalar_test", jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-        return ffi(x, wp)
+        return ffi(x, wp, np.array([x.shape[0]], np.int32))
 
     for m, k, n in MATMUL_SHAPES[:3]:
         _check_matmul(call, m, k, n, seed=1)
+
+
+@pytest.mark.parametrize("valid", [0, 1, 15, 16, 17, 33, 40, 41, -3])
+def test_bf16_matmul_valid_rows(valid):
+    """`valid_rows`: rows before it as the float64 product (each row's result does not depend on
+    the others), rows from it on exactly zero; out-of-range counts clamp to [0, M]."""
+    import jax
+    import jax.numpy as jnp
+
+    m, k, n = 40, 130, 33
+    full = _check_matmul(jax.jit(cpu_native.bf16_matmul, static_argnums=(2, 3)), m, k, n, seed=5)
+    rng = np.random.default_rng(5)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n), 0.1)
+    wp = cpu_native.pack_bf16_weight(jnp.asarray(w))
+    call = jax.jit(cpu_native.bf16_matmul, static_argnums=(2, 3))
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        got = np.asarray(call(jnp.asarray(x), wp, n, out_dtype, jnp.int32(valid)).astype(jnp.float32))
+        v = min(max(valid, 0), m)
+        if out_dtype == jnp.bfloat16:
+            assert (got[:v] == full[:v]).all()  # bit-identical to the full call's rows
+        else:
+            ref = x.astype(np.float64) @ w.astype(np.float64)
+            assert np.allclose(got[:v], ref[:v], rtol=1e-5, atol=1e-5)
+        assert (got[v:] == 0).all()
+
+
+def test_token_rows_applies_to_matmuls_over_the_token_axis_only():
+    """Inside `token_rows(count, total)` a matmul over `total` rows computes the first `count`;
+    one over another row count (a logits head over R rows) computes all of them."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(6)
+    x, w = jnp.asarray(_bf16(rng, (24, 64))), jnp.asarray(_bf16(rng, (64, 32), 0.1))
+    wp = cpu_native.pack_bf16_weight(w)
+
+    @jax.jit
+    def f(x, count):
+        with cpu_native.token_rows(count, 24):
+            return cpu_native.bf16_matmul(x, wp, 32), cpu_native.bf16_matmul(x[:8], wp, 32)
+
+    plain = np.asarray(cpu_native.bf16_matmul(x, wp, 32).astype(jnp.float32))
+    tokens, head = (np.asarray(a.astype(jnp.float32)) for a in f(x, jnp.int32(10)))
+    assert (tokens[:10] == plain[:10]).all() and (tokens[10:] == 0).all()
+    assert (head == plain[:8]).all()
+    assert cpu_native._TOKEN_ROWS.get() is None  # reset after the trace
 
 
 def test_pack_round_trip_and_leading_axes():

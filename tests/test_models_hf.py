@@ -97,3 +97,54 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
         ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
         hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
         assert 0 < hf_err and ours_err <= 2 * hf_err, f"{family} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+
+
+def _serve_bf16_packed(path, prompts: dict) -> dict:
+    from engine_testing import drain
+    from runtime.engine import LLMEngine
+    from runtime.engine_config import EngineConfig
+    from runtime.types import EngineRequest, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=32,
+                                    num_pages=64, max_model_len=256, load_tokenizer=False,
+                                    enable_prefix_caching=False))
+    assert engine.plan.weight_layout == "packed" and len(engine.token_buckets) > 2
+    for rid, ids in prompts.items():
+        engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    return {rid: out.outputs[0].token_ids for rid, out in drain(engine).items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_engine_bf16_packed_skips_padding_rows_exactly(family, tiny_checkpoint, monkeypatch):
+    """The CPU plan's bf16 serving path end to end: packed projections whose native matmul skips
+    each step's bucket padding rows (`cpu_native.token_rows`), chunked prefill across several
+    token buckets with decodes riding along. Llama: every request's greedy tokens against HF's
+    bfloat16 model, equal or diverging first where HF's top-2 gap is within bf16 noise (< 2^-5;
+    the hybrid's bf16 GDN rounds differently from HF's, so its bf16 tokens are checked at the
+    logit level in the test above). Both: the same tokens with the skipping turned off (every
+    padding row computed, as before `token_rows`)."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from pallas_kernels import cpu_native
+
+    if not cpu_native.matmul_simd():
+        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
+    path = tiny_checkpoint(family)
+    vocab = load_model(path).cfg.vocab_size
+    prompts = {f"r{i}": _prompt(vocab, n, seed=400 + i) for i, n in enumerate((3, 45, 17, 9, 26))}
+    got = _serve_bf16_packed(path, prompts)
+    if family == "llama":
+        hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        for rid, ids in prompts.items():
+            expected, scores = hf_greedy(hf_bf16, ids, 8)
+            for i, (a, b) in enumerate(zip(got[rid], expected)):
+                if a != b:
+                    gap = np.diff(np.sort(scores[i])[-2:])[0]
+                    assert gap < 2 ** -5, f"{rid}: token {i} is {a}, HF bf16 gives {b} (top-2 gap {gap:.2e})"
+                    break
+            else:
+                assert len(got[rid]) == len(expected) == 8
+    monkeypatch.setattr(cpu_native, "token_rows", lambda count, total: contextlib.nullcontext())
+    assert _serve_bf16_packed(path, prompts) == got

@@ -558,6 +558,10 @@ ffi::Error GdnRecurrentImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
 // arithmetic, is most of a projection's time. The rows of x go 16 at a time over one column
 // block, whose weights (KP x 64 bytes) stay in L1/L2 for the next 16 rows.
 // Without AVX512-BF16 (another CPU) the same loop runs in scalar float32.
+//
+// `valid_rows` [1] s32: only rows m < valid_rows are computed, the rest of `out` is zeros. A
+// step's token count is padded up to its compiled bucket (150 tokens run as 256); the real
+// tokens are the first rows, so the padding costs no matmul work (cpu_native.token_rows).
 inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
@@ -648,8 +652,8 @@ constexpr int32_t kMatmulSimd = 0;
 #endif
 
 // x [M, K] bf16, wp [NB, KP, 32] bf16 -> out [M, N] bf16 or f32 (NB = ceil(N / 16)).
-ffi::Error Bf16MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> wp, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::ThreadPool pool) {
+ffi::Error Bf16MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> valid_rows,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool pool) {
   auto xd = x.dimensions();
   auto wd = wp.dimensions();
   auto od = out->dimensions();
@@ -661,8 +665,14 @@ ffi::Error Bf16MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> wp, f
   MatmulArgs a{x.typed_data(), wp.typed_data(), out->untyped_data(), xd[0], xd[1], od[1], wd[1],
                out_type == ffi::DataType::F32};
   const int64_t NB = wd[0];
-  if (od[0] != a.M || a.KP != (a.K + 1) / 2 || NB != (a.N + 15) / 16)
+  if (od[0] != a.M || a.KP != (a.K + 1) / 2 || NB != (a.N + 15) / 16 || valid_rows.element_count() != 1)
     return ffi::Error::InvalidArgument("bf16_matmul: shapes disagree");
+  const int64_t valid = std::clamp<int64_t>(valid_rows.typed_data()[0], 0, a.M);
+  if (valid < a.M) {  // the bucket's padding rows: zeros, not computed
+    const size_t row_bytes = static_cast<size_t>(a.N) * (a.out_f32 ? sizeof(float) : sizeof(uint16_t));
+    std::memset(static_cast<char*>(a.out) + valid * row_bytes, 0, (a.M - valid) * row_bytes);
+    a.M = valid;
+  }
   if (a.M == 0 || a.N == 0) return ffi::Error::Success();
   // Column blocks in contiguous groups: each thread streams its share of the weights in order.
   const int64_t group = std::max<int64_t>(1, NB / (8 * std::max<int64_t>(1, pool.num_threads())));
@@ -718,5 +728,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // wp [NB, KP, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // valid_rows [1]
                                   .Ret<ffi::AnyBuffer>()          // out [M, N] bf16 | f32
                                   .Ctx<ffi::ThreadPool>());
