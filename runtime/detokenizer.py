@@ -21,8 +21,19 @@ class IncrementalDetokenizer:
     _prefix_offset: int = 0
     _read_offset: int = 0
     stopped: bool = False
+    _backend: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # A fast (Rust) tokenizer without the clean-up pass decodes exactly as its `tokenizers`
+        # backend does: call that directly (two decodes per generated token; the wrapper's
+        # argument handling was most of the time, ~0.3 ms of a small model's ~4.5 ms step).
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            self._backend = backend
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str | None:

@@ -23,10 +23,25 @@ TEXTS = [
 def test_incremental_equals_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     d = IncrementalDetokenizer(tokenizer)
+    assert d._backend is not None  # a fast tokenizer without clean-up: its Rust backend decodes
     for t in ids:
         d.add([t])
     d.flush()
     assert d.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_clean_up_tokenization_spaces_keeps_the_wrapper(tokenizer):
+    """With the clean-up pass on, the HF wrapper decodes (the backend alone would skip it)."""
+    import copy
+
+    wrapped = copy.deepcopy(tokenizer)
+    wrapped.clean_up_tokenization_spaces = True
+    d = IncrementalDetokenizer(wrapped)
+    assert d._backend is None
+    ids = wrapped.encode(TEXTS[0], add_special_tokens=False)
+    d.add(ids)
+    d.flush()
+    assert d.text == wrapped.decode(ids, skip_special_tokens=True)
 
 
 def test_stop_string_cuts_text(tokenizer):
