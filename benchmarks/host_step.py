@@ -11,6 +11,9 @@ cache), serves each workload once untimed (warm-up) and once timed, and prints i
 JSON. Workloads, `seqs` requests added at once:
   decode   prompt 16, output 96 tokens each (decode-heavy: most steps are `seqs` decodes)
   mixed    `benchmarks.workloads` "mixed" at scale 0.25 (long-tailed prompts and outputs)
+  arrivals 8 x `seqs` "mixed" requests, closed loop: a new one as soon as one finishes, at most
+           `seqs` in flight (what a server at saturation sees: prefill chunks of every size
+           padded up to their token bucket, with decodes riding along)
 
 Per step (timers wrapped around the engine's own methods, so both trees are measured alike):
   step_ms          wall time of `engine.step()`
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from benchmarks import write_json
 
+WORKLOADS = ("decode", "mixed", "arrivals")
 KEYS = ("step_ms", "wait_ms", "host_ms", "schedule_ms", "dispatch_ms", "rest_ms", "tokens_per_s", "host_ms_p50",
         "dispatch_ms_p50", "step_ms_p50")
 
@@ -75,17 +79,25 @@ class Timers:
         async_step.InFlightStep.resolve = self._resolve
 
 
-def serve(engine, requests, tag: str) -> dict:
+def serve(engine, requests, tag: str, concurrency: int | None = None) -> dict:
+    """Serve `requests` to the end: all added at once, or (`concurrency`) at most that many in
+    flight, the next added as soon as one finishes."""
     from runtime.types import EngineRequest, SamplingParams
 
     timers = Timers(engine)
     steps, step_time, tokens = 0, 0.0, 0
     per_step = []  # (step, wait, schedule, dispatch) seconds of each step
-    try:
-        t_start = time.perf_counter()
-        for i, r in enumerate(requests):
+    pending = list(enumerate(requests))[::-1]
+
+    def admit(n: int) -> None:
+        for _ in range(min(n, len(pending))):
+            i, r = pending.pop()
             engine.add_request(EngineRequest(f"{tag}{i}", list(r.prompt_ids),
                                              SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)))
+
+    try:
+        t_start = time.perf_counter()
+        admit(concurrency or len(pending))
         while engine.has_unfinished():
             before = dict(timers.totals)
             t0 = time.perf_counter()
@@ -94,7 +106,10 @@ def serve(engine, requests, tag: str) -> dict:
             step_time += dt
             per_step.append((dt, *(timers.totals[k] - before[k] for k in ("wait", "schedule", "dispatch"))))
             steps += 1
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            finished = [o for o in outs if o.finished]
+            tokens += sum(len(o.outputs[0].token_ids) for o in finished)
+            if concurrency:
+                admit(len(finished))
         elapsed = time.perf_counter() - t_start
     finally:
         timers.close()
@@ -114,7 +129,9 @@ def workloads(vocab_size: int, seqs: int) -> dict:
     from benchmarks.workloads import make_uniform, make_workload
 
     return {"decode": make_uniform(seqs, 16, 96, vocab_size=vocab_size),
-            "mixed": make_workload("mixed", vocab_size=vocab_size, num_requests=seqs, scale=0.25, max_model_len=1024)}
+            "mixed": make_workload("mixed", vocab_size=vocab_size, num_requests=seqs, scale=0.25, max_model_len=1024),
+            "arrivals": make_workload("mixed", vocab_size=vocab_size, num_requests=8 * seqs, scale=0.25,
+                                      max_model_len=1024, seed=1)}
 
 
 def child(args) -> None:
@@ -122,12 +139,13 @@ def child(args) -> None:
     from runtime.engine_config import EngineConfig
 
     seqs = args.seqs[0]
-    engine = LLMEngine(EngineConfig(model=args.checkpoint, dtype="float32", max_model_len=1024, seed=0,
+    engine = LLMEngine(EngineConfig(model=args.checkpoint, dtype=args.dtype, max_model_len=1024, seed=0,
                                     max_num_seqs=seqs, max_num_batched_tokens=512, enable_prefix_caching=False,
                                     compile_cache_dir=args.compile_cache))
     result = {}
     for name, requests in workloads(engine.model.cfg.vocab_size, seqs).items():
-        serve(engine, requests, "warm")  # every bucket the workload touches runs once before timing
+        concurrency = seqs if name == "arrivals" else None
+        serve(engine, requests, "warm", concurrency)  # every bucket the workload touches runs once before timing
         if args.profile and name == "decode":
             import cProfile
             import io
@@ -135,7 +153,7 @@ def child(args) -> None:
 
             prof = cProfile.Profile()
             prof.enable()
-            result[name] = serve(engine, requests, "timed")
+            result[name] = serve(engine, requests, "timed", concurrency)
             prof.disable()
             text = io.StringIO()
             stats = pstats.Stats(prof, stream=text).strip_dirs()
@@ -143,15 +161,16 @@ def child(args) -> None:
             stats.sort_stats("tottime").print_stats(30)
             result["profile"] = text.getvalue()
         else:
-            result[name] = serve(engine, requests, "timed")
+            result[name] = serve(engine, requests, "timed", concurrency)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 # ---- parent: alternate the trees -------------------------------------------------------------------
-def run_child(tree: str, checkpoint: str, seqs: int, compile_cache: str, profile: bool = False) -> dict:
+def run_child(tree: str, checkpoint: str, seqs: int, compile_cache: str, profile: bool = False,
+              dtype: str = "float32") -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
     cmd = [sys.executable, str(Path(__file__).resolve()), checkpoint, "--child", "--seqs", str(seqs),
-           "--compile-cache", compile_cache] + (["--profile", "-"] if profile else [])
+           "--compile-cache", compile_cache, "--dtype", dtype] + (["--profile", "-"] if profile else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -167,6 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-cache", default=str(Path(".cache/host_step_xla").resolve()))
     ap.add_argument("--profile", type=str, default=None, help="write cProfile tops (decode, max seqs) here")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16: the CPU plan's packed weights)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -178,26 +198,26 @@ def main(argv=None) -> dict:
     for rep in range(args.repeats):
         for seqs in args.seqs:
             for name, tree in trees.items():
-                r = run_child(tree, args.checkpoint, seqs, args.compile_cache)
+                r = run_child(tree, args.checkpoint, seqs, args.compile_cache, dtype=args.dtype)
                 runs[name][str(seqs)].append(r)
-                line = ", ".join(f"{w} host {r[w]['host_ms']:.2f} ms/step step {r[w]['step_ms']:.2f} ms"
-                                 for w in ("decode", "mixed"))
+                line = ", ".join(f"{w} {r[w]['tokens_per_s']:.0f} tok/s, host {r[w]['host_ms']:.2f} ms/step step {r[w]['step_ms']:.2f} ms"
+                                 for w in WORKLOADS)
                 print(f"rep {rep} seqs {seqs} {name}: {line}", flush=True)
     median = lambda rs, w, k: statistics.median(r[w][k] for r in rs)  # noqa: E731
-    summary = {name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in ("decode", "mixed")}
+    summary = {name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in WORKLOADS}
                       for seqs, rs in per_seqs.items()} for name, per_seqs in runs.items()}
-    result = {"checkpoint": args.checkpoint, "trees": trees, "repeats": args.repeats,
+    result = {"checkpoint": args.checkpoint, "trees": trees, "repeats": args.repeats, "dtype": args.dtype,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "median": summary, "runs": runs}
     if len(trees) == 2:
         base, new = list(trees)
         result["ratio_new_over_base"] = {
             seqs: {w: {k: summary[new][seqs][w][k] / summary[base][seqs][w][k]
                        for k in ("host_ms", "host_ms_p50", "dispatch_ms", "dispatch_ms_p50", "step_ms", "tokens_per_s")}
-                   for w in ("decode", "mixed")} for seqs in summary[base]}
+                   for w in WORKLOADS} for seqs in summary[base]}
     if args.profile:
         with open(args.profile, "w") as f:
             for name, tree in trees.items():
-                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True)
+                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True, dtype=args.dtype)
                 f.write(f"===== {name} ({tree}), {max(args.seqs)} sequences, decode workload =====\n")
                 f.write(json.dumps(r["decode"]) + "\n" + r["profile"] + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
