@@ -36,12 +36,29 @@ from benchmarks import write_json
 from benchmarks.cpu_dtype import _time
 
 
+def _attention_stack_ms(q, pools, kv_lens, tables, cu, num_seqs: int, D: int) -> dict:
+    """ms for `q` through one ragged attention call per pool (a layer each): jnp "chunked" vs "native"."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    def stack(impl):
+        def run(q, pools):
+            for kv in pools:
+                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(num_seqs), sm_scale=D ** -0.5,
+                                           impl=impl)
+            return q
+        return jax.jit(run)
+
+    return {impl: _time(stack(impl), q, pools) for impl in ("chunked", "native")}
+
+
 def attention(layers: int = 30, rows: int = 16, pages: int = 4096) -> dict:
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.kv_cache import KVPages
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     Hq, Hkv, D, ps, MB = 9, 3, 64, 16, 128
     rng = np.random.default_rng(0)
@@ -53,14 +70,7 @@ def attention(layers: int = 30, rows: int = 16, pages: int = 4096) -> dict:
     cu = jnp.arange(rows + 1, dtype=jnp.int32)
     q = jnp.asarray(rng.standard_normal((rows, Hq, D)), jnp.bfloat16)
 
-    def stack(impl):
-        def run(q, pools):
-            for kv in pools:
-                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(rows), sm_scale=D ** -0.5, impl=impl)
-            return q
-        return jax.jit(run)
-
-    out = {impl: _time(stack(impl), q, pools) for impl in ("chunked", "native")}
+    out = _attention_stack_ms(q, pools, kv_lens, tables, cu, rows, D)
     return {"layers": layers, "rows": rows, "ms": out, "speedup": out["chunked"] / out["native"]}
 
 
@@ -146,7 +156,6 @@ def prefill_attention(layers: int = 30, seqs: int = 4, length: int = 128) -> dic
     import jax.numpy as jnp
 
     from pallas_kernels.kv_cache import KVPages
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     Hq, Hkv, D, ps, pages = 9, 3, 64, 16, 1024
     rng = np.random.default_rng(3)
@@ -159,14 +168,7 @@ def prefill_attention(layers: int = 30, seqs: int = 4, length: int = 128) -> dic
     cu = jnp.arange(seqs + 1, dtype=jnp.int32) * length
     q = jnp.asarray(rng.standard_normal((seqs * length, Hq, D)), jnp.bfloat16)
 
-    def stack(impl):
-        def run(q, pools):
-            for kv in pools:
-                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(seqs), sm_scale=D ** -0.5, impl=impl)
-            return q
-        return jax.jit(run)
-
-    out = {impl: _time(stack(impl), q, pools) for impl in ("chunked", "native")}
+    out = _attention_stack_ms(q, pools, kv_lens, tables, cu, seqs, D)
     return {"layers": layers, "seqs": seqs, "length": length, "ms": out, "speedup": out["chunked"] / out["native"]}
 
 

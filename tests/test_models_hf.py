@@ -52,22 +52,27 @@ def test_greedy_matches_hf_generate(family, tiny_checkpoint, hf_model):
         assert_greedy_match(got, expected, scores, f"{family} prompt {n}")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_model):
-    """bf16 weights (CPU's fast serving dtype, runtime/exec_plan.py): our logits are as close to HF's
-    float32 logits as HF's own bfloat16 model is (bf16 rounding, not a wrong op, is the difference)."""
+def _assert_as_close_as_hf_bf16(ours, path, hf_fp32, what: str) -> None:
+    """Our bf16 logits are as close to HF's float32 ones as HF's own bfloat16 model's are (within
+    2x), at a decode-sized (1) and a prefill-sized (65, padded to a bucket) row count."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_checkpoint(family)
-    ours = load_model(path, dtype="bfloat16")
-    hf_fp32 = hf_model(family)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for n in (1, 65):
         ids = _prompt(ours.cfg.vocab_size, n, seed=300 + n)
         reference = _hf_logits(hf_fp32, ids)
         ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
         hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
-        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{family} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{what} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_model):
+    """bf16 weights (CPU's fast serving dtype, runtime/exec_plan.py): our logits are as close to HF's
+    float32 logits as HF's own bfloat16 model is (bf16 rounding, not a wrong op, is the difference)."""
+    path = tiny_checkpoint(family)
+    ours = load_model(path, dtype="bfloat16")
+    _assert_as_close_as_hf_bf16(ours, path, hf_model(family), family)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -75,8 +80,6 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
     """The CPU plan's bf16 layout (`Model.hold_packed`: projections, and a tied embedding's logits
     copy, packed for the native matmul): the same bound against HF's float32 logits as above, at a
     decode-sized and a prefill-sized row count."""
-    from transformers import AutoModelForCausalLM
-
     from models.quantization import PackedWeight
     from pallas_kernels import cpu_native
 
@@ -89,14 +92,7 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
     layer = ours.params["layers"][0]
     assert any(isinstance(w, PackedWeight) for w in jax.tree.leaves(layer, is_leaf=lambda w: isinstance(w, PackedWeight)))
     assert ("head_packed" in ours.params) == ("lm_head" not in ours.params)
-    hf_fp32 = hf_model(family)
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    for n in (1, 65):
-        ids = _prompt(ours.cfg.vocab_size, n, seed=300 + n)
-        reference = _hf_logits(hf_fp32, ids)
-        ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
-        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
-        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{family} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+    _assert_as_close_as_hf_bf16(ours, path, hf_model(family), family)
 
 
 def _serve_bf16_packed(path, prompts: dict) -> dict:
