@@ -141,16 +141,22 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
                continuous_usage=bool(options and options.continuous_usage_stats))
 
 
-async def merged_outputs(engine: EngineClient, requests: list[EngineRequest],
-                         client_request_id: str = "") -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(engine: EngineClient, requests: list[EngineRequest], client_request_id: str = "",
+                         cut: asyncio.Event | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the output streams of several engine requests as `(request index, output)`.
 
     Use it under `contextlib.aclosing`: closing it early aborts the unfinished requests.
     Engine failures reach the client as "internal error (request id ...)"; details go to the log.
+    Once `cut` is set (a drain that ran out of time), it raises a 503 RequestError instead of
+    waiting for more: the event is watched once per request, not once per output.
     """
     queue: asyncio.Queue = asyncio.Queue()
     unfinished = {request.request_id for request in requests}
-    done_marker = object()
+    done_marker, cut_marker = object(), object()
+    watcher = None
+    if cut is not None:
+        watcher = asyncio.ensure_future(cut.wait())
+        watcher.add_done_callback(lambda w: None if w.cancelled() else queue.put_nowait((-1, cut_marker)))
 
     async def pump(index: int, request: EngineRequest) -> None:
         stream = engine.generate(request)
@@ -174,6 +180,9 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest],
             if item is done_marker:
                 remaining -= 1
                 continue
+            if item is cut_marker:
+                raise RequestError(503, "The server is shutting down; this request was cut off", code="draining",
+                                   error_type="service_unavailable")
             if isinstance(item, ValueError):  # the engine refused the request (e.g. it can never fit)
                 raise RequestError(400, str(item), error_type="invalid_request_error") from item
             if isinstance(item, Exception):
@@ -186,6 +195,8 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest],
                 unfinished.discard(requests[index].request_id)
             yield index, item
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for task in tasks:
             task.cancel()
         for request_id in unfinished:
@@ -335,37 +346,14 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
             choice.timer.on_abandoned()
 
 
-async def _until_cut(outputs: AsyncIterator, cut: asyncio.Event) -> AsyncIterator:
-    """Yield from `outputs` until `cut` is set, then raise a 503 RequestError."""
-    cut_wait = asyncio.ensure_future(cut.wait())
-    step = None
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(outputs))
-            await asyncio.wait({step, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                raise RequestError(503, "The server is shutting down; this request was cut off", code="draining",
-                                   error_type="service_unavailable")
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        cut_wait.cancel()
-        if step is not None and not step.done():  # cut, or our task cancelled (client gone)
-            step.cancel()  # the generator's own cleanup (aborting its engine requests) runs here
-            await asyncio.gather(step, return_exceptions=True)
-
-
 async def _answer(request: web.Request, engine: EngineClient, job: Job, formatter: Formatter,
                   cut: asyncio.Event) -> web.StreamResponse:
     created = formats.now()
     headers = {"X-Request-ID": job.client_request_id or job.request_id}
     if not job.stream:
         kv_transfer_params = None
-        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id)) as outputs:
-            async for index, output in _until_cut(outputs, cut):
+        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id, cut)) as outputs:
+            async for index, output in outputs:
                 _advance(job.choices[index], output)
                 kv_transfer_params = output.kv_transfer_params or kv_transfer_params
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
@@ -378,14 +366,14 @@ async def _answer(request: web.Request, engine: EngineClient, job: Job, formatte
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
-        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id)) as outputs:
+        async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id, cut)) as outputs:
             for choice in job.choices:  # chat: the role first; completions: the echoed prompt
                 opening = formatter.chunk_choices(job, choice, "", [], None) if formatter.chat else (
                     [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
                     if choice.prefix and not job.echo_logprobs else [])
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
-            async for index, output in _until_cut(outputs, cut):
+            async for index, output in outputs:
                 choice = job.choices[index]
                 first = choice.output is None
                 text, entries, finish, new_tokens = _advance(choice, output)
