@@ -150,9 +150,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None = None, timeout_s: float = 900):
-    """Start a server process (its output to `log_path`), wait until it serves, stop it afterwards.
-    Refuses a port something already listens on: a stray server there would answer in this one's place."""
+def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None = None, timeout_s: float = 900,
+                   cwd: str | Path | None = None):
+    """Start a server process (its output to `log_path`; in `cwd`, default the repository root),
+    wait until it serves, stop it afterwards. Refuses a port something already listens on: a stray
+    server there would answer in this one's place."""
     port = urllib.parse.urlsplit(url).port
     with socket.socket() as probe:
         try:
@@ -161,7 +163,7 @@ def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None
             raise RuntimeError(f"port {port} is in use ({e}); stop whatever listens there first") from e
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO,
                                 start_new_session=True)
         try:
             wait_healthy(url, proc, timeout_s)

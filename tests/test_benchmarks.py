@@ -275,3 +275,16 @@ def test_benchmark_server_sends_fresh_prompts_per_run(monkeypatch):
     with pytest.raises(ValueError, match="request sets"):
         serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, 2.0, 3.0], concurrencies=[None],
                                model="m", request_sets=sets, verbose=False)
+
+
+def test_server_cpu_groups_threads():
+    """benchmarks/server_cpu.py: the main thread is the HTTP loop, XLA's pool threads are `xla`,
+    the busiest other Python thread is the engine loop, the rest `other`; threads that started
+    during the run count from zero."""
+    from benchmarks.server_cpu import _classify
+
+    before = {100: ("python", 1.0), 101: ("python", 0.5), 102: ("tf_XLAEigen", 2.0), 103: ("python", 0.1)}
+    after = {100: ("python", 1.5), 101: ("python", 1.7), 102: ("tf_XLAEigen", 4.0), 103: ("python", 0.3),
+             104: ("tf_XLAEigen", 0.25), 105: ("python", 0.05)}
+    groups = _classify(100, before, after)
+    assert groups == pytest.approx({"http": 0.5, "engine": 1.2, "xla": 2.25, "other": 0.25})
