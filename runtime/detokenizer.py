@@ -25,8 +25,8 @@ class IncrementalDetokenizer:
 
     def __post_init__(self) -> None:
         # A fast (Rust) tokenizer without the clean-up pass decodes exactly as its `tokenizers`
-        # backend does: call that directly (two decodes per generated token; the wrapper's
-        # argument handling was most of the time, ~0.3 ms of a small model's ~4.5 ms step).
+        # backend does: call that directly (two decodes per generated token; cProfile of the tiny
+        # dense model at 16 sequences: 0.36 ms a step in `add`, ~70 % of it the wrapper's own code).
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
             self._backend = backend
