@@ -126,12 +126,13 @@ def serve(engine, requests, tag: str, concurrency: int | None = None) -> dict:
 
 
 def workloads(vocab_size: int, seqs: int) -> dict:
+    """name -> (requests, concurrency: None for all added at once)."""
     from benchmarks.workloads import make_uniform, make_workload
 
-    return {"decode": make_uniform(seqs, 16, 96, vocab_size=vocab_size),
-            "mixed": make_workload("mixed", vocab_size=vocab_size, num_requests=seqs, scale=0.25, max_model_len=1024),
-            "arrivals": make_workload("mixed", vocab_size=vocab_size, num_requests=8 * seqs, scale=0.25,
-                                      max_model_len=1024, seed=1)}
+    mixed = dict(vocab_size=vocab_size, scale=0.25, max_model_len=1024)
+    return {"decode": (make_uniform(seqs, 16, 96, vocab_size=vocab_size), None),
+            "mixed": (make_workload("mixed", num_requests=seqs, **mixed), None),
+            "arrivals": (make_workload("mixed", num_requests=8 * seqs, seed=1, **mixed), seqs)}
 
 
 def child(args) -> None:
@@ -143,8 +144,7 @@ def child(args) -> None:
                                     max_num_seqs=seqs, max_num_batched_tokens=512, enable_prefix_caching=False,
                                     compile_cache_dir=args.compile_cache))
     result = {}
-    for name, requests in workloads(engine.model.cfg.vocab_size, seqs).items():
-        concurrency = seqs if name == "arrivals" else None
+    for name, (requests, concurrency) in workloads(engine.model.cfg.vocab_size, seqs).items():
         serve(engine, requests, "warm", concurrency)  # every bucket the workload touches runs once before timing
         if args.profile and name == "decode":
             import cProfile
@@ -200,8 +200,8 @@ def main(argv=None) -> dict:
             for name, tree in trees.items():
                 r = run_child(tree, args.checkpoint, seqs, args.compile_cache, dtype=args.dtype)
                 runs[name][str(seqs)].append(r)
-                line = ", ".join(f"{w} {r[w]['tokens_per_s']:.0f} tok/s, host {r[w]['host_ms']:.2f} ms/step step {r[w]['step_ms']:.2f} ms"
-                                 for w in WORKLOADS)
+                line = ", ".join(f"{w} {r[w]['tokens_per_s']:.0f} tok/s, host {r[w]['host_ms']:.2f} ms/step "
+                                 f"step {r[w]['step_ms']:.2f} ms" for w in WORKLOADS)
                 print(f"rep {rep} seqs {seqs} {name}: {line}", flush=True)
     median = lambda rs, w, k: statistics.median(r[w][k] for r in rs)  # noqa: E731
     summary = {name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in WORKLOADS}
@@ -217,7 +217,8 @@ def main(argv=None) -> dict:
     if args.profile:
         with open(args.profile, "w") as f:
             for name, tree in trees.items():
-                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True, dtype=args.dtype)
+                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True,
+                              dtype=args.dtype)
                 f.write(f"===== {name} ({tree}), {max(args.seqs)} sequences, decode workload =====\n")
                 f.write(json.dumps(r["decode"]) + "\n" + r["profile"] + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))

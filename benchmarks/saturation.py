@@ -149,11 +149,11 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
 
 def parse_variant(spec: str) -> tuple:
     """`LABEL:KEY=VALUE[,KEY=VALUE...]` -> ("ours-bf16-LABEL", "ours", "bfloat16", {KEY: VALUE})."""
-    label, sep, pairs = spec.partition(":")
-    sets = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
-    if not sep or not label or not sets or len(sets) != len([p for p in pairs.split(",") if p]):
+    label, _, pairs = spec.partition(":")
+    items = [p.split("=", 1) for p in pairs.split(",")]
+    if not label or not pairs or any(len(kv) != 2 or not kv[0] for kv in items):
         raise SystemExit(f"--ours-variant {spec!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...]")
-    return (f"ours-bf16-{label}", "ours", "bfloat16", sets)
+    return (f"ours-bf16-{label}", "ours", "bfloat16", dict(items))
 
 
 def format_table(reports: list[dict]) -> str:
