@@ -9,9 +9,11 @@ share two cores, so every CPU second the server's Python spends is taken from th
 saturation cases' limits: 16 sequences, 512 batched tokens, max_model_len 2048) is started and
 warmed up, then `benchmarks.serve` sends `--num-requests` requests of the `mixed` workload
 (scale 0.25) at concurrency 16; the CPU seconds of each of the server's threads
-(`/proc/<pid>/task/*/stat`, user + system) and of the client are read around that run.
-Threads: `http` the main thread (aiohttp's event loop), `engine` the engine loop (the largest
-other Python thread), `xla` XLA's intra-op pool (`tf_XLAEigen*`), `other` the rest.
+(`/proc/<pid>/task/*/stat`, user + system, the engine's child process included) and of the
+client are read around that run. Threads: `http` the main thread (aiohttp's event loop),
+`engine` the engine loop (the largest other Python thread: the engine process's main thread, or
+the loop thread with `server.engine_process=false`), `xla` XLA's intra-op pool (`tf_XLAEigen*`),
+`other` the rest.
 """
 
 from __future__ import annotations
@@ -32,21 +34,41 @@ from benchmarks import peers, write_json
 PORT = 18750
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the engine process, multiprocessing's resource tracker)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
 def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """tid -> (name, user + system CPU seconds) for every thread of `pid`."""
+    """tid -> (name, user + system CPU seconds) for every thread of `pid` and its child processes."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that just ended
-            continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    for proc in _process_tree(pid):
+        for tid in os.listdir(f"/proc/{proc}/task"):
+            try:
+                name = Path(f"/proc/{proc}/task/{tid}/comm").read_text().strip()
+                fields = Path(f"/proc/{proc}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # a thread that just ended
+                continue
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
 def _classify(pid: int, before: dict, after: dict) -> dict[str, float]:
+    """`http`: the server's main thread; `engine`: the engine loop, i.e. the Python thread (not
+    XLA's) with the most CPU other than `http` -- the engine process's main thread, or with
+    `server.engine_process=false` the loop thread; `xla`: XLA's pools; `other`: the rest."""
     deltas = {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
     groups = {"http": 0.0, "engine": 0.0, "xla": 0.0, "other": 0.0}
     python = sorted(((d, tid) for tid, (name, d) in deltas.items() if tid != pid and not name.startswith("tf_")),

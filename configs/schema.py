@@ -247,10 +247,16 @@ class ServerConfig(_Section):
     reasoning_parser: Literal["qwen3"] | None = None  # split <think>...</think> into reasoning_content
     grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)  # structured output: slower -> 400
     # Python's GIL switch interval while serving (sys.setswitchinterval; Python's default is 5 ms).
-    # The engine loop thread shares the GIL with the HTTP event loop: when a step's tokens are
-    # ready it waits for the GIL until the event loop's thread yields it, at the latest after this
-    # interval, while a small model's whole step takes 3-5 ms on CPU. See server/runner.serve.
+    # With `engine_process: false` the engine loop thread shares the GIL with the HTTP event loop:
+    # when a step's tokens are ready it waits for the GIL until the event loop's thread yields it,
+    # at the latest after this interval, while a small model's whole step takes 3-5 ms on CPU.
+    # See server/runner.serve. (The engine process sets it too, for its command reader thread.)
     gil_switch_interval_ms: float = Field(default=0.5, gt=0.0, le=100.0)
+    # Run the engine loop in a child process (runtime/engine_process.py, vLLM's EngineCore
+    # layout), so the engine's Python and the HTTP event loop do not share one GIL. False: a
+    # thread of the server's process (runtime/engine_client.AsyncEngine). Multi-host and P/D
+    # roles always use the thread.
+    engine_process: bool = True
 
     @field_validator("api_key")
     @classmethod

@@ -200,9 +200,11 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
 
 
-def create_engine_client(config) -> AsyncEngine:
+def create_engine_client(config):
     """The real engine behind `jaxserve serve`: loads the model (the default one when no path is
-    given), compiles its buckets, starts the loop thread."""
+    given), compiles its buckets, starts the loop: in a child process (`server.engine_process`,
+    runtime/engine_process.py) or on a thread of this process (`AsyncEngine`; always for
+    multi-host and P/D roles)."""
     path = config.model.path
     if path is None:
         from models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -210,18 +212,24 @@ def create_engine_client(config) -> AsyncEngine:
         path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     else:
         name = Path(path).name
+    served_name = config.model.served_model_name or name
+    multihost = config.parallel.multihost
+    multi_process = multihost is not None and multihost.num_processes > 1
+    if config.server.engine_process and not multi_process and config.parallel.role == "both":
+        from runtime.engine_process import EngineProcessClient
+
+        return EngineProcessClient.start(config, str(path), served_name)
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_launch(config, str(path)), progress=True)
     log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0, name,
              engine.cache_config.num_pages, engine.config.page_size, list(engine.token_buckets))
-    multihost = config.parallel.multihost
-    if multihost is not None and multihost.num_processes > 1:  # runtime/multihost.py
+    if multi_process:  # runtime/multihost.py
         from runtime.multihost import Follower, MultihostLeader
 
         if multihost.process_id != 0:
             return Follower(engine, multihost)  # server/runner.serve runs its `follow()`, no HTTP
         leader = MultihostLeader.listen(multihost)
-        client = AsyncEngine(engine, config.model.served_model_name or name)
+        client = AsyncEngine(engine, served_name)
         leader.attach(client)
         return client
-    return AsyncEngine(engine, config.model.served_model_name or name)
+    return AsyncEngine(engine, served_name)

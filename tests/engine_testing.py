@@ -45,6 +45,17 @@ class FailingStep:
         return failing
 
 
+def launch_config(path, num_pages: int = 120):
+    """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps)."""
+    from configs.schema import LaunchConfig
+
+    return LaunchConfig.model_validate({
+        "model": {"path": str(path), "dtype": "float32", "max_model_len": 512},
+        "cache": {"num_pages": num_pages},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+    })
+
+
 @contextlib.contextmanager
 def live_engine_server(engine, model_name: str, max_waiting_requests: int):
     """A real engine behind the HTTP server on a free loopback port; closed (server, then engine

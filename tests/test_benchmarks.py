@@ -288,3 +288,20 @@ def test_server_cpu_groups_threads():
              104: ("tf_XLAEigen", 0.25), 105: ("python", 0.05)}
     groups = _classify(100, before, after)
     assert groups == pytest.approx({"http": 0.5, "engine": 1.2, "xla": 2.25, "other": 0.25})
+
+
+def test_server_cpu_reads_the_engine_process_threads():
+    """The engine runs in a child process of the server: its threads count (a real child here)."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.server_cpu import _process_tree, _thread_cpu
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in _process_tree(os.getpid())
+        assert child.pid in _thread_cpu(os.getpid())  # its main thread, by tid
+    finally:
+        child.kill()
+        child.wait(10)

@@ -1,4 +1,5 @@
-"""The official `openai` client, unchanged, against a live server backed by the real JAX engine.
+"""The official `openai` client, unchanged, against a live server backed by the real JAX engine
+(its loop on a thread, and in a child process).
 
 References: the offline `LLM` API on the same checkpoint (greedy text and tokens), HF
 transformers (logprobs), and the engine's own accounting (every page and slot free at the end).
@@ -18,9 +19,11 @@ from models import load_model
 from runtime.engine import LLMEngine
 from runtime.engine_client import AsyncEngine
 from runtime.engine_config import EngineConfig
+from runtime.engine_process import EngineProcessClient
 from runtime.llm import LLM
 from runtime.types import SamplingParams
 from server.testing import LiveServer
+from tests.engine_testing import launch_config
 
 PROMPT = "def fibonacci(n):\n    "
 FAMILY = "qwen3_5"  # a GDN hybrid: requests hold KV pages *and* a state slot
@@ -36,9 +39,14 @@ def model(tiny_checkpoint):
     return load_model(tiny_checkpoint(FAMILY), dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-model")
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, model):
+    """The engine loop on a thread of this process (`AsyncEngine`), or in a child process
+    (`EngineProcessClient`, the `jaxserve serve` default) loading the same checkpoint."""
+    if request.param == "thread":
+        engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-model")
+    else:
+        engine = EngineProcessClient.start(launch_config(model.path), str(model.path), "tiny-model")
     live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
     yield live
     live.close()
