@@ -9,17 +9,19 @@ later move to its own process behind the same interface.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import AsyncIterator, Callable
 
 from runtime.engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig, build_engine_config
 from runtime.mesh import initialize_multihost
-from runtime.types import EngineRequest
+from runtime.types import EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -42,6 +44,25 @@ class _Sink:
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+async def queued_outputs(queue: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to the finished one; an Exception in the queue is
+    raised. A consumer that stops early (closes the generator: use `contextlib.aclosing`) calls
+    `abort()`, which frees the request's pages and state slot."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            abort()
 
 
 def _deliver(deliveries: list[tuple[_Sink, object]]) -> None:
@@ -90,19 +111,10 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop has died: {self._death!r}")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(request, sink))
-        finished = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, Exception):
-                    raise item
+        abort = _Abort(request.request_id)
+        async with contextlib.aclosing(queued_outputs(sink.queue, lambda: self._commands.put(abort))) as outputs:
+            async for item in outputs:
                 yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._commands.put(_Abort(request.request_id))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -26,16 +26,17 @@ command pipe closes, so it never outlives a killed server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 from runtime.engine import EngineDeadError
+from runtime.engine_client import queued_outputs
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, SamplingParamsError
 
 log = logging.getLogger("jaxserve.engine")
@@ -192,20 +193,12 @@ class EngineProcessClient:
         stream = _Stream(request)
         self._streams[rid] = stream
         self._send(("add", request))
-        finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async with contextlib.aclosing(queued_outputs(stream.queue, lambda: self._send(("abort", rid)))) as outputs:
+                async for item in outputs:
+                    yield item
         finally:
             self._streams.pop(rid, None)
-            if not finished:
-                self._send(("abort", rid))
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -264,7 +257,8 @@ class EngineProcessClient:
             _, rid, error_kind, param, text = message
             stream = self._streams.get(rid)
             if stream is not None:
-                stream.queue.put_nowait(SamplingParamsError(param, text) if error_kind == "params" else ValueError(text))
+                err = SamplingParamsError(param, text) if error_kind == "params" else ValueError(text)
+                stream.queue.put_nowait(err)
         elif kind == "stats":
             self._stats = message[1]
         elif kind == "dead":
