@@ -2,8 +2,9 @@
 
 The loop thread owns the `LLMEngine` (all mutable serving state). The asyncio side only
 enqueues commands (add / abort) and receives cumulative `RequestOutput`s through per-request
-asyncio queues fed with `call_soon_threadsafe`. Messages are plain dataclasses, so the loop can
-later move to its own process behind the same interface.
+asyncio queues fed with `call_soon_threadsafe`. `jaxserve serve` runs the same loop in a child
+process by default (runtime/engine_process.py); this thread serves multi-host and P/D roles and
+`server.engine_process: false`.
 """
 
 from __future__ import annotations
@@ -212,6 +213,17 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
 
 
+def load_engine(config, model_path: str) -> LLMEngine:
+    """Load the launch config's model and compile its steps (in the server's process for the
+    thread, in the engine process otherwise), logging what it got."""
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True)
+    log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0,
+             Path(model_path).name, engine.cache_config.num_pages, engine.config.page_size,
+             list(engine.token_buckets))
+    return engine
+
+
 def create_engine_client(config):
     """The real engine behind `jaxserve serve`: loads the model (the default one when no path is
     given), compiles its buckets, starts the loop: in a child process (`server.engine_process`,
@@ -231,10 +243,7 @@ def create_engine_client(config):
         from runtime.engine_process import EngineProcessClient
 
         return EngineProcessClient.start(config, str(path), served_name)
-    t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_launch(config, str(path)), progress=True)
-    log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0, name,
-             engine.cache_config.num_pages, engine.config.page_size, list(engine.token_buckets))
+    engine = load_engine(config, str(path))
     if multi_process:  # runtime/multihost.py
         from runtime.multihost import Follower, MultihostLeader
 

@@ -12,8 +12,9 @@ API server talks to its EngineCore:
 - outputs, child -> parent: one message per engine step, `("step", deltas, stats)`. The engine's
   outputs are cumulative (all tokens and text so far); across the pipe they travel as deltas
   (`_OutputDelta`: what is new since the last message) and the parent rebuilds the cumulative
-  `RequestOutput` the protocol promises. `("reject", id, kind, param, message)` answers an add
-  the engine refused; `("dead", reason)` precedes the child's exit when its loop failed.
+  `RequestOutput` the protocol promises (an idle child sends `("step", [], stats)` every
+  half second). `("reject", id, message)` answers an add the engine refused; `("dead", reason)`
+  precedes the child's exit when its loop failed.
 
 The parent reads the outputs pipe from its asyncio event loop (`add_reader`): no thread, no GIL
 hand-off per step. The tokenizer comes from the child, pickled, so the parent's is the engine's.
@@ -31,13 +32,15 @@ import logging
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from runtime.engine import EngineDeadError
-from runtime.engine_client import queued_outputs
-from runtime.types import CompletionOutput, EngineRequest, RequestOutput, SamplingParamsError
+from runtime.engine_client import load_engine, queued_outputs
+from runtime.types import CompletionOutput, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -144,13 +147,17 @@ class EngineProcessClient:
         self._death: str | None = None
         self._stopping = False
         self._send_lock = threading.Lock()  # one message at a time on the pipe, whichever thread sends
-        self.grammar_compiler = None
-        if self.tokenizer is not None:
-            from runtime.structured_output import build_compiler
-
-            # the server compiles (and so validates) grammars before submitting; same eos ids as the engine
-            self.grammar_compiler = build_compiler(self.tokenizer, self.vocab_size, self._eos_token_ids)
         self.pid = process.pid
+
+    @cached_property
+    def grammar_compiler(self):
+        """The server's grammar compiler (it compiles, and so validates, grammars before submitting),
+        with the engine's EOS ids; built on the first grammar request."""
+        if self.tokenizer is None:
+            return None
+        from runtime.structured_output import build_compiler
+
+        return build_compiler(self.tokenizer, self.vocab_size, self._eos_token_ids)
 
     @classmethod
     def start(cls, config, model_path: str, model_name: str) -> "EngineProcessClient":
@@ -253,14 +260,11 @@ class EngineProcessClient:
                 stream = self._streams.get(d.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(stream.apply(d))
-        elif kind == "reject":
-            _, rid, error_kind, param, text = message
+        elif kind == "reject":  # the server answers a refused request (a ValueError) with a 400
+            _, rid, text = message
             stream = self._streams.get(rid)
             if stream is not None:
-                err = SamplingParamsError(param, text) if error_kind == "params" else ValueError(text)
-                stream.queue.put_nowait(err)
-        elif kind == "stats":
-            self._stats = message[1]
+                stream.queue.put_nowait(ValueError(text))
         elif kind == "dead":
             self._mark_dead(message[1])
 
@@ -309,20 +313,11 @@ def _child_main(commands, outputs, config, model_path: str, log_level: int) -> N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains first, then stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    import sys
-
     sys.setswitchinterval(config.server.gil_switch_interval_ms / 1e3)  # the command reader thread
     try:
-        from runtime.engine import LLMEngine
-        from runtime.engine_client import engine_config_from_launch
-
-        t0 = time.perf_counter()
-        engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True)
-        log.info("engine ready in %.1fs: %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0,
-                 engine.cache_config.num_pages, engine.config.page_size, list(engine.token_buckets))
-        tokenizer = engine.tokenizer
+        engine = load_engine(config, model_path)
         ready = {"max_model_len": engine.max_model_len, "vocab_size": engine.model.cfg.vocab_size,
-                 "tokenizer": tokenizer, "eos_token_ids": tuple(engine.model.cfg.eos_token_ids),
+                 "tokenizer": engine.tokenizer, "eos_token_ids": tuple(engine.model.cfg.eos_token_ids),
                  "stats": engine.stats()}
         outputs.send(("ready", ready))
     except BaseException as err:  # noqa: BLE001 - tell the parent, then exit non-zero
@@ -367,7 +362,7 @@ class _ChildLoop:
     def _loop(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished()  # (a request whose grammar compiles wakes the loop when ready)
+            busy = engine.has_unfinished()  # idle: block (a grammar that finishes compiling wakes us)
             try:
                 message = self.inbox.get(block=not busy, timeout=_IDLE_POLL_S if not busy else None)
                 while True:
@@ -389,8 +384,8 @@ class _ChildLoop:
                     else:
                         self.encoder.forget(out.request_id)
                 self.outputs.send(("step", deltas, engine.stats()))
-            elif not busy:
-                self.outputs.send(("stats", engine.stats()))
+            elif not busy:  # idle: keep the server's stats fresh (adds and aborts change them)
+                self.outputs.send(("step", [], engine.stats()))
 
     def _handle(self, message) -> None:
         kind, payload = message
@@ -423,10 +418,7 @@ class _ChildLoop:
         rid = request.request_id
         try:
             self.engine.add_request(request)
-        except SamplingParamsError as err:
-            self.outputs.send(("reject", rid, "params", err.param, str(err).removeprefix(err.param + " ")))
-            return
         except ValueError as err:  # e.g. it can never fit, or its grammar is invalid (GrammarError)
-            self.outputs.send(("reject", rid, "value", None, str(err)))
+            self.outputs.send(("reject", rid, str(err)))
             return
         self.live.add(rid)

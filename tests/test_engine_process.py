@@ -183,6 +183,15 @@ def test_grammars_compile_off_the_loop_and_outputs_follow_them(tiny_checkpoint):
                 return await asyncio.gather(*calls)
 
         responses = asyncio.run(main())
+
+        async def invalid_grammar():  # straight to the client: the server would have refused it first
+            from runtime.types import StructuredOutput
+
+            params = SamplingParams(max_tokens=4, structured_output=StructuredOutput("json", "{not json"))
+            return [out async for out in client.generate(EngineRequest("bad-grammar", [5, 6], params))]
+
+        with pytest.raises(ValueError):  # the engine's refusal crosses the pipe as a ValueError (a 400)
+            live.call(invalid_grammar())
         for schema, response in zip(schemas, responses):
             assert response.choices[0].finish_reason == "stop", response
             jsonschema.validate(json.loads(response.choices[0].message.content), schema)

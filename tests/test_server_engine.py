@@ -47,10 +47,14 @@ def server(request, model):
         engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-model")
     else:
         engine = EngineProcessClient.start(launch_config(model.path), str(model.path), "tiny-model")
-    live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
-    yield live
-    live.close()
-    asyncio.run(engine.shutdown())
+    try:
+        live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
+        try:
+            yield live
+        finally:
+            live.close()
+    finally:
+        asyncio.run(engine.shutdown())  # the process client stops its child by PID
 
 
 @pytest.fixture(scope="module")
