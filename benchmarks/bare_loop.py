@@ -100,11 +100,14 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
 
 
 def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: KernelOptions | None = None,
-                  page_size: int = 16, max_model_len: int | None = None, repeats: int = 3) -> dict:
+                  page_size: int = 16, max_model_len: int | None = None, repeats: int = 3,
+                  before_each=None) -> dict:
     """Time the bare loop on `prompts [S, P]` int32; -> throughput numbers and the greedy tokens.
 
     `max_model_len` sets the block-table width (default: just enough for P + output_len); pass
-    the engine's to give the attention op the same shapes the engine gives it."""
+    the engine's to give the attention op the same shapes the engine gives it. `before_each()`,
+    if given, runs before every timed repeat (a benchmark interleaving another system's runs
+    with these, so that the machine's drifting load hits both alike)."""
     if output_len < 2:
         raise ValueError("output_len must be >= 2 (one prefill token + at least one decode step)")
     opts = opts or KernelOptions()
@@ -121,6 +124,8 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
     compile_s = time.perf_counter() - t0
     prefill_times, decode_times = [], []
     for _ in range(repeats):
+        if before_each is not None:
+            before_each()
         caches = fresh()
         jax.block_until_ready(caches)
         t0 = time.perf_counter()
@@ -138,6 +143,7 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
         "batch": S, "prompt_len": P, "output_len": output_len, "compile_s": compile_s,
         "block_table_width": int(-(-max(max_model_len or 0, P + output_len) // page_size)),
         "prefill_s": prefill_s, "decode_s": decode_s,
+        "all_tokens_per_s": [S * output_len / (p + d) for p, d in zip(prefill_times, decode_times)],
         "output_tokens_per_s": S * output_len / (prefill_s + decode_s),
         "decode_tokens_per_s": S * (output_len - 1) / decode_s,
         "decode_step_ms": 1000 * decode_s / (output_len - 1),
@@ -183,11 +189,12 @@ def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tup
 
 def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: list[int], *, batch: int,
                            opts: KernelOptions | None = None, page_size: int = 16, max_model_len: int | None = None,
-                           repeats: int = 3) -> dict:
+                           repeats: int = 3, before_each=None) -> dict:
     """The bare loop over a ragged workload's OWN requests: waves of `batch` requests in order, each
     wave prefilled in one ragged forward and decoded in one scan to its longest `max_tokens`.
     Throughput counts requested tokens only; compile time is reported apart (one prefill and one
-    decode executable per wave shape). -> numbers and each request's greedy tokens."""
+    decode executable per wave shape). `before_each` as in `run_bare_loop`. -> numbers and each
+    request's greedy tokens."""
     opts = opts or KernelOptions()
     waves = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
     compiled, compile_s = [], 0.0
@@ -205,6 +212,8 @@ def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: l
         compiled.append((wave, flat, prefill_exe, decode_exe, fresh))
     run_times, tokens = [], {}
     for _ in range(repeats):
+        if before_each is not None:
+            before_each()
         elapsed = 0.0
         for wave, flat, prefill_exe, decode_exe, fresh in compiled:
             caches = fresh()
@@ -220,7 +229,8 @@ def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: l
         run_times.append(elapsed)
     seconds = float(np.median(run_times))
     return {"batch": batch, "waves": len(waves), "compile_s": compile_s, "seconds": seconds,
-            "all_seconds": run_times, "output_tokens_per_s": sum(max_tokens) / seconds,
+            "all_seconds": run_times, "all_tokens_per_s": [sum(max_tokens) / t for t in run_times],
+            "output_tokens_per_s": sum(max_tokens) / seconds,
             "tokens": [tokens[i] for i in range(len(prompts))]}
 
 

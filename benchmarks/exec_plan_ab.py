@@ -69,14 +69,16 @@ def _paired_ratio(on: list[float], off: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(on, off))
 
 
-def _build_engines(path: Path, base, plan, requests, skip: tuple[str, ...]) -> dict:
-    """{variant: (warmed-up engine, start-up seconds)}; variants whose name starts with a `skip` entry are left out."""
+def _build_engines(path: Path, base, plan, requests, skip: tuple[str, ...], only: tuple[str, ...] = ()) -> dict:
+    """{variant: (warmed-up engine, start-up seconds)}; variants whose name starts with a `skip`
+    entry are left out, and with `only`, all but the plan and those starting with an `only` entry."""
     from models.model import load_model
     from runtime.engine import LLMEngine
 
     engines = {}
     for name, variant, overrides in _variants(plan, base):
-        if any(name.startswith(prefix) for prefix in skip):
+        if any(name.startswith(prefix) for prefix in skip) or (only and name != "plan"
+                                                               and not any(name.startswith(p) for p in only)):
             continue
         config = dataclasses.replace(base, **overrides)
         model = load_model(path, dtype=config.dtype)  # fresh: an unrolled Model stays unrolled
@@ -96,11 +98,11 @@ def measure_checkpoint(path: Path, args) -> dict:
 
     base = EngineConfig(model=str(path), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, num_pages=args.num_pages, seed=0, load_tokenizer=False,
-                        compile_cache_dir=args.compile_cache_dir)
+                        compile_cache_dir=args.compile_cache_dir, **({"dtype": args.dtype} if args.dtype else {}))
     cfg = load_model(path, dtype=base.dtype).cfg
     requests = make_workload(args.workload, vocab_size=cfg.vocab_size, num_requests=args.num_requests,
                              scale=args.scale, max_model_len=args.max_model_len)
-    engines = _build_engines(path, base, plan_execution(base, cfg, "cpu"), requests, args.skip)
+    engines = _build_engines(path, base, plan_execution(base, cfg, "cpu"), requests, args.skip, args.only)
     runs = {name: [] for name in engines}
     for _ in range(args.repeats):  # interleaved: the machine's load drifts over all variants alike
         for name, (engine, _) in engines.items():
@@ -131,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-pages", type=int, default=1100)
     parser.add_argument("--skip", default="", help="comma-separated variant name prefixes to leave out, e.g. bf16")
+    parser.add_argument("--only", default="", help="comma-separated variant name prefixes: the plan and only these")
+    parser.add_argument("--dtype", default=None, help="the engines' dtype (default: EngineConfig's)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--compile-cache-dir", default=None, help="default: a fresh temporary directory")
     args = parser.parse_args(argv)
     args.skip = tuple(prefix for prefix in args.skip.split(",") if prefix)
+    args.only = tuple(prefix for prefix in args.only.split(",") if prefix)
     args.compile_cache_dir = args.compile_cache_dir or tempfile.mkdtemp(prefix="exec-plan-ab-xla-")
     results = [measure_checkpoint(path, args) for path in args.checkpoints]
     print("\nplan / choice-off (>= 1.05: the choice pays)")

@@ -109,25 +109,28 @@ def run_hf(checkpoint: str, requests: list[BenchRequest], batch_sizes: list[int]
     return {"best_batch": best, **sweep[best], "sweep": sweep, "tokens": best_tokens}
 
 
-def run_bare(model, requests: list[BenchRequest], batch: int, max_model_len: int, repeats: int) -> dict:
+def run_bare(model, requests: list[BenchRequest], batch: int, max_model_len: int, repeats: int,
+             before_each=None) -> dict:
     """The bare loop on the workload's own requests. Uniform workload (every request the same
     prompt and output length, e.g. `fixed`): `batch` of them through `bare_loop.run_bare_loop`
     (`bare_loop_shape` "same"). Otherwise (mixed, ...): every request, in waves of `batch`, each
     wave one ragged prefill and one decode scan to its longest output
     (`bare_loop.run_bare_loop_requests`, `bare_loop_shape` "ragged"). Either way the prompts
-    are the workload's, so greedy tokens compare with ours."""
+    are the workload's, so greedy tokens compare with ours. `before_each()` runs before every
+    timed repeat (ours, interleaved)."""
     from benchmarks.bare_loop import run_bare_loop, run_bare_loop_requests
 
     P, N = requests[0].prompt_len, requests[0].max_tokens
     uniform = all(r.prompt_len == P and r.max_tokens == N for r in requests) and len(requests) >= batch
     if uniform:
         prompts = np.array([r.prompt_ids for r in requests[:batch]], np.int32)
-        out = run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats)
+        out = run_bare_loop(model, prompts, max(N, 2), max_model_len=max_model_len, repeats=repeats,
+                            before_each=before_each)
         out["bare_loop_shape"] = "same"
         out["tokens_cover"] = batch
         return out
     out = run_bare_loop_requests(model, [list(r.prompt_ids) for r in requests], [r.max_tokens for r in requests],
-                                 batch=batch, max_model_len=max_model_len, repeats=repeats)
+                                 batch=batch, max_model_len=max_model_len, repeats=repeats, before_each=before_each)
     out["bare_loop_shape"] = "ragged"
     out["tokens_cover"] = len(requests)
     return out
@@ -194,14 +197,19 @@ def section_throughput(checkpoint: str, args) -> dict:
                              num_requests=args.num_requests, scale=args.scale, max_model_len=args.max_model_len)
     print(f"workload {args.workload}: {summarize(requests)}", flush=True)
     run_ours(llm, requests[: min(len(requests), 2)])  # warm-up: first-use sampler variants, caches
-    ours_runs = [run_ours(llm, requests) for _ in range(args.repeats)]
+    ours_runs = []
+    bare = None
+    if args.skip_bare:
+        ours_runs = [run_ours(llm, requests) for _ in range(args.repeats)]
+    else:  # ours and the bare loop alternate, repeat by repeat (the machine's load drifts)
+        bare = run_bare(llm.engine.model, requests, args.max_num_seqs, args.max_model_len, args.repeats,
+                        before_each=lambda: ours_runs.append(run_ours(llm, requests)))
     ours = sorted(ours_runs, key=lambda r: r["seconds"])[len(ours_runs) // 2]  # the median run
     out = {"workload": {"name": args.workload, "scale": args.scale, **summarize(requests)},
            "ours": {k: v for k, v in ours.items() if k != "tokens"}, "ours_startup_s": startup,
            "ours_all_seconds": [r["seconds"] for r in ours_runs]}
     print(f"ours: {ours['output_tokens_per_s']:.1f} tok/s ({ours['seconds']:.2f} s, {ours['steps']} steps)", flush=True)
-    if not args.skip_bare:
-        bare = run_bare(llm.engine.model, requests, args.max_num_seqs, args.max_model_len, args.repeats)
+    if bare is not None:
         bare_tokens = bare.pop("tokens")
         out["bare_loop"] = bare
         out["bare_loop_shape"] = bare["bare_loop_shape"]
@@ -213,6 +221,12 @@ def section_throughput(checkpoint: str, args) -> dict:
             print(f"bare loop (the same requests, {bare['waves']} wave(s) of {bare['batch']}, static batches): "
                   f"{bare['output_tokens_per_s']:.1f} tok/s", flush=True)
         out["ratio_ours_vs_bare"] = ours["output_tokens_per_s"] / bare["output_tokens_per_s"]
+        # per repeat: ours and the bare loop, run back to back
+        pairs = [o["output_tokens_per_s"] / b for o, b in zip(ours_runs, bare["all_tokens_per_s"])]
+        out["ratio_ours_vs_bare_per_repeat"] = pairs
+        out["ratio_ours_vs_bare_paired_median"] = float(np.median(pairs))
+        print(f"ours / bare loop per repeat (back to back): {' '.join(f'{p:.2f}' for p in pairs)}; "
+              f"median {out['ratio_ours_vs_bare_paired_median']:.2f}", flush=True)
         n = bare["tokens_cover"]
         out["greedy_agreement_ours_vs_bare"] = agreement(ours["tokens"][:n], bare_tokens)
     del llm

@@ -224,7 +224,8 @@ class KernelsConfig(_Section):
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
     # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
-    # null: off (runtime/exec_plan.py: it no longer measured >= 5 % on CPU, and adds compiles).
+    # null: the plan decides (runtime/exec_plan.py): on for bf16 dense models on CPU (a greedy
+    # decode step is then one executable, >= 5 % measured), off otherwise.
     fuse_greedy: bool | None = None
 
 

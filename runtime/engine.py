@@ -364,12 +364,9 @@ class LLMEngine:
             raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
         return outputs
 
-    def _step_inputs(self, out: SchedulerOutput):
-        """-> (batch, TokenFeed or None, prompt-logprob targets or None): gathered on the device by
-        the request table's prepare (scoring: largest bucket); attention DP: host-built + TokenFeed."""
-        if self.dp is not None:
-            batch = self.dp.build_batch(out)
-            return batch, self._token_feed(out, batch), prompt_targets(out, batch.input_ids.shape[0])
+    def _table_inputs(self, out: SchedulerOutput) -> tuple[int, tuple, np.ndarray | None]:
+        """-> (token bucket T, (table, TableStep, prev_tokens) for the request table's prepare,
+        prompt-logprob targets or None). A scoring step takes the largest bucket (one executable)."""
         ex, T_max = self.executables, self.token_buckets[-1]
         T = bucket_for(max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
         targets = prompt_targets(out, T_max)
@@ -379,8 +376,7 @@ class LLMEngine:
         for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
             table = ex.run_write_table(table, write)
         prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
-        self.table, batch = ex.run_prepare(table, step, prev_tokens)
-        return batch, None, targets
+        return T, (table, step, prev_tokens), targets
 
     def _token_feed(self, out: SchedulerOutput, batch) -> TokenFeed:
         """Attention DP: where `out`'s placeholder rows read their tokens (the in-flight step's device array)."""
@@ -390,29 +386,40 @@ class LLMEngine:
         return TokenFeed(prev.sampled.tokens, prev.feed_rows(out, num_token_rows, batch.logits_indices))
 
     def _dispatch(self, out: SchedulerOutput):
+        """Enqueue the step's executables: with the request table, one backbone with prepare fused
+        in (a scoring step: prepare, then the scoring backbone); attention DP: a host-built batch
+        and its TokenFeed. Then the sampler unless the greedy backbone sampled already."""
         self.num_steps += 1
-        batch, feed, targets = self._step_inputs(out)
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        plain_greedy = (targets is None and batch.input_ids.shape[0] in ex.greedy_buckets
-                        and all(self._plain_greedy(r) for r in reqs))
+        if self.dp is not None:
+            batch = self.dp.build_batch(out)
+            T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])
+        else:
+            T, table_args, targets = self._table_inputs(out)
+        plain_greedy = (targets is None and T in ex.greedy_buckets and all(self._plain_greedy(r) for r in reqs))
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         if self.kv_transfer is not None:
             self.caches = self.kv_transfer.load(self.caches, out)
         scores = None
-        if plain_greedy:
-            self.caches, tokens = ex.run_greedy_backbone(params, self.caches, batch, feed)
-        elif targets is not None:
-            self.caches, hidden, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
+        if targets is not None:
+            if self.dp is None:
+                self.table, batch = ex.run_prepare(*table_args)
+            self.caches, result, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
+        elif self.dp is not None:
+            feed = self._token_feed(out, batch)
+            run = ex.run_greedy_backbone if plain_greedy else ex.run_backbone
+            self.caches, result = run(params, self.caches, batch, feed)
         else:
-            self.caches, hidden = ex.run_backbone(params, self.caches, batch, feed)
+            run = ex.run_table_greedy_backbone if plain_greedy else ex.run_table_backbone
+            self.caches, self.table, result = run(params, self.caches, *table_args)
         if self.kv_transfer is not None:
             self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
-        if plain_greedy:
-            return SamplerOutput(tokens=tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
+        if plain_greedy:  # the backbone's result: the sampled tokens; otherwise the hidden states
+            return SamplerOutput(tokens=result, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
         n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
         S = seq_bucket(len(reqs), self.seq_buckets)
         # The device runs the backbone now; the grammar masks are filled meanwhile.
@@ -424,7 +431,7 @@ class LLMEngine:
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng,
             banned_ids=[r.banned_token_ids() for r in reqs])
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
-        return ex.run_sampler(params, hidden, meta, n_logprobs, all_greedy, bitmask), scores
+        return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask), scores
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:

@@ -48,12 +48,19 @@ MIN_TOKEN_BUCKET_ACCELERATOR = 16
 # Sampler rows: sequence counts round up to powers of two from 8 on every backend (the sampler
 # is a small share of a step; fewer executables).
 MIN_SEQ_BUCKET = 8
-# `fuse_greedy: null` -> off everywhere. The fused greedy backbone (argmax inside, one dispatch,
-# no sampling metadata) was chosen on CPU when a dispatch plus the sampling metadata were ~1.5 ms
-# of a ~6 ms small-model decode step; re-measured (benchmarks/exec_plan_ab.py, 2026-12-01, all
-# greedy, interleaved A/B) it no longer pays: plan / off 0.95x tiny dense, 0.89x tiny hybrid,
-# for 5 more executables (17 -> 12). Dropped (< 5 %); `kernels.fuse_greedy: true` still turns it on.
-FUSE_GREEDY_CPU, FUSE_GREEDY_ACCELERATOR = False, False
+# `fuse_greedy: null` -> on for bf16 dense models on CPU, off otherwise. The fused greedy
+# backbone (argmax inside, no sampling metadata) makes an all-greedy decode step ONE executable
+# now that the request table's prepare is fused into every backbone (runtime/step.py): the bare
+# loop's shape. History: chosen on CPU when a dispatch was ~1.5 ms of a ~6 ms decode step;
+# dropped at 0.95x / 0.89x (exec_plan_ab, 2026-12-01, float32, load average ~21, prepare apart:
+# 2 executables a step vs 3). Re-measured 2026-12-02 with prepare fused (1 vs 2; docs/benchmarks.md
+# round 11), plan / off: bf16 tiny dense 1.11x, SmolLM2 offline 16 x 32/32 ~1.15x
+# (720 / 678 vs 603 / 589 tok/s); float32 1.00x tiny dense and tiny hybrid, SmolLM2 no gain;
+# bf16 tiny hybrid 1.01x and 0.95x (its steps are GDN prefill-heavy). Where a step is short the
+# sampler's dispatch is a real share of it; kept only there (>= 5 %). It costs one executable
+# per decode-sized bucket. Accelerators: not measured (no device run), off;
+# `kernels.fuse_greedy: true` turns it on anywhere.
+FUSE_GREEDY_CPU_DTYPES = ("bfloat16",)
 # KV bit storage follows the attention path: the jnp paths ("chunked", "reference") hold bf16 /
 # FP8 pages as raw bits because XLA:CPU converts the whole pool on every scatter into a bf16 /
 # FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms, pallas_kernels/kv_cache.py); the Pallas
@@ -116,7 +123,7 @@ class ExecutionPlan:
 def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None, *,
                    native_matmul: bool = False) -> ExecutionPlan:
     """Resolve every execution choice for `engine_config` (runtime.engine_config.EngineConfig) serving
-    `model_config` (models.config.ModelConfig: num_layers) on `backend` (cpu | gpu | tpu). `dtype`:
+    `model_config` (models.config.ModelConfig: num_layers, is_hybrid) on `backend` (cpu | gpu | tpu). `dtype`:
     the weights' dtype when it is not the config's (a loaded Model handed to the engine).
     `native_matmul`: whether this CPU runs the native bf16 matmul's AVX512-BF16 loop
     (`pallas_kernels.cpu_native.matmul_simd()`, a fact about the machine the caller looks up)."""
@@ -128,7 +135,7 @@ def plan_execution(engine_config, model_config, backend: str, dtype: str | None 
     attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
     dtype = dtype or c.dtype
     warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype in CPU_WARNED_DTYPES else ()
-    fuse_greedy_default = FUSE_GREEDY_CPU if on_cpu else FUSE_GREEDY_ACCELERATOR
+    fuse_greedy_default = on_cpu and dtype in FUSE_GREEDY_CPU_DTYPES and not model_config.is_hybrid
     return ExecutionPlan(
         backend=backend,
         layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend, dtype),

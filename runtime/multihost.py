@@ -9,9 +9,9 @@
 One SPMD step over a mesh that spans several processes is N programs, one per process, that
 must be launched in the same order with the same arguments: the collectives inside them pair up.
 The leader's `StepExecutables` are wrapped (`LeaderExecutables`): before each call
-(`run_write_table`, `run_prepare`, `run_backbone`, `run_greedy_backbone`, `run_scoring_backbone`,
-`run_sampler`, `copy_states`) its host arguments (the request table's `TableStep`, sampling
-metadata, prompt targets, bitmask, slot pairs; attention DP's host-built `ForwardBatch`) go to
+(`run_write_table`, `run_table_backbone`, `run_table_greedy_backbone`, `run_prepare`,
+`run_scoring_backbone`, `run_backbone`, `run_greedy_backbone`, `run_sampler`, `copy_states`) its
+host arguments (the request table's `TableStep`, sampling metadata, prompt targets, bitmask, slot pairs; attention DP's host-built `ForwardBatch`) go to
 every follower in one frame over TCP; the follower runs the same method of its own executables
 with its own device arrays (`params`, `caches`, its own request table, the batch its own
 `run_prepare` gathered, the last backbone's `hidden`, its last sampled tokens). Why not
@@ -62,6 +62,8 @@ EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED = 1, 2, 3
 STEP_METHODS = {
     "run_write_table": ("table", "write"),
     "run_prepare": ("table", "step", "prev_tokens"),
+    "run_table_backbone": ("params", "caches", "table", "step", "prev_tokens"),
+    "run_table_greedy_backbone": ("params", "caches", "table", "step", "prev_tokens"),
     "run_backbone": ("params", "caches", "batch", "feed"),
     "run_greedy_backbone": ("params", "caches", "batch", "feed"),
     "run_scoring_backbone": ("params", "caches", "batch", "targets"),
@@ -179,6 +181,8 @@ def tokens_digest(tokens) -> str:
 def _tokens_of(method: str, result):
     if method == "run_greedy_backbone":
         return result[1]
+    if method == "run_table_greedy_backbone":
+        return result[2]
     if method == "run_sampler":
         return result.tokens
     return None
@@ -489,4 +493,8 @@ class Follower:
             self.caches, self.hidden = result[0], result[1]
         elif op == "run_greedy_backbone":
             self.caches = result[0]
+        elif op == "run_table_backbone":
+            self.caches, self.table, self.hidden = result
+        elif op == "run_table_greedy_backbone":
+            self.caches, self.table = result[0], result[1]
         return result

@@ -1,24 +1,29 @@
 """The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
 
-    prepare[T](table, table_step, prev_tokens [max_num_seqs]) -> (table, batch)   the request table
+    backbone[T](params, caches, table, table_step, prev_tokens [max_num_seqs])
+        -> (caches, table, hidden [max_num_seqs, H])                           caches donated
+    greedy_backbone[T](params, caches, table, table_step, prev_tokens) -> (caches, table, tokens [max_num_seqs])
+    prepare[T_max](table, table_step, prev_tokens) -> (table, batch)           a scoring step's inputs
+    scoring_backbone[T_max](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     write_table(table, table_write) -> table                                    overflowing page writes
-    backbone[T](params, caches, batch[, feed]) -> (caches, hidden [max_num_seqs, H])   caches donated
-    scoring_backbone[T](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
-    greedy_backbone[T](params, caches, batch[, feed]) -> (caches, tokens [max_num_seqs])
     copy_states(caches, src, dst) -> caches                                     caches donated
 
-The step's `ForwardBatch` is gathered on the device from the request table
+Each step's `ForwardBatch` is gathered on the device from the request table
 (`runtime.table_prepare`, `runtime.request_table`): `prepare` takes the host's small
 `TableStep` (table rows, token counts, the token ids the host knows, row resets and page
 writes) and the previous step's sampled tokens as they lie on the device, and returns the
 batch the backbone consumes; the host never builds or transfers the per-token and per-sequence
 arrays, and a step planned while the previous one still ran reads that step's tokens (its
-placeholders) from the table. Every step's sampled tokens come out padded to `max_num_seqs`
+placeholders) from the table. `prepare` runs inside the backbone's executable (one dispatch a
+step instead of two: a dispatch costs ~0.4 ms of host time on 2 cores, docs/benchmarks.md);
+only a step that scores its prompt tokens prepares apart, because the scoring backbone takes
+its batch. Every step's sampled tokens come out padded to `max_num_seqs`
 rows (the greedy backbone's and the sampler's alike) so one `prev_tokens` shape serves.
 
 Attention data parallelism (`DataParallelExecutables`, `token_feed = True`) builds its
-rank-major batch on the host instead and keeps `feed`, the device token feed of asynchronous
+rank-major batch on the host instead: its backbones take (params, caches, batch, feed) and
+return (caches, hidden | tokens), `feed` being the device token feed of asynchronous
 scheduling (`TokenFeed`): the previous step's sampled tokens [max_num_seqs] and, for each token
 row, the row of that array it takes (-1: keep `batch.input_ids`).
 
@@ -42,9 +47,9 @@ Such a step is prepared in the largest token bucket: one scoring executable, not
 The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
 logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
 fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
-without the grammar bitmask. `compile_all` compiles the prepare and the backbone of every token
-bucket (and its greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with
-`every_variant` also the full samplers, the scoring backbone and `copy_states`, and then seals
+without the grammar bitmask. `compile_all` compiles the backbone of every token bucket (and its
+greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with `every_variant` also
+the full samplers, the scoring backbone and its prepare, and `copy_states`, and then seals
 the set: a step that would need anything else raises `CompileAfterStartup` instead of
 compiling in the serving loop.
 Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
@@ -181,6 +186,15 @@ class StepExecutables:
 
         self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
 
+        def table_backbone(params, caches, table, step, prev_tokens, *, greedy):
+            # prepare fused into the backbone: one dispatch a step instead of two (see run_table_backbone)
+            table, batch = prepare(table, step, prev_tokens, page_size=page_size)
+            caches, out = (greedy_backbone if greedy else backbone)(params, caches, batch)
+            return caches, table, out
+
+        pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated, self._replicated)}
+        self._table_backbone_jit = jax.jit(table_backbone, donate_argnums=1, static_argnames="greedy", **pinned)
+
         def scoring_backbone(params, caches, batch, targets):
             S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
             rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
@@ -281,18 +295,29 @@ class StepExecutables:
         self._check_unsealed(f"{'greedy_' if greedy else ''}backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
-        fn = self._greedy_backbone_jit if greedy else self._backbone_jit
-        exe = fn.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)).lower().compile()
+        if self.token_feed:
+            fn = self._greedy_backbone_jit if greedy else self._backbone_jit
+            exe = fn.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)).lower().compile()
+        else:  # prepare fused in
+            exe = self._table_backbone_jit.trace(params, self._cache_specs, *self._table_args_spec(T),
+                                                 greedy=greedy).lower().compile()
         self.compile_seconds[f"{'greedy_' if greedy else ''}backbone[T={T}]"] = time.perf_counter() - t0
         (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
 
+    def _table_spec(self) -> RequestTable:
+        """The request table's specs, no array made (a compile-only client cannot hold one)."""
+        shapes = jax.eval_shape(functools.partial(init_table, self.max_num_seqs, self.max_blocks_per_seq))
+        return jax.tree.map(lambda s: self._host_spec(s.shape, s.dtype), shapes)
+
+    def _table_args_spec(self, T: int) -> tuple:
+        """(table, table_step, prev_tokens) specs of token bucket T."""
+        return self._table_spec(), self._table_step_spec(T), self._host_spec((self.max_num_seqs,), jnp.int32)
+
     def _compile_prepare(self, T: int):
         self._check_unsealed(f"prepare[T={T}]")
         t0 = time.perf_counter()
-        table = jax.tree.map(self._specs, self.new_table())
-        tokens = self._host_spec((self.max_num_seqs,), jnp.int32)
-        self._prepares[T] = self._prepare_jit.trace(table, self._table_step_spec(T), tokens).lower().compile()
+        self._prepares[T] = self._prepare_jit.trace(*self._table_args_spec(T)).lower().compile()
         self.compile_seconds[f"prepare[T={T}]"] = time.perf_counter() - t0
         return self._prepares[T]
 
@@ -300,9 +325,8 @@ class StepExecutables:
         """One executable for the rare overflowing page writes, at the largest bucket's width."""
         self._check_unsealed("write_table")
         t0 = time.perf_counter()
-        table = jax.tree.map(self._specs, self.new_table())
         spec = self._host_spec((self._table_write_width(self.token_buckets[-1]),), jnp.int32)
-        self._write_table = self._write_table_jit.trace(table, spec).lower().compile()
+        self._write_table = self._write_table_jit.trace(self._table_spec(), spec).lower().compile()
         self.compile_seconds["write_table"] = time.perf_counter() - t0
         return self._write_table
 
@@ -342,12 +366,13 @@ class StepExecutables:
         return (S, MAX_LOGPROBS, w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias, greedy, mask_w)
 
     def compile_all(self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False) -> dict[str, float]:
-        """Compile every prepare and backbone bucket (and the greedy twin with `fuse_greedy`),
+        """Compile the backbone of every token bucket (and its greedy twin with `fuse_greedy`),
         write_table, and the plain and
         all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
         twins too, so a request with a grammar joining a batch compiles nothing. `every_variant`
         (needs max_model_len): also the full samplers, the scoring backbone and copy_states, then
-        seal: nothing compiles after start-up. Logs the count and the time."""
+        seal: nothing compiles after start-up (with the request table, also the scoring step's
+        own prepare). Logs the count and the time."""
         if every_variant and self.full_widths is None:
             raise ValueError("every_variant needs StepExecutables(max_model_len=...) to bound the sampler widths")
         t_start, before = time.perf_counter(), len(self.compile_seconds)
@@ -356,9 +381,11 @@ class StepExecutables:
                 + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds])
         jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
         if not self.token_feed:  # the request table's executables
-            jobs += [("prepare", T, 0) for T in self.token_buckets] + [("write table", 0, 0)]
+            jobs += [("write table", 0, 0)]
         if every_variant:
             jobs += [("scoring backbone", self.token_buckets[-1], 0), ("copy states", 0, 0)]
+            if not self.token_feed:  # a scoring step's own prepare (other steps' is fused into the backbone)
+                jobs += [("prepare", self.token_buckets[-1], 0)]
         for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             greedy = "greedy" in kind
             if kind.endswith("backbone"):
@@ -393,8 +420,12 @@ class StepExecutables:
 
         for greedy, exes in ((False, self._backbones), (True, self._greedy_backbones)):
             for T, exe in sorted(exes.items()):
-                batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
-                caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
+                if self.token_feed:
+                    batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
+                    caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
+                else:  # a throwaway table: the step has no row with a token (every KV write to slot -1)
+                    table, step, prev_tokens = self._table_args_spec(T)
+                    caches, _, out = exe(params, caches, self.new_table(), zeros(step), zeros(prev_tokens))
                 jax.block_until_ready(out)
         hidden = jnp.zeros((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         for key, exe in sorted(self._samplers.items()):
@@ -407,7 +438,8 @@ class StepExecutables:
 
     # ---- run ----------------------------------------------------------------------------
     def run_prepare(self, table: RequestTable, step: TableStep, prev_tokens) -> tuple[RequestTable, ForwardBatch]:
-        """-> (table after the step, the step's device ForwardBatch). prev_tokens [max_num_seqs]."""
+        """-> (table after the step, the step's device ForwardBatch). prev_tokens [max_num_seqs].
+        Only a scoring step prepares apart; every other step's prepare runs inside its backbone."""
         T = step.host_tokens.shape[0]
         exe = self._prepares.get(T)
         if exe is None:
@@ -421,16 +453,26 @@ class StepExecutables:
         """Page writes that overflow a step's own (see runtime/request_table.py)."""
         return (self._write_table or self._compile_write_table())(table, write)
 
+    def run_table_backbone(self, params, caches, table: RequestTable, step: TableStep, prev_tokens):
+        """prepare + backbone in one executable -> (caches, table after the step, hidden [max_num_seqs, H])."""
+        return self._backbone(step.host_tokens.shape[0], greedy=False)(params, caches, table, step, prev_tokens)
+
+    def run_table_greedy_backbone(self, params, caches, table: RequestTable, step: TableStep, prev_tokens):
+        """prepare + greedy backbone -> (caches, table, argmax tokens [max_num_seqs]: the first
+        min(T, max_num_seqs) rows, zero padded)."""
+        return self._backbone(step.host_tokens.shape[0], greedy=True)(params, caches, table, step, prev_tokens)
+
     def run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None = None):
-        """-> (caches, hidden [max_num_seqs, H])."""
-        return self._run_backbone(params, caches, batch, feed, greedy=False)
+        """A host-built batch (attention DP) -> (caches, hidden [max_num_seqs, H])."""
+        return self._backbone(batch.input_ids.shape[0], greedy=False)(params, caches, batch, feed)
 
     def run_greedy_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None = None):
-        """-> (caches, argmax tokens [max_num_seqs]: the first min(T, max_num_seqs) rows, zero padded)."""
-        return self._run_backbone(params, caches, batch, feed, greedy=True)
+        """A host-built batch -> (caches, argmax tokens [max_num_seqs]: the first min(T, max_num_seqs)
+        rows, zero padded)."""
+        return self._backbone(batch.input_ids.shape[0], greedy=True)(params, caches, batch, feed)
 
-    def _run_backbone(self, params, caches, batch: ForwardBatch, feed: TokenFeed | None, greedy: bool):
-        T = batch.input_ids.shape[0]
+    def _backbone(self, T: int, greedy: bool):
+        """The compiled backbone of bucket T (its signature: `token_feed`'s batch + feed, else the table's)."""
         exe = (self._greedy_backbones if greedy else self._backbones).get(T)
         if exe is None:
             buckets = self.greedy_buckets if greedy else self.token_buckets
@@ -439,7 +481,7 @@ class StepExecutables:
                 raise BucketMiss(f"token count {T} has no compiled {kind} bucket {buckets}")
             log.info("compiling %s bucket T=%d (not compiled ahead of time)", kind, T)
             exe = self._compile_backbone(T, greedy=greedy)
-        return exe(params, caches, batch, feed)
+        return exe
 
     def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
         """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32;

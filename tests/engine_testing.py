@@ -18,7 +18,7 @@ def drain(engine, check_invariants: bool = True) -> dict:
 
 class FailingStep:
     """Fault injection (tests only): wraps an engine's `StepExecutables` and makes chosen calls
-    raise. `fail` names the method ("run_backbone", "run_sampler", ...), `times` how many calls
+    raise. `fail` names the method ("run_table_backbone", "run_sampler", ...), `times` how many calls
     fail (-1: every call); `after_real_call=True`
     runs the real executable first (its donated caches are consumed) and then raises, the way a
     device failure mid-step would.

@@ -31,7 +31,7 @@ def _serve(engine, requests):
     return drain(engine)
 
 
-@pytest.mark.parametrize("fail", ["run_sampler", "run_backbone", "run_prepare"])
+@pytest.mark.parametrize("fail", ["run_sampler", "run_table_backbone"])
 def test_failed_step_fails_only_its_requests_then_50_succeed(engine, fail):
     sampled = SamplingParams(max_tokens=3, temperature=0.8, seed=1)
     for i in range(3):
@@ -57,7 +57,7 @@ def test_failure_after_the_caches_were_donated_is_fatal(tiny_checkpoint):
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", max_num_seqs=4,
                                     max_num_batched_tokens=32, num_pages=20, max_model_len=64, fuse_greedy=False))
     engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=2)))
-    engine.executables = FailingStep(engine.executables, "run_backbone", after_real_call=True)
+    engine.executables = FailingStep(engine.executables, "run_table_backbone", after_real_call=True)
     with pytest.raises(EngineDeadError):
         engine.step()
 
@@ -96,7 +96,7 @@ def test_top_k_beyond_int32_is_clipped_to_the_vocabulary(engine):
 def test_a_step_that_always_fails_kills_the_engine(engine):
     """A device that fails every step (without losing the caches) is as dead as one that lost them."""
     real = engine.executables
-    engine.executables = FailingStep(real, "run_backbone", times=-1)
+    engine.executables = FailingStep(real, "run_table_backbone", times=-1)
     try:
         engine.add_request(EngineRequest("forever-0", [5, 6, 7], SamplingParams(max_tokens=2)))
         errors = engine.step()

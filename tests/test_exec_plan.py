@@ -8,7 +8,8 @@ import pytest
 from runtime.engine_config import EngineConfig
 from runtime.exec_plan import ExecutionPlan, plan_buckets, plan_execution
 
-SHALLOW, DEEP = SimpleNamespace(num_layers=6), SimpleNamespace(num_layers=30)
+SHALLOW, DEEP = SimpleNamespace(num_layers=6, is_hybrid=False), SimpleNamespace(num_layers=30, is_hybrid=False)
+HYBRID = SimpleNamespace(num_layers=8, is_hybrid=True)
 CPU_TOKENS = (4, 6, 8, 12, 16, 32, 64, 128, 256, 512)  # max_num_seqs 16: 1.5x steps up to 16
 ACC_TOKENS = (16, 32, 64, 128, 256, 512)
 SEQS = (8, 16)
@@ -17,8 +18,10 @@ SEQS = (8, 16)
 TABLE = [
     ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),
     ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
-    ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),  # any depth
-    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
+    ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, True, "native", "native", True, "out_in")),  # any depth
+    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, True, "native", "native", True, "out_in")),
+    ("cpu", HYBRID, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),  # no fused greedy
+    ("cpu", HYBRID, {"dtype": "bfloat16", "fuse_greedy": True}, ("unroll", CPU_TOKENS, True, "native", "native", True, "out_in")),
     ("tpu", DEEP, {"dtype": "bfloat16"}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
     ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
     ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},

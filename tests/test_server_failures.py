@@ -155,7 +155,7 @@ def test_dead_engine_loop_makes_health_503_within_a_second(model):
     async_engine = AsyncEngine(_engine(model), "tiny-model")
     live = LiveServer(async_engine)
     try:
-        async_engine.engine.executables = FailingStep(async_engine.engine.executables, "run_backbone",
+        async_engine.engine.executables = FailingStep(async_engine.engine.executables, "run_table_backbone",
                                                       after_real_call=True)  # the caches are lost
         (status, _), = _post_all(live.url, [{"prompt": "Hi", "max_tokens": 2}])
         assert status == 500
