@@ -11,8 +11,8 @@ must be launched in the same order with the same arguments: the collectives insi
 The leader's `StepExecutables` are wrapped (`LeaderExecutables`): before each call
 (`run_write_table`, `run_table_backbone`, `run_table_greedy_backbone`, `run_prepare`,
 `run_scoring_backbone`, `run_backbone`, `run_greedy_backbone`, `run_sampler`, `copy_states`) its
-host arguments (the request table's `TableStep`, sampling metadata, prompt targets, bitmask, slot pairs; attention DP's host-built `ForwardBatch`) go to
-every follower in one frame over TCP; the follower runs the same method of its own executables
+host arguments (the request table's `TableStep`, sampling metadata, prompt targets, bitmask,
+slot pairs; attention DP's host-built `ForwardBatch`) go to every follower in one frame over TCP; the follower runs the same method of its own executables
 with its own device arrays (`params`, `caches`, its own request table, the batch its own
 `run_prepare` gathered, the last backbone's `hidden`, its last sampled tokens). Why not
 `multihost_utils.broadcast_one_to_all` or the same scheduler on every process: docs/scaling.md.

@@ -15,10 +15,10 @@ Each step's `ForwardBatch` is gathered on the device from the request table
 writes) and the previous step's sampled tokens as they lie on the device, and returns the
 batch the backbone consumes; the host never builds or transfers the per-token and per-sequence
 arrays, and a step planned while the previous one still ran reads that step's tokens (its
-placeholders) from the table. `prepare` runs inside the backbone's executable (one dispatch a
-step instead of two: a dispatch costs ~0.4 ms of host time on 2 cores, docs/benchmarks.md);
-only a step that scores its prompt tokens prepares apart, because the scoring backbone takes
-its batch. Every step's sampled tokens come out padded to `max_num_seqs`
+placeholders) from the table. `prepare` runs inside the backbone's executable, so a greedy
+decode step with the fused greedy backbone is one executable, the bare loop's shape
+(docs/benchmarks.md round 11); only a step that scores its prompt tokens prepares apart,
+because the scoring backbone takes its batch. Every step's sampled tokens come out padded to `max_num_seqs`
 rows (the greedy backbone's and the sampler's alike) so one `prev_tokens` shape serves.
 
 Attention data parallelism (`DataParallelExecutables`, `token_feed = True`) builds its
@@ -424,7 +424,7 @@ class StepExecutables:
                     batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
                     caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
                 else:  # a throwaway table: the step has no row with a token (every KV write to slot -1)
-                    table, step, prev_tokens = self._table_args_spec(T)
+                    _, step, prev_tokens = self._table_args_spec(T)
                     caches, _, out = exe(params, caches, self.new_table(), zeros(step), zeros(prev_tokens))
                 jax.block_until_ready(out)
         hidden = jnp.zeros((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
