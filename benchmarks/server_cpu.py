@@ -1,7 +1,7 @@
 """Where the CPU goes behind our server: tokens/s and CPU seconds per thread, two source trees alternated.
 
     python -m benchmarks.server_cpu .cache/peers/tiny-llama --trees before=/tmp/old after=. \
-        --num-requests 400 --repeats 2 --json benchmarks/results/cpu-2core-r9/server-cpu.json
+        --num-requests 400 --repeats 2 --json server-cpu.json
 
 On a 2-core CPU the HTTP event loop, the engine loop, XLA's thread pool and the load generator
 share two cores, so every CPU second the server's Python spends is taken from the model. Per

@@ -161,8 +161,9 @@ class LLMEngine:
             self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
             fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len, page_size=page_size)
+        self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
         # the device-resident request table (runtime/request_table.py); attention DP builds host batches
-        self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1])
+        self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
         self.table = self.executables.new_table()
         self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
@@ -182,7 +183,6 @@ class LLMEngine:
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self._prompt_logprobs = PromptLogprobRecords()
         self._requests: dict[str, Request] = {}
-        self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self._consecutive_failures = 0
         self._prev: InFlightStep | None = None  # the step whose outputs are not emitted yet
@@ -429,9 +429,9 @@ class LLMEngine:
         meta = SamplingMetadata.from_params(
             [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng,
-            banned_ids=[r.banned_token_ids() for r in reqs])
+            banned_ids=[r.banned_token_ids() for r in reqs], row_params=not ex.row_params_in_table)
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
-        return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask), scores
+        return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask, self.table), scores
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:

@@ -67,7 +67,7 @@ STEP_METHODS = {
     "run_backbone": ("params", "caches", "batch", "feed"),
     "run_greedy_backbone": ("params", "caches", "batch", "feed"),
     "run_scoring_backbone": ("params", "caches", "batch", "targets"),
-    "run_sampler": ("params", "hidden", "meta", "num_logprobs", "all_greedy", "bitmask"),
+    "run_sampler": ("params", "hidden", "meta", "num_logprobs", "all_greedy", "bitmask", "table"),
     "copy_states": ("caches", "pairs"),
 }
 DEVICE_ARGS = frozenset({"params", "caches", "hidden", "table"})

@@ -1,26 +1,33 @@
 """The host side of the device-resident request table (vLLM Model Runner V2's persistent batch).
 
 Every running request owns one row of a table that lives on the device (`runtime.table_prepare`:
-block-table row, tokens already computed, last token, state slot). A row is assigned when the
-request is first scheduled (or scheduled again after a preemption) and freed when it finishes
-or is preempted. Each step the host sends only what changed — a `TableStep` of fixed shapes per
+block-table row, tokens already computed, last token, state slot, sampling parameters). A row is
+assigned when the request is first scheduled (or scheduled again after a preemption) and freed
+when it finishes or is preempted. Each step the host sends only what changed — a `TableStep` of fixed shapes per
 token bucket — and the device gathers the step's `ForwardBatch` from the table itself
 (`StepExecutables.run_prepare`):
 
-    meta [5S + 3W]    rows [S]: table row of each batch sequence (padding: the null row R);
-                      num_new [S]: tokens it feeds; then the step's write (`split_write`):
-                      rows (re)placed this step — reset_rows, reset_start (tokens computed so
-                      far), reset_slot (state slot), [S] each; their block-table row is
-                      cleared — and block-table writes page_rows, page_cols, pages [W] each
-                      (row R + 1: nothing, dropped)
+    meta [2S + write] rows [S]: table row of each batch sequence (padding: the null row R);
+                      num_new [S]: tokens it feeds; then the step's write [(3 + P)S + 3W]
+                      (`split_write`): rows (re)placed this step — reset_rows, reset_start
+                      (tokens computed so far), reset_slot (state slot), [S] each, and
+                      reset_params [P, S] (the request's sampling parameters as int32 bits,
+                      `ROW_PARAMS`); their block-table row is cleared — and block-table writes
+                      page_rows, page_cols, pages [W] each (row R + 1: nothing, dropped)
     host_tokens [T]   the token ids the host knows (prompt, recompute, resolved outputs); -1 where
                       the row's `last_token` (the previous step's sample, still on the device) goes
 
 with S = max_num_seqs, R = max_num_seqs (the table has R + 1 rows, the last one the null row
-of padding sequences), T the token bucket and W = `page_write_width(T)`. A step whose page
-writes exceed W (placements with a long prefix hit) sends the overflow ahead of it in
-write chunks `[3S + 3W]` of the largest bucket's W (`StepExecutables.run_write_table`, one
+of padding sequences), T the token bucket, W = `page_write_width(T)` and P = len(ROW_PARAMS).
+A step whose page writes exceed W (placements with a long prefix hit) sends the overflow ahead
+of it in write chunks of the largest bucket's W (`StepExecutables.run_write_table`, one
 executable), the first carrying the resets.
+
+A request's sampling parameters travel once, in the write of its placement, and stay in its row:
+the sampler gathers a step's rows from the table (`runtime.table_prepare.row_sampling`), so a
+step sends only what changes per step (`SamplingMetadata` without its per-row scalars: the
+token index and, when used, the penalty / ban / bias matrices). A request without a seed gets
+one drawn at its placement (the sampler folds in the token index, so every token draws anew).
 
 `RequestTableHost` mirrors what the device holds (per row: the request's allocation, tokens
 computed, pages written, state slot) so that it can tell what changed; when its mirror and the
@@ -41,6 +48,13 @@ import numpy as np
 
 from runtime.request import PLACEHOLDER_TOKEN
 from runtime.scheduler import SchedulerOutput
+from runtime.types import SamplingParams
+
+# A row's sampling parameters in the table, in this order, as int32 bit patterns: six float32
+# fields, then top_k and the seed's uint32 bits (`row_param_bits`).
+ROW_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "top_k", "seeds")
+NUM_ROW_FLOATS = 6
 
 
 @dataclass
@@ -48,20 +62,41 @@ class TableStep:
     """One step's update of the device table and what the device gathers the batch from: two
     int32 host arrays, so a step costs two small transfers.
 
-    meta [5S + 3W]: rows [S] (padding: the null row R), num_new [S], then the step's write
-    (`split_write`); host_tokens [T]: -1 where the row's `last_token` stands."""
+    meta [2S + (3 + P)S + 3W]: rows [S] (padding: the null row R), num_new [S], then the step's
+    write (`split_write`); host_tokens [T]: -1 where the row's `last_token` stands."""
 
     meta: np.ndarray
     host_tokens: np.ndarray
 
 
+def row_param_bits(params: SamplingParams, seed: int) -> np.ndarray:
+    """[P] int32: a request's sampling parameters as its table row holds them (`seed` when it
+    sets none)."""
+    floats = np.array([params.temperature, params.top_p, params.min_p, params.presence_penalty,
+                       params.frequency_penalty, params.repetition_penalty], np.float32)
+    seed = params.seed % 2**32 if params.seed is not None else seed
+    ints = np.array([params.top_k, seed], np.uint64).astype(np.uint32)  # top_k >= 0 (SamplingParams)
+    return np.concatenate([floats.view(np.int32), ints.view(np.int32)])
+
+
+# The padding rows' parameters: greedy, every filter and penalty off.
+NEUTRAL_ROW_PARAMS = row_param_bits(SamplingParams(temperature=0.0), seed=0)
+
+
+def write_width(num_seqs: int, page_width: int) -> int:
+    """Entries of a write: (3 + P)S row resets + 3W page writes."""
+    return (3 + len(ROW_PARAMS)) * num_seqs + 3 * page_width
+
+
 def split_write(write, num_seqs: int) -> tuple:
-    """A write [3S + 3W] (numpy or jax) -> (reset_rows [S], reset_start [S], reset_slot [S],
-    page_rows [W], page_cols [W], pages [W]). Rows R + 1 mark nothing (dropped)."""
-    S = num_seqs
-    W = (write.shape[0] - 3 * S) // 3
-    ends = list(accumulate((S, S, S, W, W, W)))
-    return tuple(write[end - size : end] for size, end in zip((S, S, S, W, W, W), ends))
+    """A write [(3 + P)S + 3W] (numpy or jax) -> (reset_rows [S], reset_start [S], reset_slot [S],
+    reset_params [P, S], page_rows [W], page_cols [W], pages [W]). Rows R + 1 mark nothing (dropped)."""
+    S, P = num_seqs, len(ROW_PARAMS)
+    W = (write.shape[0] - (3 + P) * S) // 3
+    sizes = (S, S, S, P * S, W, W, W)
+    parts = [write[end - size : end] for size, end in zip(sizes, accumulate(sizes))]
+    parts[3] = parts[3].reshape(P, S)
+    return tuple(parts)
 
 
 @dataclass
@@ -80,9 +115,12 @@ def page_write_width(num_tokens: int, max_num_seqs: int, page_size: int) -> int:
 
 
 class RequestTableHost:
-    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int):
-        """max_num_tokens: the largest token bucket (its W is the width of overflow writes)."""
+    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int,
+                 rng: np.random.Generator | None = None):
+        """max_num_tokens: the largest token bucket (its W is the width of overflow writes).
+        rng: draws the seeds of requests that set none (default: OS entropy)."""
         self.num_rows, self.page_size = max_num_seqs, page_size
+        self._rng = rng if rng is not None else np.random.default_rng()
         self.overflow_width = page_write_width(max_num_tokens, max_num_seqs, page_size)
         self.null_row = max_num_seqs
         self._rows: list[_Row | None] = [None] * max_num_seqs
@@ -107,12 +145,13 @@ class RequestTableHost:
         self._free.append(row)
 
     def plan(self, out: SchedulerOutput, num_tokens: int) -> tuple[TableStep, list[np.ndarray]]:
-        """`out` as a table update in token bucket `num_tokens` -> (step, writes [3S + 3W'] to
-        apply before it: none unless its page writes overflow W; then the first carries the resets)."""
+        """`out` as a table update in token bucket `num_tokens` -> (step, writes (W' = the
+        overflow width) to apply before it: none unless its page writes overflow W; then the
+        first carries the resets)."""
         self.sweep()
         S, T = self.num_rows, num_tokens
         width = page_write_width(T, S, self.page_size)
-        meta = np.zeros(5 * S + 3 * width, np.int32)
+        meta = np.zeros(2 * S + write_width(S, width), np.int32)
         rows, num_new, write = meta[:S], meta[S : 2 * S], meta[2 * S :]
         rows[:] = self.null_row
         resets = self._blank(write, width)
@@ -121,7 +160,8 @@ class RequestTableHost:
         for i, seq in enumerate(out.sequences):
             row, entry, placed = self._place(seq)
             if placed:
-                resets[:, i] = row, seq.start_position, seq.state_slot
+                resets[:3, i] = row, seq.start_position, seq.state_slot
+                resets[3:, i] = row_param_bits(seq.request.params, int(self._rng.integers(0, 2**32)))
             table = seq.block_table
             writes.extend((row, col, table[col]) for col in range(entry.num_pages, len(table)))
             entry.num_pages = len(table)
@@ -136,7 +176,7 @@ class RequestTableHost:
         overflow = max(len(writes) - width, 0)
         extra = []
         for start in range(0, overflow, self.overflow_width):
-            chunk = np.zeros(3 * S + 3 * self.overflow_width, np.int32)
+            chunk = np.zeros(write_width(S, self.overflow_width), np.int32)
             chunk_resets = self._blank(chunk, self.overflow_width)
             if start == 0:  # the resets go first: they clear the rows the pages are written to
                 chunk_resets[:] = resets
@@ -147,16 +187,16 @@ class RequestTableHost:
         return TableStep(meta, host_tokens), extra
 
     def _blank(self, write: np.ndarray, width: int) -> np.ndarray:
-        """Mark a write buffer empty (rows R + 1, dropped); -> its resets view [3, S]."""
-        S = self.num_rows
+        """Mark a write buffer empty (rows R + 1, dropped); -> its resets view [3 + P, S]."""
+        S, resets = self.num_rows, (3 + len(ROW_PARAMS)) * self.num_rows
         write[:] = 0
-        write[:S] = write[3 * S : 3 * S + width] = self.null_row + 1
-        return write[: 3 * S].reshape(3, S)
+        write[:S] = write[resets : resets + width] = self.null_row + 1
+        return write[:resets].reshape(3 + len(ROW_PARAMS), S)
 
     def _fill_pages(self, write: np.ndarray, writes: list[tuple[int, int, int]]) -> None:
         if writes:
-            width = (write.shape[0] - 3 * self.num_rows) // 3
-            pages = write[3 * self.num_rows :].reshape(3, width)
+            resets = (3 + len(ROW_PARAMS)) * self.num_rows
+            pages = write[resets:].reshape(3, (write.shape[0] - resets) // 3)
             pages[:, : len(writes)] = np.asarray(writes, np.int32).T
 
     def _place(self, seq) -> tuple[int, _Row, bool]:

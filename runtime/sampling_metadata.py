@@ -5,6 +5,11 @@ sequence bucket) plus, only when some request in the batch uses a penalty, padde
 matrices for the penalties. Their widths are powers of two, so the set of executables stays
 small; when no request uses penalties they are zero-width and the sampler skips that work
 entirely (the shapes, hence the executable, differ).
+
+With the device-resident request table the per-row parameters (temperature ... seeds) are not
+sent: they live in the request's table row from its placement (runtime/request_table.py), the
+metadata carries None for them (`from_params(..., row_params=False)`) and the sampler fills them
+from the table (`runtime.table_prepare.row_sampling`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 
 from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
 from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
+from runtime.request_table import ROW_PARAMS as ROW_PARAM_NAMES  # the fields the request table can hold
 from runtime.types import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
@@ -28,17 +34,18 @@ class SamplingMetadata:
     min_p [S] f32 (0 = off), presence_penalty / frequency_penalty [S] f32 (0 = off),
     repetition_penalty [S] f32 (1 = off), seeds [S] u32, steps [S] i32 (index of the token being
     generated: the row's random key is `fold_in(key(seed), step)`), output_ids [S, L] i32 and
-    prompt_ids [S, Lp] i32 padded with -1 (L or Lp may be 0).
+    prompt_ids [S, Lp] i32 padded with -1 (L or Lp may be 0). temperature ... seeds are None
+    where the request table holds them (`has_row_params`).
     """
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    repetition_penalty: jax.Array
-    seeds: jax.Array
+    temperature: jax.Array | None
+    top_k: jax.Array | None
+    top_p: jax.Array | None
+    min_p: jax.Array | None
+    presence_penalty: jax.Array | None
+    frequency_penalty: jax.Array | None
+    repetition_penalty: jax.Array | None
+    seeds: jax.Array | None
     steps: jax.Array
     output_ids: jax.Array
     prompt_ids: jax.Array
@@ -50,7 +57,12 @@ class SamplingMetadata:
 
     @property
     def num_rows(self) -> int:
-        return self.temperature.shape[0]
+        return self.steps.shape[0]
+
+    @property
+    def has_row_params(self) -> bool:
+        """Static: whether the per-row parameters are here (else the request table holds them)."""
+        return self.temperature is not None
 
     @property
     def num_banned(self) -> int:
@@ -96,6 +108,7 @@ class SamplingMetadata:
         *,
         rng: np.random.Generator | None = None,
         banned_ids: Sequence[Sequence[int]] | None = None,
+        row_params: bool = True,
     ) -> "SamplingMetadata":
         """Build host (numpy) arrays for `len(params_list)` real rows padded to `pad_to` rows.
 
@@ -104,7 +117,8 @@ class SamplingMetadata:
         A request without a seed gets a fresh random one (reproducible only with a seed);
         seeds are taken modulo 2**32. `rng` draws those fresh seeds (default: OS entropy).
         banned_ids[i]: token ids row i must not sample (e.g. EOS and stop tokens until
-        `min_tokens`); the matrix is zero-width when no row bans anything.
+        `min_tokens`); the matrix is zero-width when no row bans anything. `row_params=False`:
+        temperature ... seeds are None (the request table holds them; no seed is drawn here).
         """
         n = len(params_list)
         if not (len(steps) == len(output_ids) == len(prompt_ids) == n):
@@ -121,11 +135,6 @@ class SamplingMetadata:
             out[:n] = values
             return out
 
-        fresh_seeds = rng.integers(0, 2**32, size=n, dtype=np.uint64)
-        seeds = [
-            (p.seed % 2**32) if p.seed is not None else int(fresh)
-            for p, fresh in zip(params_list, fresh_seeds)
-        ]
         uses_repetition = [p.repetition_penalty != 1.0 for p in params_list]
         uses_any_penalty = [
             rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -143,16 +152,23 @@ class SamplingMetadata:
             for j, (token, bias) in enumerate(p.logit_bias):
                 bias_ids[i, j], bias_values[i, j] = token, bias
         prompt_matrix = _padded_id_matrix(prompt_ids, uses_repetition, pad_to, prompt_width)
+        per_row = dict.fromkeys(ROW_PARAM_NAMES)
+        if row_params:
+            fresh_seeds = rng.integers(0, 2**32, size=n, dtype=np.uint64)
+            seeds = [(p.seed % 2**32) if p.seed is not None else int(fresh)
+                     for p, fresh in zip(params_list, fresh_seeds)]
+            per_row = dict(
+                temperature=column([p.temperature for p in params_list], 0.0, np.float32),
+                top_k=column([p.top_k for p in params_list], 0, np.int32),
+                top_p=column([p.top_p for p in params_list], 1.0, np.float32),
+                min_p=column([p.min_p for p in params_list], 0.0, np.float32),
+                presence_penalty=column([p.presence_penalty for p in params_list], 0.0, np.float32),
+                frequency_penalty=column([p.frequency_penalty for p in params_list], 0.0, np.float32),
+                repetition_penalty=column([p.repetition_penalty for p in params_list], 1.0, np.float32),
+                seeds=column(seeds, 0, np.uint32))
 
         return cls(
-            temperature=column([p.temperature for p in params_list], 0.0, np.float32),
-            top_k=column([p.top_k for p in params_list], 0, np.int32),
-            top_p=column([p.top_p for p in params_list], 1.0, np.float32),
-            min_p=column([p.min_p for p in params_list], 0.0, np.float32),
-            presence_penalty=column([p.presence_penalty for p in params_list], 0.0, np.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params_list], 0.0, np.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params_list], 1.0, np.float32),
-            seeds=column(seeds, 0, np.uint32),
+            **per_row,
             steps=column(list(steps), 0, np.int32),
             output_ids=out_matrix,
             prompt_ids=prompt_matrix,

@@ -6,7 +6,8 @@
     prepare[T_max](table, table_step, prev_tokens) -> (table, batch)           a scoring step's inputs
     scoring_backbone[T_max](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
     write_table(table, table_write) -> table                                    overflowing page writes
-    sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask) -> SamplerOutput
+    sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask, table)
+        -> SamplerOutput   (table: the per-row sampling parameters of the step's rows; None with attention DP)
     copy_states(caches, src, dst) -> caches                                     caches donated
 
 Each step's `ForwardBatch` is gathered on the device from the request table
@@ -76,8 +77,8 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.request_table import TableStep, page_write_width
-from runtime.table_prepare import RequestTable, apply_write, init_table, prepare
+from runtime.request_table import TableStep, page_write_width, write_width
+from runtime.table_prepare import RequestTable, apply_write, init_table, prepare, row_sampling
 from runtime.sampler import sample, score_hidden_rows
 from runtime.sampling_metadata import FullWidths, SamplingMetadata
 from runtime.types import MAX_LOGPROBS
@@ -206,7 +207,9 @@ class StepExecutables:
             "out_shardings": (cache_shardings, self._replicated, self._replicated)}
         self._scoring_backbone_jit = jax.jit(scoring_backbone, donate_argnums=1, **scoring_pinned)
 
-        def sampler(params, hidden, meta, bitmask, *, num_rows, num_logprobs, all_greedy):
+        def sampler(params, hidden, meta, bitmask, table, *, num_rows, num_logprobs, all_greedy):
+            if not meta.has_row_params:  # the request table holds them: gather the step's rows
+                meta = dataclasses.replace(meta, **row_sampling(table, num_rows))
             logits = compute_logits(params, hidden[:num_rows])
             out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs,
                          all_greedy=all_greedy)
@@ -263,22 +266,28 @@ class StepExecutables:
         return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
 
     def _table_write_width(self, T: int) -> int:
-        """3S + 3W: a write (runtime/request_table.py) of token bucket T."""
-        return 3 * self.max_num_seqs + 3 * page_write_width(T, self.max_num_seqs, self.page_size)
+        """A write's entries (runtime/request_table.py) in token bucket T."""
+        return write_width(self.max_num_seqs, page_write_width(T, self.max_num_seqs, self.page_size))
 
     def _table_step_spec(self, T: int) -> TableStep:
         meta = 2 * self.max_num_seqs + self._table_write_width(T)
         return TableStep(meta=self._host_spec((meta,), jnp.int32), host_tokens=self._host_spec((T,), jnp.int32))
 
+    @property
+    def row_params_in_table(self) -> bool:
+        """The sampler reads temperature ... seeds from the request table (not with attention DP)."""
+        return not self.token_feed
+
     def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
                    bias: int = 0) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
         spec = self._host_spec
-        row = lambda dt: spec((S,), dt)  # noqa: E731
+        in_table = self.row_params_in_table
+        row = lambda dt: None if in_table else spec((S,), dt)  # noqa: E731
         return SamplingMetadata(
             temperature=row(f32), top_k=row(i32), top_p=row(f32), min_p=row(f32),
             presence_penalty=row(f32), frequency_penalty=row(f32), repetition_penalty=row(f32),
-            seeds=row(jnp.uint32), steps=row(i32),
+            seeds=row(jnp.uint32), steps=spec((S,), i32),
             output_ids=spec((S, out_width), i32),
             prompt_ids=spec((S, prompt_width), i32),
             banned_ids=spec((S, banned), i32),
@@ -347,8 +356,10 @@ class StepExecutables:
         params = jax.tree.map(self._specs, self.model.params)
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         bitmask = self._host_spec((S, mask_w), jnp.int32) if mask_w else None
+        table = self._table_spec() if self.row_params_in_table else None
         exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned, bias), bitmask,
-                                      num_rows=S, num_logprobs=n_logprobs, all_greedy=greedy).lower().compile()
+                                      table, num_rows=S, num_logprobs=n_logprobs,
+                                      all_greedy=greedy).lower().compile()
         name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
                 f"{',greedy' if greedy else ''}{',masked' if mask_w else ''}]")
         self.compile_seconds[name] = time.perf_counter() - t0
@@ -428,10 +439,12 @@ class StepExecutables:
                     caches, _, out = exe(params, caches, self.new_table(), zeros(step), zeros(prev_tokens))
                 jax.block_until_ready(out)
         hidden = jnp.zeros((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
+        table = self.new_table() if self.row_params_in_table else None
         for key, exe in sorted(self._samplers.items()):
             S, _, out_w, prompt_w, banned, bias, _, mask_w = key
             meta = zeros(self._meta_spec(S, out_w, prompt_w, banned, bias))
-            jax.block_until_ready(exe(params, hidden, meta, jnp.zeros((S, mask_w), jnp.int32) if mask_w else None))
+            bitmask = jnp.zeros((S, mask_w), jnp.int32) if mask_w else None
+            jax.block_until_ready(exe(params, hidden, meta, bitmask, table))
         log.info("warmed up %d backbones and %d samplers in %.1fs", len(self._backbones) + len(self._greedy_backbones),
                  len(self._samplers), time.perf_counter() - t0)
         return caches
@@ -496,10 +509,16 @@ class StepExecutables:
         return exe(params, caches, batch, targets)
 
     def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
-                    bitmask: np.ndarray | None = None):
+                    bitmask: np.ndarray | None = None, table: RequestTable | None = None):
         """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host.
-        `bitmask`: None, or the step's [S, W] i32 allowed-token bitmask (structured output)."""
-        S = meta.temperature.shape[0]
+        `bitmask`: None, or the step's [S, W] i32 allowed-token bitmask (structured output).
+        With the request table (`row_params_in_table`) `meta` carries no per-row parameters
+        (`SamplingMetadata.from_params(..., row_params=False)`) and `table` is the table after the
+        step's prepare: the sampler gathers them from the step's rows."""
+        if meta.has_row_params == self.row_params_in_table or (self.row_params_in_table and table is None):
+            where = "the request table (pass row_params=False and table=)" if self.row_params_in_table else "meta"
+            raise ValueError(f"this sampler reads the per-row sampling parameters from {where}")
+        S = meta.num_rows
         mask_w = 0 if bitmask is None else bitmask.shape[1]
         meta, num_logprobs = self._bounded(meta, num_logprobs)
         key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned,
@@ -509,7 +528,7 @@ class StepExecutables:
             log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s "
                      "bitmask width=%d", *key)
             exe = self._compile_sampler(key)
-        return exe(params, hidden, meta, bitmask)
+        return exe(params, hidden, meta, bitmask, table if self.row_params_in_table else None)
 
     def _bounded(self, meta: SamplingMetadata, num_logprobs: int) -> tuple[SamplingMetadata, int]:
         """A step using any sampler feature gets the full variant's fixed widths (plain stays plain)."""

@@ -2,6 +2,7 @@
 
     table = init_table(max_num_seqs, max_blocks_per_seq)            # RequestTable, rows R + 1
     table, batch = prepare(table, step, prev_tokens, page_size=16)  # step: runtime.request_table.TableStep
+    row_sampling(table, num_rows)   # the last prepared step's rows' sampling parameters, for the sampler
 
 `prepare` is vLLM Model Runner V2's prepare-inputs kernel as one small XLA program: it writes
 the previous step's sampled tokens (`prev_tokens [max_num_seqs]`, by that step's batch position)
@@ -22,8 +23,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep, split_write
+from runtime.request_table import NEUTRAL_ROW_PARAMS, NUM_ROW_FLOATS, ROW_PARAMS, TableStep, split_write
 
 jax.tree_util.register_dataclass(TableStep, data_fields=["meta", "host_tokens"], meta_fields=[])
 
@@ -38,25 +41,37 @@ class RequestTable:
     last_token: jax.Array  # [R+1] i32, the row's newest sampled token
     state_slot: jax.Array  # [R+1] i32, 0 = null slot
     step_rows: jax.Array  # [S] i32, the rows of the last prepared step (by batch position)
+    row_params: jax.Array  # [R+1, P] i32, sampling parameters as bits (runtime.request_table.ROW_PARAMS)
 
 
 def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> RequestTable:
     rows = max_num_seqs + 1
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     table = RequestTable(zeros(rows, max_blocks_per_seq), zeros(rows), zeros(rows), zeros(rows),
-                         jnp.full((max_num_seqs,), max_num_seqs, jnp.int32))
+                         jnp.full((max_num_seqs,), max_num_seqs, jnp.int32),
+                         jnp.tile(jnp.asarray(NEUTRAL_ROW_PARAMS), (rows, 1)))
     return table if sharding is None else jax.device_put(table, sharding)
 
 
 def apply_write(table: RequestTable, write: jax.Array) -> RequestTable:
-    """write [3S + 3W] (`runtime.request_table.split_write`): row resets (tokens computed, state
-    slot, a cleared block-table row), then page writes."""
-    r, start, slot, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
+    """write [(3 + P)S + 3W] (`runtime.request_table.split_write`): row resets (tokens computed,
+    state slot, sampling parameters, a cleared block-table row), then page writes."""
+    r, start, slot, params, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
     block_tables = table.block_tables.at[r].set(0, mode="drop")
     block_tables = block_tables.at[page_rows, page_cols].set(pages, mode="drop")
     return dataclasses.replace(table, block_tables=block_tables,
                                num_computed=table.num_computed.at[r].set(start, mode="drop"),
-                               state_slot=table.state_slot.at[r].set(slot, mode="drop"))
+                               state_slot=table.state_slot.at[r].set(slot, mode="drop"),
+                               row_params=table.row_params.at[r].set(params.T, mode="drop"))
+
+
+def row_sampling(table: RequestTable, num_rows: int) -> dict[str, jax.Array]:
+    """The sampling parameters of the last prepared step's first `num_rows` batch positions
+    (padding: the null row's neutral ones), as `SamplingMetadata`'s per-row fields [num_rows]."""
+    bits = table.row_params[table.step_rows[:num_rows]]  # [num_rows, P]
+    floats = lax.bitcast_convert_type(bits[:, :NUM_ROW_FLOATS], jnp.float32)
+    fields = {name: floats[:, i] for i, name in enumerate(ROW_PARAMS[:NUM_ROW_FLOATS])}
+    return {**fields, "top_k": bits[:, NUM_ROW_FLOATS], "seeds": lax.bitcast_convert_type(bits[:, -1], jnp.uint32)}
 
 
 def prepare(table: RequestTable, step: TableStep, prev_tokens: jax.Array, *, page_size: int

@@ -121,8 +121,8 @@ def serve(engine: EngineClient, server_config: ServerConfig) -> int:
     # The engine thread waits for the GIL whenever the event loop's thread holds it (streaming
     # thousands of SSE events a second); Python hands it over after the switch interval at the
     # latest. Measured (benchmarks/saturation.py --ours-variant, tiny dense bf16 mixed, 2-core CPU,
-    # 2026-12-02, docs/benchmarks.md round 9): 0.5 ms vs Python's 5 ms 1.12x tokens/s, p99 TPOT
-    # 19.9 -> 14.6 ms.
+    # 2026-12-02, docs/benchmarks.md round 9, in git history at 3d0e372): 0.5 ms vs Python's 5 ms
+    # 1.12x tokens/s, p99 TPOT 19.9 -> 14.6 ms.
     sys.setswitchinterval(server_config.gil_switch_interval_ms / 1e3)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve_async(engine, server_config))

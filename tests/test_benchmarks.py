@@ -305,3 +305,30 @@ def test_server_cpu_reads_the_engine_process_threads():
     finally:
         child.kill()
         child.wait(10)
+
+
+# ---- the roofline profile's matmul count --------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_roofline_times_every_linear_layer_hf_has(family, tiny_checkpoint, hf_model):
+    """`benchmarks/roofline.py`'s matmuls-alone ceiling covers exactly the projections of HF's
+    model: one matmul per `nn.Linear` of the decoder layers, plus the LM head on the sampling
+    rows, with the FLOPs those shapes imply."""
+    import torch
+
+    from benchmarks.roofline import _matmul_weights, matmul_ms
+    from models.model import load_model
+
+    hf = hf_model(family)
+    layers = [m for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    per_token = sum(m.in_features * m.out_features for m in layers)
+    head = hf.lm_head.in_features * hf.lm_head.out_features
+    model = load_model(tiny_checkpoint(family))
+    weights, lm_head = _matmul_weights(model.params)
+    assert len(weights) == len(layers)
+    assert sorted((w.shape[-2], w.shape[-1]) for w in weights) == sorted(
+        (m.in_features, m.out_features) for m in layers)
+    assert (lm_head.shape[-2], lm_head.shape[-1]) == (hf.lm_head.in_features, hf.lm_head.out_features)
+    ms, gflop = matmul_ms(model.params, model.dtype, tokens=8, sample_rows=4, reps=1)
+    assert ms > 0 and gflop == pytest.approx(2 * (8 * per_token + 4 * head) / 1e9)

@@ -46,7 +46,7 @@ class RecordingExecutables:
         self._record("run_greedy_backbone", ids=batch.input_ids)
         return caches + 1, batch.input_ids[:2] + self.offset
 
-    def run_sampler(self, params, hidden, meta, num_logprobs, all_greedy=False, bitmask=None):
+    def run_sampler(self, params, hidden, meta, num_logprobs, all_greedy=False, bitmask=None, table=None):
         self._record("run_sampler", hidden=hidden, t=meta.temperature, seeds=meta.seeds, lp=num_logprobs,
                      greedy=all_greedy, mask=bitmask)
         return SimpleNamespace(tokens=hidden[:2].astype(np.int32) + self.offset)

@@ -83,7 +83,12 @@ def test_mixed_workload_compiles_nothing_after_startup(family, tiny_checkpoint):
     assert engine.stats()["prefix_cache_hit_rate"] > 0
     # anything outside the sealed set is refused, not compiled: a bitmask width never compiled
     S = ex.seq_buckets[0]
-    meta = SamplingMetadata.from_params([SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S)
+    meta = SamplingMetadata.from_params([SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S,
+                                        row_params=not ex.row_params_in_table)
     hidden = np.zeros((engine.config.max_num_seqs, engine.model.cfg.hidden_size), np.float32)
     with pytest.raises(CompileAfterStartup, match="not compiled at start-up"):
-        ex.run_sampler(engine.model.params, hidden, meta, 0, bitmask=np.zeros((S, 1), np.int32))
+        ex.run_sampler(engine.model.params, hidden, meta, 0, bitmask=np.zeros((S, 1), np.int32), table=engine.table)
+    # the request table holds the per-row parameters: metadata that carries them too is refused
+    full = SamplingMetadata.from_params([SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S)
+    with pytest.raises(ValueError, match="request table"):
+        ex.run_sampler(engine.model.params, hidden, full, 0, table=engine.table)

@@ -5,7 +5,9 @@ the table; attention DP still uses it): over random ragged steps — prefill chu
 token is still on the device (placeholders), placements with prefix hits (start > 0) that
 overflow the step's page writes, preemptions and readmissions, finishes, padding rows — the batch
 `prepare` gathers on the device equals `build_batch` of the same step with the real tokens, and
-every row is free again at the end.
+every row is free again at the end. The sampling parameters each row holds from its placement,
+gathered for a step's rows (`row_sampling`), equal the host builder's
+`SamplingMetadata.from_params` of the step's requests.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from runtime.buckets import bucket_for
 from runtime.inputs import build_batch
 from runtime.request import PLACEHOLDER_TOKEN
 from runtime.request_table import RequestTableHost
+from runtime.sampling_metadata import ROW_PARAM_NAMES, SamplingMetadata
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
-from runtime.table_prepare import apply_write, init_table, prepare
+from runtime.table_prepare import apply_write, init_table, prepare, row_sampling
+from runtime.types import SamplingParams
 
 S, PAGE, MB, BUCKETS = 4, 4, 24, (8, 16, 32)
 
@@ -36,6 +40,7 @@ class FakeRequest:
     pages: list = dataclasses.field(default_factory=list)
     slot: int = 0
     last_token: int | None = None  # sampled in the previous step, still "on the device"
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
 
 class Simulation:
@@ -53,7 +58,12 @@ class Simulation:
 
     def _place(self) -> FakeRequest:
         self.next_id += 1
-        req = FakeRequest(f"r{self.next_id}", allocation=object(), slot=self.free_slots.pop(0))
+        rng = self.rng
+        params = SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
+                                top_k=int(rng.choice([0, 5])), min_p=float(rng.choice([0.0, 0.05])),
+                                presence_penalty=float(rng.choice([0.0, 0.5])), frequency_penalty=float(rng.choice([0.0, -0.25])),
+                                repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(0, 2**40)))
+        req = FakeRequest(f"r{self.next_id}", allocation=object(), slot=self.free_slots.pop(0), params=params)
         req.computed = int(self.rng.choice([0, 0, PAGE * self.rng.integers(1, 14)]))  # a prefix hit
         req.pages = self._pages(-(-req.computed // PAGE))
         self.running.append(req)
@@ -122,11 +132,34 @@ def test_prepare_matches_the_host_batch_builder(seed):
         for f in dataclasses.fields(ForwardBatch):
             np.testing.assert_array_equal(np.asarray(getattr(batch, f.name)), getattr(expected, f.name),
                                           err_msg=f.name)
+        n = len(true.sequences)
+        host_meta = SamplingMetadata.from_params([q.request.params for q in true.sequences], [0] * n, [[]] * n,
+                                                 [[]] * n, pad_to=S)
+        on_device = row_sampling(table, S)
+        for name in ROW_PARAM_NAMES:
+            np.testing.assert_array_equal(np.asarray(on_device[name]), getattr(host_meta, name), err_msg=name)
     assert overflowed and placeholders  # the rare paths ran
     for req in list(sim.running):
         sim._end(req)
     host.sweep()
     assert host.num_used == 0
+
+
+def test_a_request_without_a_seed_keeps_the_one_drawn_at_its_placement():
+    """Unseeded rows get a seed from the table's rng when placed and keep it every step (the
+    sampler folds in the token index); a new placement draws anew."""
+    host = RequestTableHost(S, PAGE, BUCKETS[-1], rng=np.random.default_rng(3))
+    table, write = init_table(S, MB), jax.jit(apply_write)
+    req = FakeRequest("r", allocation=object(), pages=[1], params=SamplingParams(temperature=1.0))
+    seeds = []
+    for start, placement in ((0, req.allocation), (4, req.allocation), (0, object())):
+        req.allocation = placement
+        step, _ = host.plan(SchedulerOutput([ScheduledSequence(req, [5] * 4, start, [1, 2], 0, start > 0, True)]), 8)
+        table, _ = jax.jit(functools.partial(prepare, page_size=PAGE))(table, step, np.zeros(S, np.int32))
+        seeds.append(int(row_sampling(table, 1)["seeds"][0]))
+    ref = np.random.default_rng(3)
+    first, second = int(ref.integers(0, 2**32)), int(ref.integers(0, 2**32))
+    assert seeds == [first, first, second]
 
 
 def test_a_placeholder_before_the_last_token_is_refused():
