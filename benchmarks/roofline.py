@@ -35,14 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import write_json
-
-MATMUL_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "in_qkv", "in_z", "in_a", "in_b", "out_proj", "w1", "w2", "w3", "gate_up_proj")
-
+from benchmarks.cpu_dtype import _time
 
 def _matmul_weights(params) -> tuple[list, object]:
-    """-> ([per-token matmul weights, one per layer and projection], the LM head weight)."""
+    """-> ([per-token matmul weights, one per layer and projection], the LM head weight). The
+    projections are the parameters `models.quant_rules.MODULE_PATHS` names (its linear modules)."""
+    from models.quant_rules import MODULE_PATHS
     from models.quantization import OutInWeight, PackedWeight
+
+    matmuls = set(MODULE_PATHS) - {"embed", "lm_head"}
 
     found = []
 
@@ -51,7 +52,7 @@ def _matmul_weights(params) -> tuple[list, object]:
             for key, value in node.items():
                 if key.startswith("experts"):
                     raise NotImplementedError("MoE layers: a step's expert matmuls depend on the routing")
-                if key in MATMUL_KEYS and (isinstance(value, (OutInWeight, PackedWeight)) or hasattr(value, "ndim")):
+                if key in matmuls and (isinstance(value, (OutInWeight, PackedWeight)) or hasattr(value, "ndim")):
                     lead = value.shape[:-2]
                     for idx in np.ndindex(*lead):  # stacked layer groups: one matmul per layer
                         found.append(value if not lead else _index(value, idx))
@@ -90,17 +91,9 @@ def matmul_ms(params, dtype, tokens: int, sample_rows: int, reps: int = 5) -> tu
 
     xs = [jnp.ones((tokens, w.shape[-2]), dtype) for w in weights]
     h = jnp.ones((sample_rows, head.shape[-2]), dtype)
-    fn = jax.jit(run)
-    jax.block_until_ready(fn(weights, head, xs, h))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(weights, head, xs, h)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / reps)
+    ms = _time(jax.jit(run), weights, head, xs, h, reps=reps)
     flops = 2 * tokens * sum(w.shape[-2] * w.shape[-1] for w in weights) + 2 * sample_rows * head.shape[-2] * head.shape[-1]
-    return best * 1e3, flops / 1e9
+    return ms, flops / 1e9
 
 
 def torch_matmul_ms(params, tokens: int, sample_rows: int, torch_dtype: str, reps: int = 5) -> float:

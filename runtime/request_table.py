@@ -70,11 +70,11 @@ class TableStep:
 
 
 def row_param_bits(params: SamplingParams, seed: int) -> np.ndarray:
-    """[P] int32: a request's sampling parameters as its table row holds them (`seed` when it
-    sets none)."""
+    """[P] int32: a request's sampling parameters as its table row holds them, with `seed` (the
+    request's own, or one drawn for it) taken modulo 2**32."""
     floats = np.array([params.temperature, params.top_p, params.min_p, params.presence_penalty,
                        params.frequency_penalty, params.repetition_penalty], np.float32)
-    seed = params.seed % 2**32 if params.seed is not None else seed
+    seed %= 2**32
     ints = np.array([params.top_k, seed], np.uint64).astype(np.uint32)  # top_k >= 0 (SamplingParams)
     return np.concatenate([floats.view(np.int32), ints.view(np.int32)])
 
@@ -161,7 +161,9 @@ class RequestTableHost:
             row, entry, placed = self._place(seq)
             if placed:
                 resets[:3, i] = row, seq.start_position, seq.state_slot
-                resets[3:, i] = row_param_bits(seq.request.params, int(self._rng.integers(0, 2**32)))
+                params = seq.request.params
+                seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+                resets[3:, i] = row_param_bits(params, seed)
             table = seq.block_table
             writes.extend((row, col, table[col]) for col in range(entry.num_pages, len(table)))
             entry.num_pages = len(table)

@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
 from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
-from runtime.request_table import ROW_PARAMS as ROW_PARAM_NAMES  # the fields the request table can hold
+from runtime.request_table import ROW_PARAMS  # the fields the request table can hold instead
 from runtime.types import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
@@ -152,7 +152,7 @@ class SamplingMetadata:
             for j, (token, bias) in enumerate(p.logit_bias):
                 bias_ids[i, j], bias_values[i, j] = token, bias
         prompt_matrix = _padded_id_matrix(prompt_ids, uses_repetition, pad_to, prompt_width)
-        per_row = dict.fromkeys(ROW_PARAM_NAMES)
+        per_row = dict.fromkeys(ROW_PARAMS)
         if row_params:
             fresh_seeds = rng.integers(0, 2**32, size=n, dtype=np.uint64)
             seeds = [(p.seed % 2**32) if p.seed is not None else int(fresh)

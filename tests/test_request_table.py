@@ -23,8 +23,8 @@ from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
 from runtime.inputs import build_batch
 from runtime.request import PLACEHOLDER_TOKEN
-from runtime.request_table import RequestTableHost
-from runtime.sampling_metadata import ROW_PARAM_NAMES, SamplingMetadata
+from runtime.request_table import ROW_PARAMS, RequestTableHost
+from runtime.sampling_metadata import SamplingMetadata
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 from runtime.table_prepare import apply_write, init_table, prepare, row_sampling
 from runtime.types import SamplingParams
@@ -136,7 +136,7 @@ def test_prepare_matches_the_host_batch_builder(seed):
         host_meta = SamplingMetadata.from_params([q.request.params for q in true.sequences], [0] * n, [[]] * n,
                                                  [[]] * n, pad_to=S)
         on_device = row_sampling(table, S)
-        for name in ROW_PARAM_NAMES:
+        for name in ROW_PARAMS:
             np.testing.assert_array_equal(np.asarray(on_device[name]), getattr(host_meta, name), err_msg=name)
     assert overflowed and placeholders  # the rare paths ran
     for req in list(sim.running):
