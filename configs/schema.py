@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from configs.environment import environment_overrides
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
@@ -208,6 +210,20 @@ class KVTransferSection(_Section):
     host: str = "127.0.0.1"  # bind address of the control and transfer servers
     advertise_host: str | None = None  # the address the other instance dials (default: host)
     control_port: int = Field(default=0, ge=0, le=65535)  # 0 picks a free port
+    # The internal credential between `jaxserve proxy` and the P/D instances (header
+    # X-KV-Transfer-Token; environment JAXSERVE_KV_TRANSFER_TOKEN): an instance honours
+    # `kv_transfer_params` and serves /kv_transfer/* only for requests that carry it.
+    token: SecretStr | None = None
+    # Serve a P/D role on a non-loopback address without a token (logged as a warning every minute).
+    insecure: bool = False
+
+    @field_validator("token")
+    @classmethod
+    def _token_strength(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().strip()) < 16:
+            raise ValueError("must be at least 16 characters (e.g. `python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))'`)")
+        return value
 
 
 class CompileConfig(_Section):
@@ -298,7 +314,9 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
-    return config_from_dict(apply_overrides(raw, overrides or {}))
+    overrides = overrides or {}
+    from_environment = environment_overrides(apply_overrides(raw, overrides))
+    return config_from_dict(apply_overrides(apply_overrides(raw, from_environment), overrides))
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> LaunchConfig:

@@ -151,6 +151,8 @@ def build_engine_config(launch: LaunchConfig, model_path: str, **engine_only: An
     if launch.parallel.role != "both":
         from runtime.kv_transfer import KVTransferConfig
 
-        values["kv_transfer"] = KVTransferConfig(role=launch.parallel.role, **launch.kv_transfer.model_dump())
+        section = launch.kv_transfer.model_dump()
+        section["token"] = launch.kv_transfer.token.get_secret_value() if launch.kv_transfer.token else None
+        values["kv_transfer"] = KVTransferConfig(role=launch.parallel.role, **section)
     return EngineConfig(model=model_path, **{**values, **engine_only})
 

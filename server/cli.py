@@ -90,6 +90,10 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
                choices=("prefill", "decode", "both")),
     ConfigFlag("--reasoning-parser", "server.reasoning_parser",
                "split <think>...</think> into reasoning_content", choices=("qwen3",)),
+    ConfigFlag("--kv-transfer-token", "kv_transfer.token",
+               "P/D: the proxy <-> instance credential (prefer JAXSERVE_KV_TRANSFER_TOKEN: flags show in ps)"),
+    ConfigFlag("--insecure-kv-transfer", "kv_transfer.insecure",
+               "P/D: serve a role on a non-loopback address without a token (not for production)", switch=True),
     ConfigFlag("--process-id", "parallel.multihost.process_id",
                "this process of a multi-host launch (0 serves HTTP; docs/scaling.md)", type=int),
 )

@@ -36,6 +36,8 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # bind address of the control + transfer servers
     advertise_host: str | None = None  # address the other side dials (default: host)
     control_port: int = 0  # 0: a free port
+    token: str | None = field(default=None, repr=False)  # the internal credential (X-KV-Transfer-Token)
+    insecure: bool = False  # a non-loopback bind without a token (warned about every minute)
     extra: dict[str, Any] = field(default_factory=dict)  # connector-specific options (plugins)
 
     def __post_init__(self):
