@@ -216,6 +216,13 @@ class KVTransferSection(_Section):
     token: SecretStr | None = None
     # Serve a P/D role on a non-loopback address without a token (logged as a warning every minute).
     insecure: bool = False
+    # Decode side: the prefill control endpoints ("host:port") it may dial. With a token, also any
+    # that token-bearing transfer parameters name (they came through the proxy).
+    peers: list[str] = []
+    max_held_bytes: int = Field(default=4 << 30, gt=0)  # prefill side: offered state held at once (503 past it)
+    max_staged_bytes: int = Field(default=4 << 30, gt=0)  # decode side: state pulling or waiting for pages
+    max_pulls_in_flight: int = Field(default=64, gt=0)  # decode side: concurrent pulls
+    control_timeout_s: float = Field(default=5.0, gt=0)  # one claim / release exchange, end to end
 
     @field_validator("token")
     @classmethod

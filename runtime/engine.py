@@ -274,7 +274,7 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
         stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
-        return stats if self.kv_transfer is None else {**stats, **self.kv_transfer.stats()}
+        return stats if self.kv_transfer is None else self.kv_transfer.stats(stats)
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Callable
 from runtime.engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig, build_engine_config
 from runtime.mesh import initialize_multihost
-from runtime.types import EngineRequest, RequestOutput
+from runtime.types import EngineBusy, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -150,7 +150,11 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(cmd.request)
-            except ValueError as err:
+            except (ValueError, EngineBusy) as err:
+                cmd.sink.put(err)
+                return
+            except Exception as err:  # noqa: BLE001 - one request's failure never ends the loop
+                log.exception("request %s: refused by an unexpected error", rid)
                 cmd.sink.put(err)
                 return
             self._sinks[rid] = cmd.sink

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineBusy(RuntimeError):
+    """A request refused for now, not for what it is (a capacity such as the P/D transfer caps
+    is full): the server answers 503, and retrying later can succeed."""
+
 GrammarKind = Literal["json", "regex", "choice", "lark", "ebnf"]
 GRAMMAR_KINDS = ("json", "regex", "choice", "lark", "ebnf")
 

@@ -65,6 +65,9 @@ class ServerState:
     fingerprint: str = ""
 
     grammar_compiler: object = None  # built on the first grammar request (runtime.structured_output)
+    # P/D: the internal credential a request must carry for its kv_transfer_params to be honoured
+    # (None: a loopback-only deployment, checked at start-up by server.deployment)
+    kv_transfer_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -104,10 +107,12 @@ STATE = web.AppKey("jaxserve_state", ServerState)
 REQUEST_ID = web.RequestKey("jaxserve_request_id", str) if hasattr(web, "RequestKey") else "jaxserve_request_id"
 
 
-def create_app(engine: EngineClient, server_config: ServerConfig | None = None) -> web.Application:
+def create_app(engine: EngineClient, server_config: ServerConfig | None = None,
+               kv_transfer_token: str | None = None) -> web.Application:
     config = server_config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_policy])
-    app[STATE] = ServerState(engine, config, ServerMetrics(engine.stats), formats.TokenTexts(engine.tokenizer))
+    app[STATE] = ServerState(engine, config, ServerMetrics(engine.stats), formats.TokenTexts(engine.tokenizer),
+                             kv_transfer_token=kv_transfer_token)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
@@ -215,6 +220,20 @@ async def _read_json(request: web.Request, model: type[BaseModel]):
     return parsed
 
 
+KV_TRANSFER_TOKEN_HEADER = "X-KV-Transfer-Token"
+
+
+def _check_kv_transfer(request: web.Request, state: ServerState, body) -> None:
+    """P/D: `kv_transfer_params` steer what this instance offers or pulls, so only the proxy may
+    send them — with the internal token (constant-time compare) when one is configured."""
+    if body.kv_transfer_params is None or state.kv_transfer_token is None:
+        return
+    presented = request.headers.get(KV_TRANSFER_TOKEN_HEADER, "")
+    if not hmac.compare_digest(presented.encode(), state.kv_transfer_token.encode()):
+        raise RequestError(400, f"kv_transfer_params: accepted only from the P/D proxy (the internal "
+                                f"{KV_TRANSFER_TOKEN_HEADER} header is missing or wrong)", param="kv_transfer_params")
+
+
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.engine.model_name:
         raise RequestError(404, f"The model `{model}` does not exist; this server serves "
@@ -240,6 +259,7 @@ async def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_json(request, CompletionRequest)
+    _check_kv_transfer(request, state, body)
     _check_model(state, body.model)
     if body.max_tokens == 0 and not body.echo:
         raise RequestError(400, "max_tokens: 0 is allowed only with echo (scoring the prompt)", param="max_tokens")
@@ -268,6 +288,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_json(request, ChatCompletionRequest)
+    _check_kv_transfer(request, state, body)
     _check_model(state, body.model)
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:

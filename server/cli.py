@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
+from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
 ENGINE_FACTORY = "runtime.engine_client:create_engine_client"
 
@@ -250,9 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    refused = pd_deployment_error(config)
+    if refused is not None:
+        print(f"jaxserve: refusing to start: {refused}", file=sys.stderr)
+        return 2
+    kv = config.kv_transfer
+    if config.parallel.role != "both" and kv.token is None and not (is_loopback(config.server.host)
+                                                                    and is_loopback(kv.host)):
+        warn_insecure_every_minute(f"this {config.parallel.role} instance")
     from server.runner import serve
 
-    return serve(_build_engine(config, args.fake_engine), config.server)
+    token = kv.token.get_secret_value() if kv.token is not None and config.parallel.role != "both" else None
+    return serve(_build_engine(config, args.fake_engine), config.server, kv_transfer_token=token)
 
 
 def _plan(args, config: LaunchConfig) -> int:

@@ -73,7 +73,7 @@ async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s:
 
 
 async def serve_async(engine: EngineClient, server_config: ServerConfig,
-                      stop: asyncio.Event | None = None) -> int:
+                      stop: asyncio.Event | None = None, kv_transfer_token: str | None = None) -> int:
     """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain. Returns the exit code."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -82,7 +82,7 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    runner, host, port = await start_app(create_app(engine, server_config), server_config.host, server_config.port)
+    runner, host, port = await start_app(create_app(engine, server_config, kv_transfer_token), server_config.host, server_config.port)
     logger.info("jaxserve ready at http://%s:%d (model %s)", host, port, engine.model_name)
     watcher = asyncio.create_task(_stop_when_unhealthy(engine, stop, server_config.unhealthy_linger_s))
     try:
@@ -109,7 +109,7 @@ async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, linger
         await asyncio.sleep(period_s)
 
 
-def serve(engine: EngineClient, server_config: ServerConfig) -> int:
+def serve(engine: EngineClient, server_config: ServerConfig, kv_transfer_token: str | None = None) -> int:
     """Blocking entry point for the CLI: serve, drain on SIGTERM/SIGINT, return 0.
 
     A multi-host follower (processes 1..N-1, runtime/multihost.py) serves no HTTP: it replays
@@ -125,7 +125,7 @@ def serve(engine: EngineClient, server_config: ServerConfig) -> int:
     # 1.12x tokens/s, p99 TPOT 19.9 -> 14.6 ms.
     sys.setswitchinterval(server_config.gil_switch_interval_ms / 1e3)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(serve_async(engine, server_config))
+        return runner.run(serve_async(engine, server_config, kv_transfer_token=kv_transfer_token))
 
 
 def _loop_factory():

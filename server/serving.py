@@ -22,7 +22,8 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from runtime.types import (
-    EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob, fan_out,
+    EngineBusy, EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob,
+    fan_out,
 )
 from server import formats
 from server.chat_output import ChatOutputParser
@@ -185,6 +186,8 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest], cl
                                    error_type="service_unavailable")
             if isinstance(item, ValueError):  # the engine refused the request (e.g. it can never fit)
                 raise RequestError(400, str(item), error_type="invalid_request_error") from item
+            if isinstance(item, EngineBusy):  # a capacity is full for now
+                raise RequestError(503, str(item), code="overloaded", error_type="service_unavailable") from item
             if isinstance(item, Exception):
                 logger.error("request %s: engine failure: %s: %s", client_request_id, type(item).__name__, item)
                 raise internal_error(client_request_id) from item

@@ -213,7 +213,7 @@ class LiveServer:
     loop. `call(coro)` runs a coroutine on the server's loop (e.g. to inspect or drain).
     """
 
-    def __init__(self, engine, server_config=None):
+    def __init__(self, engine, server_config=None, kv_transfer_token: str | None = None):
         import threading
 
         from server.app import create_app
@@ -223,13 +223,13 @@ class LiveServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="jaxserve-test-server", daemon=True)
         self._thread.start()
-        self.app = self.call(self._create(create_app, engine, server_config))
+        self.app = self.call(self._create(create_app, engine, server_config, kv_transfer_token))
         self.runner, host, self.port = self.call(start_app(self.app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.port}"
 
     @staticmethod
-    async def _create(create_app, engine, server_config):
-        return create_app(engine, server_config)
+    async def _create(create_app, engine, server_config, kv_transfer_token):
+        return create_app(engine, server_config, kv_transfer_token)
 
     def call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -24,6 +24,10 @@ class TransferError(RuntimeError):
     """A transfer that cannot be used: refused claim, bad descriptor, failed or timed-out pull."""
 
 
+class TransferCapacityError(TransferError):
+    """A byte or pull cap is full: the request is refused for now (503), not for what it is."""
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """`parallel.role` plus the `kv_transfer` section of the launch config."""
@@ -38,15 +42,35 @@ class KVTransferConfig:
     control_port: int = 0  # 0: a free port
     token: str | None = field(default=None, repr=False)  # the internal credential (X-KV-Transfer-Token)
     insecure: bool = False  # a non-loopback bind without a token (warned about every minute)
+    # Decode side: prefill control endpoints ("host:port") it may dial. With a token configured,
+    # transfer parameters are token-bearing (the server refused any without it), so the decode
+    # side also dials the endpoints they name; without one it dials these only.
+    peers: tuple[str, ...] = ()
+    max_held_bytes: int = 4 << 30  # prefill side: offered state held at once; past it, 503
+    max_staged_bytes: int = 4 << 30  # decode side: state pulling or pulled, waiting for pages; past it, 503
+    max_pulls_in_flight: int = 64  # decode side: concurrent pulls (each bounded by pull_timeout_s)
+    control_timeout_s: float = 5.0  # one claim or release exchange, end to end
     extra: dict[str, Any] = field(default_factory=dict)  # connector-specific options (plugins)
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
-        if self.lease_s <= 0 or self.pull_timeout_s <= 0:
-            raise ValueError("kv_transfer lease_s and pull_timeout_s must be > 0")
+        if min(self.lease_s, self.pull_timeout_s, self.control_timeout_s) <= 0:
+            raise ValueError("kv_transfer lease_s, pull_timeout_s and control_timeout_s must be > 0")
         if self.on_pull_failure not in ("recompute", "error"):
             raise ValueError(f"on_pull_failure must be recompute or error, got {self.on_pull_failure!r}")
+        object.__setattr__(self, "peers", tuple(normalize_peer(p) for p in self.peers))
+        if min(self.max_held_bytes, self.max_staged_bytes, self.max_pulls_in_flight) <= 0:
+            raise ValueError("kv_transfer max_held_bytes, max_staged_bytes and max_pulls_in_flight must be > 0")
+
+
+def normalize_peer(peer: str) -> str:
+    """"host:port" (an http:// URL's netloc is accepted) -> "host:port" lowercased; ValueError if not."""
+    text = str(peer).strip().lower().removeprefix("http://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or "@" in host:
+        raise ValueError(f"kv_transfer peer must be host:port, got {peer!r}")
+    return f"{host}:{int(port)}"
 
 
 @dataclass
@@ -70,6 +94,11 @@ class KVConnector(abc.ABC):
         """Hold `arrays` under a lease for one pull; -> the transfer parameters (JSON) for the client.
         A connector that honours a request's shorter lease also accepts `lease_s=` (seconds); it
         is only passed when a request asked for one."""
+
+    def has_room(self) -> bool:
+        """Prefill side: whether another offer fits under the connector's caps (checked when a
+        request is admitted; a full connector makes the request a 503)."""
+        return True
 
     # ---- decode side -----------------------------------------------------------------------
     @abc.abstractmethod

@@ -26,13 +26,15 @@ from __future__ import annotations
 import logging
 import time
 
+from models.fingerprint import checkpoint_fingerprint
 from runtime.kv_transfer import KV_CONNECTORS
-from runtime.kv_transfer.base import KVTransferConfig, TransferError
-from runtime.kv_transfer.descriptor import ADOPT_RULE, LAST_TOKEN_RULE, check_descriptor, model_signature
+from runtime.kv_transfer.base import KVTransferConfig, TransferCapacityError, TransferError
+from runtime.kv_transfer.descriptor import (ADOPT_RULE, LAST_TOKEN_RULE, check_descriptor, descriptor_nbytes,
+                                            model_signature)
 from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
                                         pull_specs, write_request_state)
 from runtime.request import Request, RequestStatus
-from runtime.types import EngineRequest, RequestOutput, SamplingParams
+from runtime.types import EngineBusy, EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxserve.kv_transfer")
 IDLE_WAIT_S = 0.002
@@ -53,11 +55,13 @@ class KVTransferHooks:
         self.num_pages = engine.cache_config.num_pages
         self.num_slots = max(engine.cache_config.num_state_slots, 2)
         self.conv_perm = conv_permutation(engine.model)
-        self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots))
+        self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots),
+                                         fingerprint=checkpoint_fingerprint(engine.model.path))
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
         self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
+        self._staged_bytes: dict[str, int] = {}  # decode: bytes of each pulling or staged request
         self._ready: list[RequestOutput] = []  # errors and adopted first tokens, for the next step
         self.num_fallbacks = 0
         self.num_errors = 0
@@ -80,6 +84,9 @@ class KVTransferHooks:
         if self.config.role != "prefill":
             raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
                              "not prefill")
+        if not self.connector.has_room():
+            raise EngineBusy("kv_transfer_params: this prefill instance holds its most offered state "
+                             "(kv_transfer.max_held_bytes); retry later")
         lease_s = params.get("lease_s")  # a shorter hold than the instance's lease_s (never longer)
         if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float))
                                     or not lease_s > 0):
@@ -119,11 +126,11 @@ class KVTransferHooks:
                                                                              and self.rule == LAST_TOKEN_RULE),
                     block_table=seq.block_table,
                     state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
-                    num_slots=self.num_slots, conv_perm=self.conv_perm, rule=self.rule)
+                    num_slots=self.num_slots, conv_perm=self.conv_perm, rule=self.rule, signature=self.signature)
 
     def finished(self, req: Request) -> dict | None:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
-        self._staged.pop(req.request_id, None)
+        self._unstage(req.request_id)
         captured = self._offering.pop(req.request_id, None)
         lease_s = self._lease_s.pop(req.request_id, None)
         if captured is None or req.finish_reason in ("abort", "error"):  # fail closed
@@ -133,7 +140,12 @@ class KVTransferHooks:
             if not tokens:
                 return None
             captured[1]["first_token"] = int(tokens[0])
-        return {"do_remote_prefill": True, **self.connector.offer(*captured, **({"lease_s": lease_s} if lease_s else {}))}
+        try:
+            offer = self.connector.offer(*captured, **({"lease_s": lease_s} if lease_s else {}))
+        except TransferCapacityError as err:  # answered without an offer: the decode side prefills
+            log.warning("request %s: not offered: %s", req.request_id, err)
+            return None
+        return {"do_remote_prefill": True, **offer}
 
     # ---- decode role -----------------------------------------------------------------------
     def park(self, req: Request, params: dict | None) -> bool:
@@ -151,12 +163,18 @@ class KVTransferHooks:
             desc = params.get("descriptor")
             check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
             expected_arrays(desc, self.engine.model.cfg)
+            nbytes = descriptor_nbytes(desc)
+            if sum(self._staged_bytes.values()) + nbytes > self.config.max_staged_bytes:
+                raise TransferCapacityError("pulled state waiting here would exceed kv_transfer.max_staged_bytes")
             self.connector.start_pull(req.request_id, params, desc, pull_specs(desc))
-        except TransferError as err:
+        except TransferCapacityError as err:
+            raise EngineBusy(f"kv_transfer_params: {err}; retry later") from None
+        except Exception as err:  # noqa: BLE001 - whatever a descriptor does, it fails this request only
+            reason = str(err) if isinstance(err, TransferError) else f"unusable transfer parameters ({err!r:.200})"
             if self.config.on_pull_failure == "error":
                 self.num_errors += 1
-                raise ValueError(f"kv_transfer_params: {err}") from None
-            self._failed(req, str(err), in_engine=False)
+                raise ValueError(f"kv_transfer_params: {reason}") from None
+            self._failed(req, reason, in_engine=False)
             return False
         if desc["rule"] == ADOPT_RULE and not self._can_adopt(req):
             # The shipped token is the prefill side's greedy pick and the state is past it: this
@@ -166,6 +184,7 @@ class KVTransferHooks:
             log.info("request %s: sampling parameters differ from greedy; prefilling locally", req.request_id)
             return False
         self._parked[req.request_id] = (req, desc)
+        self._staged_bytes[req.request_id] = nbytes
         return True
 
     @staticmethod
@@ -189,7 +208,7 @@ class KVTransferHooks:
             end = ("stop", hit)
         if end is not None:  # still waiting: nothing allocated, nothing to load
             engine.scheduler.finish(req.request_id, *end)
-            self._staged.pop(req.request_id, None)
+            self._unstage(req.request_id)
         return engine._output(req, finished=req.is_finished)
 
     def poll(self) -> list[RequestOutput]:
@@ -199,6 +218,7 @@ class KVTransferHooks:
                 continue  # cancelled meanwhile
             req, desc = entry
             if result.arrays is None:
+                self._staged_bytes.pop(req.request_id, None)
                 self._failed(req, result.error, in_engine=True)
                 continue
             req.num_external_tokens = desc["num_tokens"]
@@ -228,19 +248,25 @@ class KVTransferHooks:
     def load(self, caches, out):
         """Write pulled state into the pages/slot of requests admitted this step."""
         for req in out.external_loads:
-            arrays, desc = self._staged.pop(req.request_id)
+            arrays, desc = self._staged[req.request_id]
+            self._unstage(req.request_id)
             caches = write_request_state(
                 caches, arrays, desc, block_table=req.block_table, state_slot=req.state_slot,
                 page_size=self.engine.config.page_size, num_pages=self.num_pages, num_slots=self.num_slots,
                 opts=self.engine.opts, conv_perm=self.conv_perm)
         for seq in out.sequences:
-            self._staged.pop(seq.request_id, None)  # admitted with a better local prefix hit
+            self._unstage(seq.request_id)  # admitted with a better local prefix hit
         return caches
+
+    def _unstage(self, request_id: str) -> None:
+        self._staged.pop(request_id, None)
+        self._staged_bytes.pop(request_id, None)
 
     def abort_parked(self, request_id: str) -> Request | None:
         entry = self._parked.pop(request_id, None)
         if entry is None:
             return None
+        self._staged_bytes.pop(request_id, None)
         self.connector.cancel(request_id)
         req = entry[0]
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
@@ -250,9 +276,13 @@ class KVTransferHooks:
     def has_pending(self) -> bool:
         return bool(self._parked or self._ready)
 
-    def stats(self) -> dict[str, float]:
-        return {**self.connector.stats(), "kv_transfer_fallbacks": self.num_fallbacks,
-                "kv_transfer_errors": self.num_errors, "kv_transfer_requests_pulling": len(self._parked)}
+    def stats(self, engine_stats: dict) -> dict[str, float]:
+        """The engine's stats with the transfer's added; requests still pulling count as waiting
+        (the server's 429 check reads num_waiting)."""
+        return {**engine_stats, **self.connector.stats(), "kv_transfer_fallbacks": self.num_fallbacks,
+                "kv_transfer_errors": self.num_errors, "kv_transfer_requests_pulling": len(self._parked),
+                "kv_transfer_bytes_staged": sum(self._staged_bytes.values()),
+                "num_waiting": engine_stats.get("num_waiting", 0) + len(self._parked)}
 
     def close(self) -> None:
         self.connector.close()

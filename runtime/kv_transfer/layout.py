@@ -82,7 +82,8 @@ def _reorder_conv(arrays: list, names: list[str], order: np.ndarray | None) -> l
 
 def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, block_table, state_slot: int,
                          page_size: int, num_pages: int, num_slots: int,
-                         conv_perm: np.ndarray | None = None, rule: str = LAST_TOKEN_RULE) -> tuple[list, dict]:
+                         conv_perm: np.ndarray | None = None, rule: str = LAST_TOKEN_RULE,
+                         signature: dict | None = None) -> tuple[list, dict]:
     """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
     The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
     undone)."""
@@ -101,7 +102,7 @@ def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, bloc
     desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, rule=rule,
                             page_size=page_size, num_pages=n, kv_dtype=kv_dtype,
                             kv_wire="values" if kv_dtype == "float32" else "bits",
-                            signature=model_signature(cfg, G), arrays=entries)
+                            signature=signature or model_signature(cfg, G), arrays=entries)
     return arrays, desc
 
 
@@ -115,10 +116,7 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
     """The [name, shape, dtype] list a descriptor must carry for this model (TransferError if not)."""
     sig, n, ps = desc["model"], desc["num_pages"], desc["page_size"]
     G = sig["num_groups"]
-    try:
-        kv_dtype = jnp.dtype(desc["kv_dtype"])
-    except TypeError:
-        raise TransferError(f"unknown kv_dtype {desc['kv_dtype']!r}") from None
+    kv_dtype = jnp.dtype(desc["kv_dtype"])  # one of descriptor.KV_DTYPES (check_descriptor)
     wire = kv_dtype.name if kv_dtype == jnp.float32 else _bits(kv_dtype).name
     want = []
     for j, kind in enumerate(sig["layer_types"]):

@@ -2,8 +2,10 @@
 
 Each offer gets a one-shot claim: the decode side claims it (the lease then runs until
 `now + pull_timeout`), pulls, and releases it ("pulled" or "abort"). An unknown, expired,
-released or already claimed id is refused, so a replayed or forged transfer id can never read
-another request's state. Expired entries are handed to `drain` (the connector frees them).
+released or already claimed id is refused, and so is a claim whose prompt digest or model
+fingerprint differs from the offer's: a transfer id relabelled as another prompt's, or claimed
+by an instance serving another checkpoint, never reads the state. Expired entries, claimed or
+not, are handed to the connector, which frees their arrays.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ class Lease:
     num_slots: int
     nbytes: int
     expires_at: float
+    token_digest: str = ""  # sha256 of the prompt tokens the state belongs to (descriptor.token_digest)
+    model_fingerprint: str = ""  # the checkpoint that computed it (descriptor.model_fingerprint)
     claimed: bool = False
+
+
+class ClaimRefused(Exception):
+    """Why a claim was refused: `status` 410 (unknown / expired / released / claimed) or 409
+    (the claim names another prompt or model than the offer)."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status = status
 
 
 class LeaseTable:
@@ -44,12 +57,21 @@ class LeaseTable:
         """Now + the table's lease, or a shorter `lease_s` asked for by one request."""
         return self._clock() + min(self.lease_s, lease_s or self.lease_s)
 
-    def claim(self, transfer_id: str, pull_timeout_s: float) -> Lease | None:
-        """The lease if it is live and unclaimed (now claimed), else None."""
+    def claim(self, transfer_id: str, pull_timeout_s: float, token_digest: str | None = None,
+              model_fingerprint: str | None = None) -> Lease:
+        """The lease, now claimed, if it is live, unclaimed and (when given) for this prompt and
+        model; else ClaimRefused. A mismatching claim also ends the lease: whoever sent it
+        knows the id, so it is not offered again."""
         with self._lock:
             lease = self._leases.get(transfer_id)
             if lease is None or lease.claimed or lease.expires_at <= self._clock():
-                return None
+                raise ClaimRefused(410, "unknown, expired, released or already claimed transfer id")
+            if token_digest is not None and token_digest != lease.token_digest:
+                lease.claimed, lease.expires_at = True, self._clock()
+                raise ClaimRefused(409, "the claim's prompt digest differs from the offered state's")
+            if model_fingerprint is not None and model_fingerprint != lease.model_fingerprint:
+                lease.claimed, lease.expires_at = True, self._clock()
+                raise ClaimRefused(409, "the claim's model fingerprint differs from the offered state's")
             lease.claimed = True
             lease.expires_at = max(lease.expires_at, self._clock() + pull_timeout_s)
             return lease
