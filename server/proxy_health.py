@@ -89,7 +89,10 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not freeze every backend's state
+                log.exception("health check round failed")
             await asyncio.sleep(self.interval_s)
 
     async def check_all(self) -> None:

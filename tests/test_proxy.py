@@ -158,7 +158,7 @@ def _events(raw: bytes) -> list[str]:
 def test_stream_longer_than_a_total_timeout_completes_and_a_silent_backend_is_cut():
     """A 3 s stream (a chunk every 0.2 s) through a proxy with a 1 s idle timeout arrives whole.
     Before: the proxy's session had a total timeout; with total=1 s the same stream breaks.
-    A backend silent for 2 s mid-stream is cut after ~1 s: an error event, then [DONE]."""
+    A backend silent mid-stream is cut after ~1 s: an error event, then [DONE]."""
 
     async def scenario():
         async with Deployment(idle_timeout_s=1.0) as pd:
@@ -170,14 +170,14 @@ def test_stream_longer_than_a_total_timeout_completes_and_a_silent_backend_is_cu
                         await resp.read()
             started = time.monotonic()
             status, raw = await pd.complete(stream=True)
-            assert status == 200 and time.monotonic() - started >= 3.0
+            assert status == 200 and time.monotonic() - started >= 2.9
             assert _events(raw) == [json.dumps({"i": i}) for i in range(15)] + ["[DONE]"]
 
             decode.answer = lambda request, body: _stream(request, events=15, every_s=0.2, silent_after=2)
             started = time.monotonic()
             status, raw = await pd.complete(stream=True)
             events = _events(raw)
-            assert status == 200 and time.monotonic() - started < 1.9
+            assert status == 200 and time.monotonic() - started < 3.0  # silent for an hour otherwise
             assert events[:2] == ['{"i": 0}', '{"i": 1}'] and events[-1] == "[DONE]"
             assert "sent nothing for 1 s" in json.loads(events[2])["error"]["message"]
             assert (await pd.metrics())["jaxserve_proxy_decode_failures_total"] == 1
@@ -204,7 +204,7 @@ def test_a_backend_silent_before_answering_is_cut():
             pd.decode[0].answer = silent
             started = time.monotonic()
             status, raw = await pd.complete()
-            assert status == 504 and time.monotonic() - started < 1.9
+            assert status == 504 and time.monotonic() - started < 2.0  # else a 200 after 2 s
             assert json.loads(raw)["error"]["type"] == "internal_error"
             pd.decode[0].answer = half_json
             with pytest.raises(aiohttp.ClientPayloadError):
