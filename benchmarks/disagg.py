@@ -1,7 +1,7 @@
 """P/D on this machine: transfer bandwidth, added TTFT, bytes per request, colocated vs 1P+1D.
 
     python -m benchmarks.disagg [--families llama qwen3_5] [--kv-cache-dtype fp8_e4m3] [--mixed-family qwen3_5]
-                                [--json out.json]
+                                [--before REF [--rounds 2]] [--json out.json]
 
 For each tiny checkpoint (built locally, as the tests do) it launches prefill, decode and proxy
 processes on 127.0.0.1 (tests/pd_testing.py) and measures:
@@ -14,6 +14,10 @@ Then one mixed run (long prompts arriving among streaming decodes, benchmarks/se
 and metrics) against one colocated instance pinned to both cores (`taskset -c 0,1`) and against
 1P+1D with the prefill instance on core 0 and decode (+ proxy) on core 1: p50/p99 TTFT and ITL.
 Ratios, not absolute speed, are the point; the machine is shared, so run it on a quiet one.
+
+`--before REF` measures the added TTFT of git revision REF too (a detached worktree under
+/tmp), alternating REF and this tree `--rounds` times per family in the same invocation: the
+overhead of a change (e.g. issue 29's token, claim checks and deadlines) as a ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -30,7 +35,7 @@ import numpy as np
 
 from benchmarks.serve import compute_metrics, run_load, send_completion
 from benchmarks.workloads import BenchRequest
-from tests.pd_testing import BASE_FLAGS, PDCluster, Process, scrape
+from tests.pd_testing import BASE_FLAGS, TOKEN, PDCluster, Process, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +47,8 @@ def checkpoint(family: str) -> Path:
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "X-KV-Transfer-Token": TOKEN}  # as the proxy sends it
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.loads(response.read())
 
@@ -71,11 +77,12 @@ async def _ttfts(url: str, model: str, prompts: list[list[int]]) -> list[float]:
     return out
 
 
-def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str = "auto") -> dict:
-    """`kv_cache_dtype` on both sides (FP8: pages and scales copied verbatim)."""
+def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str = "auto", root: Path = ROOT) -> dict:
+    """`kv_cache_dtype` on both sides (FP8: pages and scales copied verbatim); `root`: the
+    source tree the processes run."""
     rng = np.random.default_rng(0)
     kv = ["--set", f"cache.kv_cache_dtype={kv_cache_dtype}"]
-    with PDCluster(checkpoint(family), prefill=kv, decode=kv) as pd:
+    with PDCluster(checkpoint(family), prefill=kv, decode=kv, root=root) as pd:
         model = json.loads(urllib.request.urlopen(pd.proxy_url + "/v1/models").read())["data"][0]["id"]
         prompts = [[int(t) for t in rng.integers(3, 500, prompt_len)] for _ in range(reps)]
         asyncio.run(_ttfts(pd.proxy_url, model, prompts[:2]))  # compile both sides' buckets
@@ -93,6 +100,39 @@ def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str 
             "added_ttft_ms": 1e3 * (statistics.median(via_proxy) - statistics.median(direct)),
             "pull_bandwidth_MBps": pulled / max(seconds, 1e-9) / 1e6, "bytes_pulled": pulled,
             "pull_seconds_mean": seconds / reps, "bytes_per_request": sizes}
+
+
+def worktree(ref: str) -> Path:
+    """A detached worktree of `ref` under /tmp (made once per commit)."""
+    sha = subprocess.run(["git", "rev-parse", ref], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    path = Path("/tmp") / f"jaxserve-{sha[:12]}"
+    if not (path / "server").exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True,
+                       capture_output=True)
+    return path
+
+
+def compare_trees(ref: str, families: list[str], prompt_len: int, reps: int, kv_cache_dtype: str,
+                  rounds: int) -> list[dict]:
+    """TTFT through P/D of revision `ref` and of this tree, alternated `rounds` times per family."""
+    trees = {"before": worktree(ref), "after": ROOT}
+    rows = []
+    for family in families:
+        runs = {"before": [], "after": []}
+        for _ in range(rounds):
+            for label, root in trees.items():
+                row = measure_family(family, prompt_len, reps, kv_cache_dtype, root=root)
+                runs[label].append(row)
+                print(json.dumps({"tree": label, **{k: v for k, v in row.items() if k != "bytes_per_request"}}),
+                      flush=True)
+        med = {label: {key: statistics.median(r[key] for r in rs) for key in ("ttft_colocated_ms", "ttft_pd_ms",
+                                                                               "added_ttft_ms")}
+               for label, rs in runs.items()}
+        rows.append({"family": family, "ref": ref, "rounds": rounds, "reps": reps, **{
+            f"{label}_{key}": value for label, m in med.items() for key, value in m.items()},
+            "ttft_pd_after_over_before": med["after"]["ttft_pd_ms"] / med["before"]["ttft_pd_ms"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def mixed_workload(n_long: int, n_short: int, long_len: int, short_len: int, short_out: int) -> list[BenchRequest]:
@@ -155,9 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", help="both sides, e.g. fp8_e4m3 (default: model dtype)")
     parser.add_argument("--mixed-family", default="qwen3_5", help="'' skips the colocated vs 1P+1D run")
     parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--before", default=None, metavar="REF", help="also measure git revision REF, alternated")
+    parser.add_argument("--rounds", type=int, default=2, help="with --before: REF / this tree alternations")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     report = {"families": [], "mixed": None}
+    if args.before:
+        report["before_after"] = compare_trees(args.before, args.families, args.prompt_len, args.reps,
+                                               args.kv_cache_dtype, args.rounds)
+        args.families, args.mixed_family = [], ""
     for family in args.families:
         t0 = time.perf_counter()
         row = measure_family(family, args.prompt_len, args.reps, args.kv_cache_dtype)

@@ -22,10 +22,11 @@ HOW_TO_SET_TOKEN = ("set the internal token on every instance and the proxy: exp
 
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and localhost; False for wildcards and every other address."""
-    if host.strip().lower() == "localhost":
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a hostname: assume it is reachable from elsewhere
 

@@ -9,7 +9,6 @@ loopback address refuses to start without a token unless `--insecure-kv-transfer
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 
 from configs.environment import lookup
 from configs.schema import KVTransferSection
+from server.deployment import is_loopback
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,6 @@ class ProxyConfig:
 
 class ProxyConfigError(ValueError):
     """A command line the proxy refuses to start with (exit code 2)."""
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
-    host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name (or anything else) may resolve to a public interface
 
 
 def insecure_bind(config: ProxyConfig) -> bool:

@@ -3,7 +3,8 @@
     with PDCluster(checkpoint, prefill=["--set", "cache.page_size=16"], decode=[...]) as pd:
         pd.proxy_url, pd.prefill_url, pd.decode_url, pd.stats("decode")
 
-Each process binds a free port (port 0) and is found by its "ready at" log line; a reader
+All three share the internal token (JAXSERVE_KV_TRANSFER_TOKEN, `TOKEN`), as a deployment
+should. Each process binds a free port (port 0) and is found by its "ready at" log line; a reader
 thread drains its output (a full pipe would block it) and keeps the tail for failure messages.
 Every wait is bounded; `close` kills the processes by PID.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"ready at (http://[\d.]+:\d+)")
 # Small and fast: no AOT compile (buckets compile on first use), a few sequences.
+TOKEN = "pd-test-kv-transfer-token-0123456789"
 BASE_FLAGS = ["--set", "model.dtype=float32", "--set", "compile.aot=false", "--set", "compile.cache_dir=null",
               "--set", "scheduler.max_num_seqs=4", "--set", "scheduler.max_num_batched_tokens=64",
               "--set", "cache.num_pages=96", "--set", "model.max_model_len=512", "--set", "server.port=0",
@@ -32,12 +34,13 @@ BASE_FLAGS = ["--set", "model.dtype=float32", "--set", "compile.aot=false", "--s
 
 class Process:
     def __init__(self, name: str, argv: list[str], env: dict | None = None, timeout_s: float = 240.0,
-                 launcher: list[str] = ()):
+                 launcher: list[str] = (), root: Path = ROOT):
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "server.cli", *argv], cwd=ROOT, text=True,
+        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "server.cli", *argv], cwd=root, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": str(root), "JAXSERVE_KV_TRANSFER_TOKEN": TOKEN,
+                                          **(env or {})})
         self._url: str | None = None
         self.num_lines = 0  # output lines read so far
         self._numbered: collections.deque[tuple[int, str]] = collections.deque(maxlen=400)
@@ -112,8 +115,10 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 class PDCluster:
     def __init__(self, checkpoint: Path, prefill: list[str] = (), decode: list[str] = (), proxy: list[str] = (),
-                 prefill_env: dict | None = None, decode_env: dict | None = None):
+                 prefill_env: dict | None = None, decode_env: dict | None = None, root: Path = ROOT):
+        """`root`: the source tree the three processes run (benchmarks compare two trees)."""
         self.processes: list[Process] = []
+        self.root = root
         try:
             self.prefill = self._start("prefill", ["serve", str(checkpoint), "--role", "prefill", *BASE_FLAGS,
                                                    *prefill], prefill_env)
@@ -126,7 +131,7 @@ class PDCluster:
             raise
 
     def _start(self, name, argv, env) -> Process:
-        process = Process(name, argv, env)
+        process = Process(name, argv, env, root=self.root)
         self.processes.append(process)
         return process
 

@@ -161,3 +161,53 @@ def test_serve_sets_the_gil_switch_interval(monkeypatch):
         assert load_config(None).server.gil_switch_interval_ms == 0.5
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("stem", ["gpu-h200-qwen3_5-9b", "tpu-v5e-8-qwen3_5-27b"])
+def test_shipped_pd_pairs_refuse_to_start_unsafe(stem, monkeypatch):
+    """Issue 29 finding 5: the shipped pairs bind 0.0.0.0; without the token (and, for the
+    prefill side, an address to advertise) `jaxserve serve` refuses before loading anything."""
+    from server import cli
+    from server.deployment import pd_deployment_error
+
+    monkeypatch.delenv("JAXSERVE_KV_TRANSFER_TOKEN", raising=False)
+    prefill, decode = (load_config(CONFIG_DIR / f"{stem}-{role}.yaml") for role in ("prefill", "decode"))
+    assert "advertise_host" in pd_deployment_error(prefill)
+    assert "JAXSERVE_KV_TRANSFER_TOKEN" in pd_deployment_error(decode)
+    advertised = load_config(CONFIG_DIR / f"{stem}-prefill.yaml", {"kv_transfer.advertise_host": "10.0.0.5"})
+    assert "JAXSERVE_KV_TRANSFER_TOKEN" in pd_deployment_error(advertised)
+    insecure = load_config(CONFIG_DIR / f"{stem}-decode.yaml", {"kv_transfer.insecure": True})
+    assert pd_deployment_error(insecure) is None
+    monkeypatch.setenv("JAXSERVE_KV_TRANSFER_TOKEN", "a-deployment-token-0123456789")
+    assert pd_deployment_error(load_config(CONFIG_DIR / f"{stem}-decode.yaml")) is None
+    assert pd_deployment_error(load_config(CONFIG_DIR / f"{stem}-prefill.yaml",
+                                           {"kv_transfer.advertise_host": "10.0.0.5"})) is None
+    monkeypatch.delenv("JAXSERVE_KV_TRANSFER_TOKEN")
+    assert cli.main(["serve", "--config", str(CONFIG_DIR / f"{stem}-decode.yaml"), "--fake-engine"]) == 2
+
+
+def test_kv_transfer_token_comes_from_the_environment_and_is_never_printed(monkeypatch, capsys):
+    from server import cli
+
+    secret = "an-environment-token-0123456789"
+    monkeypatch.setenv("JAXSERVE_KV_TRANSFER_TOKEN", secret)
+    config = load_config(None, {"parallel.role": "decode"})
+    assert config.kv_transfer.token.get_secret_value() == secret
+    flag = load_config(None, {"kv_transfer.token": "a-flag-token-0123456789abc"})  # the CLI wins
+    assert flag.kv_transfer.token.get_secret_value() == "a-flag-token-0123456789abc"
+    assert cli.main(["config", "--set", "parallel.role=decode"]) == 0
+    assert secret not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="kv_transfer.token: .*16 characters"):
+        load_config(None, {"kv_transfer.token": "short"})
+    monkeypatch.setenv("JAXSERVE_MULTIHOST_SECRET", "ignored-without-a-multihost-section")
+    assert load_config(None).parallel.multihost is None  # a variable whose section is absent is ignored
+
+
+def test_loopback_pd_roles_start_without_a_token():
+    from server.deployment import is_loopback, pd_deployment_error
+
+    assert pd_deployment_error(load_config(None, {"parallel.role": "prefill"})) is None
+    exposed = load_config(None, {"parallel.role": "prefill", "server.host": "0.0.0.0"})
+    assert "server.host '0.0.0.0'" in pd_deployment_error(exposed)
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost", "0.0.0.0", "10.0.0.5",
+                                     "example.com", "")] == [True] * 5 + [False] * 4

@@ -28,7 +28,7 @@ import openai
 import pytest
 from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
-from pd_testing import PDCluster, scrape, wait_all_free
+from pd_testing import TOKEN, PDCluster, scrape, wait_all_free
 
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
@@ -118,8 +118,10 @@ def _colocated(cluster, prompts, ignore_eos: bool = False) -> list:
     return [done[f"r{base}-{i}"].outputs[0] for i in range(len(prompts))]
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
+    """POST as the proxy does (with the internal token) or, `token=None`, as any client."""
+    headers = {"Content-Type": "application/json", **({"X-KV-Transfer-Token": token} if token else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, json.loads(response.read())
@@ -273,6 +275,46 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     assert prefill["jaxserve_kv_transfer_leases_expired"] >= 1 and prefill["jaxserve_kv_transfer_claims_refused"] >= 2
     for metrics, url in ((decode, cluster.decode.url), (prefill, cluster.prefill.url)):
         assert metrics["jaxserve_kv_transfer_leases_held"] == 0, url
+
+
+@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
+def test_pd_ports_fail_closed_over_http(cluster):
+    """Issue 29 over HTTP: transfer parameters from a client without the token are a 400 naming
+    the field, and the decode instance dials nothing (the test's own listener sees no
+    connection); the control port refuses claims without the token; malformed descriptors (they
+    used to kill the engine) are prefilled locally, exact, and the instance keeps serving."""
+    import socket
+
+    prompt = _prompts(500)[3]
+    want = _colocated(cluster, [prompt])[0].text
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    try:
+        port = listener.getsockname()[1]
+        params = _prefill_leg(cluster, prompt)
+        lure = {**params, "control_url": f"http://127.0.0.1:{port}"}
+        for url, transfer in ((cluster.decode.url, lure), (cluster.prefill.url, {"do_remote_decode": True})):
+            for token in (None, "a-wrong-token-0123456789"):
+                status, body = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                               "kv_transfer_params": transfer}, token=token)
+                assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+    claim = {"transfer_id": params["transfer_id"], "token_digest": params["descriptor"]["token_digest"],
+             "model_fingerprint": params["descriptor"]["model"]["fingerprint"]}
+    assert _post(params["control_url"] + "/kv_transfer/claim", claim, token=None)[0] == 401
+    assert _decode_leg(cluster, prompt, params) == want  # the genuine offer is still there, pulled
+    desc = params["descriptor"]
+    for bad in ({**desc, "kv_dtype": None}, {k: v for k, v in desc.items() if k != "kv_dtype"},
+                {**desc, "kv_dtype": "float64"}, {**desc, "num_pages": 3}, {**desc, "page_size": 3}):
+        assert _decode_leg(cluster, prompt, {**params, "descriptor": bad}) == want
+        with urllib.request.urlopen(cluster.decode.url + "/health", timeout=10) as response:
+            assert response.status == 200
+    other = _prompts(500)[5]
+    assert _decode_leg(cluster, other, None) == _colocated(cluster, [other])[0].text
+    _assert_all_free(cluster)
 
 
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)

@@ -22,7 +22,7 @@ from models.ops import ATTENTION_BACKENDS, GDN_BACKENDS, KernelOptions
 from runtime.engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
-from runtime.kv_transfer.leases import Lease, LeaseTable
+from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable
 from runtime.registry import Registry
 from runtime.types import EngineRequest, SamplingParams
 
@@ -312,18 +312,27 @@ def test_decode_short_of_pages_queues_pulled_requests(plugin, tiny_checkpoint):
     _all_free(decode)
 
 
+def _refused(table, *args, **kwargs) -> int:
+    with pytest.raises(ClaimRefused) as info:
+        table.claim(*args, **kwargs)
+    return info.value.status
+
+
 def test_lease_table_is_one_shot_and_expires():
     now = [0.0]
     table = LeaseTable(lease_s=10, clock=lambda: now[0])
-    table.add(Lease("a", None, 2, 1, 100, table.new_deadline()))
-    table.add(Lease("b", None, 3, 0, 50, table.new_deadline()))
-    assert table.held() == (2, 5, 1, 150)
-    assert table.claim("a", pull_timeout_s=30) is not None
-    assert table.claim("a", pull_timeout_s=30) is None  # replay
-    assert table.claim("zzz", pull_timeout_s=30) is None
+    table.add(Lease("a", None, 2, 1, 100, table.new_deadline(), token_digest="da", model_fingerprint="m"))
+    table.add(Lease("b", None, 3, 0, 50, table.new_deadline(), token_digest="db", model_fingerprint="m"))
+    table.add(Lease("c", None, 1, 0, 10, table.new_deadline(), token_digest="dc", model_fingerprint="m"))
+    assert table.held() == (3, 6, 1, 160)
+    assert table.claim("a", pull_timeout_s=30, token_digest="da", model_fingerprint="m").transfer_id == "a"
+    assert _refused(table, "a", pull_timeout_s=30) == 410  # replay
+    assert _refused(table, "zzz", pull_timeout_s=30) == 410
+    assert _refused(table, "c", pull_timeout_s=30, token_digest="da", model_fingerprint="m") == 409  # relabelled
+    assert _refused(table, "c", pull_timeout_s=30, token_digest="dc", model_fingerprint="m") == 410  # and ended
     now[0] = 11.0
-    assert [x.transfer_id for x in table.pop_expired()] == ["b"]  # "a" is claimed: 30 s to pull
-    assert table.claim("b", pull_timeout_s=30) is None
+    assert sorted(x.transfer_id for x in table.pop_expired()) == ["b", "c"]  # "a" is claimed: 30 s to pull
+    assert _refused(table, "b", pull_timeout_s=30) == 410
     assert table.release("a") is not None and table.held() == (0, 0, 0, 0)
 
 
