@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from importlib import metadata
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from configs.environment import environment_overrides
 
@@ -30,7 +31,36 @@ DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
 
 # auto: Pallas on TPU / GPU; on CPU "native" attention (jnp with the decode pass in C++,
 # pallas_kernels/cpu_native.py) and "chunked" GDN. "chunked" / "reference": the jnp paths.
-Backend = Literal["auto", "pallas", "reference", "chunked", "native"]
+# Installed plugins add names (entry points `attention_backend.<name>` etc. in the group
+# `jaxserve.plugins`, models/registry.py); the schema reads their names without importing them.
+BUILTIN_NAMES = {
+    "attention_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
+    "gdn_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
+    "scheduling_policy": ("fcfs", "priority"),
+}
+PLUGIN_GROUP = "jaxserve.plugins"  # models.registry.PLUGIN_GROUP (configs imports nothing of ours)
+
+
+def registered_names(kind: str) -> list[str]:
+    """Built-in names of `kind` plus those installed distributions add through entry points."""
+    plugins = [ep.name.partition(".")[2] for ep in metadata.entry_points(group=PLUGIN_GROUP)
+               if ep.name.startswith(kind + ".")]
+    return list(dict.fromkeys([*BUILTIN_NAMES[kind], *plugins]))
+
+
+def _registered(kind: str):
+    def check(value: str) -> str:
+        names = registered_names(kind)
+        if value not in names:
+            raise ValueError(f"unknown {kind} {value!r}; known (built-in and installed): {names}")
+        return value
+
+    return check
+
+
+Backend = Annotated[str, AfterValidator(_registered("attention_backend"))]
+GdnBackend = Annotated[str, AfterValidator(_registered("gdn_backend"))]
+Policy = Annotated[str, AfterValidator(_registered("scheduling_policy"))]
 
 
 class ConfigError(ValueError):
@@ -97,7 +127,7 @@ class SchedulerSection(_Section):
 
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Policy = "fcfs"  # a name in runtime.policies.POLICY_REGISTRY (plugins add more)
     token_buckets: tuple[int, ...] | None = None
     # Plan step n+1 while step n runs, its tokens fed on the device (runtime/engine.py); false:
     # the host waits for each step's tokens before it schedules the next.
@@ -240,7 +270,7 @@ class CompileConfig(_Section):
 
 class KernelsConfig(_Section):
     attention_backend: Backend = "auto"
-    gdn_backend: Backend = "auto"
+    gdn_backend: GdnBackend = "auto"
     # How the step runs the layers: one compiled layer group under lax.scan (compile time flat in
     # depth), or unrolled (weights read in place; faster on CPU for small models). auto: unroll
     # on the CPU backend for models of up to 16 layers, scan otherwise.

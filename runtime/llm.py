@@ -23,11 +23,17 @@ from tqdm.auto import tqdm
 
 from models.model import Model
 from runtime.engine import LLMEngine
-from configs.schema import apply_overrides, config_from_dict
+from configs.schema import BUILTIN_NAMES, apply_overrides, config_from_dict
 from runtime.engine_config import ENGINE_FIELD_KEYS, build_engine_config
 from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out
 
 Prompt = str | Sequence[int]
+
+
+def _gdn_following(attention_backend: str | None) -> str | None:
+    """GDN follows a built-in attention back-end's name unless given; a plugin's attention
+    back-end leaves GDN on auto."""
+    return attention_backend if attention_backend in BUILTIN_NAMES["gdn_backend"] else None
 
 
 class LLM:
@@ -47,7 +53,7 @@ class LLM:
         named = dict(dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                      kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-                     gdn_backend=gdn_backend or attention_backend)  # gdn follows attention unless given
+                     gdn_backend=gdn_backend or _gdn_following(attention_backend))
         fields = {**{k: v for k, v in named.items() if v is not None},  # None: the default
                   **{k: v for k, v in engine_kwargs.items() if k in ENGINE_FIELD_KEYS}}  # None may mean something
         engine_only = {k: v for k, v in engine_kwargs.items() if k not in ENGINE_FIELD_KEYS}

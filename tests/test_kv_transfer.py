@@ -134,6 +134,35 @@ def test_plugin_attention_backend_is_picked_by_name(plugin, tiny_checkpoint):
         KernelOptions(gdn="spy")
 
 
+def test_plugin_attention_backend_from_yaml_and_from_llm(plugin, tiny_checkpoint, tmp_path):
+    """The plugin's back-end by name from a launch YAML (the schema reads installed entry points)
+    and from `LLM()`: output equal to the built-in path; an unknown name is a ConfigError
+    listing the installed ones."""
+    import jaxserve_test_plugin
+
+    from configs.schema import ConfigError, load_config
+    from runtime.engine_client import engine_config_from_launch
+    from runtime.llm import LLM
+
+    path, prompt = tiny_checkpoint("llama"), _prompts()[4]
+    want = _run(LLMEngine(_config(path, attention_backend="reference")), prompt).outputs[0].token_ids
+    yaml_file = tmp_path / "spy.yaml"
+    yaml_file.write_text("kernels:\n  attention_backend: spy\n")
+    launch = load_config(yaml_file, {"model.dtype": "float32", "compile.aot": False, "cache.num_pages": 64,
+                                     "scheduler.max_num_seqs": 4, "scheduler.max_num_batched_tokens": 64,
+                                     "model.max_model_len": 256})
+    assert launch.kernels.attention_backend == "spy"
+    jaxserve_test_plugin.CALLS.clear()
+    assert _run(LLMEngine(engine_config_from_launch(launch, str(path))), prompt).outputs[0].token_ids == want
+    assert jaxserve_test_plugin.CALLS
+    jaxserve_test_plugin.CALLS.clear()
+    llm = LLM(str(path), dtype="float32", attention_backend="spy", num_pages=64, max_num_seqs=4,
+              max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
+    assert llm.generate([prompt], GREEDY)[0].token_ids == want and jaxserve_test_plugin.CALLS
+    with pytest.raises(ConfigError, match=r"unknown attention_backend 'nope'.*'spy'"):
+        load_config(None, {"kernels.attention_backend": "nope"})
+
+
 def _config(path, **kw) -> EngineConfig:
     base = dict(model=str(path), dtype="float32", page_size=16, num_pages=64, max_num_seqs=4,
                 max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
