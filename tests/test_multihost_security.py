@@ -375,8 +375,8 @@ def test_a_silent_leader_ends_the_follower_with_exit_1():
     key = os.urandom(32)
     follower = _follower(1, heartbeat_timeout_s=1.0)
     result = {}
-    replaying = threading.Thread(target=lambda: result.setdefault("code", follower.replay(Session(follower_end, 1, key))),
-                                 daemon=True)
+    session = Session(follower_end, 1, key)
+    replaying = threading.Thread(target=lambda: result.setdefault("code", follower.replay(session)), daemon=True)
     try:
         leader_end.sendall(encode_frame(0, HEARTBEAT, {}).packed(key))
         started = time.monotonic()
@@ -388,21 +388,52 @@ def test_a_silent_leader_ends_the_follower_with_exit_1():
         follower_end.close()
 
 
+def _send_heartbeats(sock: socket.socket) -> threading.Event:
+    """A follower's heartbeat lines on `sock` every 0.1 s until the returned event is set."""
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(0.1):
+            try:
+                sock.sendall(b'{"hb": 1}\n')
+            except OSError:
+                return
+
+    threading.Thread(target=beat, daemon=True).start()
+    return done
+
+
+def test_an_idle_leader_keeps_its_followers():
+    """After a step, no steps for 3 x heartbeat_timeout_s: the leader's heartbeat frames keep the
+    follower replaying (and the follower's keep the leader's watchdog content)."""
+    leader_end, follower_end = socket.socketpair()
+    key = os.urandom(32)
+    follower = _follower(1, heartbeat_timeout_s=1.0)
+    leader = MultihostLeader({1: Session(leader_end, 1, key)}, follower.multihost)
+    beating = _send_heartbeats(follower_end)
+    result = {}
+    session = Session(follower_end, 1, key)
+    replaying = threading.Thread(target=lambda: result.setdefault("code", follower.replay(session)), daemon=True)
+    try:
+        replaying.start()
+        LeaderExecutables(Recorder(), leader).copy_states(0, [(1, 2)])
+        time.sleep(3)
+        assert replaying.is_alive() and not result and leader.lost is None, (result, leader.lost)
+        leader.stop()
+        replaying.join(10)
+        assert result.get("code") == 0 and follower.steps == 2  # the step, then the stop frame
+    finally:
+        beating.set()
+        leader_end.close()
+        follower_end.close()
+
+
 def test_a_follower_that_stops_reading_is_lost():
     """It still sends heartbeats but reads nothing: the leader's sends time out and mark it lost."""
     leader_end, follower_end = socket.socketpair()
     leader = MultihostLeader({1: Session(leader_end, 1, bytes(32))},
                              SimpleNamespace(heartbeat_timeout_s=2.0, step_timeout_s=600), send_timeout_s=1.0)
-    beating = threading.Event()
-
-    def heartbeats():
-        while not beating.wait(0.1):
-            try:
-                follower_end.sendall(b'{"hb": 1}\n')
-            except OSError:
-                return
-
-    threading.Thread(target=heartbeats, daemon=True).start()
+    beating = _send_heartbeats(follower_end)
     raised = []
 
     def send_until_lost():
