@@ -118,8 +118,8 @@ def check_secret(multihost) -> bool:
         raise InsecureLaunchError(
             f"parallel.multihost: the JAX coordinator and the step channel use {' and '.join(exposed)} (not "
             "loopback) and no secret is set, so whoever reaches those ports could join this launch or read its "
-            "steps. Set the same secret on every process: export JAXSERVE_MULTIHOST_SECRET=\"$(python -c "
-            "'import secrets; print(secrets.token_urlsafe(32))')\" (or parallel.multihost.secret); "
+            "steps. Generate a secret once (python -c 'import secrets; print(secrets.token_urlsafe(32))') and "
+            "give every process the same value in JAXSERVE_MULTIHOST_SECRET (or parallel.multihost.secret); "
             "docs/scaling.md, 'Deploying safely'")
     return False
 
