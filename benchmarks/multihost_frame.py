@@ -1,5 +1,5 @@
 """Host cost of the multi-process step channel (runtime/multihost.py): frame size and the time to
-encode (leader) and decode + verify (follower) one step's `ForwardBatch`, for the test config's
+encode + MAC (leader) and verify + decode (follower) one step's `ForwardBatch`, for the test config's
 shapes and the v5p-16 config's (max_num_seqs 128, 512 blocks per sequence).
 
     python -m benchmarks.multihost_frame [--repeats 200]
@@ -15,8 +15,9 @@ import time
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.multihost import decode_frame, encode_frame
+from runtime.multihost_channel import decode_frame, encode_frame
 
+KEY = bytes(32)  # a session key (runtime/multihost_channel.py)
 # name -> (token bucket T, max_num_seqs S, max_blocks_per_seq MB)
 SHAPES = {"cpu-multihost test decode": (8, 4, 32), "v5p-16 decode": (128, 128, 512),
           "v5p-16 prefill": (8192, 128, 512)}
@@ -39,12 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         batch = _batch(*shape)
         t0 = time.perf_counter()
         for _ in range(args.repeats):
-            frame = encode_frame(1, "run_backbone", {"batch": batch})
+            frame = encode_frame(1, "run_backbone", {"batch": batch}).packed(KEY)
         t1 = time.perf_counter()
         size = struct.unpack(">I", frame[:4])[0]
         header, body = json.loads(frame[4:4 + size]), frame[4 + size:]
         for _ in range(args.repeats):
-            decode_frame(header, body, expected_seq=1)
+            decode_frame(header, body, expected_seq=1, key=KEY)
         t2 = time.perf_counter()
         encode_ms, decode_ms = ((b - a) / args.repeats * 1e3 for a, b in ((t0, t1), (t1, t2)))
         print(f"{name:<28} T={shape[0]:<5} frame {len(frame) / 1024:7.1f} KiB   encode {encode_ms:6.3f} ms   "

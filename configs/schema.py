@@ -178,10 +178,27 @@ class MultihostConfig(_Section):
     step_timeout_s: float = Field(default=600.0, gt=0)  # one executable call (first-use compiles included)
     # Simulated CPU devices per process (`jax_num_cpu_devices`): several processes on one machine.
     cpu_devices: int | None = Field(default=None, ge=1)
+    # The step channel's shared key (HMAC handshake and frame digests), the same on every process;
+    # set it through the environment (JAXSERVE_MULTIHOST_SECRET). Required unless every address
+    # is loopback (docs/scaling.md, "Deploying safely").
+    secret: SecretStr | None = None
+    # HOST:PORT that process 0's JAX coordinator binds; its step channel binds the same host.
+    # null: coordinator_address itself, not every interface.
+    coordinator_bind_address: str | None = None
 
-    @field_validator("coordinator_address")
+    @field_validator("secret")
     @classmethod
-    def _host_and_port(cls, value: str) -> str:
+    def _secret_strength(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().strip()) < 16:
+            raise ValueError("must be at least 16 characters (e.g. `python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))'`)")
+        return value
+
+    @field_validator("coordinator_address", "coordinator_bind_address")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"must be HOST:PORT, got {value!r}")

@@ -53,13 +53,19 @@ def initialize_multihost(cfg) -> bool:
     if jax.distributed.is_initialized():
         log.info("jax.distributed is already initialised; keeping it")
         return False
-    log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", multihost.coordinator_address,
-             multihost.num_processes, multihost.process_id)
+    from runtime.multihost_channel import check_secret, coordinator_bind_address
+
+    # Refused before anything listens: a launch that other machines can reach needs the secret.
+    authenticated = check_secret(multihost)
+    bind_address = coordinator_bind_address(multihost)
+    log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d, coordinator_bind_address=%s)%s",
+             multihost.coordinator_address, multihost.num_processes, multihost.process_id, bind_address,
+             "" if authenticated or multihost.num_processes == 1 else "; no secret: loopback only")
     # Cross-process collectives on the CPU backend (ignored by TPU/GPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if getattr(multihost, "cpu_devices", None):
         jax.config.update("jax_num_cpu_devices", multihost.cpu_devices)
     jax.distributed.initialize(coordinator_address=multihost.coordinator_address,
                                num_processes=multihost.num_processes, process_id=multihost.process_id,
-                               shutdown_timeout_seconds=SHUTDOWN_BARRIER_S)
+                               coordinator_bind_address=bind_address, shutdown_timeout_seconds=SHUTDOWN_BARRIER_S)
     return True

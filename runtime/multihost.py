@@ -12,32 +12,36 @@ The leader's `StepExecutables` are wrapped (`LeaderExecutables`): before each ca
 (`run_write_table`, `run_table_backbone`, `run_table_greedy_backbone`, `run_prepare`,
 `run_scoring_backbone`, `run_backbone`, `run_greedy_backbone`, `run_sampler`, `copy_states`) its
 host arguments (the request table's `TableStep`, sampling metadata, prompt targets, bitmask,
-slot pairs; attention DP's host-built `ForwardBatch`) go to every follower in one frame over TCP; the follower runs the same method of its own executables
-with its own device arrays (`params`, `caches`, its own request table, the batch its own
-`run_prepare` gathered, the last backbone's `hidden`, its last sampled tokens). Why not
-`multihost_utils.broadcast_one_to_all` or the same scheduler on every process: docs/scaling.md.
+slot pairs; attention DP's host-built `ForwardBatch`) go to every follower in one frame over TCP;
+the follower runs the same method of its own executables with its own device arrays (`params`,
+`caches`, its own request table, the batch its own `run_prepare` gathered, the last backbone's
+`hidden`, its last sampled tokens). Why not `multihost_utils.broadcast_one_to_all` or the same
+scheduler on every process: docs/scaling.md.
 
-Frame (leader -> follower): u32 header length, JSON header {seq, op, args, digest}, then the raw
-bytes of the arrays the header describes. A follower checks that `seq` is the next step counter
-and that the blake2b `digest` of header args + bytes matches; a mismatch is `DivergenceError`
-(fatal, exit 3). After every token-producing call it answers a JSON line {"seq", "tokens"} with
-the digest of the tokens it computed; the leader compares it with its own tokens' digest
-(mismatch: the engine is marked dead). Followers also send {"hb": 1} every HEARTBEAT_S; the
-leader's watchdog marks the engine dead when a follower's socket closes, it is silent for
-`heartbeat_timeout_s`, or one call runs longer than `step_timeout_s`. A follower exits 1 when the
-leader's socket closes, 0 after the leader's stop frame (`MultihostLeader.stop`).
+The channel (runtime/multihost_channel.py): a follower joins only after it and the leader proved
+to each other that they hold `parallel.multihost.secret` (HMAC challenge-response); each frame
+{seq, op, args, body, mac} carries a MAC keyed with that connection's session key. A follower
+checks that `seq` is the next step counter and that the MAC holds; a mismatch is
+`DivergenceError` (fatal, exit 3). After every token-producing call it answers a JSON line
+{"seq", "tokens"} with the keyed digest of its tokens; the leader compares it with its own
+tokens' (mismatch: the engine is marked dead).
+
+Liveness, both ways, every HEARTBEAT_S: followers send {"hb": 1}; the leader sends an "hb" frame
+when it has sent nothing else. The leader's watchdog marks the engine dead when a follower's
+socket closes, it is silent for `heartbeat_timeout_s`, a send blocks for SEND_TIMEOUT_S (a
+follower that stopped reading), or one call runs longer than `step_timeout_s`. A follower exits 1
+when the leader's socket closes or is silent for `heartbeat_timeout_s`, 4 when the handshake
+fails (wrong secret, not the leader), 0 after the leader's stop frame (`MultihostLeader.stop`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
+import hmac
 import json
 import logging
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -46,16 +50,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.multihost_channel import (HANDSHAKE_TIMEOUT_S, HEARTBEAT, DivergenceError, Frame, HandshakeError,
+                                       Session, accept_followers, channel_secret, configure, decode_frame,
+                                       encode_frame, follower_handshake, read_frame, step_address,
+                                       step_bind_address, tokens_digest)
 from runtime.step import TokenFeed
 
 log = logging.getLogger("jaxserve.multihost")
 
 HEARTBEAT_S = 0.5
 CONNECT_TIMEOUT_S = 600.0  # followers wait this long for the leader's step channel (it compiles first)
-SEND_TIMEOUT_S = 30.0
-EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED = 1, 2, 3
+SEND_TIMEOUT_S = 30.0  # a follower that has not read for this long is lost
+EXIT_LEADER_LOST, EXIT_FAILED, EXIT_DIVERGED, EXIT_REFUSED = 1, 2, 3, 4
 
 # method -> its argument names in order. params / caches / hidden are each process's own device
 # arrays; every other argument is a host value the leader sends.
@@ -74,108 +80,14 @@ DEVICE_ARGS = frozenset({"params", "caches", "hidden", "table"})
 # Host values on the leader travel; device values (the batch the request table's prepare
 # gathered, the previous step's sampled tokens) travel as None: each process uses its own.
 OWN_IF_ON_DEVICE = ("batch", "prev_tokens")
-_DATACLASSES = {cls.__name__: cls for cls in (ForwardBatch, SamplingMetadata, TableStep)}
-
-
-class DivergenceError(RuntimeError):
-    """A follower received a step out of order, corrupted, or computed other tokens than the leader."""
 
 
 class FollowerLost(RuntimeError):
     """A follower process died, went silent, or a step stopped making progress."""
 
 
-def step_address(multihost) -> tuple[str, int]:
-    """(host, port) of the leader's step channel: the coordinator's host, `step_port` or the
-    coordinator's port + 1."""
-    host, _, port = multihost.coordinator_address.rpartition(":")
-    return host, multihost.step_port or int(port) + 1
-
-
-# ---- wire format --------------------------------------------------------------------------------
-def _describe(value, chunks: list[bytes], offset: list[int]):
-    """JSON description of a host value; array bytes are appended to `chunks`."""
-    if isinstance(value, (np.ndarray, np.generic)):
-        pass
-    elif value is None or isinstance(value, (bool, int, float, str)):
-        return {"json": value}
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (list, tuple, int)) for v in value):
-        return {"json": [list(v) if isinstance(v, (list, tuple)) else v for v in value]}
-    elif dataclasses.is_dataclass(value) and type(value).__name__ in _DATACLASSES:
-        fields = {f.name: _describe(getattr(value, f.name), chunks, offset) for f in dataclasses.fields(value)}
-        return {"dataclass": type(value).__name__, "fields": fields}
-    array = np.asarray(value)
-    data = array.tobytes()  # C order; keeps 0-d arrays 0-d (np.ascontiguousarray would not)
-    chunks.append(data)
-    offset[0] += len(data)
-    return {"array": array.dtype.str, "shape": list(array.shape), "end": offset[0]}
-
-
-def _restore(spec, body: memoryview):
-    if "json" in spec:
-        return spec["json"]
-    if "dataclass" in spec:
-        cls = _DATACLASSES[spec["dataclass"]]
-        return cls(**{name: _restore(field, body) for name, field in spec["fields"].items()})
-    dtype, shape = np.dtype(spec["array"]), tuple(spec["shape"])
-    end = spec["end"]
-    start = end - int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return np.frombuffer(body[start:end], dtype=dtype).reshape(shape).copy()
-
-
-def _digest(args_json: str, body: bytes) -> str:
-    return hashlib.blake2b(args_json.encode() + body, digest_size=16).hexdigest()
-
-
-def encode_frame(seq: int, op: str, args: dict) -> bytes:
-    """One leader -> follower frame: op "stop", or a STEP_METHODS name with its host args."""
-    chunks: list[bytes] = []
-    described = {name: _describe(value, chunks, [sum(map(len, chunks))]) for name, value in args.items()}
-    body = b"".join(chunks)
-    args_json = json.dumps(described, sort_keys=True)
-    header = json.dumps({"seq": seq, "op": op, "args": args_json, "digest": _digest(args_json, body),
-                         "body": len(body)}).encode()
-    return struct.pack(">I", len(header)) + header + body
-
-
-def decode_frame(header: dict, body: bytes, expected_seq: int) -> tuple[str, dict]:
-    """(op, host args) of a frame; DivergenceError if it is not step `expected_seq` as sent."""
-    if header["seq"] != expected_seq:
-        raise DivergenceError(f"received step {header['seq']}, expected step {expected_seq}")
-    if _digest(header["args"], body) != header["digest"]:
-        raise DivergenceError(f"step {expected_seq}: the inputs' digest does not match the leader's")
-    op = header["op"]
-    if op != "stop" and op not in STEP_METHODS:
-        raise DivergenceError(f"step {expected_seq}: unknown operation {op!r}")
-    view = memoryview(body)
-    return op, {name: _restore(spec, view) for name, spec in json.loads(header["args"]).items()}
-
-
-def read_frame(sock: socket.socket) -> tuple[dict, bytes] | None:
-    """(header, body), or None when the peer closed the connection."""
-    size = _recv_exact(sock, 4)
-    if size is None:
-        return None
-    raw = _recv_exact(sock, struct.unpack(">I", size)[0])
-    if raw is None:
-        return None
-    header = json.loads(raw)
-    body = _recv_exact(sock, header["body"]) if header["body"] else b""
-    return None if body is None else (header, body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)
-
-
-def tokens_digest(tokens) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(np.asarray(tokens, np.int32)).tobytes(), digest_size=16).hexdigest()
+class LeaderLost(ConnectionError):
+    """The leader closed the step channel, went silent, or stopped reading."""
 
 
 def _tokens_of(method: str, result):
@@ -225,15 +137,17 @@ class LeaderExecutables:
 
 
 class MultihostLeader:
-    """Process 0's end of the step channel: one TCP connection per follower, a reader thread per
-    connection (heartbeats and token digests) and a watchdog."""
+    """Process 0's end of the step channel: one authenticated TCP connection per follower, a reader
+    thread per connection (heartbeats and token digests), a heartbeat sender and a watchdog."""
 
-    def __init__(self, server: socket.socket, followers: dict[int, socket.socket], streams: dict, multihost):
-        self._server, self._followers = server, followers
+    def __init__(self, sessions: dict[int, Session], multihost, send_timeout_s: float = SEND_TIMEOUT_S):
+        self._sessions = sessions
         self.heartbeat_timeout_s, self.step_timeout_s = multihost.heartbeat_timeout_s, multihost.step_timeout_s
         self._seq = 0
         self._lock = threading.Lock()
-        self._last_seen = {pid: time.monotonic() for pid in followers}
+        self._send_lock = threading.Lock()  # one whole frame at a time on every connection
+        self._last_sent = time.monotonic()
+        self._last_seen = {pid: time.monotonic() for pid in sessions}
         self._call_started: tuple[int, float] | None = None  # (seq, monotonic start) of the running call
         self._tokens: dict[int, tuple] = {}  # seq -> (leader tokens, follower digests not yet checked, checked)
         self._stopping = False
@@ -241,34 +155,24 @@ class MultihostLeader:
         self._on_lost = []
         self._done = threading.Event()
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-token-check")
-        for pid, stream in streams.items():
-            threading.Thread(target=self._read, args=(pid, stream), name=f"jaxserve-follower-{pid}",
-                             daemon=True).start()
+        for pid, session in sessions.items():
+            session.sock.settimeout(max(send_timeout_s, 2 * self.heartbeat_timeout_s))  # reads see heartbeats
+            threading.Thread(target=self._read, args=(pid, session.sock.makefile("rb")),
+                             name=f"jaxserve-follower-{pid}", daemon=True).start()
         threading.Thread(target=self._watch, name="jaxserve-multihost-watchdog", daemon=True).start()
+        threading.Thread(target=self._beat, name="jaxserve-leader-heartbeat", daemon=True).start()
 
     @classmethod
-    def listen(cls, multihost, timeout_s: float = CONNECT_TIMEOUT_S) -> "MultihostLeader":
-        """Bind the step channel and wait for all `num_processes - 1` followers to say hello."""
-        host, port = step_address(multihost)
-        server = socket.create_server((host, port), reuse_port=False)
-        server.settimeout(timeout_s)
-        followers: dict[int, socket.socket] = {}
-        streams = {}  # pid -> the buffered reader of its socket (the hello line came through it)
-        log.info("step channel on %s:%d: waiting for %d followers", host, port, multihost.num_processes - 1)
-        while len(followers) < multihost.num_processes - 1:
-            sock, peer = server.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            stream = sock.makefile("rb")
-            hello = json.loads(stream.readline() or b"{}")
-            pid = hello.get("process_id")
-            if not isinstance(pid, int) or not 0 < pid < multihost.num_processes or pid in followers:
-                log.error("step channel: refusing %s (hello %r)", peer, hello)
-                sock.close()
-                continue
-            sock.settimeout(max(SEND_TIMEOUT_S, 2 * multihost.heartbeat_timeout_s))  # sends; reads see heartbeats
-            followers[pid], streams[pid] = sock, stream
-            log.info("follower %d connected from %s", pid, peer)
-        return cls(server, followers, streams, multihost)
+    def listen(cls, multihost, timeout_s: float = CONNECT_TIMEOUT_S,
+               handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> "MultihostLeader":
+        """Bind the step channel and wait for all `num_processes - 1` followers to authenticate;
+        TimeoutError after `timeout_s`. Other connections are refused and do not hold it up."""
+        secret = channel_secret(multihost)
+        host, port = step_bind_address(multihost)
+        with socket.create_server((host, port)) as server:
+            log.info("step channel on %s:%d: waiting for %d followers", host, port, multihost.num_processes - 1)
+            sessions = accept_followers(server, secret, multihost.num_processes, timeout_s, handshake_timeout_s)
+        return cls(sessions, multihost)
 
     def attach(self, client) -> None:
         """Serve through `client` (an AsyncEngine): wrap its engine's executables, mark it dead
@@ -284,14 +188,22 @@ class MultihostLeader:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        frame = encode_frame(seq, op, args)
-        for pid, sock in self._followers.items():
-            try:
-                sock.sendall(frame)
-            except OSError as err:
-                self._lose(FollowerLost(f"follower {pid}: sending step {seq} failed ({err})"))
-                raise FollowerLost(str(self.lost)) from err
+        self._broadcast(encode_frame(seq, op, args), f"step {seq}")
         return seq
+
+    def _broadcast(self, frame: Frame, what: str) -> None:
+        """`frame` to every follower, each with its own MAC; FollowerLost if a send fails."""
+        failure = None
+        with self._send_lock:
+            for pid, session in self._sessions.items():
+                try:
+                    session.sock.sendall(frame.packed(session.key))
+                except OSError as err:
+                    failure = failure or FollowerLost(f"follower {pid}: sending {what} failed ({err!r})")
+            self._last_sent = time.monotonic()
+        if failure is not None:
+            self._lose(failure)
+            raise failure
 
     @contextlib.contextmanager
     def running(self, seq: int):
@@ -305,8 +217,8 @@ class MultihostLeader:
     def expect_tokens(self, seq: int, tokens) -> None:
         self._match_tokens(seq, leader_tokens=tokens)
 
-    def _match_tokens(self, seq: int, leader_tokens=None, follower_digest: str | None = None) -> None:
-        """Check every follower's digest of step `seq`'s tokens against the leader's tokens,
+    def _match_tokens(self, seq: int, leader_tokens=None, follower_digest: tuple[int, str] | None = None) -> None:
+        """Check every follower's (pid, digest) of step `seq`'s tokens against the leader's tokens,
         whichever arrives first; the entry is dropped once all followers have been checked."""
         with self._lock:
             tokens, digests, checked = self._tokens.get(seq, (None, [], 0))
@@ -316,29 +228,43 @@ class MultihostLeader:
                 self._tokens[seq] = (tokens, digests, checked)
                 return
             checked += len(digests)
-            if checked >= len(self._followers):
+            if checked >= len(self._sessions):
                 del self._tokens[seq]
             else:
                 self._tokens[seq] = (tokens, [], checked)
         self._checker.submit(self._check_tokens, seq, tokens, digests)  # off the engine thread: it waits on the device
 
-    def _check_tokens(self, seq: int, tokens, digests: list[str]) -> None:
-        ours = tokens_digest(tokens)
-        if any(theirs != ours for theirs in digests):
-            self._lose(DivergenceError(f"step {seq}: a follower sampled other tokens than the leader"))
+    def _check_tokens(self, seq: int, tokens, digests: list[tuple[int, str]]) -> None:
+        tokens = np.asarray(tokens)
+        for pid, theirs in digests:
+            if not hmac.compare_digest(theirs.encode(), tokens_digest(self._sessions[pid].key, seq, tokens).encode()):
+                self._lose(DivergenceError(f"step {seq}: follower {pid} sampled other tokens than the leader"))
 
     # -- liveness --
     def _read(self, pid: int, stream) -> None:
+        reason = f"follower process {pid} closed its step channel (it died or exited)"
         try:
             for line in stream:
                 self._last_seen[pid] = time.monotonic()
                 message = json.loads(line)
-                if "tokens" in message:
-                    self._match_tokens(message["seq"], follower_digest=message["tokens"])
+                if isinstance(message, dict) and "tokens" in message:
+                    seq, digest = message.get("seq"), message["tokens"]
+                    if type(seq) is not int or not isinstance(digest, str):
+                        raise ValueError(f"malformed token reply {line[:80]!r}")
+                    self._match_tokens(seq, follower_digest=(pid, digest))
         except (OSError, ValueError) as err:
-            log.debug("follower %d reader: %s", pid, err)
+            reason = f"follower {pid}'s step channel failed: {err}"
         if not self._stopping:
-            self._lose(FollowerLost(f"follower process {pid} closed its step channel (it died or exited)"))
+            self._lose(FollowerLost(reason))
+
+    def _beat(self) -> None:
+        """An "hb" frame whenever nothing else went out for HEARTBEAT_S: followers time out on silence."""
+        while not self._done.wait(HEARTBEAT_S / 2):
+            if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                try:
+                    self._broadcast(encode_frame(self._seq, HEARTBEAT, {}), "a heartbeat")
+                except FollowerLost:
+                    return
 
     def _watch(self) -> None:
         while not self._done.wait(0.2):
@@ -370,18 +296,19 @@ class MultihostLeader:
             log.critical("exiting with status 1: %s", self.lost)
             logging.shutdown()
             os._exit(EXIT_LEADER_LOST)
-        self._stopping = True
-        self._done.set()
-        frame = encode_frame(self._seq + 1, "stop", {})
-        for sock in self._followers.values():
-            try:
-                sock.sendall(frame)
-            except OSError as err:
-                log.warning("stop frame not delivered: %s", err)
+        self.stop()
         import jax
 
         jax.distributed.shutdown()
-        self._server.close()
+
+    def stop(self) -> None:
+        """Send every follower the stop frame (they leave with exit code 0) and stop the threads."""
+        self._stopping = True
+        self._done.set()
+        try:
+            self._broadcast(encode_frame(self._seq + 1, "stop", {}), "the stop frame")
+        except FollowerLost as err:
+            log.warning("stop frame not delivered: %s", err)
 
 
 # ---- follower -----------------------------------------------------------------------------------
@@ -395,25 +322,26 @@ class Follower:
         self.table, self.batch = getattr(engine, "table", None), None
         self.last_tokens = None  # this process's tokens of the last sampling call (prev_tokens, TokenFeed)
         self.steps = 0
+        self._send_lock = threading.Lock()
 
     def follow(self) -> int:
         """Connect, replay steps until the stop frame, then leave the distributed runtime and
-        return 0. Leader gone (1), a failed step (2), divergence (3): close the channel (the
-        leader's watchdog sees it at once) and exit without the shutdown barrier."""
-        sock = self._connect()
-        threading.Thread(target=self._heartbeat, args=(sock,), name="jaxserve-heartbeat", daemon=True).start()
+        return 0. Leader gone or silent (1), a failed step (2), divergence (3), a failed handshake
+        (4): close the channel (the leader's watchdog sees it at once) and exit without the
+        shutdown barrier."""
         pid = self.multihost.process_id
         try:
-            code = self._replay(sock)
-        except DivergenceError as err:
-            log.critical("process %d diverged from the leader: %s", pid, err)
-            code = EXIT_DIVERGED
-        except Exception:  # noqa: BLE001 - this process can no longer follow: say so and leave
-            log.critical("process %d: step %d failed", pid, self.steps, exc_info=True)
-            code = EXIT_FAILED
+            session = self.connect()
+        except (HandshakeError, OSError) as err:
+            code = EXIT_REFUSED if isinstance(err, HandshakeError) else EXIT_LEADER_LOST
+            log.critical("process %d cannot join process 0's step channel: %s; exit code %d", pid, err, code)
+            logging.shutdown()
+            os._exit(code)
+        threading.Thread(target=self._heartbeat, args=(session.sock,), name="jaxserve-heartbeat", daemon=True).start()
+        code = self.replay(session)
         log.info("follower %d: %d steps replayed, exit code %d", pid, self.steps, code)
         if code != 0:
-            sock.close()
+            session.sock.close()
             logging.shutdown()
             os._exit(code)
         import jax
@@ -421,23 +349,37 @@ class Follower:
         jax.distributed.shutdown()
         return 0
 
-    def _connect(self) -> socket.socket:
+    def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Session:
+        """Dial the leader's step channel until it answers (it compiles first) and authenticate
+        both ways. HandshakeError: the peer is not this launch's leader, or it refused us."""
+        secret = channel_secret(self.multihost)
         host, port = step_address(self.multihost)
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 sock = socket.create_connection((host, port), timeout=5)
-                break
             except OSError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._send_lock = threading.Lock()
-        self._send(sock, {"process_id": self.multihost.process_id})
-        log.info("follower %d connected to the leader at %s:%d", self.multihost.process_id, host, port)
-        return sock
+                continue
+            configure(sock)
+            try:
+                session = follower_handshake(sock, secret, self.multihost.process_id)
+                break
+            except HandshakeError:
+                sock.close()
+                raise
+            except OSError as err:  # closed or timed out mid-handshake (a busy leader): dial again
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("follower %d: handshake with %s:%d failed (%s); retrying", self.multihost.process_id,
+                            host, port, err)
+                time.sleep(0.5)
+        sock.settimeout(timeout_s)  # until the first frame: the leader may still wait for other followers
+        log.info("follower %d joined the leader at %s:%d", self.multihost.process_id, host, port)
+        return session
 
     def _send(self, sock: socket.socket, message: dict) -> None:
         with self._send_lock:
@@ -452,19 +394,47 @@ class Follower:
                 print("jaxserve follower: the leader is gone; exiting 1", file=sys.stderr, flush=True)
                 os._exit(EXIT_LEADER_LOST)
 
-    def _replay(self, sock: socket.socket) -> int:
+    def replay(self, session: Session) -> int:
+        """Run the leader's steps until its stop frame (0); the exit code of what ended it otherwise."""
+        pid = self.multihost.process_id
+        try:
+            return self._replay(session)
+        except DivergenceError as err:
+            log.critical("process %d diverged from the leader: %s", pid, err)
+            return EXIT_DIVERGED
+        except LeaderLost as err:
+            log.critical("process %d lost the leader: %s", pid, err)
+            return EXIT_LEADER_LOST
+        except Exception:  # noqa: BLE001 - this process can no longer follow: say so and leave
+            log.critical("process %d: step %d failed", pid, self.steps, exc_info=True)
+            return EXIT_FAILED
+
+    def _replay(self, session: Session) -> int:
         while True:
-            frame = read_frame(sock)
+            try:
+                frame = read_frame(session.sock)
+            except TimeoutError:
+                raise LeaderLost(f"no frame or heartbeat from the leader for {session.sock.gettimeout():g} s") from None
+            except OSError as err:
+                raise LeaderLost(f"the step channel failed: {err!r}") from err
             if frame is None:
-                log.error("follower %d: the leader closed the step channel", self.multihost.process_id)
-                return EXIT_LEADER_LOST
-            op, args = decode_frame(*frame, expected_seq=self.steps + 1)
+                raise LeaderLost("the leader closed the step channel")
+            session.sock.settimeout(self.multihost.heartbeat_timeout_s)  # the leader now beats every HEARTBEAT_S
+            op, args = decode_frame(*frame, expected_seq=self.steps + 1, key=session.key)
+            if op == HEARTBEAT:
+                continue
             self.steps += 1
             if op == "stop":
                 return 0
+            if op not in STEP_METHODS:
+                raise DivergenceError(f"step {self.steps}: unknown operation {op!r}")
             tokens = _tokens_of(op, self.run(op, args))
-            if tokens is not None:
-                self._send(sock, {"seq": self.steps, "tokens": tokens_digest(tokens)})
+            if tokens is None:
+                continue
+            try:
+                self._send(session.sock, {"seq": self.steps, "tokens": tokens_digest(session.key, self.steps, tokens)})
+            except OSError as err:
+                raise LeaderLost(f"replying to step {self.steps} failed: {err!r}") from err
 
     def _prev_tokens(self):
         return self.last_tokens if self.last_tokens is not None else self.engine._no_prev_tokens

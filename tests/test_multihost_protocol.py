@@ -1,9 +1,10 @@
 """The multi-process step protocol (runtime/multihost.py) without devices or processes.
 
-A leader's wrapped executables and a follower talk over a socketpair; both sides run a
-hand-computable fake `StepExecutables` that records every call. The follower must make exactly
-the leader's calls (same methods, same host arguments, same order); a frame out of order or
-altered in flight, and a follower whose tokens differ from the leader's, are fatal.
+A leader's wrapped executables and a follower talk over a socketpair (one session key on both
+ends, as after the handshake); both sides run a hand-computable fake `StepExecutables` that
+records every call. The follower must make exactly the leader's calls (same methods, same host
+arguments, same order); a frame out of order or altered in flight, and a follower whose tokens
+differ from the leader's, are fatal. The handshake and attacks on it: tests/test_multihost_security.py.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import numpy as np
 import pytest
 
 from models.batch import single_sequence_batch
-from runtime.multihost import (DivergenceError, FollowerLost, Follower, LeaderExecutables, MultihostLeader,
-                               decode_frame, encode_frame, read_frame)
+from runtime.multihost import DivergenceError, Follower, FollowerLost, LeaderExecutables, MultihostLeader
+from runtime.multihost_channel import Session, decode_frame, encode_frame, read_frame
 from runtime.sampling_metadata import SamplingMetadata
 from runtime.types import SamplingParams
 
 MULTIHOST = SimpleNamespace(process_id=1, num_processes=2, coordinator_address="127.0.0.1:1", step_port=2,
-                            heartbeat_timeout_s=30.0, step_timeout_s=30.0)
+                            heartbeat_timeout_s=30.0, step_timeout_s=30.0, secret=None,
+                            coordinator_bind_address=None)
+KEY = bytes(range(32))  # the session key both ends derived in the handshake
 
 
 class RecordingExecutables:
@@ -75,25 +78,21 @@ def _drive(leader_ex):
 def _pair(follower_offset: int = 0):
     """A leader (wrapping a recorder) and a follower (its own recorder) joined by a socketpair."""
     ours, theirs = socket.socketpair()
-    leader = MultihostLeader(server=socket.socket(), followers={1: ours}, streams={1: ours.makefile("rb")},
-                             multihost=MULTIHOST)
+    leader = MultihostLeader({1: Session(ours, 1, KEY)}, MULTIHOST)
     lost = []
     leader._on_lost.append(lost.append)
     engine = SimpleNamespace(executables=RecordingExecutables(follower_offset), model=SimpleNamespace(params="p"),
                              caches=0)
     follower = Follower(engine, MULTIHOST)
-    follower._send_lock = threading.Lock()
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", follower._replay(theirs)), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("code", follower.replay(Session(theirs, 1, KEY))),
+                              daemon=True)
     thread.start()
     return leader, follower, thread, result, lost
 
 
 def _stop(leader, thread):
-    leader._stopping = True
-    frame = encode_frame(leader._seq + 1, "stop", {})
-    for sock in leader._followers.values():
-        sock.sendall(frame)
+    leader.stop()
     thread.join(10)
 
 
@@ -132,32 +131,36 @@ def _split(frame: bytes):
 def test_frames_round_trip_and_refuse_reordering_or_tampering():
     batch = single_sequence_batch([5, 17, 300], 16, pad_to=8)
     frame = encode_frame(7, "run_scoring_backbone", {"batch": batch, "targets": np.arange(8, dtype=np.int32)})
-    header, body = _split(frame)
-    op, args = decode_frame(header, body, expected_seq=7)
+    header, body = _split(frame.packed(KEY))
+    op, args = decode_frame(header, body, expected_seq=7, key=KEY)
     assert op == "run_scoring_backbone"
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "num_seqs", "has_initial_state"):
         got, want = getattr(args["batch"], name), np.asarray(getattr(batch, name))
         assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), name
     assert args["batch"].num_seqs.shape == ()  # 0-d stays 0-d: the executables are compiled for int32[]
     with pytest.raises(DivergenceError, match="expected step 8"):
-        decode_frame(header, body, expected_seq=8)
+        decode_frame(header, body, expected_seq=8, key=KEY)
     tampered = bytearray(body)
     tampered[3] ^= 1
-    with pytest.raises(DivergenceError, match="digest"):
-        decode_frame(header, bytes(tampered), expected_seq=7)
+    with pytest.raises(DivergenceError, match="MAC"):
+        decode_frame(header, bytes(tampered), expected_seq=7, key=KEY)
+    for name, value in (("op", "run_backbone"), ("seq", 8), ("args", header["args"] + " ")):
+        with pytest.raises(DivergenceError, match="MAC"):  # the MAC covers the header too
+            decode_frame({**header, name: value}, body, expected_seq=header["seq"] if name != "seq" else 8, key=KEY)
+    with pytest.raises(DivergenceError, match="MAC"):  # another session's key
+        decode_frame(header, body, expected_seq=7, key=bytes(32))
 
 
 def test_read_frame_reports_a_closed_channel():
     a, b = socket.socketpair()
-    a.sendall(encode_frame(1, "stop", {})[:5])
+    a.sendall(encode_frame(1, "stop", {}).packed(KEY)[:5])
     a.close()
     assert read_frame(b) is None
 
 
 def test_lost_follower_channel_marks_the_leader_lost():
     ours, theirs = socket.socketpair()
-    leader = MultihostLeader(server=socket.socket(), followers={1: ours}, streams={1: ours.makefile("rb")},
-                             multihost=MULTIHOST)
+    leader = MultihostLeader({1: Session(ours, 1, KEY)}, MULTIHOST)
     lost = []
     leader._on_lost.append(lost.append)
     theirs.close()  # the follower process died
@@ -170,10 +173,15 @@ def test_lost_follower_channel_marks_the_leader_lost():
 def test_step_channel_address_and_process_id_flag():
     from configs import CONFIG_DIR, load_config
     from runtime.multihost import step_address
+    from runtime.multihost_channel import coordinator_bind_address, step_bind_address
     from server.cli import _load, _parser
 
     multihost = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml").parallel.multihost
     assert step_address(multihost) == ("10.0.0.2", 8477)  # no step_port: the coordinator's port + 1
+    # binds the coordinator's own address, not every interface
+    assert (coordinator_bind_address(multihost), step_bind_address(multihost)) == ("10.0.0.2:8476", ("10.0.0.2", 8477))
+    everywhere = multihost.model_copy(update={"coordinator_bind_address": "0.0.0.0:8476"})
+    assert step_bind_address(everywhere) == ("0.0.0.0", 8477) and step_address(everywhere) == ("10.0.0.2", 8477)
     args = _parser().parse_args(["serve", "--config", str(CONFIG_DIR / "cpu-multihost-2x4.yaml"), "--process-id", "1"])
     config = _load(args).parallel.multihost
     assert (config.process_id, step_address(config)) == (1, ("127.0.0.1", 8477))

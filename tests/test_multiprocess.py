@@ -13,7 +13,8 @@ Serving (runtime/multihost.py): two `jaxserve serve` processes from the shipped
 `configs/cpu-multihost-2x4.yaml` (ports, checkpoint and buckets replaced; mesh data 1 x model 8,
 so every step all-reduces across the processes) serve the official `openai` client with the
 single-device model's greedy tokens; SIGTERM to process 0 ends both with exit code 0; killing
-process 1 turns /health 503 within seconds and ends process 0 with a non-zero code.
+process 1 turns /health 503 within seconds and ends process 0 with a non-zero code. Every process
+gets the step channel's secret through JAXSERVE_MULTIHOST_SECRET, as a real deployment would.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDS = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
+SECRET = "test-multiprocess-step-channel-secret"  # parallel.multihost.secret, through the environment
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu", "JAXSERVE_MULTIHOST_SECRET": SECRET}
+
 
 WORKER = textwrap.dedent("""
     import json, sys, time
@@ -48,6 +55,7 @@ WORKER = textwrap.dedent("""
     src, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml", {
         "parallel.multihost.coordinator_address": f"127.0.0.1:{port}", "parallel.multihost.process_id": pid})
+    assert config.parallel.multihost.secret is not None  # JAXSERVE_MULTIHOST_SECRET reached the config
     assert initialize_multihost(config.parallel)
     stage("jax.distributed initialised")
     from jax.experimental import multihost_utils
@@ -88,7 +96,7 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("qwen3_5")
     ref = load_model(src)
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    env = _environment()
     logs = [(tmp_path / f"p{pid}.out", tmp_path / f"p{pid}.err") for pid in range(2)]
     procs = []
     try:  # output to files, not pipes: gloo chatters on stdout, and a full pipe would stall a worker
@@ -146,7 +154,7 @@ class _TwoProcessServer:
 
     def __init__(self, tmp_path: Path, src: Path, cache_dir: Path, name: str):
         config, self.port = _write_launch_yaml(tmp_path, src, cache_dir)
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+        env = _environment()
         self.logs = [tmp_path / f"{name}-p{pid}.log" for pid in range(2)]
         self.procs: list[subprocess.Popen] = []
         for pid, log_path in enumerate(self.logs):
@@ -232,6 +240,8 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
         first, again = (client.completions.create(**sampled).choices[0].text for _ in range(2))
         assert first == again
         assert server.health() == 200, server.tail()  # no lost follower, no divergence
+        leader_log = server.logs[0].read_text()
+        assert "follower 1 authenticated" in leader_log and "UNAUTHENTICATED" not in leader_log, server.tail()
         server.procs[0].send_signal(signal.SIGTERM)
         assert server.wait_exit(0, 60) == 0, server.tail()
         assert server.wait_exit(1, 60) == 0, server.tail()
