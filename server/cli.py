@@ -262,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     from server.runner import serve
 
     token = kv.token.get_secret_value() if kv.token is not None and config.parallel.role != "both" else None
-    return serve(_build_engine(config, args.fake_engine), config.server, kv_transfer_token=token)
+    try:
+        engine = _build_engine(config, args.fake_engine)
+    except ValueError as err:  # a launch the runtime refuses (e.g. multi-host without its secret)
+        print(f"jaxserve: refusing to start: {err}", file=sys.stderr)
+        return 2
+    return serve(engine, config.server, kv_transfer_token=token)
 
 
 def _plan(args, config: LaunchConfig) -> int:
