@@ -124,10 +124,10 @@ class JaxTransferConnector(KVConnector):
         lease = self.leases.release(body["transfer_id"])
         if lease is None:
             return 200, {"ok": False}
-        if status == "pulled":
+        if status == "pulled" and lease.claimed:
             self._count("transfers_completed")
             self._count("bytes_transferred", lease.nbytes)
-        else:
+        else:  # "pulled" without a claim cannot be true: the transfer server still holds it
             self._drain(lease)
         return 200, {"ok": True}
 
