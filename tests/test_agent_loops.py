@@ -72,7 +72,7 @@ def _gather(live, make_calls):
 def llama_server(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama"), dtype="float32")
     config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=16, max_num_batched_tokens=256,
-                          token_buckets=(16, 256), max_model_len=768, fuse_greedy=False, seed=0)
+                          token_buckets=(16, 256), max_model_len=1024, fuse_greedy=False, seed=0)
     with live_engine_server(LLMEngine(config, model=model), MODEL, max_waiting_requests=256, record=True,
                             reasoning_parser="qwen3", max_tool_calls=2) as live:
         yield live
@@ -155,6 +155,17 @@ def test_call_cut_by_max_tokens_is_dropped(llama_server, stream):
         choice = response.choices[0]
         content, calls, finish = choice.message.content or "", choice.message.tool_calls, [choice.finish_reason]
     assert finish == ["length"] and content == "" and calls == []
+
+
+def test_bfcl_style_script_every_emitted_call_validates(llama_server):
+    from benchmarks.bfcl_style import CATEGORIES, build_cases, run
+
+    report = asyncio.run(run(llama_server.url, MODEL, build_cases(per_category=3), max_tokens=120,
+                             temperature=1.0))
+    assert set(report["categories"]) == set(CATEGORIES)
+    overall = report["overall"]
+    assert overall["requests"] == 12 and overall["calls"] > 0
+    assert overall["valid_call_rate"] == 1.0, overall["failures"]
 
 
 # ------------------------------------------------------------- a hybrid with a Qwen-style template
