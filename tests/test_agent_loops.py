@@ -258,7 +258,7 @@ def test_openai_client_three_turn_tool_loop_on_the_hybrid(hybrid_server, stream)
 
 
 def test_langchain_bind_tools_and_tool_message_round_trip(hybrid_server):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
 
@@ -293,7 +293,6 @@ def test_langchain_bind_tools_and_tool_message_round_trip(hybrid_server):
 
 
 def test_openai_agents_runner_two_tools_three_turns(hybrid_server):
-    pytest.importorskip("agents")
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
 
     calls = []
