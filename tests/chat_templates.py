@@ -6,8 +6,8 @@ They reproduce what matters of each family's own template for agent loops, not i
   blocks (arguments printed as given when a string, `tojson` otherwise, as Qwen2.5 / Qwen3
   do), consecutive `tool` results grouped into one user turn of `<tool_response>` blocks, past
   reasoning inside `<think></think>`, and `enable_thinking: false` closing an empty block in
-  the generation prompt. It reads `message.content` directly, like the originals, so a null
-  content fails to render unless normalized.
+  the generation prompt. It adds `message.content` to a string, as SmolLM2's ChatML does, so
+  a null or absent content fails to render unless normalized.
 * `QWEN_THINKING_STYLE`: the same, with the generation prompt opening `<think>` (Qwen3.5's
   default): the model is inside its reasoning from the first token.
 * `LLAMA3_STYLE`: Llama 3.1's JSON tool calling: tool definitions in the system turn, calls as
@@ -31,7 +31,7 @@ QWEN_STYLE = """\
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant\\n' }}
 {%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
-{{- message.content }}
+{{- '' + message.content }}
 {%- for call in message.tool_calls or [] %}
 {%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}
 {{- '<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
