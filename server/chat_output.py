@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from server.reasoning import Qwen3ReasoningParser
-from server.tool_parser import HermesToolParser, Llama3JsonToolParser, ParsedToolCall
+from server.tool_parser import ParsedToolCall, ToolCallParser
 
 
 def tool_call_id() -> str:
@@ -34,7 +34,7 @@ class ParsedChat:
 @dataclass
 class ChatOutputParser:
     reasoning: Qwen3ReasoningParser | None = None
-    tools: HermesToolParser | Llama3JsonToolParser | None = None  # None: tool calls are not parsed
+    tools: ToolCallParser | None = None  # None: tool calls are not parsed
     max_calls: int | None = None
     # streaming state: what was sent so far
     _reasoning_sent: int = 0

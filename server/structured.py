@@ -31,7 +31,7 @@ from runtime.structured_output.backend import GrammarError
 from runtime.types import StructuredOutput
 from server.protocol import RequestError
 from server.reasoning import Qwen3ReasoningParser, build_reasoning_parser
-from server.tool_parser import HermesToolParser, Llama3JsonToolParser
+from server.tool_parser import HermesToolParser, ToolCallParser
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
@@ -173,14 +173,14 @@ def _check_tool(index: int, tool: Any) -> dict:
     return {**function, "parameters": parameters}
 
 
-def forced_tool_call_grammar(plan: ToolPlan, parser: HermesToolParser | Llama3JsonToolParser) -> StructuredOutput:
+def forced_tool_call_grammar(plan: ToolPlan, parser: ToolCallParser) -> StructuredOutput:
     """Lark: 1..plan.max_calls calls in the parser's format, each naming one of the allowed
     functions with arguments valid under its schema."""
     functions = [f for f in plan.functions if f["name"] in plan.forced]
     return StructuredOutput("lark", parser.grammar(functions, plan.max_calls))
 
 
-def request_grammar(body, plan: ToolPlan | None = None, parser: HermesToolParser | Llama3JsonToolParser | None = None,
+def request_grammar(body, plan: ToolPlan | None = None, parser: ToolCallParser | None = None,
                     ) -> tuple[StructuredOutput | None, str | None]:
     """The one grammar a request asks for, and the field it came from (for error messages)."""
     found = []
@@ -212,7 +212,7 @@ async def compile_or_400(compiler, grammar: StructuredOutput, param: str) -> Non
         raise _bad(param, f"the grammar failed to compile: {type(err).__name__}: {err}") from None
 
 
-async def chat_grammar(body, tools: ToolPlan, tool_parser, template_kwargs: dict, prompt: list[int], tokenizer,
+async def chat_grammar(body, tools: ToolPlan, tool_parser: ToolCallParser, template_kwargs: dict, prompt: list[int], tokenizer,
                        reasoning_parser: str | None, compiler, model_may_think) -> tuple[
                            StructuredOutput | None, Qwen3ReasoningParser | None]:
     """A chat request's grammar (compiled, or a 400) and its reasoning parser. `compiler()` is

@@ -139,7 +139,7 @@ class Llama3JsonToolParser:
         elif not final and body and self.python_tag.startswith(body):
             return "", []  # may still become the tag
         if not body:
-            return ("" if not final else text), []
+            return "", []
         if not body.startswith("{"):
             return text, []
         calls, position = [], 0
@@ -180,10 +180,11 @@ class Llama3JsonToolParser:
                 '{"name": <function name>, "parameters": <arguments object>}; join several with "; ".')
 
 
+ToolCallParser = HermesToolParser | Llama3JsonToolParser
 TOOL_CALL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
-def build_tool_parser(name: str) -> HermesToolParser | Llama3JsonToolParser:
+def build_tool_parser(name: str) -> ToolCallParser:
     try:
         return TOOL_CALL_PARSERS[name]()
     except KeyError:
