@@ -316,6 +316,13 @@ class ServerConfig(_Section):
     trust_request_chat_template: bool = False  # allow clients' `chat_template` (vLLM's flag); off: 400
     chat_template_timeout_s: float = Field(default=5.0, gt=0.0)  # a longer render is stopped: 400
     reasoning_parser: Literal["qwen3"] | None = None  # split <think>...</think> into reasoning_content
+    # Tool calls (server/tool_parser.py): the format calls are parsed from and forced in (vLLM's
+    # --tool-call-parser names); whether tools without a tool_choice, or tool_choice "auto", parse
+    # calls (vLLM's --enable-auto-tool-choice, on here by default); the most calls in one answer
+    # when parallel_tool_calls is on (off: one).
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
+    enable_auto_tool_choice: bool = True
+    max_tool_calls: int = Field(default=8, ge=1, le=128)
     grammar_compile_timeout_s: float = Field(default=10.0, gt=0.0)  # structured output: slower -> 400
     # Python's GIL switch interval while serving (sys.setswitchinterval; Python's default is 5 ms).
     # With `engine_process: false` the engine loop thread shares the GIL with the HTTP event loop:

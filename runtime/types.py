@@ -30,22 +30,28 @@ class StructuredOutput:
     "choice": a JSON list of the allowed strings; "lark" / "ebnf": grammar text (llguidance's
     Lark dialect, or GBNF / EBNF converted to it). `start_after`: token ids that must appear in
     the output before the grammar applies (the end of a reasoning block, e.g. `</think>`);
-    empty means from the first token.
+    empty means from the first token. `optional_block`: (open, close) tags of one block the
+    output may start with before the grammar (a reasoning block the model may or may not
+    write, e.g. `("<think>", "</think>")`); its inside is free text.
     """
 
     kind: GrammarKind
     spec: str
     start_after: tuple[int, ...] = ()
+    optional_block: tuple[str, str] | tuple[()] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"structured output kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         object.__setattr__(self, "start_after", tuple(int(t) for t in self.start_after))
+        object.__setattr__(self, "optional_block", tuple(self.optional_block))
+        if self.optional_block and (len(self.optional_block) != 2 or not all(self.optional_block)):
+            raise ValueError(f"optional_block must be (open tag, close tag), got {self.optional_block!r}")
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple:
         """What identifies the compiled grammar (start_after does not change it)."""
-        return self.kind, self.spec
+        return self.kind, self.spec, *self.optional_block
 
 MAX_LOGPROBS = 20  # top alternatives the compiled steps can report per token (generated or prompt)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's own limit)

@@ -35,7 +35,9 @@ from server.protocol import (
 )
 from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, Job, build_job, run_job
 from server import structured
+from server.chat_messages import normalize_messages, template_source
 from server.chat_output import ChatOutputParser
+from server.tool_parser import build_tool_parser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -68,11 +70,24 @@ class ServerState:
     # P/D: the internal credential a request must carry for its kv_transfer_params to be honoured
     # (None: a loopback-only deployment, checked at start-up by server.deployment)
     kv_transfer_token: str | None = field(default=None, repr=False)
+    tool_parser: object = None  # server.tool_parser's format for server.tool_call_parser
+    _vocabulary: dict = field(default_factory=dict)  # tag -> whether the tokenizer has it as one token
 
     def __post_init__(self) -> None:
         self.idle.set()
         self.chat_template = _load_chat_template(self.config.chat_template)
         self.fingerprint = formats.system_fingerprint(server_version(), self.engine.model_name)
+        self.tool_parser = build_tool_parser(self.config.tool_call_parser)
+
+    def template_text(self, request_template: str | None = None) -> str:
+        """The source of the chat template a request renders with."""
+        return template_source(request_template or self.chat_template
+                               or getattr(self.engine.tokenizer, "chat_template", None))
+
+    def vocabulary_has(self, tag: str) -> bool:
+        if tag not in self._vocabulary:  # once: the vocabulary of a large model is a big dict
+            self._vocabulary[tag] = tag in self.engine.tokenizer.get_vocab()
+        return self._vocabulary[tag]
 
     def formatter(self, chat: bool) -> Formatter:
         return Formatter(chat, self.texts, self.fingerprint)
@@ -96,7 +111,11 @@ def _load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if len(value) < 4096 and path.is_file():
+    try:
+        is_file = len(value) < 4096 and path.is_file()
+    except OSError:  # e.g. a template line longer than a file name may be
+        is_file = False
+    if is_file:
         return path.read_text(encoding="utf-8")
     if "{" not in value:
         raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
@@ -293,14 +312,23 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    tools = structured.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = structured.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                 max_tool_calls=state.config.max_tool_calls,
+                                 auto_tool_choice=state.config.enable_auto_tool_choice)
     template_kwargs = dict(body.chat_template_kwargs or {})
     if tools.functions:
         template_kwargs["tools"] = [{"type": "function", "function": f} for f in tools.functions]
+    request_template = body.request_chat_template()
     prompt = await _render_chat(state, body.messages, body.add_generation_prompt, template_kwargs,
-                                body.request_chat_template())
-    grammar, reasoning = await structured.chat_grammar(body, tools, template_kwargs, prompt, state.engine.tokenizer,
-                                                       state.config.reasoning_parser, state.compiler)
+                                request_template, functions=tools.functions)
+    template_text = state.template_text(request_template)
+
+    def model_may_think(reasoning) -> bool:
+        return reasoning.model_may_open(template_text, state.vocabulary_has(reasoning.start_tag))
+
+    grammar, reasoning = await structured.chat_grammar(body, tools, state.tool_parser, template_kwargs, prompt,
+                                                       state.engine.tokenizer, state.config.reasoning_parser,
+                                                       state.compiler, model_may_think)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
@@ -309,8 +337,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     job = build_job(state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs,
                     structured_output=grammar)
     if reasoning is not None or tools.parses_calls:
+        tool_parser = state.tool_parser if tools.parses_calls else None
         for choice in job.choices:
-            choice.parser = ChatOutputParser(reasoning, tools.parses_calls)
+            choice.parser = ChatOutputParser(reasoning, tool_parser, tools.max_calls)
     return await _run(request, state, job, chat=True)
 
 
@@ -326,14 +355,15 @@ def _check_stream_options(body) -> None:
 
 
 async def _render_chat(state: ServerState, messages, add_generation_prompt: bool, template_kwargs: dict | None,
-                       request_template: str | None = None) -> list[int]:
+                       request_template: str | None = None, functions: list[dict] | None = None) -> list[int]:
     """Render with the chat template (the client's if allowed, else --chat-template's, else the
-    model's) in the sandbox under a time limit, then encode without adding special tokens again."""
+    model's) in the sandbox under a time limit, then encode without adding special tokens again.
+    Messages are normalized first (`server/chat_messages.py`); `functions`: the request's tools."""
     if request_template is not None and not state.config.trust_request_chat_template:
         raise RequestError(400, "chat_template: client-supplied chat templates are disabled on this server "
                                 "(start it with --trust-request-chat-template to allow them)", param="chat_template")
     tokenizer = state.engine.tokenizer
-    conversation = [message.template_dict() for message in messages]
+    conversation = normalize_messages(messages, state.template_text(request_template), state.tool_parser, functions)
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
     try:
         text = await render_chat_template(

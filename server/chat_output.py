@@ -1,13 +1,14 @@
 """Chat completion text -> message fields: reasoning_content, content, tool_calls.
 
 One `ChatOutputParser` per choice chains the reasoning parser (when the server runs one) and
-the Hermes tool-call parser (when the request's tools may be called). Both are pure functions
-of the cumulative text, so the non-streaming `message()` and the streaming `deltas()` are the
-same parse: streamed `delta.reasoning_content`, `delta.content` and `delta.tool_calls` (OpenAI's
-shape: the first chunk of a call carries its index, id, type and name with empty arguments,
-later ones append to `function.arguments`) add up to the message. Whitespace-only content is
-held back and reported as null, as OpenAI does next to tool calls; with tools, so is trailing
-whitespace (it separates the calls).
+the tool-call parser (when the request's tools may be called; `server/tool_parser.py`). Both
+are pure functions of the cumulative text, so the non-streaming `message()` and the streaming
+`deltas()` are the same parse: streamed `delta.reasoning_content`, `delta.content` and
+`delta.tool_calls` add up to the message. A tool call is streamed once it is complete, in one
+delta (`index`, `id`, `type`, `name` and the whole `arguments`), so a call that `max_tokens`
+cuts is never half-sent: it is dropped from both. Whitespace-only content is held back and
+reported as null, as OpenAI does next to tool calls; with tools, so is trailing whitespace
+(it separates the calls).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from server.reasoning import Qwen3ReasoningParser
-from server.tool_parser import ParsedToolCall, parse_tool_calls
+from server.tool_parser import ParsedToolCall, ToolCallParser
 
 
 def tool_call_id() -> str:
@@ -33,22 +34,31 @@ class ParsedChat:
 @dataclass
 class ChatOutputParser:
     reasoning: Qwen3ReasoningParser | None = None
-    parse_tools: bool = False
+    tools: ToolCallParser | None = None  # None: tool calls are not parsed
+    max_calls: int | None = None
     # streaming state: what was sent so far
     _reasoning_sent: int = 0
     _content_sent: int = 0
     _ids: list[str] = field(default_factory=list)
-    _args_sent: list[int] = field(default_factory=list)
+
+    @property
+    def parse_tools(self) -> bool:
+        return self.tools is not None
 
     def parse(self, text: str, final: bool) -> ParsedChat:
         reasoning, content = self.reasoning.split(text, final) if self.reasoning else ("", text)
         calls: list[ParsedToolCall] = []
-        if self.parse_tools:  # trailing whitespace (before or between calls) is not content
-            content, calls = parse_tool_calls(content, final)
+        if self.tools is not None:  # trailing whitespace (before or between calls) is not content
+            content, calls = self.tools.parse(content, final, self.max_calls)
             content = content.rstrip()
         if not content.strip():
             content = ""
         return ParsedChat(reasoning, content, calls)
+
+    def _call_ids(self, count: int) -> list[str]:
+        while len(self._ids) < count:
+            self._ids.append(tool_call_id())
+        return self._ids
 
     def message(self, text: str) -> dict:
         """The message fields of the final text: content, reasoning_content, tool_calls."""
@@ -56,16 +66,15 @@ class ChatOutputParser:
         fields: dict = {"content": parsed.content or None}
         if self.reasoning is not None:
             fields["reasoning_content"] = parsed.reasoning or None
-        if self.parse_tools:
-            while len(self._ids) < len(parsed.calls):
-                self._ids.append(tool_call_id())
+        if self.tools is not None:
+            ids = self._call_ids(len(parsed.calls))
             fields["tool_calls"] = [
-                {"id": self._ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for i, c in enumerate(parsed.calls) if c.name is not None]
+                {"id": ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for i, c in enumerate(parsed.calls)]
         return fields
 
     def finish_reason(self, text: str, reason: str | None) -> str | None:
-        if reason == "stop" and self.parse_tools and any(c.name for c in self.parse(text, True).calls):
+        if reason == "stop" and self.tools is not None and self.parse(text, True).calls:
             return "tool_calls"
         return reason
 
@@ -79,17 +88,10 @@ class ChatOutputParser:
         if len(parsed.content) > self._content_sent:
             out.append({"content": parsed.content[self._content_sent:]})
             self._content_sent = len(parsed.content)
-        for index, call in enumerate(parsed.calls):
-            if call.name is None:
-                break  # calls stream in order; wait for this one's name
-            if index == len(self._ids):
-                self._ids.append(tool_call_id())
-            if index == len(self._args_sent):
-                self._args_sent.append(0)
-                out.append({"tool_calls": [{"index": index, "id": self._ids[index], "type": "function",
-                                            "function": {"name": call.name, "arguments": ""}}]})
-            if len(call.arguments) > self._args_sent[index]:
-                out.append({"tool_calls": [{"index": index,
-                                            "function": {"arguments": call.arguments[self._args_sent[index]:]}}]})
-                self._args_sent[index] = len(call.arguments)
+        sent = len(self._ids)
+        ids = self._call_ids(len(parsed.calls))
+        for index in range(sent, len(parsed.calls)):
+            call = parsed.calls[index]
+            out.append({"tool_calls": [{"index": index, "id": ids[index], "type": "function",
+                                        "function": {"name": call.name, "arguments": call.arguments}}]})
         return out

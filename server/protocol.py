@@ -9,8 +9,8 @@ accepted and ignored: they are listed once, in `IgnoredFields`, and the server l
 request set at DEBUG. Numeric ranges are declared on the fields, so `/openapi.json`
 (generated from these models) states them. The one place unknown fields are allowed is a chat
 *message*: templates
-may read extra keys (tool_calls, reasoning_content, ...), so they are passed to
-`apply_chat_template` as they came.
+may read extra keys (tool_calls, reasoning_content, ...), so they reach `apply_chat_template`
+after `server/chat_messages.py` has normalized them.
 """
 
 from __future__ import annotations
@@ -181,12 +181,6 @@ class ChatMessage(BaseModel):
             return handler(value)
         except ValidationError:
             raise ValueError("must be a string, a list of {\"type\": \"text\", \"text\": ...} parts, or null") from None
-
-    def template_dict(self) -> dict:
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
-        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -53,6 +53,15 @@ class Qwen3ReasoningParser:
         """Whether a rendered prompt (its last characters suffice) ends inside a <think> block."""
         return prompt_text_tail.rfind("<think>") > prompt_text_tail.rfind("</think>")
 
+    def prompt_closes_reasoning(self, prompt_text_tail: str) -> bool:
+        """Whether a rendered prompt ends right after a closed block (thinking switched off)."""
+        return prompt_text_tail.rstrip().endswith(self.end_tag)
+
+    def model_may_open(self, chat_template: str, vocabulary_has_tag: bool) -> bool:
+        """Whether the model may write a block itself: its template or vocabulary knows the tag
+        (a model that has never seen `<think>` does not write one)."""
+        return vocabulary_has_tag or self.start_tag in chat_template
+
 
 def build_reasoning_parser(name: str | None, prompt_text_tail: str) -> Qwen3ReasoningParser | None:
     if name is None:

@@ -7,9 +7,15 @@ named function) all become one grammar for the engine. Every malformed field is 
 `runtime.structured_output.GrammarCompiler`) before the request is accepted, so a schema or
 regex that cannot compile is a 400 too, never a 500 or an in-band stream error.
 
-Forced tool calls use the Hermes / Qwen format the model's chat template teaches:
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call, the
-arguments constrained by the tool's JSON schema; `server.tool_parser` reads them back.
+Forced tool calls are written in the server's tool-call format (`server/tool_parser.py`:
+Hermes / Qwen `<tool_call>` blocks, or Llama 3 JSON), the arguments constrained by the tool's
+JSON schema and the number of calls bounded (one without `parallel_tool_calls`, else
+`server.max_tool_calls`); the same parser reads them back.
+
+A reasoning parser never switches a grammar off: when the prompt opens the reasoning block the
+grammar starts after its end tag; when the model may open one itself the grammar allows an
+optional leading block; otherwise (a model that never thinks, thinking switched off) the
+grammar applies from the first token.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from runtime.structured_output.backend import GrammarError
 from runtime.types import StructuredOutput
 from server.protocol import RequestError
 from server.reasoning import Qwen3ReasoningParser, build_reasoning_parser
+from server.tool_parser import HermesToolParser, ToolCallParser
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
@@ -108,39 +115,46 @@ def vllm_structured_outputs_grammar(options: dict[str, Any] | None) -> Structure
 @dataclass(frozen=True)
 class ToolPlan:
     """What the tools of a chat request ask for: `mode` none | auto | forced; `functions` the
-    function definitions to render; `forced` the names a forced call may use."""
+    function definitions to render; `forced` the names a forced call may use; `max_calls` the
+    most calls one answer may hold."""
 
     mode: str
     functions: list[dict]
     forced: tuple[str, ...] = ()
-    parallel: bool = True
+    max_calls: int = 1
 
     @property
     def parses_calls(self) -> bool:
         return self.mode in ("auto", "forced")
 
 
-def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool) -> ToolPlan:
+def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool, *, max_tool_calls: int = 8,
+              auto_tool_choice: bool = True) -> ToolPlan:
+    """`auto_tool_choice` off (vLLM without `--enable-auto-tool-choice`): tools without a
+    tool_choice are only rendered, and an explicit `"auto"` is a 400."""
     functions = [_check_tool(i, tool) for i, tool in enumerate(tools or [])]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise _bad("tools", "function names must be unique")
+    max_calls = max_tool_calls if parallel_tool_calls else 1
     if tool_choice is None:
-        tool_choice = "auto" if functions else "none"
+        tool_choice = "auto" if functions and auto_tool_choice else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in TOOL_CHOICES:
             raise _bad("tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {tool_choice!r}")
         if tool_choice != "none" and not functions:
             raise _bad("tool_choice", f"{tool_choice!r} needs a non-empty tools list")
+        if tool_choice == "auto" and not auto_tool_choice:
+            raise _bad("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice')
         mode = {"none": "none", "auto": "auto", "required": "forced"}[tool_choice]
-        return ToolPlan(mode, functions, tuple(names) if mode == "forced" else (), parallel_tool_calls)
+        return ToolPlan(mode, functions, tuple(names) if mode == "forced" else (), max_calls)
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
             or not isinstance(tool_choice.get("function"), dict):
         raise _bad("tool_choice", 'a named choice must be {"type": "function", "function": {"name": ...}}')
     name = tool_choice["function"].get("name")
     if name not in names:
         raise _bad("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(names) or 'none'})")
-    return ToolPlan("forced", functions, (name,), parallel=False)
+    return ToolPlan("forced", functions, (name,), max_calls=1)
 
 
 def _check_tool(index: int, tool: Any) -> dict:
@@ -159,22 +173,15 @@ def _check_tool(index: int, tool: Any) -> dict:
     return {**function, "parameters": parameters}
 
 
-def forced_tool_call_grammar(plan: ToolPlan) -> StructuredOutput:
-    """Lark: one `<tool_call>` block (or several, with parallel calls) whose JSON names one of the
-    allowed functions and carries arguments valid under its schema."""
-    variants = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for f in plan.functions if f["name"] in plan.forced]
-    schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
-    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as for response_format
-    repeat = ' ("\\n" call)*' if plan.parallel else ""
-    lark = (f"start: call{repeat}\n"
-            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(schema)}\n")
-    return StructuredOutput("lark", lark)
+def forced_tool_call_grammar(plan: ToolPlan, parser: ToolCallParser) -> StructuredOutput:
+    """Lark: 1..plan.max_calls calls in the parser's format, each naming one of the allowed
+    functions with arguments valid under its schema."""
+    functions = [f for f in plan.functions if f["name"] in plan.forced]
+    return StructuredOutput("lark", parser.grammar(functions, plan.max_calls))
 
 
-def request_grammar(body, plan: ToolPlan | None = None) -> tuple[StructuredOutput | None, str | None]:
+def request_grammar(body, plan: ToolPlan | None = None, parser: ToolCallParser | None = None,
+                    ) -> tuple[StructuredOutput | None, str | None]:
     """The one grammar a request asks for, and the field it came from (for error messages)."""
     found = []
     grammar = response_format_grammar(body.response_format)
@@ -186,7 +193,7 @@ def request_grammar(body, plan: ToolPlan | None = None) -> tuple[StructuredOutpu
         key = next(k for k in (*STRUCTURED_OUTPUT_KINDS, "json_object") if body.structured_outputs.get(k))
         found.append((grammar, f"structured_outputs.{key}"))
     if plan is not None and plan.mode == "forced":
-        found.append((forced_tool_call_grammar(plan), "tool_choice"))
+        found.append((forced_tool_call_grammar(plan, parser or HermesToolParser()), "tool_choice"))
     if len(found) > 1:
         raise _bad(found[1][1], f"cannot be combined with {found[0][1]}")
     return found[0] if found else (None, None)
@@ -205,20 +212,25 @@ async def compile_or_400(compiler, grammar: StructuredOutput, param: str) -> Non
         raise _bad(param, f"the grammar failed to compile: {type(err).__name__}: {err}") from None
 
 
-async def chat_grammar(body, tools: ToolPlan, template_kwargs: dict, prompt: list[int], tokenizer,
-                       reasoning_parser: str | None, compiler) -> tuple[StructuredOutput | None,
-                                                                     Qwen3ReasoningParser | None]:
-    """A chat request's grammar (compiled, or a 400) and its reasoning parser. With reasoning on
-    (and not disabled through the template), the grammar starts after `</think>`. `compiler` is
-    called for the compiler only when there is a grammar."""
-    grammar, param = request_grammar(body, tools)
+async def chat_grammar(body, tools: ToolPlan, tool_parser: ToolCallParser, template_kwargs: dict, prompt: list[int], tokenizer,
+                       reasoning_parser: str | None, compiler, model_may_think) -> tuple[
+                           StructuredOutput | None, Qwen3ReasoningParser | None]:
+    """A chat request's grammar (compiled, or a 400) and its reasoning parser. `compiler()` is
+    called for the compiler only when there is a grammar; `model_may_think(parser)` says
+    whether the model may open a reasoning block by itself (asked only when it matters)."""
+    grammar, param = request_grammar(body, tools, tool_parser)
     reasoning = None
+    prompt_tail = ""
     if reasoning_parser is not None:  # does the prompt end inside a <think> block?
-        reasoning = build_reasoning_parser(reasoning_parser, tokenizer.decode(prompt[-16:]))
+        prompt_tail = tokenizer.decode(prompt[-16:])
+        reasoning = build_reasoning_parser(reasoning_parser, prompt_tail)
     if grammar is None:
         return None, reasoning
     if reasoning is not None and template_kwargs.get("enable_thinking") is not False:
-        end_ids = await asyncio.to_thread(tokenizer.encode, reasoning.end_tag, add_special_tokens=False)
-        grammar = dataclasses.replace(grammar, start_after=tuple(end_ids))
+        if reasoning.open_at_start:
+            end_ids = await asyncio.to_thread(tokenizer.encode, reasoning.end_tag, add_special_tokens=False)
+            grammar = dataclasses.replace(grammar, start_after=tuple(end_ids))
+        elif not reasoning.prompt_closes_reasoning(prompt_tail) and model_may_think(reasoning):
+            grammar = dataclasses.replace(grammar, optional_block=(reasoning.start_tag, reasoning.end_tag))
     await compile_or_400(compiler(), grammar, param)
     return grammar, reasoning

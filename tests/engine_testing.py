@@ -56,18 +56,39 @@ def launch_config(path, num_pages: int = 120):
     })
 
 
+class RecordingEngine:
+    """An `EngineClient` that keeps every request it is given (`requests`), so a test can read
+    the prompt the server rendered; everything else is the wrapped client's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.requests = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def generate(self, request):
+        self.requests.append(request)
+        async for output in self._inner.generate(request):
+            yield output
+
+
 @contextlib.contextmanager
-def live_engine_server(engine, model_name: str, max_waiting_requests: int):
+def live_engine_server(engine, model_name: str, max_waiting_requests: int, record: bool = False, **server_options):
     """A real engine behind the HTTP server on a free loopback port; closed (server, then engine
-    thread) on exit, whatever happened."""
+    thread) on exit, whatever happened. `server_options`: more ServerConfig fields; `record`:
+    the server's engine client is a `RecordingEngine` (`live.engine.requests`)."""
     from configs.schema import ServerConfig
     from runtime.engine_client import AsyncEngine
     from server.testing import LiveServer
 
     async_engine = AsyncEngine(engine, model_name)
-    live = LiveServer(async_engine, ServerConfig(max_waiting_requests=max_waiting_requests))
     try:
-        yield live
+        live = LiveServer(RecordingEngine(async_engine) if record else async_engine,
+                          ServerConfig(max_waiting_requests=max_waiting_requests, **server_options))
+        try:
+            yield live
+        finally:
+            live.close()
     finally:
-        live.close()
         asyncio.run(async_engine.shutdown())

@@ -113,7 +113,7 @@ def test_chat_stream_content_parts_and_default_max_tokens(server, tokenizer):
             return [chunk async for chunk in stream]
 
     chunks = run(go())
-    prompt_ids = chat_prompt_ids(tokenizer, "Say hi")
+    prompt_ids = chat_prompt_ids(tokenizer, "Say \nhi")  # text parts joined by newlines (vLLM)
     count = 256 - len(prompt_ids)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)

@@ -33,7 +33,7 @@ MODEL = "tiny-model"
 def engine(tiny_checkpoint):
     model = load_model(tiny_checkpoint(FAMILY), dtype="float32")
     config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=32, max_num_batched_tokens=256,
-                          token_buckets=(32, 256), max_model_len=384, fuse_greedy=False, seed=0)
+                          token_buckets=(32, 256), max_model_len=1024, fuse_greedy=False, seed=0)
     return LLMEngine(config, model=model)
 
 

@@ -17,6 +17,7 @@ import pytest
 from configs.schema import ServerConfig
 from server.chat_output import ChatOutputParser
 from server.reasoning import Qwen3ReasoningParser
+from server.tool_parser import HermesToolParser
 from server.testing import FakeEngine, LiveServer, build_test_tokenizer
 from tests.structured_cases import ADD_TOOL, TOOLS
 from import_testing import imports_jax
@@ -121,12 +122,12 @@ def test_tool_result_round_trip_renders_through_the_chat_template(fake, tokenize
 def test_parser_deltas_add_up_to_the_message_for_any_chunking(seed):
     rng = random.Random(seed)
     text = SCRIPT if seed % 2 else SCRIPT.replace("<think>", "")  # open_at_start: the prompt opened it
-    parser = ChatOutputParser(Qwen3ReasoningParser(open_at_start=seed % 2 == 0), parse_tools=True)
+    parser = ChatOutputParser(Qwen3ReasoningParser(open_at_start=seed % 2 == 0), HermesToolParser())
     cuts = sorted(rng.sample(range(1, len(text)), 25))
     deltas = []
     for end in cuts + [len(text)]:
         deltas += parser.deltas(text[:end], final=end == len(text))
-    reference = ChatOutputParser(Qwen3ReasoningParser(open_at_start=seed % 2 == 0), parse_tools=True).message(text)
+    reference = ChatOutputParser(Qwen3ReasoningParser(open_at_start=seed % 2 == 0), HermesToolParser()).message(text)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == reference["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == reference["content"]
     streamed = {}
@@ -273,12 +274,27 @@ def test_compiler_caches_results_and_errors_and_bounds_compile_time():
     slow.shutdown()
 
 
-def test_with_reasoning_the_grammar_waits_for_the_end_of_thinking(fake, tokenizer):
-    with LiveServer(fake, ServerConfig(reasoning_parser="qwen3")) as live:
+THINKING_TEMPLATE = TOOL_TEMPLATE.replace("<|assistant|>{%- endif %}",
+                                          "<|assistant|><think>\n{%- endif %}")  # opens the block (Qwen3.5)
+MAY_THINK_TEMPLATE = TOOL_TEMPLATE.replace(  # renders past reasoning; the model writes <think> itself
+    "{%- else %}<|{{ m.role }}|>",
+    "{%- else %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}")
+
+
+@pytest.mark.parametrize("template, kwargs, rule", [
+    (THINKING_TEMPLATE, {}, "after"),  # the prompt opens <think>: the grammar starts after </think>
+    (THINKING_TEMPLATE, {"chat_template_kwargs": {"enable_thinking": False}}, "first"),
+    (MAY_THINK_TEMPLATE, {}, "optional"),  # the model may open <think> itself
+    (TOOL_TEMPLATE, {}, "first"),  # a model that never thinks: the grammar is never switched off
+])
+def test_with_reasoning_the_grammar_starts_after_thinking_or_at_once(tokenizer, template, kwargs, rule):
+    fake = FakeEngine(tokenizer, max_model_len=2048)
+    with LiveServer(fake, ServerConfig(reasoning_parser="qwen3", chat_template=template)) as live:
         client = _client(live)
-        for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
-            client.chat.completions.create(model="fake-model", messages=USER, max_tokens=2,
-                                           response_format={"type": "json_object"}, extra_body=kwargs)
-            start_after = fake.requests[-1].params.structured_output.start_after
-            expected = () if kwargs else tuple(tokenizer.encode("</think>", add_special_tokens=False))
-            assert start_after == expected
+        client.chat.completions.create(model="fake-model", messages=USER, max_tokens=2,
+                                       response_format={"type": "json_object"}, extra_body=kwargs)
+    grammar = fake.requests[-1].params.structured_output
+    assert grammar.kind == "json"
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    assert grammar.start_after == (end if rule == "after" else ())
+    assert grammar.optional_block == (("<think>", "</think>") if rule == "optional" else ())

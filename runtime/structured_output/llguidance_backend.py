@@ -7,6 +7,10 @@ EOS ids are the grammar's end-of-sequence tokens, allowed exactly when the gramm
 JSON is compact (`{"a": 1}`, no free whitespace): a model then cannot pad an object with
 thousands of spaces, the failure mode of flexible whitespace under random or weak models.
 Compiling a grammar and computing masks both release the GIL.
+
+A grammar with an `optional_block` (a reasoning block the model may open first) becomes a
+two-grammar llguidance program: a Lark `start: block? @body` whose block is lazy free text up
+to the first close tag, and the request's own grammar as the named sub-grammar `body`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from runtime.structured_output.backend import GrammarError
 from runtime.types import StructuredOutput
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}
+BODY_GRAMMAR = "jaxserve_body"
 
 
 class LLGuidanceMatcher:
@@ -56,9 +61,37 @@ class LLGuidanceBackend:
         eos = list(eos_token_ids) or None
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        self._hf_tokenizer = hf_tokenizer
 
     def grammar_text(self, grammar: StructuredOutput) -> str:
         """The llguidance grammar of a `StructuredOutput`; GrammarError for malformed input."""
+        body = self._body_text(grammar)
+        if not grammar.optional_block:
+            return body
+        return self._with_optional_block(body, *grammar.optional_block)
+
+    def _with_optional_block(self, body: str, open_tag: str, close_tag: str) -> str:
+        # llguidance's builders give a JSON program, except Lark (the grammar text itself)
+        grammars = json.loads(body)["grammars"] if body.lstrip().startswith("{") else [{"lark_grammar": body}]
+        grammars[0]["name"] = BODY_GRAMMAR
+        open_term, close_term = self._literal(open_tag), self._literal(close_tag)
+        if close_term == close_tag:  # a special token ends the block: the text before it cannot contain it
+            block = f"block: {open_term} /(.|\\n)*/ {close_term} /[ \\t\\n]*/\n"
+        else:  # lazy: the block ends at the first close tag
+            block = (f"block: {open_term} block_text /[ \\t\\n]*/\n"
+                     f"block_text[lazy]: /(.|\\n)*/ {close_term}\n")
+        lark = f"start: block? @{BODY_GRAMMAR}\n" + block
+        return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
+
+    def _literal(self, tag: str) -> str:
+        """A tag that is one token llguidance keeps apart from text (every added token, e.g.
+        Qwen's `<think>`) is named bare in Lark; other tags are matched as text."""
+        ids = self._hf_tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]) and tag.startswith("<") and tag.endswith(">"):
+            return tag
+        return json.dumps(tag)
+
+    def _body_text(self, grammar: StructuredOutput) -> str:
         LLMatcher = self._ll.LLMatcher
         kind, spec = grammar.kind, grammar.spec
         try:
