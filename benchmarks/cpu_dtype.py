@@ -143,7 +143,7 @@ def breakdown(checkpoint: str, rows: int = 16) -> dict:
 
 def decode_step_ms(checkpoint: str, dtype: str, layer_loop: str, num_seqs: int = 16, steps: int = 30) -> float:
     """Median ms per engine.step() of a decode-only batch (run in a fresh process by `main`)."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

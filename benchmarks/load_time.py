@@ -55,7 +55,7 @@ def _timed_load(path: Path, dtype: str, repeats: int, mesh=None) -> float:
 
 def _worker(args) -> None:
     """One of `--processes` processes: load every case onto a mesh over all processes' devices."""
-    from runtime.mesh import initialize_multihost, make_mesh
+    from runtime.parallel.mesh import initialize_multihost, make_mesh
     from types import SimpleNamespace
 
     initialize_multihost(SimpleNamespace(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes,

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.multihost import decode_frame, encode_frame
+from runtime.parallel.multihost import decode_frame, encode_frame
 
 # name -> (token bucket T, max_num_seqs S, max_blocks_per_seq MB)
 SHAPES = {"cpu-multihost test decode": (8, 4, 32), "v5p-16 decode": (128, 128, 512),

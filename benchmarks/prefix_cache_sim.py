@@ -35,8 +35,8 @@ from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory  # 
 from benchmarks.prefix_traces import TRACES, Session, make_trace  # noqa: E402
 from paged_kv import CacheManager  # noqa: E402
 from runtime.config import SchedulerConfig  # noqa: E402
-from runtime.request import Request  # noqa: E402
-from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.scheduling.request import Request  # noqa: E402
+from runtime.scheduling.scheduler import Scheduler  # noqa: E402
 from runtime.types import SamplingParams  # noqa: E402
 
 

@@ -6,11 +6,11 @@
 
 def __getattr__(name):  # lazy: `from runtime.types import ...` must not pull in JAX
     if name == "LLM":
-        from runtime.llm import LLM
+        from runtime.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from runtime.engine import LLMEngine
+        from runtime.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "EngineRequest"):

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
-ENGINE_FACTORY = "runtime.engine_client:create_engine_client"
+ENGINE_FACTORY = "runtime.engine.thread_client:create_engine_client"
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def _convert(args) -> int:
         if axes:
             print(f"jaxserve convert: --mesh must be data=D,model=M, got {args.mesh!r}", file=sys.stderr)
             return 2
-        mesh = importlib.import_module("runtime.mesh").make_mesh(*shape)
+        mesh = importlib.import_module("runtime.parallel.mesh").make_mesh(*shape)
     try:
         out = orbax_io.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
     except (OSError, ValueError) as err:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args, config: LaunchConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    plan = importlib.import_module("runtime.plan")  # JAX: imported only for this command
+    plan = importlib.import_module("runtime.aot.chip_report")  # JAX: imported only for this command
     buckets = None if args.buckets is None else tuple(int(b) for b in args.buckets.split(","))
     try:
         report = plan.plan_config(config, args.config or "cpu-demo.yaml", token_buckets=buckets)

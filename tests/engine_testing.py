@@ -61,7 +61,7 @@ def live_engine_server(engine, model_name: str, max_waiting_requests: int):
     """A real engine behind the HTTP server on a free loopback port; closed (server, then engine
     thread) on exit, whatever happened."""
     from configs.schema import ServerConfig
-    from runtime.engine_client import AsyncEngine
+    from runtime.engine.thread_client import AsyncEngine
     from server.testing import LiveServer
 
     async_engine = AsyncEngine(engine, model_name)

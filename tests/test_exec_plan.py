@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.engine_config import EngineConfig
-from runtime.exec_plan import ExecutionPlan, plan_buckets, plan_execution
+from runtime.steps.execution_plan import ExecutionPlan, plan_buckets, plan_execution
 
 SHALLOW, DEEP = SimpleNamespace(num_layers=6, is_hybrid=False), SimpleNamespace(num_layers=30, is_hybrid=False)
 HYBRID = SimpleNamespace(num_layers=8, is_hybrid=True)
@@ -94,7 +94,7 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
 
     import jax
 
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=4, max_num_batched_tokens=32,
                           num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
@@ -120,7 +120,7 @@ def test_start_up_warm_up_writes_nothing(tiny_checkpoint, hf_model):
     import numpy as np
 
     from hf_reference import assert_greedy_match, hf_greedy
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.types import EngineRequest, SamplingParams
 
     path = tiny_checkpoint("qwen3_5")

@@ -19,7 +19,7 @@ import pytest
 from engine_testing import drain
 
 from models.ops import ATTENTION_BACKENDS, GDN_BACKENDS, KernelOptions
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
 from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable

@@ -97,7 +97,7 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
 
 def _serve_bf16_packed(path, prompts: dict) -> dict:
     from engine_testing import drain
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

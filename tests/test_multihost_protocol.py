@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from models.batch import single_sequence_batch
-from runtime.multihost import (DivergenceError, FollowerLost, Follower, LeaderExecutables, MultihostLeader,
+from runtime.parallel.multihost import (DivergenceError, FollowerLost, Follower, LeaderExecutables, MultihostLeader,
                                decode_frame, encode_frame, read_frame)
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import SamplingParams
 
 MULTIHOST = SimpleNamespace(process_id=1, num_processes=2, coordinator_address="127.0.0.1:1", step_port=2,
@@ -169,7 +169,7 @@ def test_lost_follower_channel_marks_the_leader_lost():
 
 def test_step_channel_address_and_process_id_flag():
     from configs import CONFIG_DIR, load_config
-    from runtime.multihost import step_address
+    from runtime.parallel.multihost import step_address
     from server.cli import _load, _parser
 
     multihost = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml").parallel.multihost

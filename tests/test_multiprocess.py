@@ -43,7 +43,7 @@ WORKER = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from configs import CONFIG_DIR, load_config
-    from runtime.mesh import initialize_multihost, make_mesh
+    from runtime.parallel.mesh import initialize_multihost, make_mesh
 
     src, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml", {

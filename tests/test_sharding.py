@@ -30,9 +30,9 @@ SCRIPT = textwrap.dedent("""
     from models.model import load_model
     from models.ops import KernelOptions
     from models.sharding import shard_model
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
     from runtime.types import EngineRequest, SamplingParams
 
     paths = json.loads(sys.argv[1])
@@ -183,7 +183,7 @@ def test_qkv_permutation_round_trip_against_numpy():
 
 
 def test_make_mesh_names_the_device_mismatch():
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
 
     with pytest.raises(ValueError, match=r"data=2 x model=64 needs 128 devices"):
         make_mesh(2, 64)
@@ -191,8 +191,8 @@ def test_make_mesh_names_the_device_mismatch():
 
 def test_launch_config_parallel_section():
     from configs.schema import config_from_dict
-    from runtime.engine_client import engine_config_from_launch
-    from runtime.mesh import initialize_multihost
+    from runtime.engine.thread_client import engine_config_from_launch
+    from runtime.parallel.mesh import initialize_multihost
 
     cfg = config_from_dict({"parallel": {"mesh": {"data": 2, "model": 4}}})
     assert engine_config_from_launch(cfg, "m").mesh_shape == (2, 4)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.batch import ForwardBatch
-from runtime.request_table import NEUTRAL_ROW_PARAMS, NUM_ROW_FLOATS, ROW_PARAMS, TableStep, split_write
+from runtime.steps.table_host import NEUTRAL_ROW_PARAMS, NUM_ROW_FLOATS, ROW_PARAMS, TableStep, split_write
 
 jax.tree_util.register_dataclass(TableStep, data_fields=["meta", "host_tokens"], meta_fields=[])
 

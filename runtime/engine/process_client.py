@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 
-from runtime.engine import EngineDeadError
-from runtime.engine_client import load_engine, queued_outputs
+from runtime.engine.llm_engine import EngineDeadError
+from runtime.engine.thread_client import load_engine, queued_outputs
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.transformer import compute_logits
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import MAX_LOGPROBS
 
 

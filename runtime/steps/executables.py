@@ -77,10 +77,10 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.request_table import TableStep, page_write_width, write_width
-from runtime.table_prepare import RequestTable, apply_write, init_table, prepare, row_sampling
-from runtime.sampler import sample, score_hidden_rows
-from runtime.sampling_metadata import FullWidths, SamplingMetadata
+from runtime.steps.table_host import TableStep, page_write_width, write_width
+from runtime.steps.table_device import RequestTable, apply_write, init_table, prepare, row_sampling
+from runtime.steps.sampler import sample, score_hidden_rows
+from runtime.steps.sampling_metadata import FullWidths, SamplingMetadata
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")

@@ -58,22 +58,22 @@ from models.ops import KernelOptions
 from models.sharding import shard_model
 from pallas_kernels import cpu_native
 from paged_kv.checkpoint_policy import plan_state_slots
-from runtime.async_step import InFlightStep, no_feed_rows
+from runtime.steps.async_step import InFlightStep, no_feed_rows
 from runtime.buckets import bucket_for, pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
-from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
+from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
-from runtime.exec_plan import ExecutionPlan, plan_execution
+from runtime.steps.execution_plan import ExecutionPlan, plan_execution
 from runtime.kv_transfer.hooks import build_kv_transfer
-from runtime.mesh import make_mesh
-from runtime.prompt_logprobs import PromptLogprobRecords, prompt_targets
-from runtime.request import Request
-from runtime.request_table import RequestTableHost
-from runtime.sampler import SamplerOutput
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.step import StepExecutables, TokenFeed, enable_persistent_cache
+from runtime.parallel.mesh import make_mesh
+from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
+from runtime.scheduling.request import Request
+from runtime.steps.table_host import RequestTableHost
+from runtime.steps.sampler import SamplerOutput
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
+from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request

@@ -46,8 +46,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from runtime.request import PLACEHOLDER_TOKEN
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.request import PLACEHOLDER_TOKEN
+from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.types import SamplingParams
 
 # A row's sampling parameters in the table, in this order, as int32 bit patterns: six float32

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.scheduling.request import Request
+from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
 from runtime.types import FinishReason
 
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.request import PLACEHOLDER_TOKEN, Request
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request
+from runtime.scheduling.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from runtime.sampler import SamplerOutput
+    from runtime.steps.sampler import SamplerOutput
 
 
 @dataclass

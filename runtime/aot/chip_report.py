@@ -44,9 +44,9 @@ from models.abstract import abstract_caches, abstract_model, shard_abstract_mode
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
-from runtime.exec_plan import plan_buckets
-from runtime.mesh import DATA_AXIS, MODEL_AXIS
-from runtime.step import StepExecutables
+from runtime.steps.execution_plan import plan_buckets
+from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
+from runtime.steps.executables import StepExecutables
 
 log = logging.getLogger("jaxserve.plan")
 

@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.step import TokenFeed
+from runtime.steps.table_host import TableStep
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.steps.executables import TokenFeed
 
 log = logging.getLogger("jaxserve.multihost")
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.scheduler import SchedulerOutput
 
 
 def build_batch(out: SchedulerOutput, *, token_buckets: tuple[int, ...], max_num_seqs: int,

@@ -47,10 +47,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models.batch import ForwardBatch
 from models.transformer import forward
 from runtime.buckets import bucket_for
-from runtime.dp_scheduler import DataParallelOutput, DataParallelScheduler
-from runtime.inputs import build_batch
-from runtime.mesh import DATA_AXIS
-from runtime.step import StepExecutables
+from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
+from runtime.steps.inputs import build_batch
+from runtime.parallel.mesh import DATA_AXIS
+from runtime.steps.executables import StepExecutables
 
 
 # ---- the step's inputs --------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from runtime.engine import EngineDeadError, LLMEngine
+from runtime.engine.llm_engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig, build_engine_config
-from runtime.mesh import initialize_multihost
+from runtime.parallel.mesh import initialize_multihost
 from runtime.types import EngineBusy, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
@@ -244,12 +244,12 @@ def create_engine_client(config):
     multihost = config.parallel.multihost
     multi_process = multihost is not None and multihost.num_processes > 1
     if config.server.engine_process and not multi_process and config.parallel.role == "both":
-        from runtime.engine_process import EngineProcessClient
+        from runtime.engine.process_client import EngineProcessClient
 
         return EngineProcessClient.start(config, str(path), served_name)
     engine = load_engine(config, str(path))
     if multi_process:  # runtime/multihost.py
-        from runtime.multihost import Follower, MultihostLeader
+        from runtime.parallel.multihost import Follower, MultihostLeader
 
         if multihost.process_id != 0:
             return Follower(engine, multihost)  # server/runner.serve runs its `follow()`, no HTTP

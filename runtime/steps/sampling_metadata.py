@@ -9,7 +9,7 @@ entirely (the shapes, hence the executable, differ).
 With the device-resident request table the per-row parameters (temperature ... seeds) are not
 sent: they live in the request's table row from its placement (runtime/request_table.py), the
 metadata carries None for them (`from_params(..., row_params=False)`) and the sampler fills them
-from the table (`runtime.table_prepare.row_sampling`).
+from the table (`runtime.steps.table_device.row_sampling`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
 from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
-from runtime.request_table import ROW_PARAMS  # the fields the request table can hold instead
+from runtime.steps.table_host import ROW_PARAMS  # the fields the request table can hold instead
 from runtime.types import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
