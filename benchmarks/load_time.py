@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 
 from models.model import load_model
-from models.orbax_io import convert_checkpoint
+from models.convert import convert_checkpoint
 from models.random_checkpoint import write_random_checkpoint
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
-ENGINE_FACTORY = "runtime.engine.thread_client:create_engine_client"
+ENGINE_FACTORY = "runtime.engine.client_factory:create_engine_client"
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def _build_engine(config: LaunchConfig, fake: bool):
 
 def _convert(args) -> int:
     """`jaxserve convert`: JAX is imported only for this command."""
-    orbax_io = importlib.import_module("models.orbax_io")
+    convert = importlib.import_module("models.convert")
     mesh = None
     if args.mesh is not None:
         try:
@@ -223,7 +223,7 @@ def _convert(args) -> int:
             return 2
         mesh = importlib.import_module("runtime.parallel.mesh").make_mesh(*shape)
     try:
-        out = orbax_io.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
+        out = convert.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
     except (OSError, ValueError) as err:
         print(f"jaxserve convert: {err}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from models.model import load_model
-    from models.orbax_io import convert_checkpoint
+    from models.convert import convert_checkpoint
     from models.sharding import shard_model
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig

@@ -210,7 +210,7 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
     from transformers import AutoTokenizer
 
     from models.model import load_model
-    from models.orbax_io import convert_checkpoint
+    from models.convert import convert_checkpoint
 
     src = tiny_checkpoint(family)
     ref = load_model(src)

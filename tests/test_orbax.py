@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from models.model import load_model
-from models.orbax_io import convert_checkpoint, is_orbax_checkpoint
+from models.convert import convert_checkpoint
+from models.orbax_io import is_orbax_checkpoint
 from models.safetensors_io import CheckpointError
 from server.cli import main
 

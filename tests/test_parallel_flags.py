@@ -59,7 +59,7 @@ def test_llm_tensor_parallel_size_is_the_engine_mesh():
 
 
 def test_enable_expert_parallel_sets_parallel_expert():
-    from runtime.engine.thread_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
 
     config = _config("--tensor-parallel-size", "4", "--enable-expert-parallel")
     assert config.parallel.expert is True and config.parallel.mesh.model == 4

@@ -20,7 +20,7 @@ import jax
 import pytest
 
 from configs import CONFIG_DIR, load_config
-from models.abstract import abstract_params
+from models.weights import abstract_params
 from models.config import parse_config
 from models.model import load_model
 from models.random_checkpoint import FAMILIES

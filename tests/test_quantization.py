@@ -180,7 +180,7 @@ def test_offline_llm_quantization_reports_weight_bytes(tiny_checkpoint):
 
 def test_launch_config_and_cli_flag():
     from configs.schema import ConfigError, load_config
-    from runtime.engine.thread_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
     from server.cli import _load, _parser
 
     args = _parser().parse_args(["config", "--quantization", "int4", "--set", "model.quantization_group_size=64"])

@@ -191,7 +191,7 @@ def test_make_mesh_names_the_device_mismatch():
 
 def test_launch_config_parallel_section():
     from configs.schema import config_from_dict
-    from runtime.engine.thread_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
     from runtime.parallel.mesh import initialize_multihost
 
     cfg = config_from_dict({"parallel": {"mesh": {"data": 2, "model": 4}}})

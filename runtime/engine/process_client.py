@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from runtime.engine.llm_engine import EngineDeadError
-from runtime.engine.thread_client import load_engine, queued_outputs
+from runtime.engine.loading import load_engine
+from runtime.engine.thread_client import queued_outputs
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
