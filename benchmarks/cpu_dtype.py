@@ -1,4 +1,4 @@
-"""bf16 vs float32 on the CPU backend: why `runtime/exec_plan.py` unrolls bf16 layers, measured.
+"""bf16 vs float32 on the CPU backend: why `runtime/steps/execution_plan.py` unrolls bf16 layers, measured.
 
     python -m benchmarks.cpu_dtype --ops                               # the dot spellings alone
     python -m benchmarks.cpu_dtype --breakdown .cache/peers/smollm2-135m-hf   # a decode step's matmuls / attention

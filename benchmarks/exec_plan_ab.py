@@ -1,4 +1,4 @@
-"""A/B of every CPU choice of the execution plan (runtime/exec_plan.py): each one on vs off,
+"""A/B of every CPU choice of the execution plan (runtime/steps/execution_plan.py): each one on vs off,
 tiny dense + tiny hybrid, output tokens/s, in one invocation.
 
     python -m benchmarks.exec_plan_ab                       # .cache/peers/tiny-llama, .cache/peers/qwen3_5-small

@@ -1,5 +1,5 @@
 """The host's share of building one step's inputs, without a device: the old host batch builder
-(`runtime.inputs.build_batch`, still attention DP's) vs the request table's `RequestTableHost.plan`,
+(`runtime.steps.inputs.build_batch`, still attention DP's) vs the request table's `RequestTableHost.plan`,
 and the sampler's `SamplingMetadata.from_params` with the per-row parameters (attention DP) vs
 without them (the request table holds them), on the same synthetic steps, in one process.
 

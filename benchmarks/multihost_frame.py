@@ -1,4 +1,4 @@
-"""Host cost of the multi-process step channel (runtime/multihost.py): frame size and the time to
+"""Host cost of the multi-process step channel (runtime/parallel/multihost.py): frame size and the time to
 encode (leader) and decode + verify (follower) one step's `ForwardBatch`, for the test config's
 shapes and the v5p-16 config's (max_num_seqs 128, 512 blocks per sequence).
 

@@ -4,7 +4,7 @@
         --policy auto --policy page --policy align:528 --budget 0.1 [--json out.json]
     python benchmarks/prefix_cache_sim.py --render out.json     # the markdown table of docs/prefix_caching.md
 
-Drives the real `paged_kv.CacheManager` and `runtime.scheduler.Scheduler` (no JAX, no weights)
+Drives the real `paged_kv.CacheManager` and `runtime.scheduling.scheduler.Scheduler` (no JAX, no weights)
 with a trace of sessions (`benchmarks/prefix_traces.py`): every step is schedule -> a fake
 model that "generates" the trace's fixed outputs -> update. Memory is the engine's sizing rule
 at the model's real bytes (`benchmarks/model_shapes.py`): a device of `--device-gib` usable GiB

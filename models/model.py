@@ -75,7 +75,7 @@ class Model:
 
     def hold_out_in(self) -> None:
         """Hold every float projection weight as its [out, in] transpose (`OutInWeight`, the CPU
-        plan's weight layout; runtime/exec_plan.py). Idempotent; call after `unstack_layers`.
+        plan's weight layout; runtime/steps/execution_plan.py). Idempotent; call after `unstack_layers`.
         Quantized weights, norms, the conv and the MoE expert stacks are left as they are."""
         self.params = out_in_projections(self.params)
 

@@ -10,14 +10,14 @@ CONFIG FLAGS are the flags users type from habit (vLLM's names: `--dtype`, `--ma
 the one table `CONFIG_FLAGS` below (add a row to add a flag). Precedence: YAML < `--set` <
 flags. vLLM's parallelism flags map onto `parallel.mesh` (`parallel_overrides`):
 `--tensor-parallel-size N` is `model: N`, `--data-parallel-size D` is `data: D` (attention
-data parallelism, runtime/data_parallel.py); `--enable-expert-parallel` is `parallel.expert: true`
-(MoE experts split by expert index over the model axis). `plan` (runtime/plan.py, imported only when
+data parallelism, runtime/parallel/data_parallel.py); `--enable-expert-parallel` is `parallel.expert: true`
+(MoE experts split by expert index over the model axis). `plan` (runtime/aot/chip_report.py, imported only when
 asked) compiles the config's steps for its `parallel.chip` from the model's config.json shapes
 and prints memory and cost per device.
 
 `serve` loads and validates the launch config, builds the engine and runs the server until
 SIGTERM/SIGINT (graceful drain, exit 0). The JAX engine is built by
-`runtime.engine_client.create_engine_client(config)`, imported only when needed;
+`runtime.engine.client_factory.create_engine_client(config)`, imported only when needed;
 `--fake-engine` serves `server.testing.FakeEngine` instead (no model, no JAX) for exercising
 clients and load generators against the HTTP layer.
 """

@@ -1,4 +1,4 @@
-"""Attention data parallelism (runtime/data_parallel.py, runtime/dp_scheduler.py).
+"""Attention data parallelism (runtime/parallel/data_parallel.py, runtime/scheduling/dp_scheduler.py).
 
 Device-free part: `DataParallelScheduler` with one `FakeDevice` per rank (tests/test_scheduler.py's
 protocol-checking fake, whose own token record is the reference): placement by prefix hits then

@@ -1,4 +1,4 @@
-"""The engine loop in its own process (`runtime/engine_process.py`).
+"""The engine loop in its own process (`runtime/engine/process_client.py`).
 
 The whole OpenAI-client suite of test_server_engine.py also runs against this client (its
 `server` fixture is parametrized); here: the delta codec against the cumulative outputs it

@@ -1,4 +1,4 @@
-"""runtime/exec_plan.py: backend x model size x knobs -> ExecutionPlan, as a table written by hand.
+"""runtime/steps/execution_plan.py: backend x model size x knobs -> ExecutionPlan, as a table written by hand.
 Pure (no devices): the engine constructor only carries the plan out."""
 
 from types import SimpleNamespace
@@ -80,7 +80,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_plan_buckets_is_what_jaxserve_plan_compiles():
-    """runtime/plan.py (the accelerator planner) takes its buckets from the same rule."""
+    """runtime/aot/chip_report.py (the accelerator planner) takes its buckets from the same rule."""
     assert plan_buckets(1024, 256, None, "tpu") == ((16, 32, 64, 128, 256, 512, 1024), (8, 16, 32, 64, 128, 256))
     assert plan_buckets(8, 4, None, "cpu") == ((4, 8), (4,))  # 1.5x steps only up to max_num_seqs
     assert plan_buckets(8, 8, None, "cpu") == ((4, 6, 8), (8,))

@@ -314,11 +314,11 @@ def _edges_of(tmp_path: Path, name: str, source: str, modules: set[str]) -> list
 
 
 def test_the_checker_sees_every_kind_of_import(tmp_path):
-    modules = {"runtime", "runtime.engine", "runtime.engine.engine", "server", "server.app", "models", "models.model"}
+    modules = {"runtime", "runtime.engine", "runtime.engine.llm_engine", "server", "server.app", "models", "models.model"}
     source = (
         "import importlib\n"
         "from typing import TYPE_CHECKING\n"
-        "from . import engine\n"
+        "from . import llm_engine\n"
         "from .. import app\n"
         "if TYPE_CHECKING:\n"
         "    from models.model import Model\n"
@@ -329,7 +329,7 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
         "'''server.app:documented only'''\n"
     )
     found = {(e.target, e.kind) for e in _edges_of(tmp_path, "runtime.engine.x", source, modules)}
-    assert found == {("runtime.engine.engine", "module"), ("runtime", "module"), ("models.model", "type_checking"),
+    assert found == {("runtime.engine.llm_engine", "module"), ("runtime", "module"), ("models.model", "type_checking"),
                      ("server.app", "lazy"), ("models.model", "dynamic"), ("server.app", "registry")}
 
 

@@ -1,4 +1,4 @@
-"""The multi-process step protocol (runtime/multihost.py) without devices or processes.
+"""The multi-process step protocol (runtime/parallel/multihost.py) without devices or processes.
 
 A leader's wrapped executables and a follower talk over a socketpair; both sides run a
 hand-computable fake `StepExecutables` that records every call. The follower must make exactly

@@ -1,6 +1,6 @@
-"""The device-resident request table (runtime/request_table.py, runtime/table_prepare.py).
+"""The device-resident request table (runtime/steps/table_host.py, runtime/steps/table_device.py).
 
-The reference is the host batch builder `runtime.inputs.build_batch` (the engine's builder before
+The reference is the host batch builder `runtime.steps.inputs.build_batch` (the engine's builder before
 the table; attention DP still uses it): over random ragged steps — prefill chunks, decodes whose
 token is still on the device (placeholders), placements with prefix hits (start > 0) that
 overflow the step's page writes, preemptions and readmissions, finishes, padding rows — the batch

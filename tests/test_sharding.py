@@ -163,7 +163,7 @@ def test_engine_on_a_mesh_generates_the_same_greedy_tokens(report):
     single, sharded = report["engine_single"], report["engine_2x4"]
     assert len(single) == 3 and all(len(t) == 5 for t in single.values())
     assert sharded == single
-    rec = report["engine_rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/data_parallel.py)
+    rec = report["engine_rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/parallel/data_parallel.py)
     assert rec["shard"][0] * 2 == rec["shape"][0]  # each rank's slots on its own devices
     assert rec["shard"][2] * 4 == rec["shape"][2]  # engine caches split by value heads
 
