@@ -1,4 +1,6 @@
-"""jaxserve runtime: scheduler, compiled steps, sampler, engine loop and the offline `LLM` API.
+"""jaxserve runtime: the engine loop (`engine/`), compiled steps and the sampler (`steps/`), scheduling
+(`scheduling/`), parallelism (`parallel/`), P/D (`kv_transfer/`), grammars (`structured_output/`),
+`jaxserve plan` (`aot/`), and the offline `LLM` API; docs/architecture.md is the map.
 
 `LLM` and `LLMEngine` import JAX; `runtime.types` (what the server uses) does not.
 """
