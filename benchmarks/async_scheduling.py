@@ -49,7 +49,7 @@ class StepTimers:
     """Wraps an engine's schedule / dispatch / token wait with perf_counter timers."""
 
     def __init__(self, engine):
-        from runtime import async_step
+        from runtime.steps import async_step
 
         self.engine, self.records = engine, []
         self._schedule, self._dispatch = engine.scheduler.schedule, engine._dispatch
@@ -85,7 +85,7 @@ class StepTimers:
         async_step.InFlightStep.resolve = resolve
 
     def close(self):
-        from runtime import async_step
+        from runtime.steps import async_step
 
         del self.engine.scheduler.schedule, self.engine._dispatch
         async_step.InFlightStep.resolve = self._resolve
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
 
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import jax
 from models import KernelOptions, load_model
 from models.random_checkpoint import write_random_checkpoint
 from models.transformer import forward
-from runtime.step import _spec
+from runtime.steps.executables import _spec
 
 
 def _layer_types(family: str, depth: int) -> dict:
@@ -31,7 +31,7 @@ def _layer_types(family: str, depth: int) -> dict:
 
 
 def compile_seconds(model, tokens: int, scan: bool) -> float:
-    from runtime.step import StepExecutables
+    from runtime.steps.executables import StepExecutables
 
     caches = model.init_caches(64, 16, 8)
     ex = StepExecutables(model, caches, KernelOptions(), token_buckets=(tokens,), seq_buckets=(8,),

@@ -1,4 +1,4 @@
-"""bf16 vs float32 on the CPU backend: why `runtime/exec_plan.py` unrolls bf16 layers, measured.
+"""bf16 vs float32 on the CPU backend: why `runtime/steps/execution_plan.py` unrolls bf16 layers, measured.
 
     python -m benchmarks.cpu_dtype --ops                               # the dot spellings alone
     python -m benchmarks.cpu_dtype --breakdown .cache/peers/smollm2-135m-hf   # a decode step's matmuls / attention
@@ -143,7 +143,7 @@ def breakdown(checkpoint: str, rows: int = 16) -> dict:
 
 def decode_step_ms(checkpoint: str, dtype: str, layer_loop: str, num_seqs: int = 16, steps: int = 30) -> float:
     """Median ms per engine.step() of a decode-only batch (run in a fresh process by `main`)."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

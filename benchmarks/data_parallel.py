@@ -28,7 +28,7 @@ RUN = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

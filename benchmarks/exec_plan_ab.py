@@ -1,4 +1,4 @@
-"""A/B of every CPU choice of the execution plan (runtime/exec_plan.py): each one on vs off,
+"""A/B of every CPU choice of the execution plan (runtime/steps/execution_plan.py): each one on vs off,
 tiny dense + tiny hybrid, output tokens/s, in one invocation.
 
     python -m benchmarks.exec_plan_ab                       # .cache/peers/tiny-llama, .cache/peers/qwen3_5-small
@@ -73,7 +73,7 @@ def _build_engines(path: Path, base, plan, requests, skip: tuple[str, ...], only
     """{variant: (warmed-up engine, start-up seconds)}; variants whose name starts with a `skip`
     entry are left out, and with `only`, all but the plan and those starting with an `only` entry."""
     from models.model import load_model
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     engines = {}
     for name, variant, overrides in _variants(plan, base):
@@ -94,7 +94,7 @@ def measure_checkpoint(path: Path, args) -> dict:
     from benchmarks.workloads import make_workload, summarize
     from models.model import load_model
     from runtime.engine_config import EngineConfig
-    from runtime.exec_plan import plan_execution
+    from runtime.steps.execution_plan import plan_execution
 
     base = EngineConfig(model=str(path), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, num_pages=args.num_pages, seed=0, load_tokenizer=False,

@@ -118,7 +118,7 @@ def run(devices: int, token_counts: list[int], repeats: int, shape: dict = SMALL
     from models.ops import KernelOptions
     from models.sharding import TensorParallel
     from models.transformer import moe_mlp
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
 
     mesh = make_mesh(1, devices, devices=jax.devices()[:devices])
     cfg = _model_config(shape)

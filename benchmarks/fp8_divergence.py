@@ -24,7 +24,7 @@ KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # "auto": the model dtype (float32
 
 
 def generate(model, requests, kv_cache_dtype: str, args) -> list:
-    from runtime.llm import LLM
+    from runtime.engine.llm import LLM
     from runtime.types import SamplingParams
 
     num_pages = args.max_num_seqs * -(-args.max_model_len // 16) + 1

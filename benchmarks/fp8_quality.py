@@ -149,7 +149,7 @@ def model_quality(families, *, prompt_len=200, num_prompts=4, new_tokens=16, see
     from conftest import build_cached_checkpoint
 
     from models import load_model
-    from runtime.llm import LLM
+    from runtime.engine.llm import LLM
     from runtime.types import SamplingParams
 
     rows = []

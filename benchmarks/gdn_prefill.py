@@ -99,7 +99,7 @@ def time_interleaved(fns: dict, repeats: int) -> dict:
 
 
 def engine_ab(checkpoint: str, num_requests: int, prompt_len: int, repeats: int) -> dict:
-  from runtime.engine import LLMEngine
+  from runtime.engine.llm_engine import LLMEngine
   from runtime.engine_config import EngineConfig
   from runtime.types import EngineRequest, SamplingParams
 

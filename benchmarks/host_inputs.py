@@ -1,5 +1,5 @@
 """The host's share of building one step's inputs, without a device: the old host batch builder
-(`runtime.inputs.build_batch`, still attention DP's) vs the request table's `RequestTableHost.plan`,
+(`runtime.steps.inputs.build_batch`, still attention DP's) vs the request table's `RequestTableHost.plan`,
 and the sampler's `SamplingMetadata.from_params` with the per-row parameters (attention DP) vs
 without them (the request table holds them), on the same synthetic steps, in one process.
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 from benchmarks import write_json
 from runtime.buckets import bucket_for
-from runtime.inputs import build_batch
-from runtime.request import PLACEHOLDER_TOKEN
-from runtime.request_table import RequestTableHost
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.steps.inputs import build_batch
+from runtime.scheduling.request import PLACEHOLDER_TOKEN
+from runtime.steps.table_host import RequestTableHost
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
 from runtime.types import SamplingParams
 
 PAGE, MAX_BLOCKS, BUCKETS = 16, 64, (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

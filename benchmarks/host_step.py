@@ -52,7 +52,7 @@ class Timers:
     """perf_counter totals around schedule, dispatch and the token wait of one engine."""
 
     def __init__(self, engine):
-        from runtime import async_step
+        from runtime.steps import async_step
 
         self.totals = dict.fromkeys(("schedule", "dispatch", "wait"), 0.0)
         self._patched = [(engine.scheduler, "schedule", "schedule"), (engine, "_dispatch", "dispatch")]
@@ -72,7 +72,7 @@ class Timers:
         return timed
 
     def close(self):
-        from runtime import async_step
+        from runtime.steps import async_step
 
         for owner, name, _ in self._patched:
             delattr(owner, name)
@@ -136,7 +136,7 @@ def workloads(vocab_size: int, seqs: int) -> dict:
 
 
 def child(args) -> None:
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
 
     seqs = args.seqs[0]

@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 
 from models.model import load_model
-from models.orbax_io import convert_checkpoint
+from models.convert import convert_checkpoint
 from models.random_checkpoint import write_random_checkpoint
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -55,7 +55,7 @@ def _timed_load(path: Path, dtype: str, repeats: int, mesh=None) -> float:
 
 def _worker(args) -> None:
     """One of `--processes` processes: load every case onto a mesh over all processes' devices."""
-    from runtime.mesh import initialize_multihost, make_mesh
+    from runtime.parallel.mesh import initialize_multihost, make_mesh
     from types import SimpleNamespace
 
     initialize_multihost(SimpleNamespace(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes,

@@ -126,7 +126,7 @@ class MemoryPlan:
 def plan_memory(shape: ModelShape, *, device_gib: float = 139.0, memory_fraction: float = 0.9, page_size: int = 16,
                 kv_dtype: str = "bfloat16", max_num_seqs: int = 256, budget_fraction: float | None = 0.25,
                 prefix_caching: bool = True) -> MemoryPlan:
-    """The engine's sizing rule (runtime/engine.py) on a device of `device_gib` usable GiB."""
+    """The engine's sizing rule (runtime/engine/llm_engine.py) on a device of `device_gib` usable GiB."""
     cache_bytes = int(device_gib * GIB * memory_fraction) - 2 * shape.num_params
     if cache_bytes <= 0:
         raise ValueError(f"{shape.name}: {shape.num_params / 1e9:.1f}B bf16 weights leave no cache memory on "

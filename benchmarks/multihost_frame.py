@@ -1,5 +1,5 @@
-"""Host cost of the multi-process step channel (runtime/multihost.py): frame size and the time to
-encode + MAC (leader) and verify + decode (follower) one step's `ForwardBatch`, for the test config's
+"""Host cost of the multi-process step channel (runtime/parallel/multihost_channel.py): frame size and the
+time to encode + MAC (leader) and verify + decode (follower) one step's `ForwardBatch`, for the test config's
 shapes and the v5p-16 config's (max_num_seqs 128, 512 blocks per sequence).
 
     python -m benchmarks.multihost_frame [--repeats 200]
@@ -15,9 +15,9 @@ import time
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.multihost_channel import decode_frame, encode_frame
+from runtime.parallel.multihost_channel import decode_frame, encode_frame
 
-KEY = bytes(32)  # a session key (runtime/multihost_channel.py)
+KEY = bytes(32)  # a session key (runtime/parallel/multihost_channel.py)
 # name -> (token bucket T, max_num_seqs S, max_blocks_per_seq MB)
 SHAPES = {"cpu-multihost test decode": (8, 4, 32), "v5p-16 decode": (128, 128, 512),
           "v5p-16 prefill": (8192, 128, 512)}

@@ -4,7 +4,7 @@
         --policy auto --policy page --policy align:528 --budget 0.1 [--json out.json]
     python benchmarks/prefix_cache_sim.py --render out.json     # the markdown table of docs/prefix_caching.md
 
-Drives the real `paged_kv.CacheManager` and `runtime.scheduler.Scheduler` (no JAX, no weights)
+Drives the real `paged_kv.CacheManager` and `runtime.scheduling.scheduler.Scheduler` (no JAX, no weights)
 with a trace of sessions (`benchmarks/prefix_traces.py`): every step is schedule -> a fake
 model that "generates" the trace's fixed outputs -> update. Memory is the engine's sizing rule
 at the model's real bytes (`benchmarks/model_shapes.py`): a device of `--device-gib` usable GiB
@@ -35,8 +35,8 @@ from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory  # 
 from benchmarks.prefix_traces import TRACES, Session, make_trace  # noqa: E402
 from paged_kv import CacheManager  # noqa: E402
 from runtime.config import SchedulerConfig  # noqa: E402
-from runtime.request import Request  # noqa: E402
-from runtime.scheduler import Scheduler  # noqa: E402
+from runtime.scheduling.request import Request  # noqa: E402
+from runtime.scheduling.scheduler import Scheduler  # noqa: E402
 from runtime.types import SamplingParams  # noqa: E402
 
 

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from models.model import load_model
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
 
     model = load_model(args.checkpoint, dtype=args.dtype)

@@ -123,7 +123,7 @@ def run_one(checkpoint: str, dtype: str, case: dict, with_torch: bool) -> dict:
     """One dtype in this process: the engine's run of the case, then its steps' matmuls alone."""
     from benchmarks.workloads import make_workload
     from runtime.buckets import bucket_for, seq_bucket
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

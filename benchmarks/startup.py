@@ -18,7 +18,7 @@ import time
 
 
 def start(checkpoint: str, every_variant: bool, args) -> dict:
-  from runtime.engine import LLMEngine
+  from runtime.engine.llm_engine import LLMEngine
   from runtime.engine_config import EngineConfig
 
   t0 = time.perf_counter()

@@ -45,7 +45,7 @@ SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems":
 
 
 def _engine(args):
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
 
     return LLMEngine(EngineConfig(model=args.checkpoint, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -89,7 +89,7 @@ def online(engine, requests, repeats: int) -> dict:
     import openai
 
     from configs.schema import ServerConfig
-    from runtime.engine_client import AsyncEngine
+    from runtime.engine.thread_client import AsyncEngine
     from server.testing import LiveServer
 
     async_engine = AsyncEngine(engine, "bench")
@@ -166,8 +166,8 @@ def compile_times(tokenizer, vocab_size: int, eos_ids, count: int) -> dict:
 def sampler_overhead(rows: int, vocab: int, iters: int = 50) -> dict:
     import jax
 
-    from runtime.sampler import sample
-    from runtime.sampling_metadata import SamplingMetadata
+    from runtime.steps.sampler import sample
+    from runtime.steps.sampling_metadata import SamplingMetadata
     from runtime.structured_output import bitmask_width
     from runtime.types import SamplingParams
 

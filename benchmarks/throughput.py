@@ -186,7 +186,7 @@ def run_vllm(checkpoint: str, args, requests: list[BenchRequest]) -> dict | None
 
 
 def section_throughput(checkpoint: str, args) -> dict:
-    from runtime.llm import LLM
+    from runtime.engine.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(checkpoint, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -263,7 +263,7 @@ def section_throughput(checkpoint: str, args) -> dict:
 
 def compile_once(checkpoint: str, args, cache_dir: str) -> dict:
     """Build an engine in THIS process with the persistent cache at `cache_dir`; -> timings."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config(checkpoint, args, compile_cache_dir=cache_dir, load_tokenizer=False))
@@ -295,7 +295,7 @@ def section_compile(checkpoint: str, args) -> dict:
 
 def section_capacity(model, checkpoint: str, args) -> dict:
     """Same KV memory budget, bf16 vs fp8_e4m3: pages the engine allocates and what fits."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     budget = args.kv_cache_memory_bytes
     seq_len = args.capacity_seq_len
@@ -338,7 +338,7 @@ def section_kvdtype(model, checkpoint: str, args) -> dict:
     one engine at a time. -> tok/s of the median run each, fp8 / bf16, greedy agreement."""
     import gc
 
-    from runtime.llm import LLM
+    from runtime.engine.llm import LLM
 
     requests = make_workload(args.workload, vocab_size=model.cfg.vocab_size, seed=args.seed,
                              num_requests=args.num_requests, scale=args.scale, max_model_len=args.max_model_len)
@@ -391,7 +391,7 @@ def measure_ttft_sequential(engine, requests: list[BenchRequest]) -> list[float]
 
 
 def section_prefix(model, checkpoint: str, args) -> dict:
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     requests = make_workload("shared_prefix", vocab_size=model.cfg.vocab_size, seed=args.seed,
                              num_requests=args.prefix_requests + 1, scale=args.prefix_scale,

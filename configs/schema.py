@@ -127,9 +127,9 @@ class SchedulerSection(_Section):
 
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
-    policy: Policy = "fcfs"  # a name in runtime.policies.POLICY_REGISTRY (plugins add more)
+    policy: Policy = "fcfs"  # a name in runtime.scheduling.policies.POLICY_REGISTRY (plugins add more)
     token_buckets: tuple[int, ...] | None = None
-    # Plan step n+1 while step n runs, its tokens fed on the device (runtime/engine.py); false:
+    # Plan step n+1 while step n runs, its tokens fed on the device (runtime/engine/llm_engine.py); false:
     # the host waits for each step's tokens before it schedules the next.
     async_scheduling: bool = True
 
@@ -171,7 +171,7 @@ class MultihostConfig(_Section):
     coordinator_address: str
     num_processes: int = Field(ge=1)
     process_id: int = Field(ge=0)
-    # Multi-process serving (runtime/multihost.py): process 0 sends its steps to the others over
+    # Multi-process serving (runtime/parallel/multihost.py): process 0 sends its steps to the others over
     # TCP on the coordinator's host at this port (null: the coordinator's port + 1).
     step_port: int | None = Field(default=None, ge=1, le=65535)
     heartbeat_timeout_s: float = Field(default=5.0, gt=0)  # a follower silent this long is lost
@@ -294,7 +294,7 @@ class KernelsConfig(_Section):
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
     # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
-    # null: the plan decides (runtime/exec_plan.py): on for bf16 dense models on CPU (a greedy
+    # null: the plan decides (runtime/steps/execution_plan.py): on for bf16 dense models on CPU (a greedy
     # decode step is then one executable, >= 5 % measured), off otherwise.
     fuse_greedy: bool | None = None
 
@@ -330,9 +330,9 @@ class ServerConfig(_Section):
     # at the latest after this interval, while a small model's whole step takes 3-5 ms on CPU.
     # See server/runner.serve. (The engine process sets it too, for its command reader thread.)
     gil_switch_interval_ms: float = Field(default=0.5, gt=0.0, le=100.0)
-    # Run the engine loop in a child process (runtime/engine_process.py, vLLM's EngineCore
+    # Run the engine loop in a child process (runtime/engine/process_client.py, vLLM's EngineCore
     # layout), so the engine's Python and the HTTP event loop do not share one GIL. False: a
-    # thread of the server's process (runtime/engine_client.AsyncEngine). Multi-host and P/D
+    # thread of the server's process (runtime/engine/thread_client.py: AsyncEngine). Multi-host and P/D
     # roles always use the thread.
     engine_process: bool = True
 

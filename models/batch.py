@@ -1,7 +1,7 @@
 """ForwardBatch: the flat, padded, ragged batch one model step consumes (see docs/interfaces.md).
 
-Gathered on the device from the request table (runtime/table_prepare.py) on the one-rank and
-tensor-parallel paths, built on the host by runtime/inputs.py under attention data parallelism;
+Gathered on the device from the request table (runtime/steps/table_device.py) on the one-rank and
+tensor-parallel paths, built on the host by runtime/steps/inputs.py under attention data parallelism;
 every field is an array so one bucket of shapes maps to exactly one compiled executable.
 """
 

@@ -22,6 +22,7 @@ from models.batch import single_sequence_batch
 from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
+from models.orbax_io import is_orbax_checkpoint, restore_params
 from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
@@ -74,7 +75,7 @@ class Model:
 
     def hold_out_in(self) -> None:
         """Hold every float projection weight as its [out, in] transpose (`OutInWeight`, the CPU
-        plan's weight layout; runtime/exec_plan.py). Idempotent; call after `unstack_layers`.
+        plan's weight layout; runtime/steps/execution_plan.py). Idempotent; call after `unstack_layers`.
         Quantized weights, norms, the conv and the MoE expert stacks are left as they are."""
         self.params = out_in_projections(self.params)
 
@@ -240,8 +241,6 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    from models.orbax_io import is_orbax_checkpoint, restore_params
-
     if is_orbax_checkpoint(path):
         cfg = parse_config(read_json(path / "config.json"), read_json(path / "generation_config.json", required=False))
         params, tp = restore_params(path, cfg, dtype, mesh, expert_parallel)

@@ -35,7 +35,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 # from a CPU-only host, where "pallas" would pick by the local backend.
 # "native" is what "auto" resolves to on CPU: the "chunked" jnp paths (attention: context-proportional;
 # GDN: WY chunks for prefill-sized buckets) with their decode / recurrent rows in the C++ kernels of
-# pallas_kernels/cpu_native.py (jnp where those can't be built); runtime/exec_plan.py passes it explicitly.
+# pallas_kernels/cpu_native.py (jnp where those can't be built); runtime/steps/execution_plan.py passes it explicitly.
 BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu", "chunked")
 
 
@@ -44,7 +44,7 @@ def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
     the Pallas kernels on accelerators (or interpreted); on CPU "native" for attention and GDN
     (the context-proportional / WY-chunked jnp paths with their decode rows in C++; the reference,
     the spec, always gathers the whole block table) and the jnp matmul. The engine takes this
-    choice from runtime/exec_plan.py, which calls this."""
+    choice from runtime/steps/execution_plan.py, which calls this."""
     if backend == "cpu" and not interpret:
         return "native" if which in ("attention", "gdn") else "reference"
     return "pallas"

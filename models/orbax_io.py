@@ -1,7 +1,7 @@
 """Converted checkpoints: the parameter tree written with orbax-checkpoint, restored into its sharding.
 
-    convert_checkpoint(hf_dir, out_dir, dtype="bfloat16", mesh=None)   # `jaxserve convert`
-    is_orbax_checkpoint(out_dir)                                      # models.model.load_model's test
+    write_checkpoint(params, cfg, hf_dir, out_dir, "bfloat16")   # models/convert.py: `jaxserve convert`
+    is_orbax_checkpoint(out_dir)                                 # models.model.load_model's test
     params, tp = restore_params(out_dir, cfg, dtype, mesh=None)
 
 OUT_DIR holds `params/` (orbax, one array per leaf of the tree models/weights.py builds, stacked by
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from models.abstract import abstract_params
+from models.weights import abstract_params
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError
 from models.sharding import TensorParallel, _reorder_gdn, param_specs, tensor_parallel_plan
@@ -36,21 +36,14 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def convert_checkpoint(src: str | Path, out_dir: str | Path, dtype: str = "bfloat16", mesh: Mesh | None = None,
-                       progress: bool = False) -> Path:
-    """Load an HF checkpoint directory, cast to `dtype`, write it with orbax. With `mesh`, the
-    arrays are written from their sharded placement (each process writes its shards)."""
-    from models.model import load_model
-
+def write_checkpoint(params: dict, cfg: ModelConfig, src: str | Path, out_dir: str | Path, dtype: str,
+                     mesh: Mesh | None = None) -> Path:
+    """Write `params` (in `dtype`, which the marker records) with orbax into the empty or new `out_dir`,
+    with the side files of the HF directory `src`. With `mesh`, the arrays are written from their sharded placement (each
+    process writes its shards)."""
     src, out_dir = Path(src), Path(out_dir)
-    if not src.is_dir():
-        raise CheckpointError(f"{src}: expected an HF checkpoint directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CheckpointError(f"{out_dir}: exists and is not empty")
-    model = load_model(src, dtype=dtype, progress=progress)
-    params = model.params
     if mesh is not None:  # canonical layout, sharded: the same split restore uses, without the GDN reorder
-        specs = param_specs(params, model.cfg, tensor_parallel_plan(model.cfg, mesh))
+        specs = param_specs(params, cfg, tensor_parallel_plan(cfg, mesh))
         params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     out_dir.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp

@@ -77,7 +77,7 @@ def is_quantized(w) -> bool:
 class OutInWeight:
     """A float `[..., K, N]` weight held as its transpose `t` `[..., N, K]` (torch's [out, in]).
 
-    The CPU plan's weight layout (runtime/exec_plan.py): XLA:CPU's XNNPACK dot takes an [N, K]
+    The CPU plan's weight layout (runtime/steps/execution_plan.py): XLA:CPU's XNNPACK dot takes an [N, K]
     right-hand side faster than [K, N] (SmolLM2-135M's 30 layers of projections at 16 rows, bf16:
     26-28 -> 19-21 ms; float32 43 -> 37 ms). `qdot` contracts `t` in place; leading axes (stacked
     layer groups) slice like an array's.
@@ -113,7 +113,7 @@ class PackedWeight:
     """A bf16 `[..., K, N]` weight packed once for the native CPU matmul
     (`pallas_kernels.cpu_native.pack_bf16_weight`: `p` `[..., ceil(N/16), ceil(K/2), 32]`).
 
-    The CPU plan's weight layout for bf16 on a CPU with AVX512-BF16 (runtime/exec_plan.py):
+    The CPU plan's weight layout for bf16 on a CPU with AVX512-BF16 (runtime/steps/execution_plan.py):
     XLA:CPU's dot re-packs its weight operand on every call, which is most of a decode step's
     projection time; this weight is packed at load and streamed once per call. `qdot` runs the
     kernel at every row count: in the engine it beats XLA's dot on prefill-sized steps too

@@ -10,7 +10,7 @@ FFN columns), o_proj/down/out_proj row-parallel, norms replicated, MoE experts s
 expert-intermediate dim, or, with expert parallelism (`expert_parallel=True`), on the expert index
 (each device holds E/M whole experts; models/expert_parallel.py routes tokens to them with an
 all-to-all; the shared expert stays column/row split). Stacked layer-group axis 0 is never split. No parameter is split over the
-`data` axis (attention DP ranks share the weights; runtime/data_parallel.py splits the caches). The embedding and lm_head are split on the vocab: they are the
+`data` axis (attention DP ranks share the weights; runtime/parallel/data_parallel.py splits the caches). The embedding and lm_head are split on the vocab: they are the
 largest single tensors of small-hidden, large-vocab models (Qwen3.5: 248k x H), and a
 vocab-split gather / matmul costs one all-reduce of [T, H] / an all-gather of the logits.
 

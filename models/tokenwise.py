@@ -1,6 +1,6 @@
 """`tokenwise`: run a per-token layer over every batch row's tokens at once under `jax.vmap`.
 
-Attention data parallelism (runtime/data_parallel.py) runs the single-rank forward pass under
+Attention data parallelism (runtime/parallel/data_parallel.py) runs the single-rank forward pass under
 `jax.vmap` over the DP ranks. Attention and GDN need that (each rank's sequences, pages and
 slots are its own), but a layer that treats every token independently does not, and some of
 its ops have no batching rule: `lax.ragged_dot` (the MoE experts' grouped matmul) cannot be

@@ -4,13 +4,15 @@ Parameters are a plain dict: `embed`, `final_norm`, optional `lm_head`, and `gro
 with one dict per position in the repeating layer group (see ModelConfig.layer_period); each
 leaf there is stacked over groups on axis 0 so the forward pass scans over it. Linear weights
 are stored [in, out]. Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` are re-laid out
-here into Qwen3.5's separate projections, so one forward pass serves both.
+here into Qwen3.5's separate projections, so one forward pass serves both. `abstract_params` is
+the same tree as `jax.ShapeDtypeStruct`s, from the config alone (no weights read).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -192,4 +194,60 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", pro
             params["lm_head"] = _cast("lm_head", read_linear(src, "lm_head", V, H, quantization), np_dtype)
         else:
             raise CheckpointError("tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+    return params
+
+
+def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, D = cfg.hidden_size, cfg.head_dim
+    q_out = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
+    kv_out = cfg.num_kv_heads * D
+    shapes = {"q_proj": (H, q_out), "k_proj": (H, kv_out), "v_proj": (H, kv_out), "o_proj": (cfg.num_heads * D, H)}
+    if cfg.attention_bias:
+        shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,), o_bias=(H,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(D,), k_norm=(D,))
+    return shapes
+
+
+def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, C, hv, dv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    return {"in_qkv": (H, C), "in_z": (H, hv * dv), "in_b": (H, hv), "in_a": (H, hv),
+            "conv_w": (C, cfg.linear_conv_kernel_dim), "A_log": (hv,), "dt_bias": (hv,), "gated_norm": (dv,),
+            "out_proj": (hv * dv, H)}
+
+
+def _mlp_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
+    H = cfg.hidden_size
+    if kind == "dense":
+        I = cfg.intermediate_size
+        shapes = {"gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+        if cfg.mlp_bias:
+            shapes.update(gate_bias=(I,), up_bias=(I,), down_bias=(H,))
+        return shapes
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H)}
+    if Is:
+        shapes.update(shared_gate_proj=(H, Is), shared_up_proj=(H, Is), shared_down_proj=(Is, H),
+                      shared_expert_gate=(H, 1))
+    return shapes
+
+
+def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
+    """ShapeDtypeStructs of every parameter, stacked by layer group like `load_params` returns."""
+    dt = jnp.dtype(dtype)
+
+    def leaf(name, shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32 if name in FP32_PARAMS else dt)
+
+    period, G = cfg.layer_period(), cfg.num_layers // cfg.layer_period()
+    groups = []
+    for j in range(period):
+        shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
+        shapes.update(_attention_shapes(cfg) if cfg.layer_types[j] == ATTENTION else _gdn_shapes(cfg))
+        shapes.update(_mlp_shapes(cfg, cfg.mlp_types[j]))
+        groups.append({name: leaf(name, (G, *shape)) for name, shape in shapes.items()})
+    V, H = cfg.vocab_size, cfg.hidden_size
+    params = {"embed": leaf("embed", (V, H)), "final_norm": leaf("final_norm", (H,)), "groups": tuple(groups)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = leaf("lm_head", (H, V))
     return params

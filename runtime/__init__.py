@@ -1,4 +1,6 @@
-"""jaxserve runtime: scheduler, compiled steps, sampler, engine loop and the offline `LLM` API.
+"""jaxserve runtime: the engine loop (`engine/`), compiled steps and the sampler (`steps/`), scheduling
+(`scheduling/`), parallelism (`parallel/`), P/D (`kv_transfer/`), grammars (`structured_output/`),
+`jaxserve plan` (`aot/`), and the offline `LLM` API; docs/architecture.md is the map.
 
 `LLM` and `LLMEngine` import JAX; `runtime.types` (what the server uses) does not.
 """
@@ -6,11 +8,11 @@
 
 def __getattr__(name):  # lazy: `from runtime.types import ...` must not pull in JAX
     if name == "LLM":
-        from runtime.llm import LLM
+        from runtime.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from runtime.engine import LLMEngine
+        from runtime.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "EngineRequest"):

@@ -4,7 +4,7 @@ Token buckets are powers of two from `minimum` up to the limit, and the limit it
 a bucket (padding a 16,640-token chunk up to 32,768 wastes half the step). `fine_until` adds
 the 1.5x steps (6, 12, 24, ...) up to that size: on CPU a step's cost follows its rows, and a
 decode batch of 9-12 sequences padded to 16 rows wasted a quarter of the step. Which minimum and
-which fine steps a backend gets is decided by `runtime/exec_plan.py`; the arithmetic is here.
+which fine steps a backend gets is decided by `runtime/steps/execution_plan.py`; the arithmetic is here.
 
 Other rules: the sequence bucket of the sampler (`seq_bucket`), the power-of-two widths of the
 sampling metadata's token-id matrices (`penalty_width`, `banned_width`), the page count of a

@@ -64,7 +64,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        from runtime.policies import POLICIES
+        from runtime.scheduling.policies import POLICIES
 
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -2,7 +2,7 @@
 
 One path builds it: `build_engine_config(launch, model_path, **engine_only)` maps a validated
 launch config (configs/schema.py: the YAML, `--set` and the CLI flags, or the offline
-`LLM(...)` arguments, which runtime/llm.py turns into launch keys) onto an `EngineConfig`.
+`LLM(...)` arguments, which runtime/engine/llm.py turns into launch keys) onto an `EngineConfig`.
 `ENGINE_FIELD_KEYS` is the one table of which engine field comes from which launch key.
 The defaults are the launch schema's (`configs.schema.DEFAULTS`): an `EngineConfig(...)` built
 directly (tests, benchmarks) and a launch config with the knob left out mean the same thing.
@@ -39,18 +39,18 @@ class EngineConfig:
     max_num_batched_tokens: int = _S.max_num_batched_tokens
     long_prefill_token_threshold: int = 0
     policy: str = _S.policy
-    async_scheduling: bool = _S.async_scheduling  # plan step n+1 while step n runs (runtime/engine.py); False: wait for each step
+    async_scheduling: bool = _S.async_scheduling  # plan step n+1 while step n runs (runtime/engine/llm_engine.py); False: wait for each step
     token_buckets: tuple[int, ...] | None = _S.token_buckets
     attention_backend: str = _K.attention_backend
     gdn_backend: str = _K.gdn_backend
-    layer_loop: str = _K.layer_loop  # scan | unroll | auto (runtime/exec_plan.py decides)
-    fuse_greedy: bool | None = _K.fuse_greedy  # greedy backbone per bucket (StepExecutables); None: exec_plan decides
+    layer_loop: str = _K.layer_loop  # scan | unroll | auto (runtime/steps/execution_plan.py decides)
+    fuse_greedy: bool | None = _K.fuse_greedy  # greedy backbone per bucket (StepExecutables); None: the execution plan decides
     interpret: Any = False
     aot_compile: bool = DEFAULTS.compile.aot
     aot_grammar_samplers: bool = True  # with aot_compile: also the grammar-masked samplers (structured output)
     # with aot_compile: every executable a step can ask for (full samplers, scoring backbone, state
     # copy), then nothing compiles in the serving loop (StepExecutables.compile_all); `serve` sets it
-    # with compile.aot (runtime/engine_client.py); engines built in code compile the extras lazily
+    # with compile.aot (runtime/engine/loading.py); engines built in code compile the extras lazily
     aot_compile_all: bool = False
     compile_cache_dir: str | None = DEFAULTS.compile.cache_dir
     max_top_k: int = 256

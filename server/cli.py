@@ -10,14 +10,14 @@ CONFIG FLAGS are the flags users type from habit (vLLM's names: `--dtype`, `--ma
 the one table `CONFIG_FLAGS` below (add a row to add a flag). Precedence: YAML < `--set` <
 flags. vLLM's parallelism flags map onto `parallel.mesh` (`parallel_overrides`):
 `--tensor-parallel-size N` is `model: N`, `--data-parallel-size D` is `data: D` (attention
-data parallelism, runtime/data_parallel.py); `--enable-expert-parallel` is `parallel.expert: true`
-(MoE experts split by expert index over the model axis). `plan` (runtime/plan.py, imported only when
+data parallelism, runtime/parallel/data_parallel.py); `--enable-expert-parallel` is `parallel.expert: true`
+(MoE experts split by expert index over the model axis). `plan` (runtime/aot/chip_report.py, imported only when
 asked) compiles the config's steps for its `parallel.chip` from the model's config.json shapes
 and prints memory and cost per device.
 
 `serve` loads and validates the launch config, builds the engine and runs the server until
 SIGTERM/SIGINT (graceful drain, exit 0). The JAX engine is built by
-`runtime.engine_client.create_engine_client(config)`, imported only when needed;
+`runtime.engine.client_factory.create_engine_client(config)`, imported only when needed;
 `--fake-engine` serves `server.testing.FakeEngine` instead (no model, no JAX) for exercising
 clients and load generators against the HTTP layer.
 """
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
-ENGINE_FACTORY = "runtime.engine_client:create_engine_client"
+ENGINE_FACTORY = "runtime.engine.client_factory:create_engine_client"
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def _build_engine(config: LaunchConfig, fake: bool):
 
 def _convert(args) -> int:
     """`jaxserve convert`: JAX is imported only for this command."""
-    orbax_io = importlib.import_module("models.orbax_io")
+    convert = importlib.import_module("models.convert")
     mesh = None
     if args.mesh is not None:
         try:
@@ -228,9 +228,9 @@ def _convert(args) -> int:
         if axes:
             print(f"jaxserve convert: --mesh must be data=D,model=M, got {args.mesh!r}", file=sys.stderr)
             return 2
-        mesh = importlib.import_module("runtime.mesh").make_mesh(*shape)
+        mesh = importlib.import_module("runtime.parallel.mesh").make_mesh(*shape)
     try:
-        out = orbax_io.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
+        out = convert.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
     except (OSError, ValueError) as err:
         print(f"jaxserve convert: {err}", file=sys.stderr)
         return 2
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args, config: LaunchConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    plan = importlib.import_module("runtime.plan")  # JAX: imported only for this command
+    plan = importlib.import_module("runtime.aot.chip_report")  # JAX: imported only for this command
     buckets = None if args.buckets is None else tuple(int(b) for b in args.buckets.split(","))
     try:
         report = plan.plan_config(config, args.config or "cpu-demo.yaml", token_buckets=buckets)

@@ -112,7 +112,7 @@ async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, linger
 def serve(engine: EngineClient, server_config: ServerConfig, kv_transfer_token: str | None = None) -> int:
     """Blocking entry point for the CLI: serve, drain on SIGTERM/SIGINT, return 0.
 
-    A multi-host follower (processes 1..N-1, runtime/multihost.py) serves no HTTP: it replays
+    A multi-host follower (processes 1..N-1, runtime/parallel/multihost.py) serves no HTTP: it replays
     process 0's steps until process 0 stops it, and returns its exit code."""
     follow = getattr(engine, "follow", None)
     if follow is not None:

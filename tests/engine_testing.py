@@ -79,7 +79,7 @@ def live_engine_server(engine, model_name: str, max_waiting_requests: int, recor
     thread) on exit, whatever happened. `server_options`: more ServerConfig fields; `record`:
     the server's engine client is a `RecordingEngine` (`live.engine.requests`)."""
     from configs.schema import ServerConfig
-    from runtime.engine_client import AsyncEngine
+    from runtime.engine.thread_client import AsyncEngine
     from server.testing import LiveServer
 
     async_engine = AsyncEngine(engine, model_name)

@@ -20,7 +20,7 @@ from engine_testing import live_engine_server
 
 from models import load_model
 from models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from tests.structured_cases import TOOLS
 

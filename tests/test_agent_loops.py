@@ -31,7 +31,7 @@ from engine_testing import live_engine_server
 from pydantic import Field
 
 from models import load_model
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from tests.chat_templates import QWEN_STYLE, QWEN_THINKING_STYLE
 from tests.structured_cases import ADD_TOOL, TOOLS, WEATHER_TOOL

@@ -14,9 +14,9 @@ from engine_testing import drain
 from hf_reference import hf_greedy
 from test_engine_hf import assert_all_free
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
-from runtime.request import PLACEHOLDER_TOKEN
+from runtime.scheduling.request import PLACEHOLDER_TOKEN
 from runtime.types import EngineRequest, SamplingParams
 
 NUM_TOKENS = 10
@@ -115,7 +115,7 @@ def test_stops_with_a_step_in_flight_equal_sync_and_hf(family, tiny_checkpoint, 
 
 
 def test_the_async_scheduling_switch_reaches_the_engine_config():
-    from runtime.engine_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
     from server.cli import _load, _parser
 
     on, off = (_load(_parser().parse_args(["config", *flags])) for flags in ([], ["--no-async-scheduling"]))

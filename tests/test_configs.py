@@ -118,7 +118,7 @@ def test_bad_files(tmp_path):
 
 def test_kernels_step_options_reach_the_engine_config():
     from configs.schema import config_from_dict
-    from runtime.engine_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
 
     default = engine_config_from_launch(config_from_dict({}), "m")
     assert (default.layer_loop, default.fuse_greedy) == ("auto", None)

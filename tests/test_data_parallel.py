@@ -1,4 +1,4 @@
-"""Attention data parallelism (runtime/data_parallel.py, runtime/dp_scheduler.py).
+"""Attention data parallelism (runtime/parallel/data_parallel.py, runtime/scheduling/dp_scheduler.py).
 
 Device-free part: `DataParallelScheduler` with one `FakeDevice` per rank (tests/test_scheduler.py's
 protocol-checking fake, whose own token record is the reference): placement by prefix hits then
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.data_parallel import build_data_parallel_batch, rank_share
-from runtime.dp_scheduler import DataParallelOutput, DataParallelScheduler
-from runtime.inputs import build_batch
-from runtime.request import Request
+from runtime.parallel.data_parallel import build_data_parallel_batch, rank_share
+from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
+from runtime.steps.inputs import build_batch
+from runtime.scheduling.request import Request
 from runtime.types import SamplingParams
 from tests.test_scheduler import FakeDevice, reference_generation
 
@@ -178,7 +178,7 @@ SCRIPT = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

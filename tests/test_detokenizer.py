@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

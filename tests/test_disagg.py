@@ -30,7 +30,7 @@ from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
 from pd_testing import TOKEN, PDCluster, scrape, wait_all_free
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
 

@@ -48,7 +48,7 @@ def test_engine_only_fields_pass_and_launch_fields_are_refused():
 
 
 def test_llm_kwargs_go_through_the_launch_config(monkeypatch):
-    import runtime.llm as llm_module
+    import runtime.engine.llm as llm_module
 
     built = []
     monkeypatch.setattr(llm_module, "LLMEngine", lambda config, model=None: built.append(config) or

@@ -5,7 +5,7 @@ in one place (`runtime.validation`) before anything reaches the device."""
 import pytest
 from engine_testing import FailingStep, drain
 
-from runtime.engine import EngineDeadError, LLMEngine
+from runtime.engine.llm_engine import EngineDeadError, LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams, SamplingParamsError
 

@@ -18,7 +18,7 @@ import pytest
 from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
 

@@ -1,4 +1,4 @@
-"""The engine loop in its own process (`runtime/engine_process.py`).
+"""The engine loop in its own process (`runtime/engine/process_client.py`).
 
 The whole OpenAI-client suite of test_server_engine.py also runs against this client (its
 `server` fixture is parametrized); here: the delta codec against the cumulative outputs it
@@ -17,8 +17,8 @@ import time
 import aiohttp
 import pytest
 
-from runtime.engine_process import EngineProcessClient, _DeltaEncoder, _Stream
-from runtime.llm import LLM
+from runtime.engine.process_client import EngineProcessClient, _DeltaEncoder, _Stream
+from runtime.engine.llm import LLM
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from server.testing import LiveServer
 from tests.engine_testing import launch_config
@@ -121,7 +121,7 @@ _PARENT_SCRIPT = """
 import asyncio, json, sys
 import jax._src.xla_bridge as xla_bridge
 from configs.schema import LaunchConfig
-from runtime.engine_process import EngineProcessClient
+from runtime.engine.process_client import EngineProcessClient
 from runtime.types import EngineRequest, SamplingParams
 
 config = LaunchConfig.model_validate(json.loads(sys.argv[1]))

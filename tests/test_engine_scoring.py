@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_testing import drain
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
 

@@ -1,4 +1,4 @@
-"""runtime/exec_plan.py: backend x model size x knobs -> ExecutionPlan, as a table written by hand.
+"""runtime/steps/execution_plan.py: backend x model size x knobs -> ExecutionPlan, as a table written by hand.
 Pure (no devices): the engine constructor only carries the plan out."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.engine_config import EngineConfig
-from runtime.exec_plan import ExecutionPlan, plan_buckets, plan_execution
+from runtime.steps.execution_plan import ExecutionPlan, plan_buckets, plan_execution
 
 SHALLOW, DEEP = SimpleNamespace(num_layers=6, is_hybrid=False), SimpleNamespace(num_layers=30, is_hybrid=False)
 HYBRID = SimpleNamespace(num_layers=8, is_hybrid=True)
@@ -80,7 +80,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_plan_buckets_is_what_jaxserve_plan_compiles():
-    """runtime/plan.py (the accelerator planner) takes its buckets from the same rule."""
+    """runtime/aot/chip_report.py (the accelerator planner) takes its buckets from the same rule."""
     assert plan_buckets(1024, 256, None, "tpu") == ((16, 32, 64, 128, 256, 512, 1024), (8, 16, 32, 64, 128, 256))
     assert plan_buckets(8, 4, None, "cpu") == ((4, 8), (4,))  # 1.5x steps only up to max_num_seqs
     assert plan_buckets(8, 8, None, "cpu") == ((4, 6, 8), (8,))
@@ -94,7 +94,7 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
 
     import jax
 
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=4, max_num_batched_tokens=32,
                           num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
@@ -120,7 +120,7 @@ def test_start_up_warm_up_writes_nothing(tiny_checkpoint, hf_model):
     import numpy as np
 
     from hf_reference import assert_greedy_match, hf_greedy
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.types import EngineRequest, SamplingParams
 
     path = tiny_checkpoint("qwen3_5")

@@ -31,12 +31,12 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from models.model import load_model
-    from models.orbax_io import convert_checkpoint
+    from models.convert import convert_checkpoint
     from models.sharding import shard_model
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
-    from runtime.llm import LLM
-    from runtime.mesh import make_mesh
+    from runtime.engine.llm import LLM
+    from runtime.parallel.mesh import make_mesh
     from runtime.types import EngineRequest, SamplingParams
 
     paths = json.loads(sys.argv[1])
@@ -232,7 +232,7 @@ def test_plan_reports_expert_parallel_weights_per_device():
     from models.abstract import abstract_model, shard_abstract_model
     from models.config import parse_config
     from models.safetensors_io import read_json
-    from runtime.plan import format_report, model_config_json, per_device_bytes, plan_config, target_mesh
+    from runtime.aot.chip_report import format_report, model_config_json, per_device_bytes, plan_config, target_mesh
 
     name = "tpu-v5p-16-qwen3-next-80b-multihost.yaml"
     ep, tp = (load_config(CONFIG_DIR / name, {"parallel.expert": expert}) for expert in (True, False))

@@ -17,7 +17,7 @@ from hf_reference import assert_greedy_match, hf_greedy
 
 from models import load_model
 from models.ops import KernelOptions
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
 

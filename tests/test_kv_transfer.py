@@ -19,7 +19,7 @@ import pytest
 from engine_testing import drain
 
 from models.ops import ATTENTION_BACKENDS, GDN_BACKENDS, KernelOptions
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
 from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable
@@ -141,8 +141,8 @@ def test_plugin_attention_backend_from_yaml_and_from_llm(plugin, tiny_checkpoint
     import jaxserve_test_plugin
 
     from configs.schema import ConfigError, load_config
-    from runtime.engine_client import engine_config_from_launch
-    from runtime.llm import LLM
+    from runtime.engine.loading import engine_config_from_launch
+    from runtime.engine.llm import LLM
 
     path, prompt = tiny_checkpoint("llama"), _prompts()[4]
     want = _run(LLMEngine(_config(path, attention_backend="reference")), prompt).outputs[0].token_ids

@@ -22,7 +22,7 @@ import pytest
 from engine_testing import drain
 
 from models.fingerprint import checkpoint_fingerprint
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KVTransferConfig, TransferError
 from runtime.kv_transfer.control import post_json

@@ -68,7 +68,7 @@ def _assert_as_close_as_hf_bf16(ours, path, hf_fp32, what: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint, hf_model):
-    """bf16 weights (CPU's fast serving dtype, runtime/exec_plan.py): our logits are as close to HF's
+    """bf16 weights (CPU's fast serving dtype, runtime/steps/execution_plan.py): our logits are as close to HF's
     float32 logits as HF's own bfloat16 model is (bf16 rounding, not a wrong op, is the difference)."""
     path = tiny_checkpoint(family)
     ours = load_model(path, dtype="bfloat16")
@@ -97,7 +97,7 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
 
 def _serve_bf16_packed(path, prompts: dict) -> dict:
     from engine_testing import drain
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 

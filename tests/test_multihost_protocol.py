@@ -1,4 +1,4 @@
-"""The multi-process step protocol (runtime/multihost.py) without devices or processes.
+"""The multi-process step protocol (runtime/parallel/multihost.py) without devices or processes.
 
 A leader's wrapped executables and a follower talk over a socketpair (one session key on both
 ends, as after the handshake); both sides run a hand-computable fake `StepExecutables` that
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from models.batch import single_sequence_batch
-from runtime.multihost import DivergenceError, Follower, FollowerLost, LeaderExecutables, MultihostLeader
-from runtime.multihost_channel import Session, decode_frame, encode_frame, read_frame
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.parallel.multihost import DivergenceError, Follower, FollowerLost, LeaderExecutables, MultihostLeader
+from runtime.parallel.multihost_channel import Session, decode_frame, encode_frame, read_frame
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import SamplingParams
 
 MULTIHOST = SimpleNamespace(process_id=1, num_processes=2, coordinator_address="127.0.0.1:1", step_port=2,
@@ -172,8 +172,8 @@ def test_lost_follower_channel_marks_the_leader_lost():
 
 def test_step_channel_address_and_process_id_flag():
     from configs import CONFIG_DIR, load_config
-    from runtime.multihost import step_address
-    from runtime.multihost_channel import coordinator_bind_address, step_bind_address
+    from runtime.parallel.multihost import step_address
+    from runtime.parallel.multihost_channel import coordinator_bind_address, step_bind_address
     from server.cli import _load, _parser
 
     multihost = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml").parallel.multihost

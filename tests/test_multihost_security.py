@@ -1,4 +1,4 @@
-"""The multi-process step channel fails closed (runtime/multihost_channel.py), on loopback.
+"""The multi-process step channel fails closed (runtime/parallel/multihost_channel.py), on loopback.
 
 Each attack runs against a real `MultihostLeader.listen` (or a real follower's `connect`), driven
 by raw sockets that speak as much of the protocol as the attacker can; the genuine follower is a
@@ -26,9 +26,9 @@ from pydantic import SecretStr
 
 from configs import CONFIG_DIR, ConfigError, load_config
 from configs.schema import MultihostConfig
-from runtime.multihost import (EXIT_DIVERGED, EXIT_LEADER_LOST, Follower, FollowerLost, LeaderExecutables,
+from runtime.parallel.multihost import (EXIT_DIVERGED, EXIT_LEADER_LOST, Follower, FollowerLost, LeaderExecutables,
                                MultihostLeader)
-from runtime.multihost_channel import (HEARTBEAT, HandshakeError, InsecureLaunchError, Session, accept_followers,
+from runtime.parallel.multihost_channel import (HEARTBEAT, HandshakeError, InsecureLaunchError, Session, accept_followers,
                                        check_secret, encode_frame)
 
 SECRET = "correct horse battery staple 42"
@@ -474,7 +474,7 @@ def test_the_secret_comes_from_the_environment_and_is_never_printed(monkeypatch,
 def test_a_launch_other_machines_reach_refuses_to_start_without_a_secret(monkeypatch):
     import jax
 
-    from runtime.mesh import initialize_multihost
+    from runtime.parallel.mesh import initialize_multihost
 
     # jax 0.10's initialize takes the coordinator's bind address (runtime/mesh.py passes it)
     assert "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters

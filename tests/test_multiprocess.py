@@ -2,14 +2,14 @@
 
 Each process is started the way a multi-host YAML starts a host: `parallel.multihost` of the
 shipped v5p-16 config (coordinator on 127.0.0.1 at a free port, 2 processes, its own process id)
-through `runtime.mesh.initialize_multihost`, with gloo CPU collectives. Both build the mesh of the
+through `runtime.parallel.mesh.initialize_multihost`, with gloo CPU collectives. Both build the mesh of the
 config (data 2 x model 4) over the 8 devices of both processes, load the tiny hybrid checkpoint and
 shard it (each process places only its own shards), then run the same forward pass (the same
 inputs on every process: the deterministic lockstep a follower would run), gather the logits and
 run a greedy decode loop through the paged caches. Logits must match the single-process,
 single-device model to ~1e-5 and greedy tokens exactly, on both processes.
 
-Serving (runtime/multihost.py): two `jaxserve serve` processes from the shipped
+Serving (runtime/parallel/multihost.py): two `jaxserve serve` processes from the shipped
 `configs/cpu-multihost-2x4.yaml` (ports, checkpoint and buckets replaced; mesh data 1 x model 8,
 so every step all-reduces across the processes) serve the official `openai` client with the
 single-device model's greedy tokens; SIGTERM to process 0 ends both with exit code 0; killing
@@ -50,7 +50,7 @@ WORKER = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from configs import CONFIG_DIR, load_config
-    from runtime.mesh import initialize_multihost, make_mesh
+    from runtime.parallel.mesh import initialize_multihost, make_mesh
 
     src, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = load_config(CONFIG_DIR / "tpu-v5p-16-qwen3-next-80b-multihost.yaml", {
@@ -125,7 +125,7 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
         assert r["greedy"] == expected_tokens
 
 
-# ---- multi-process serving: process 0 serves HTTP, process 1 follows (runtime/multihost.py) ----------
+# ---- multi-process serving: process 0 serves HTTP, process 1 follows (runtime/parallel/multihost.py) ----------
 SERVE_FAMILY = "llama"  # tiny dense Llama: 8-way TP splits its MLP, so every step all-reduces across processes
 SERVE_PROMPTS = ([5, 17, 300, 2, 999, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28])
 SERVE_TOKENS = 8
@@ -218,7 +218,7 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
     from transformers import AutoTokenizer
 
     from models.model import load_model
-    from models.orbax_io import convert_checkpoint
+    from models.convert import convert_checkpoint
 
     src = tiny_checkpoint(family)
     ref = load_model(src)

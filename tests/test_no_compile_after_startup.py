@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from engine_testing import drain
 
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
-from runtime.step import CompileAfterStartup
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.steps.executables import CompileAfterStartup
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import EngineRequest, SamplingParams, StructuredOutput
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from models.model import load_model
-from models.orbax_io import convert_checkpoint, is_orbax_checkpoint
+from models.convert import convert_checkpoint
+from models.orbax_io import is_orbax_checkpoint
 from models.safetensors_io import CheckpointError
 from server.cli import main
 
@@ -59,7 +60,7 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     from models.model import load_model
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
 
     src, out = sys.argv[1], sys.argv[2]
     ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]

@@ -5,7 +5,7 @@ model axis, `--data-parallel-size` / `LLM(data_parallel_size=)` its data axis (a
 import pytest
 
 from configs import ConfigError
-from runtime.llm import LLM
+from runtime.engine.llm import LLM
 from server.cli import _load, _parser, main
 
 
@@ -51,7 +51,7 @@ def test_llm_refuses_invalid_parallelism_before_loading(kwargs, match):
 
 
 def test_llm_tensor_parallel_size_is_the_engine_mesh():
-    from runtime.llm import _mesh_shape
+    from runtime.engine.llm import _mesh_shape
 
     assert _mesh_shape(4, 1, False) == (1, 4)
     assert _mesh_shape(1, 1, False) is None  # one device, no mesh
@@ -59,7 +59,7 @@ def test_llm_tensor_parallel_size_is_the_engine_mesh():
 
 
 def test_enable_expert_parallel_sets_parallel_expert():
-    from runtime.engine_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
 
     config = _config("--tensor-parallel-size", "4", "--enable-expert-parallel")
     assert config.parallel.expert is True and config.parallel.mesh.model == 4

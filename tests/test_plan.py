@@ -20,12 +20,12 @@ import jax
 import pytest
 
 from configs import CONFIG_DIR, load_config
-from models.abstract import abstract_params
+from models.weights import abstract_params
 from models.config import parse_config
 from models.model import load_model
 from models.random_checkpoint import FAMILIES
 from models.safetensors_io import read_json
-from runtime.plan import PlanError, model_config_json, plan_config
+from runtime.aot.chip_report import PlanError, model_config_json, plan_config
 
 # Parameter counts the model cards publish (language model incl. embeddings; 9B / 27B / 80B).
 PUBLISHED_PARAMS = {"qwen3_5-9b.json": 9e9, "qwen3_5-27b.json": 27e9, "qwen3-next-80b-a3b.json": 80e9}
@@ -87,8 +87,8 @@ def test_cost_extrapolation_matches_the_unrolled_model(tiny_checkpoint):
 
     from models.abstract import abstract_caches, abstract_model, unstack_abstract
     from models.ops import KernelOptions
-    from runtime.plan import _cost, extrapolated_cost
-    from runtime.step import StepExecutables
+    from runtime.aot.chip_report import _cost, extrapolated_cost
+    from runtime.steps.executables import StepExecutables
 
     base = parse_config(read_json(tiny_checkpoint("qwen3_5") / "config.json"))
     p = base.layer_period()

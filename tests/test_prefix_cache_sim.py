@@ -19,7 +19,7 @@ from benchmarks.prefix_cache_sim import SimConfig, ceiling, run_trace, simulate
 from benchmarks.prefix_traces import Session, Turn, make_trace
 from paged_kv import CacheManager
 from runtime.config import SchedulerConfig
-from runtime.scheduler import Scheduler
+from runtime.scheduling.scheduler import Scheduler
 from import_testing import imports_jax
 
 PS = 16

@@ -180,7 +180,7 @@ def test_offline_llm_quantization_reports_weight_bytes(tiny_checkpoint):
 
 def test_launch_config_and_cli_flag():
     from configs.schema import ConfigError, load_config
-    from runtime.engine_client import engine_config_from_launch
+    from runtime.engine.loading import engine_config_from_launch
     from server.cli import _load, _parser
 
     args = _parser().parse_args(["config", "--quantization", "int4", "--set", "model.quantization_group_size=64"])
@@ -222,7 +222,7 @@ import numpy as np
 from models import load_model
 from models.quant_rules import QuantizationConfig
 from models.sharding import shard_model
-from runtime.mesh import make_mesh
+from runtime.parallel.mesh import make_mesh
 qcfg = QuantizationConfig(sys.argv[2], group_size=32)
 ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
 ref = load_model(sys.argv[1], quantization=qcfg).logits(ids)

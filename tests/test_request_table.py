@@ -1,6 +1,6 @@
-"""The device-resident request table (runtime/request_table.py, runtime/table_prepare.py).
+"""The device-resident request table (runtime/steps/table_host.py, runtime/steps/table_device.py).
 
-The reference is the host batch builder `runtime.inputs.build_batch` (the engine's builder before
+The reference is the host batch builder `runtime.steps.inputs.build_batch` (the engine's builder before
 the table; attention DP still uses it): over random ragged steps — prefill chunks, decodes whose
 token is still on the device (placeholders), placements with prefix hits (start > 0) that
 overflow the step's page writes, preemptions and readmissions, finishes, padding rows — the batch
@@ -21,12 +21,12 @@ import pytest
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.inputs import build_batch
-from runtime.request import PLACEHOLDER_TOKEN
-from runtime.request_table import ROW_PARAMS, RequestTableHost
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.scheduler import ScheduledSequence, SchedulerOutput
-from runtime.table_prepare import apply_write, init_table, prepare, row_sampling
+from runtime.steps.inputs import build_batch
+from runtime.scheduling.request import PLACEHOLDER_TOKEN
+from runtime.steps.table_host import ROW_PARAMS, RequestTableHost
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.steps.table_device import apply_write, init_table, prepare, row_sampling
 from runtime.types import SamplingParams
 
 S, PAGE, MB, BUCKETS = 4, 4, 24, (8, 16, 32)
@@ -179,7 +179,7 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
     from hf_reference import assert_greedy_match, hf_greedy
     from test_engine_hf import assert_all_free
 
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 
@@ -216,4 +216,4 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
 def test_the_host_side_imports_no_jax():
     from import_testing import imports_jax
 
-    assert not imports_jax("runtime.request_table")
+    assert not imports_jax("runtime.steps.table_host")

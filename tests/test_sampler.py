@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from runtime.sampler import apply_penalties, hlo_has_full_sort, sample, top_k
-from runtime.sampling_metadata import SamplingMetadata, pow2_bucket
+from runtime.steps.sampler import apply_penalties, hlo_has_full_sort, sample, top_k
+from runtime.steps.sampling_metadata import SamplingMetadata, pow2_bucket
 from runtime.types import SamplingParams
 
 
@@ -377,7 +377,7 @@ def test_logit_bias_minus_100_is_never_sampled():
 def test_blockwise_prompt_scoring_matches_numpy_log_softmax():
     """The scoring backbone's per-row scoring (`score_hidden_rows`), in blocks that do not divide
     the row count, equals numpy's log_softmax of hidden @ embed.T at each target."""
-    from runtime.sampler import score_hidden_rows
+    from runtime.steps.sampler import score_hidden_rows
 
     rng = np.random.default_rng(3)
     T, H, V = 13, 8, 50

@@ -15,9 +15,9 @@ import pytest
 
 from paged_kv import CacheManager
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.policies import get_policy
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import Scheduler
+from runtime.scheduling.policies import get_policy
+from runtime.scheduling.request import Request, RequestStatus
+from runtime.scheduling.scheduler import Scheduler
 from runtime.types import SamplingParams
 from import_testing import imports_jax
 
@@ -377,4 +377,4 @@ def test_random_workload_keeps_invariants_and_outputs(seed, prefix, hybrid):
 
 
 def test_scheduling_modules_do_not_import_jax():
-    assert not imports_jax("paged_kv", "runtime.scheduler", "runtime.config", "runtime.request", "runtime.policies")
+    assert not imports_jax("paged_kv", "runtime.scheduling.scheduler", "runtime.config", "runtime.scheduling.request", "runtime.scheduling.policies")

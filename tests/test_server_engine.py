@@ -16,11 +16,11 @@ import torch
 
 from configs.schema import ServerConfig
 from models import load_model
-from runtime.engine import LLMEngine
-from runtime.engine_client import AsyncEngine
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.thread_client import AsyncEngine
 from runtime.engine_config import EngineConfig
-from runtime.engine_process import EngineProcessClient
-from runtime.llm import LLM
+from runtime.engine.process_client import EngineProcessClient
+from runtime.engine.llm import LLM
 from runtime.types import SamplingParams
 from server.testing import LiveServer
 from tests.engine_testing import launch_config

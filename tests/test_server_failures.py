@@ -18,8 +18,8 @@ from engine_testing import FailingStep, live_engine_server
 
 from configs.schema import ServerConfig
 from models import load_model
-from runtime.engine import LLMEngine
-from runtime.engine_client import AsyncEngine
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.thread_client import AsyncEngine
 from runtime.engine_config import EngineConfig
 from server.runner import serve_async
 from server.testing import FakeEngine, LiveServer, build_test_tokenizer

@@ -30,9 +30,9 @@ SCRIPT = textwrap.dedent("""
     from models.model import load_model
     from models.ops import KernelOptions
     from models.sharding import shard_model
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
     from runtime.types import EngineRequest, SamplingParams
 
     paths = json.loads(sys.argv[1])
@@ -163,7 +163,7 @@ def test_engine_on_a_mesh_generates_the_same_greedy_tokens(report):
     single, sharded = report["engine_single"], report["engine_2x4"]
     assert len(single) == 3 and all(len(t) == 5 for t in single.values())
     assert sharded == single
-    rec = report["engine_rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/data_parallel.py)
+    rec = report["engine_rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/parallel/data_parallel.py)
     assert rec["shard"][0] * 2 == rec["shape"][0]  # each rank's slots on its own devices
     assert rec["shard"][2] * 4 == rec["shape"][2]  # engine caches split by value heads
 
@@ -183,7 +183,7 @@ def test_qkv_permutation_round_trip_against_numpy():
 
 
 def test_make_mesh_names_the_device_mismatch():
-    from runtime.mesh import make_mesh
+    from runtime.parallel.mesh import make_mesh
 
     with pytest.raises(ValueError, match=r"data=2 x model=64 needs 128 devices"):
         make_mesh(2, 64)
@@ -191,8 +191,8 @@ def test_make_mesh_names_the_device_mismatch():
 
 def test_launch_config_parallel_section():
     from configs.schema import config_from_dict
-    from runtime.engine_client import engine_config_from_launch
-    from runtime.mesh import initialize_multihost
+    from runtime.engine.loading import engine_config_from_launch
+    from runtime.parallel.mesh import initialize_multihost
 
     cfg = config_from_dict({"parallel": {"mesh": {"data": 2, "model": 4}}})
     assert engine_config_from_launch(cfg, "m").mesh_shape == (2, 4)

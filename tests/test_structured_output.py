@@ -21,7 +21,7 @@ from engine_testing import live_engine_server
 from pydantic import BaseModel, Field
 
 from models import load_model
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from tests.structured_cases import ADD_TOOL, TOOLS, WEATHER_TOOL, choice_lists, json_schemas, regexes
 
@@ -66,7 +66,7 @@ def _chat(client, seed: int, max_tokens: int = 300, **kwargs):
 def test_bitmask_unpacking_matches_llguidance_reference():
     from llguidance.numpy import apply_token_bitmask_inplace
 
-    from runtime.sampler import apply_token_bitmask
+    from runtime.steps.sampler import apply_token_bitmask
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, 1031)).astype(np.float32)

@@ -33,7 +33,7 @@ from runtime.kv_transfer.descriptor import (ADOPT_RULE, LAST_TOKEN_RULE, check_d
                                             model_signature)
 from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
                                         pull_specs, write_request_state)
-from runtime.request import Request, RequestStatus
+from runtime.scheduling.request import Request, RequestStatus
 from runtime.types import EngineBusy, EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxserve.kv_transfer")

@@ -1,7 +1,7 @@
 """Structured output: grammar back-ends, a compile cache, per-request matchers and step bitmasks.
 
 No JAX here (the server validates grammars with the same compiler); the compiled sampler
-unpacks the bitmask (`runtime.sampler.apply_token_bitmask`).
+unpacks the bitmask (`runtime.steps.sampler.apply_token_bitmask`).
 """
 
 from runtime.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, bitmask_width

@@ -8,7 +8,7 @@
 Placement (tpu-inference's rule): the rank with the most prefix-cache hit tokens for the
 request, then the fewest outstanding tokens, then the lowest index. Each rank schedules alone,
 so a rank out of pages preempts or queues only its own requests. The device side (the step's
-batch, caches and executables) is runtime/data_parallel.py.
+batch, caches and executables) is runtime/parallel/data_parallel.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.request import Request
-from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.scheduling.request import Request
+from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
 from runtime.types import FinishReason
 
 

@@ -10,16 +10,16 @@ One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> back
 (save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
 previous step's tokens, resolves them and emits its outputs while the device runs this step.
 
-Inputs come from the device-resident request table (runtime/request_table.py, table_prepare.py):
+Inputs come from the device-resident request table (runtime/steps/table_host.py, table_device.py):
 a running request holds a row (block-table row, tokens computed, last token, state slot) from its
 placement to its finish or preemption; the host sends a small `TableStep` (rows, token counts,
 known token ids, new rows' start and slot, new pages) and the `prepare` executable gathers the
-`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/data_parallel.py).
+`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/parallel/data_parallel.py).
 
 Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
 scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
 token step n samples; step n+1's `prepare` writes step n's device token array into the table's
-`last_token` rows and reads the placeholders from there (DP: `runtime.async_step`'s TokenFeed).
+`last_token` rows and reads the placeholders from there (DP: `runtime.steps.async_step`'s TokenFeed).
 A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that
 one extra token is dropped (never emitted or cached; its pages are freed at the stop). A length
 stop (`max_tokens`) is known without the token, so it costs nothing.
@@ -58,22 +58,22 @@ from models.ops import KernelOptions
 from models.sharding import shard_model
 from pallas_kernels import cpu_native
 from paged_kv.checkpoint_policy import plan_state_slots
-from runtime.async_step import InFlightStep, no_feed_rows
+from runtime.steps.async_step import InFlightStep, no_feed_rows
 from runtime.buckets import bucket_for, pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
-from runtime.data_parallel import data_parallel_size, enable_data_parallel, rank_share
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
+from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine_config import EngineConfig
-from runtime.exec_plan import ExecutionPlan, plan_execution
+from runtime.steps.execution_plan import ExecutionPlan, plan_execution
 from runtime.kv_transfer.hooks import build_kv_transfer
-from runtime.mesh import make_mesh
-from runtime.prompt_logprobs import PromptLogprobRecords, prompt_targets
-from runtime.request import Request
-from runtime.request_table import RequestTableHost
-from runtime.sampler import SamplerOutput
-from runtime.sampling_metadata import SamplingMetadata
-from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.step import StepExecutables, TokenFeed, enable_persistent_cache
+from runtime.parallel.mesh import make_mesh
+from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
+from runtime.scheduling.request import Request
+from runtime.steps.table_host import RequestTableHost
+from runtime.steps.sampler import SamplerOutput
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
+from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
@@ -162,10 +162,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
             fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len, page_size=page_size)
         self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
-        # the device-resident request table (runtime/request_table.py); attention DP builds host batches
+        # the device-resident request table (runtime/steps/table_host.py); attention DP builds host batches
         self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
         self.table = self.executables.new_table()
-        self.dp = None  # attention data parallelism (runtime/data_parallel.py): per-rank scheduling and caches
+        self.dp = None  # attention data parallelism (runtime/parallel/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
             self.dp = enable_data_parallel(self, dp_size, self.plan.fuse_greedy)
             self.request_table = self.table = None

@@ -1,9 +1,9 @@
 """SchedulerOutput -> the flat, padded host arrays of one step (a `ForwardBatch`).
 
 The host batch builder: attention data parallelism builds each rank's slice with it
-(runtime/data_parallel.py), and it is the specification the request table's device `prepare`
+(runtime/parallel/data_parallel.py), and it is the specification the request table's device `prepare`
 is tested against (tests/test_request_table.py). The one-rank and tensor-parallel engine
-gathers its batch on the device instead (runtime/table_prepare.py).
+gathers its batch on the device instead (runtime/steps/table_device.py).
 
 Token count is padded to a token bucket; per-sequence metadata always has `max_num_seqs` rows
 (tpu-inference's layout: the backbone compiles once per token bucket, and the true number of
@@ -17,7 +17,7 @@ import numpy as np
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.scheduler import SchedulerOutput
 
 
 def build_batch(out: SchedulerOutput, *, token_buckets: tuple[int, ...], max_num_seqs: int,

@@ -38,8 +38,8 @@ from typing import NamedTuple
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.request_table import TableStep
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.steps.table_host import TableStep
 
 log = logging.getLogger("jaxserve.multihost")
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
 from runtime.config import SchedulerConfig
-from runtime.policies import get_policy
-from runtime.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from runtime.scheduling.policies import get_policy
+from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from runtime.types import FinishReason
 
 

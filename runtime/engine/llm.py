@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from models.model import Model
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from configs.schema import BUILTIN_NAMES, apply_overrides, config_from_dict
 from runtime.engine_config import ENGINE_FIELD_KEYS, build_engine_config
 from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out

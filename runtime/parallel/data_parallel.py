@@ -7,7 +7,7 @@ over `model` and replicated over `data`; everything that belongs to a request is
 - **pages and slots**: every cache leaf gets a leading rank axis, `[D, ...one rank's cache...]`,
   sharded `P("data", <the model-axis spec>)`. Rank d owns `num_pages / D` pages (its own null
   page 0 included) and its own state slots; block tables and slot ids are *rank-local* indices.
-- **scheduling** (runtime/dp_scheduler.py, no JAX): `DataParallelScheduler` keeps one
+- **scheduling** (runtime/scheduling/dp_scheduler.py, no JAX): `DataParallelScheduler` keeps one
   `Scheduler` (queue + cache manager) per rank. A new request goes to the rank with the most prefix-cache hit tokens, then the fewest
   outstanding tokens (tpu-inference's rule), and stays there. Each rank schedules on its own:
   a rank out of pages preempts or queues its own requests only; the others keep serving.
@@ -47,10 +47,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models.batch import ForwardBatch
 from models.transformer import forward
 from runtime.buckets import bucket_for
-from runtime.dp_scheduler import DataParallelOutput, DataParallelScheduler
-from runtime.inputs import build_batch
-from runtime.mesh import DATA_AXIS
-from runtime.step import StepExecutables
+from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
+from runtime.steps.inputs import build_batch
+from runtime.parallel.mesh import DATA_AXIS
+from runtime.steps.executables import StepExecutables
 
 
 # ---- the step's inputs --------------------------------------------------------------------------

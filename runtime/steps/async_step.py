@@ -2,10 +2,10 @@
 
 Asynchronous scheduling keeps one step in flight: step n+1 is scheduled, built and dispatched
 while step n runs, each of its rows that continues a request of step n feeding a placeholder
-(`runtime.request.PLACEHOLDER_TOKEN`) that the device replaces with step n's sampled token,
+(`runtime.scheduling.request.PLACEHOLDER_TOKEN`) that the device replaces with step n's sampled token,
 never a host read: the request table's `prepare` writes step n's token array (`sampled.tokens`)
-into the rows step n ran and reads a placeholder row's `last_token` (runtime/table_prepare.py);
-attention DP's host-built batch gathers it through a `runtime.step.TokenFeed` whose rows
+into the rows step n ran and reads a placeholder row's `last_token` (runtime/steps/table_device.py);
+attention DP's host-built batch gathers it through a `runtime.steps.executables.TokenFeed` whose rows
 `feed_rows` computes. Only then does the host wait for step n's tokens, resolve the
 placeholders and emit.
 
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.request import PLACEHOLDER_TOKEN, Request
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request
+from runtime.scheduling.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from runtime.sampler import SamplerOutput
+    from runtime.steps.sampler import SamplerOutput
 
 
 @dataclass

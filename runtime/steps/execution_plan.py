@@ -10,7 +10,7 @@ No JAX, no devices: the table test in tests/test_exec_plan.py checks it for ever
 
 Each CPU rule keeps its measurement next to it. `benchmarks/exec_plan_ab.py` measures every
 CPU choice on vs off (tiny dense + tiny hybrid, tokens/s, one invocation); its table is in
-docs/benchmarks.md. Not to be confused with runtime/plan.py (`jaxserve plan`: compile a launch
+docs/benchmarks.md. Not to be confused with runtime/aot/chip_report.py (`jaxserve plan`: compile a launch
 config for an accelerator and report its memory), which takes its buckets from `plan_buckets`.
 """
 
@@ -50,7 +50,7 @@ MIN_TOKEN_BUCKET_ACCELERATOR = 16
 MIN_SEQ_BUCKET = 8
 # `fuse_greedy: null` -> on for bf16 dense models on CPU, off otherwise. The fused greedy
 # backbone (argmax inside, no sampling metadata) makes an all-greedy decode step ONE executable
-# now that the request table's prepare is fused into every backbone (runtime/step.py): the bare
+# now that the request table's prepare is fused into every backbone (runtime/steps/executables.py): the bare
 # loop's shape. History: chosen on CPU when a dispatch was ~1.5 ms of a ~6 ms decode step;
 # dropped at 0.95x / 0.89x (exec_plan_ab, 2026-12-01, float32, load average ~21, prepare apart:
 # 2 executables a step vs 3). Re-measured 2026-12-02 with prepare fused (1 vs 2; docs/benchmarks.md

@@ -4,7 +4,7 @@
     mesh = make_mesh(data=2, model=4)       # axes ("data", "model"), both AxisType.Auto
 
 The `model` axis carries tensor parallelism (models/sharding.py); the `data` axis carries
-attention data parallelism (runtime/data_parallel.py): weights are replicated over it, each rank
+attention data parallelism (runtime/parallel/data_parallel.py): weights are replicated over it, each rank
 serves its own batch from its own pages and state slots. Axes are Auto (GSPMD) because `jax.make_mesh` now defaults to
 Explicit axes, under which a row-parallel matmul raises `ShardingTypeError`.
 """
@@ -53,7 +53,7 @@ def initialize_multihost(cfg) -> bool:
     if jax.distributed.is_initialized():
         log.info("jax.distributed is already initialised; keeping it")
         return False
-    from runtime.multihost_channel import check_secret, coordinator_bind_address
+    from runtime.parallel.multihost_channel import check_secret, coordinator_bind_address
 
     # Refused before anything listens: a launch that other machines can reach needs the secret.
     authenticated = check_secret(multihost)

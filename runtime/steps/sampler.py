@@ -25,7 +25,7 @@ Greedy rows (temperature 0) take candidate 0 via `where`, so top_k's indices are
 row's randomness is `fold_in(key(seed), step)`, independent of batch size and order.
 Reported logprobs are log_softmax of the raw logits (vLLM's default), before any processing
 (logit bias included). `score_tokens` gives prompt logprobs the same way, for the scoring
-backbone (runtime/step.py).
+backbone (runtime/steps/executables.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.transformer import compute_logits
-from runtime.sampling_metadata import SamplingMetadata
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import MAX_LOGPROBS
 
 

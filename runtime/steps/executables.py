@@ -11,7 +11,7 @@
     copy_states(caches, src, dst) -> caches                                     caches donated
 
 Each step's `ForwardBatch` is gathered on the device from the request table
-(`runtime.table_prepare`, `runtime.request_table`): `prepare` takes the host's small
+(`runtime.steps.table_device`, `runtime.steps.table_host`): `prepare` takes the host's small
 `TableStep` (table rows, token counts, the token ids the host knows, row resets and page
 writes) and the previous step's sampled tokens as they lie on the device, and returns the
 batch the backbone consumes; the host never builds or transfers the per-token and per-sequence
@@ -41,7 +41,7 @@ dispatch is a real share of the step; larger (prefill) steps keep backbone + sam
 same forward pass also keeps the final hidden state of every token row, and scores each row's
 target (the next prompt token, -1 where none is wanted) with log_softmax over the full
 vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
-pass; the cost is the logits of every token row of that step (computed `runtime.sampler.SCORE_BLOCK` rows at a
+pass; the cost is the logits of every token row of that step (computed `runtime.steps.sampler.SCORE_BLOCK` rows at a
 time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
 Such a step is prepared in the largest token bucket: one scoring executable, not one per bucket.
 
@@ -77,10 +77,10 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.request_table import TableStep, page_write_width, write_width
-from runtime.table_prepare import RequestTable, apply_write, init_table, prepare, row_sampling
-from runtime.sampler import sample, score_hidden_rows
-from runtime.sampling_metadata import FullWidths, SamplingMetadata
+from runtime.steps.table_host import TableStep, page_write_width, write_width
+from runtime.steps.table_device import RequestTable, apply_write, init_table, prepare, row_sampling
+from runtime.steps.sampler import sample, score_hidden_rows
+from runtime.steps.sampling_metadata import FullWidths, SamplingMetadata
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
@@ -140,7 +140,7 @@ class StepExecutables:
     def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
                  max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
                  max_model_len: int | None = None, forward_fn=forward, page_size: int = 16):
-        # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/data_parallel.py)
+        # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/parallel/data_parallel.py)
         forward = forward_fn
         self.model, self.opts = model, opts
         # With max_model_len every sampler variant is plain or full (bounded); without it the
@@ -266,7 +266,7 @@ class StepExecutables:
         return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
 
     def _table_write_width(self, T: int) -> int:
-        """A write's entries (runtime/request_table.py) in token bucket T."""
+        """A write's entries (runtime/steps/table_host.py) in token bucket T."""
         return write_width(self.max_num_seqs, page_write_width(T, self.max_num_seqs, self.page_size))
 
     def _table_step_spec(self, T: int) -> TableStep:
@@ -463,7 +463,7 @@ class StepExecutables:
         return exe(table, step, prev_tokens)
 
     def run_write_table(self, table: RequestTable, write: np.ndarray) -> RequestTable:
-        """Page writes that overflow a step's own (see runtime/request_table.py)."""
+        """Page writes that overflow a step's own (see runtime/steps/table_host.py)."""
         return (self._write_table or self._compile_write_table())(table, write)
 
     def run_table_backbone(self, params, caches, table: RequestTable, step: TableStep, prev_tokens):

@@ -1,7 +1,7 @@
 """The device side of the request table: the table itself and the step's prepare-inputs function.
 
     table = init_table(max_num_seqs, max_blocks_per_seq)            # RequestTable, rows R + 1
-    table, batch = prepare(table, step, prev_tokens, page_size=16)  # step: runtime.request_table.TableStep
+    table, batch = prepare(table, step, prev_tokens, page_size=16)  # step: runtime.steps.table_host.TableStep
     row_sampling(table, num_rows)   # the last prepared step's rows' sampling parameters, for the sampler
 
 `prepare` is vLLM Model Runner V2's prepare-inputs kernel as one small XLA program: it writes
@@ -9,7 +9,7 @@ the previous step's sampled tokens (`prev_tokens [max_num_seqs]`, by that step's
 into the `last_token` of the rows that step ran (`step_rows`, kept in the table), applies the
 step's write (row resets, then block-table writes), gathers the step's `ForwardBatch`
 from the table, and advances `num_computed` of every row in the step. The result equals
-`runtime.inputs.build_batch` of the same `SchedulerOutput` (tests/test_request_table.py).
+`runtime.steps.inputs.build_batch` of the same `SchedulerOutput` (tests/test_request_table.py).
 
 A row's `last_token` is read only where the host sends -1 (a placeholder): the token sampled by
 the step just before, which this same call has just written. A stale write into a freed or
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.batch import ForwardBatch
-from runtime.request_table import NEUTRAL_ROW_PARAMS, NUM_ROW_FLOATS, ROW_PARAMS, TableStep, split_write
+from runtime.steps.table_host import NEUTRAL_ROW_PARAMS, NUM_ROW_FLOATS, ROW_PARAMS, TableStep, split_write
 
 jax.tree_util.register_dataclass(TableStep, data_fields=["meta", "host_tokens"], meta_fields=[])
 
@@ -41,7 +41,7 @@ class RequestTable:
     last_token: jax.Array  # [R+1] i32, the row's newest sampled token
     state_slot: jax.Array  # [R+1] i32, 0 = null slot
     step_rows: jax.Array  # [S] i32, the rows of the last prepared step (by batch position)
-    row_params: jax.Array  # [R+1, P] i32, sampling parameters as bits (runtime.request_table.ROW_PARAMS)
+    row_params: jax.Array  # [R+1, P] i32, sampling parameters as bits (runtime.steps.table_host.ROW_PARAMS)
 
 
 def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> RequestTable:
@@ -54,7 +54,7 @@ def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> Req
 
 
 def apply_write(table: RequestTable, write: jax.Array) -> RequestTable:
-    """write [(3 + P)S + 3W] (`runtime.request_table.split_write`): row resets (tokens computed,
+    """write [(3 + P)S + 3W] (`runtime.steps.table_host.split_write`): row resets (tokens computed,
     state slot, sampling parameters, a cleared block-table row), then page writes."""
     r, start, slot, params, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
     block_tables = table.block_tables.at[r].set(0, mode="drop")

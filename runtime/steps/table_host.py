@@ -1,6 +1,6 @@
 """The host side of the device-resident request table (vLLM Model Runner V2's persistent batch).
 
-Every running request owns one row of a table that lives on the device (`runtime.table_prepare`:
+Every running request owns one row of a table that lives on the device (`runtime.steps.table_device`:
 block-table row, tokens already computed, last token, state slot, sampling parameters). A row is
 assigned when the request is first scheduled (or scheduled again after a preemption) and freed
 when it finishes or is preempted. Each step the host sends only what changed — a `TableStep` of fixed shapes per
@@ -24,7 +24,7 @@ of it in write chunks of the largest bucket's W (`StepExecutables.run_write_tabl
 executable), the first carrying the resets.
 
 A request's sampling parameters travel once, in the write of its placement, and stay in its row:
-the sampler gathers a step's rows from the table (`runtime.table_prepare.row_sampling`), so a
+the sampler gathers a step's rows from the table (`runtime.steps.table_device.row_sampling`), so a
 step sends only what changes per step (`SamplingMetadata` without its per-row scalars: the
 token index and, when used, the penalty / ban / bias matrices). A request without a seed gets
 one drawn at its placement (the sampler folds in the token index, so every token draws anew).
@@ -46,8 +46,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from runtime.request import PLACEHOLDER_TOKEN
-from runtime.scheduler import SchedulerOutput
+from runtime.scheduling.request import PLACEHOLDER_TOKEN
+from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.types import SamplingParams
 
 # A row's sampling parameters in the table, in this order, as int32 bit patterns: six float32

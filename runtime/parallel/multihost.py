@@ -18,7 +18,7 @@ the follower runs the same method of its own executables with its own device arr
 `hidden`, its last sampled tokens). Why not `multihost_utils.broadcast_one_to_all` or the same
 scheduler on every process: docs/scaling.md.
 
-The channel (runtime/multihost_channel.py): a follower joins only after it and the leader proved
+The channel (runtime/parallel/multihost_channel.py): a follower joins only after it and the leader proved
 to each other that they hold `parallel.multihost.secret` (HMAC challenge-response); each frame
 {seq, op, args, body, mac} carries a MAC keyed with that connection's session key. A follower
 checks that `seq` is the next step counter and that the MAC holds; a mismatch is
@@ -50,11 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.multihost_channel import (HANDSHAKE_TIMEOUT_S, HEARTBEAT, DivergenceError, Frame, HandshakeError,
-                                       Session, accept_followers, channel_secret, configure, decode_frame,
-                                       encode_frame, follower_handshake, read_frame, step_address,
-                                       step_bind_address, tokens_digest)
-from runtime.step import TokenFeed
+from runtime.parallel.multihost_channel import (HANDSHAKE_TIMEOUT_S, HEARTBEAT, DivergenceError, Frame,
+                                                HandshakeError, Session, accept_followers, channel_secret, configure,
+                                                decode_frame, encode_frame, follower_handshake, read_frame,
+                                                step_address, step_bind_address, tokens_digest)
+from runtime.steps.executables import TokenFeed
 
 log = logging.getLogger("jaxserve.multihost")
 

@@ -3,8 +3,8 @@
 The loop thread owns the `LLMEngine` (all mutable serving state). The asyncio side only
 enqueues commands (add / abort) and receives cumulative `RequestOutput`s through per-request
 asyncio queues fed with `call_soon_threadsafe`. `jaxserve serve` runs the same loop in a child
-process by default (runtime/engine_process.py); this thread serves multi-host and P/D roles and
-`server.engine_process: false`.
+process by default (runtime/engine/process_client.py); this thread serves multi-host and P/D roles
+and `server.engine_process: false` (runtime/engine/client_factory.py picks).
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from runtime.engine import EngineDeadError, LLMEngine
-from runtime.engine_config import EngineConfig, build_engine_config
-from runtime.mesh import initialize_multihost
+from runtime.engine.llm_engine import EngineDeadError, LLMEngine
 from runtime.types import EngineBusy, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")
@@ -199,62 +195,3 @@ class AsyncEngine:
             self._stats = self.engine.stats()
         for rid in list(self._sinks):
             self.engine.abort(rid)
-
-
-def engine_config_from_launch(config, model_path: str) -> EngineConfig:
-    """Map the validated YAML launch config onto the engine's config (`build_engine_config`, the
-    one mapping), after starting `jax.distributed` for a multi-host launch.
-
-    `parallel`: `role` prefill / decode (with the `kv_transfer` section) sets up disaggregation;
-    `multihost` starts `jax.distributed` (so call this before any other JAX work); `mesh` becomes
-    `mesh_shape` when it spans more than one device."""
-    parallel = config.parallel
-    if parallel.multihost is not None and parallel.multihost.num_processes > 1 and parallel.role != "both":
-        raise ValueError("multi-process serving (parallel.multihost) runs role: both only; "
-                         "P/D disaggregation across processes of one mesh is not built")
-    initialize_multihost(parallel)
-    # serving compiles every executable a step can ask for at start-up (compile.aot), then seals
-    return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
-
-
-def load_engine(config, model_path: str) -> LLMEngine:
-    """Load the launch config's model and compile its steps (in the server's process for the
-    thread, in the engine process otherwise), logging what it got."""
-    t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True)
-    log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0,
-             Path(model_path).name, engine.cache_config.num_pages, engine.config.page_size,
-             list(engine.token_buckets))
-    return engine
-
-
-def create_engine_client(config):
-    """The real engine behind `jaxserve serve`: loads the model (the default one when no path is
-    given), compiles its buckets, starts the loop: in a child process (`server.engine_process`,
-    runtime/engine_process.py) or on a thread of this process (`AsyncEngine`; always for
-    multi-host and P/D roles)."""
-    path = config.model.path
-    if path is None:
-        from models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
-        path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
-    else:
-        name = Path(path).name
-    served_name = config.model.served_model_name or name
-    multihost = config.parallel.multihost
-    multi_process = multihost is not None and multihost.num_processes > 1
-    if config.server.engine_process and not multi_process and config.parallel.role == "both":
-        from runtime.engine_process import EngineProcessClient
-
-        return EngineProcessClient.start(config, str(path), served_name)
-    engine = load_engine(config, str(path))
-    if multi_process:  # runtime/multihost.py
-        from runtime.multihost import Follower, MultihostLeader
-
-        if multihost.process_id != 0:
-            return Follower(engine, multihost)  # server/runner.serve runs its `follow()`, no HTTP
-        leader = MultihostLeader.listen(multihost)
-        client = AsyncEngine(engine, served_name)
-        leader.attach(client)
-        return client
-    return AsyncEngine(engine, served_name)

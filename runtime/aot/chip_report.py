@@ -14,7 +14,7 @@ GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile
 the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
 are the arrays' own sizes, marked `analytic`.
 
-Attention data parallelism (`mesh.data` D > 1, runtime/data_parallel.py): every figure is one
+Attention data parallelism (`mesh.data` D > 1, runtime/parallel/data_parallel.py): every figure is one
 DP rank's (num_pages, state slots and max_num_seqs are per rank, and a device holds its rank's
 pages only), so the per-device memory is that of the one-rank step compiled here; the roofline
 counts the D ranks' batches of one step (D x the tokens over D x the devices). An explicit
@@ -44,9 +44,9 @@ from models.abstract import abstract_caches, abstract_model, shard_abstract_mode
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
-from runtime.exec_plan import plan_buckets
-from runtime.mesh import DATA_AXIS, MODEL_AXIS
-from runtime.step import StepExecutables
+from runtime.steps.execution_plan import plan_buckets
+from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
+from runtime.steps.executables import StepExecutables
 
 log = logging.getLogger("jaxserve.plan")
 
@@ -205,7 +205,7 @@ def per_device_bytes(tree) -> int:
 
 # ---- sizing: the engine's rule ---------------------------------------------------------------------
 def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
-    """runtime/engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
+    """runtime/engine/llm_engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
     if not is_hybrid:
         return 0
     s = launch.scheduler.max_num_seqs
@@ -215,7 +215,7 @@ def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
     if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
         return launch.cache.num_pages // launch.parallel.mesh.data, []
-    fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_client.py)
+    fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_config.py)
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
     if budget < 2 * per_page:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from runtime.registry import Registry
 
 if TYPE_CHECKING:
-    from runtime.request import Request
+    from runtime.scheduling.request import Request
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The engine loop in a process of its own, behind the server's `EngineClient` protocol.
 
-`AsyncEngine` (runtime/engine_client.py) runs the loop on a thread of the server's process, so
+`AsyncEngine` (runtime/engine/thread_client.py) runs the loop on a thread of the server's process, so
 the engine's Python (scheduling, input building, detokenizing) and the HTTP event loop take
 turns on one GIL. `EngineProcessClient` starts the same `LLMEngine` in a child process (spawned:
 no fork of a process that may hold XLA threads) and talks to it over two pipes, as vLLM's
@@ -38,8 +38,9 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 
-from runtime.engine import EngineDeadError
-from runtime.engine_client import load_engine, queued_outputs
+from runtime.engine.llm_engine import EngineDeadError
+from runtime.engine.loading import load_engine
+from runtime.engine.thread_client import queued_outputs
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput
 
 log = logging.getLogger("jaxserve.engine")

@@ -7,9 +7,9 @@ small; when no request uses penalties they are zero-width and the sampler skips 
 entirely (the shapes, hence the executable, differ).
 
 With the device-resident request table the per-row parameters (temperature ... seeds) are not
-sent: they live in the request's table row from its placement (runtime/request_table.py), the
+sent: they live in the request's table row from its placement (runtime/steps/table_host.py), the
 metadata carries None for them (`from_params(..., row_params=False)`) and the sampler fills them
-from the table (`runtime.table_prepare.row_sampling`).
+from the table (`runtime.steps.table_device.row_sampling`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime.buckets import PENALTY_WIDTH_MIN, banned_width  # noqa: F401 - PENALTY_WIDTH_MIN re-exported
 from runtime.buckets import penalty_width as pow2_bucket  # the width rule lives in runtime/buckets.py
-from runtime.request_table import ROW_PARAMS  # the fields the request table can hold instead
+from runtime.steps.table_host import ROW_PARAMS  # the fields the request table can hold instead
 from runtime.types import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
@@ -80,7 +80,7 @@ class SamplingMetadata:
     def with_widths(self, output: int, prompt: int, banned: int, bias: int) -> "SamplingMetadata":
         """The same rows with every token-id matrix padded (-1; bias values 0) to the given widths,
         which must be at least the current ones: padding changes no sample, only the shapes (the
-        bounded "full" sampler variant of runtime/step.py)."""
+        bounded "full" sampler variant of runtime/steps/executables.py)."""
         rows = self.num_rows
 
         def pad(matrix, width, fill, name):

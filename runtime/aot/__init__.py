@@ -1,0 +1,1 @@
+"""Ahead-of-time compiles for a target chip from shapes alone (`jaxserve plan`)."""
