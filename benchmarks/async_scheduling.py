@@ -33,6 +33,7 @@ Per run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -41,7 +42,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import write_json
-
 from benchmarks.workloads import make_workload
 
 
@@ -105,8 +105,13 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
     try:
         t0 = time.perf_counter()
         for i, r in enumerate(requests):
-            engine.add_request(EngineRequest(f"b{i}", list(r.prompt_ids),
-                                             SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)))
+            engine.add_request(
+                EngineRequest(
+                    f"b{i}",
+                    list(r.prompt_ids),
+                    SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                )
+            )
         total = 0
         while engine.has_unfinished():
             for out in engine.step():
@@ -124,7 +129,7 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
         timers.close()
     recs = [r for r in timers.records if "wait" in r]
     idle, unblocked = [], 0
-    for rec, nxt in zip(recs, recs[1:]):
+    for rec, nxt in itertools.pairwise(recs):
         interval = nxt["dispatched_at"] - rec["dispatched_at"]
         if rec["wait"] < 1e-4:
             unblocked += 1
@@ -133,22 +138,44 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
             idle.append(max(0.0, nxt["dispatched_at"] - rec["ready_at"]) / max(interval, 1e-9))
     assert total == sum(r.max_tokens for r in requests), "engine did not honour max_tokens"
     # ready-to-ready intervals: how long each step took to come out, with its token count
-    spans = sorted(((b["ready_at"] - a["ready_at"]) * 1e3, b["out"].num_batched_tokens) for a, b in zip(recs, recs[1:]))
-    return {"async_scheduling": async_scheduling, "seconds": elapsed, "output_tokens": total,
-            "output_tokens_per_s": total / elapsed, "steps": len(timers.records),
-            "itl_p50_ms": _percentile(gaps, 50), "itl_p99_ms": _percentile(gaps, 99),
-            "ttft_p50_ms": _percentile(ttfts, 50), "ttft_p99_ms": _percentile(ttfts, 99),
-            "host_ms_per_step": 1e3 * statistics.fmean(r["host"] for r in timers.records),
-            "wait_ms_per_step": 1e3 * statistics.fmean(r["wait"] for r in recs) if recs else 0.0,
-            "device_idle_share": statistics.fmean(idle) if idle else 0.0, "unblocked_waits": unblocked,
-            "step_ms_p50": _percentile([ms for ms, _ in spans], 50),
-            "step_ms_p99": _percentile([ms for ms, _ in spans], 99),
-            "slowest_steps_ms_tokens": [(round(ms, 1), n) for ms, n in spans[-3:]]}
+    spans = sorted(
+        ((b["ready_at"] - a["ready_at"]) * 1e3, b["out"].num_batched_tokens) for a, b in itertools.pairwise(recs)
+    )
+    return {
+        "async_scheduling": async_scheduling,
+        "seconds": elapsed,
+        "output_tokens": total,
+        "output_tokens_per_s": total / elapsed,
+        "steps": len(timers.records),
+        "itl_p50_ms": _percentile(gaps, 50),
+        "itl_p99_ms": _percentile(gaps, 99),
+        "ttft_p50_ms": _percentile(ttfts, 50),
+        "ttft_p99_ms": _percentile(ttfts, 99),
+        "host_ms_per_step": 1e3 * statistics.fmean(r["host"] for r in timers.records),
+        "wait_ms_per_step": 1e3 * statistics.fmean(r["wait"] for r in recs) if recs else 0.0,
+        "device_idle_share": statistics.fmean(idle) if idle else 0.0,
+        "unblocked_waits": unblocked,
+        "step_ms_p50": _percentile([ms for ms, _ in spans], 50),
+        "step_ms_p99": _percentile([ms for ms, _ in spans], 99),
+        "slowest_steps_ms_tokens": [(round(ms, 1), n) for ms, n in spans[-3:]],
+    }
 
 
 def summarize(runs: list[dict]) -> dict:
-    keys = ("output_tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "host_ms_per_step", "wait_ms_per_step",
-            "device_idle_share", "steps", "unblocked_waits", "step_ms_p50", "step_ms_p99")
+    keys = (
+        "output_tokens_per_s",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "host_ms_per_step",
+        "wait_ms_per_step",
+        "device_idle_share",
+        "steps",
+        "unblocked_waits",
+        "step_ms_p50",
+        "step_ms_p99",
+    )
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
@@ -170,12 +197,26 @@ def main(argv=None) -> dict:
     from runtime.engine_config import EngineConfig
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.checkpoint, dtype=args.dtype, max_model_len=args.max_model_len,
-                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    seed=0, keep_gguf_quantized=False, enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.checkpoint,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=0,
+            keep_gguf_quantized=False,
+            enable_prefix_caching=False,
+        )
+    )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    requests = make_workload(args.workload, vocab_size=engine.model.cfg.vocab_size, scale=args.scale,
-                             num_requests=args.num_requests, max_model_len=args.max_model_len)
+    requests = make_workload(
+        args.workload,
+        vocab_size=engine.model.cfg.vocab_size,
+        scale=args.scale,
+        num_requests=args.num_requests,
+        max_model_len=args.max_model_len,
+    )
     for mode in (True, False):  # warm-up: every bucket the workload touches runs once before timing
         run_once(engine, requests, mode)
     runs = {True: [], False: []}
@@ -183,15 +224,27 @@ def main(argv=None) -> dict:
         for mode in (True, False):
             r = run_once(engine, requests, mode)
             runs[mode].append(r)
-            print(f"rep {rep} async={mode}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.2f} "
-                  f"p99 {r['itl_p99_ms']:.2f} ms, host {r['host_ms_per_step']:.2f} ms/step, wait "
-                  f"{r['wait_ms_per_step']:.2f} ms/step, device idle {100 * r['device_idle_share']:.1f}% "
-                  f"({r['unblocked_waits']} unblocked waits / {r['steps']} steps)", flush=True)
+            print(
+                f"rep {rep} async={mode}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.2f} "
+                f"p99 {r['itl_p99_ms']:.2f} ms, host {r['host_ms_per_step']:.2f} ms/step, wait "
+                f"{r['wait_ms_per_step']:.2f} ms/step, device idle {100 * r['device_idle_share']:.1f}% "
+                f"({r['unblocked_waits']} unblocked waits / {r['steps']} steps)",
+                flush=True,
+            )
     on, off = summarize(runs[True]), summarize(runs[False])
-    result = {"checkpoint": args.checkpoint, "workload": args.workload, "scale": args.scale,
-              "num_requests": len(requests), "output_tokens": sum(r.max_tokens for r in requests),
-              "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "async_on": on, "async_off": off,
-              "ratio_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"], "runs": runs}
+    result = {
+        "checkpoint": args.checkpoint,
+        "workload": args.workload,
+        "scale": args.scale,
+        "num_requests": len(requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+        "max_num_seqs": args.max_num_seqs,
+        "repeats": args.repeats,
+        "async_on": on,
+        "async_off": off,
+        "ratio_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+        "runs": runs,
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     write_json(args.json, result, indent=1)
     return result

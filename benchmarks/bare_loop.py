@@ -55,10 +55,17 @@ def _decode_loop(cfg, opts: KernelOptions, block_tables, start_positions, steps:
             caches, tokens = carry
             pos = start_positions + i  # [S]
             fb = ForwardBatch(
-                input_ids=tokens, positions=pos, slot_mapping=_slots(block_tables, pos, page_size),
-                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), kv_lens=pos + 1, block_tables=block_tables,
-                state_slot_ids=seq_ids + 1, has_initial_state=jnp.ones((S,), bool),
-                num_seqs=jnp.asarray(S, jnp.int32), logits_indices=seq_ids)
+                input_ids=tokens,
+                positions=pos,
+                slot_mapping=_slots(block_tables, pos, page_size),
+                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
+                kv_lens=pos + 1,
+                block_tables=block_tables,
+                state_slot_ids=seq_ids + 1,
+                has_initial_state=jnp.ones((S,), bool),
+                num_seqs=jnp.asarray(S, jnp.int32),
+                logits_indices=seq_ids,
+            )
             hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
             nxt = jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
             return (caches, nxt), nxt
@@ -69,11 +76,19 @@ def _decode_loop(cfg, opts: KernelOptions, block_tables, start_positions, steps:
     return decode
 
 
-def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len: int, output_len: int,
-                   page_size: int = 16, max_model_len: int | None = None):
+def make_bare_loop(
+    model: Model,
+    opts: KernelOptions,
+    *,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    page_size: int = 16,
+    max_model_len: int | None = None,
+):
     """-> (prefill(params, caches, prompts [S, P]) -> (caches, first [S]),
-           decode(params, caches, first [S]) -> (caches, tokens [output_len - 1, S]),
-           fresh_caches())"""
+    decode(params, caches, first [S]) -> (caches, tokens [output_len - 1, S]),
+    fresh_caches())"""
     cfg, S, P = model.cfg, batch, prompt_len
     block_tables_np, num_pages = _layout(S, max(max_model_len or 0, P + output_len), page_size)
     block_tables = jnp.asarray(block_tables_np)
@@ -83,25 +98,39 @@ def make_bare_loop(model: Model, opts: KernelOptions, *, batch: int, prompt_len:
         positions = jnp.tile(jnp.arange(P, dtype=jnp.int32), (S, 1))  # [S, P]
         cu = jnp.arange(S + 1, dtype=jnp.int32) * P
         fb = ForwardBatch(
-            input_ids=prompts.reshape(-1), positions=positions.reshape(-1),
-            slot_mapping=_slots(block_tables, positions, page_size), cu_q_lens=cu,
-            kv_lens=jnp.full((S,), P, jnp.int32), block_tables=block_tables, state_slot_ids=seq_ids + 1,
-            has_initial_state=jnp.zeros((S,), bool), num_seqs=jnp.asarray(S, jnp.int32), logits_indices=cu[1:] - 1)
+            input_ids=prompts.reshape(-1),
+            positions=positions.reshape(-1),
+            slot_mapping=_slots(block_tables, positions, page_size),
+            cu_q_lens=cu,
+            kv_lens=jnp.full((S,), P, jnp.int32),
+            block_tables=block_tables,
+            state_slot_ids=seq_ids + 1,
+            has_initial_state=jnp.zeros((S,), bool),
+            num_seqs=jnp.asarray(S, jnp.int32),
+            logits_indices=cu[1:] - 1,
+        )
         hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
         return caches, jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
 
     decode = _decode_loop(cfg, opts, block_tables, jnp.full((S,), P, jnp.int32), output_len - 1, page_size)
 
     def fresh_caches():
-        return model.init_caches(num_pages, page_size, S + 1,
-                                 bit_storage=opts.kv_bit_storage)
+        return model.init_caches(num_pages, page_size, S + 1, bit_storage=opts.kv_bit_storage)
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
 
 
-def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: KernelOptions | None = None,
-                  page_size: int = 16, max_model_len: int | None = None, repeats: int = 3,
-                  before_each=None) -> dict:
+def run_bare_loop(
+    model: Model,
+    prompts: np.ndarray,
+    output_len: int,
+    *,
+    opts: KernelOptions | None = None,
+    page_size: int = 16,
+    max_model_len: int | None = None,
+    repeats: int = 3,
+    before_each=None,
+) -> dict:
     """Time the bare loop on `prompts [S, P]` int32; -> throughput numbers and the greedy tokens.
 
     `max_model_len` sets the block-table width (default: just enough for P + output_len); pass
@@ -112,8 +141,9 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
         raise ValueError("output_len must be >= 2 (one prefill token + at least one decode step)")
     opts = opts or KernelOptions()
     S, P = prompts.shape
-    prefill, decode, fresh = make_bare_loop(model, opts, batch=S, prompt_len=P, output_len=output_len,
-                                            page_size=page_size, max_model_len=max_model_len)
+    prefill, decode, fresh = make_bare_loop(
+        model, opts, batch=S, prompt_len=P, output_len=output_len, page_size=page_size, max_model_len=max_model_len
+    )
     params = model.params
     prompts = jnp.asarray(prompts, jnp.int32)
     t0 = time.perf_counter()
@@ -140,9 +170,13 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
     prefill_s, decode_s = float(np.median(prefill_times)), float(np.median(decode_times))
     all_tokens = np.concatenate([np.asarray(first)[None, :], np.asarray(tokens)], axis=0).T  # [S, output_len]
     return {
-        "batch": S, "prompt_len": P, "output_len": output_len, "compile_s": compile_s,
+        "batch": S,
+        "prompt_len": P,
+        "output_len": output_len,
+        "compile_s": compile_s,
         "block_table_width": int(-(-max(max_model_len or 0, P + output_len) // page_size)),
-        "prefill_s": prefill_s, "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
         "all_tokens_per_s": [S * output_len / (p + d) for p, d in zip(prefill_times, decode_times)],
         "output_tokens_per_s": S * output_len / (prefill_s + decode_s),
         "decode_tokens_per_s": S * (output_len - 1) / decode_s,
@@ -151,8 +185,15 @@ def run_bare_loop(model: Model, prompts: np.ndarray, output_len: int, *, opts: K
     }
 
 
-def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tuple[int, ...], decode_steps: int,
-                          page_size: int = 16, max_model_len: int | None = None):
+def make_ragged_bare_loop(
+    model: Model,
+    opts: KernelOptions,
+    *,
+    prompt_lens: tuple[int, ...],
+    decode_steps: int,
+    page_size: int = 16,
+    max_model_len: int | None = None,
+):
     """The bare loop over sequences of different prompt lengths (a wave of a ragged workload):
     one ragged prefill `forward` of every prompt, then `decode_steps` decode steps of all
     sequences in one `lax.scan` (a sequence that needs fewer tokens keeps decoding as dead
@@ -171,25 +212,40 @@ def make_ragged_bare_loop(model: Model, opts: KernelOptions, *, prompt_lens: tup
 
     def prefill(params, caches, flat_prompts):
         fb = ForwardBatch(
-            input_ids=flat_prompts, positions=jnp.asarray(pos_np), slot_mapping=jnp.asarray(slots_np),
-            cu_q_lens=jnp.asarray(cu_np), kv_lens=p0, block_tables=block_tables, state_slot_ids=seq_ids + 1,
-            has_initial_state=jnp.zeros((S,), bool), num_seqs=jnp.asarray(S, jnp.int32),
-            logits_indices=jnp.asarray(cu_np[1:] - 1))
+            input_ids=flat_prompts,
+            positions=jnp.asarray(pos_np),
+            slot_mapping=jnp.asarray(slots_np),
+            cu_q_lens=jnp.asarray(cu_np),
+            kv_lens=p0,
+            block_tables=block_tables,
+            state_slot_ids=seq_ids + 1,
+            has_initial_state=jnp.zeros((S,), bool),
+            num_seqs=jnp.asarray(S, jnp.int32),
+            logits_indices=jnp.asarray(cu_np[1:] - 1),
+        )
         hidden, caches = forward(params, caches, fb, cfg=cfg, opts=opts)
         return caches, jnp.argmax(compute_logits(params, hidden), axis=-1).astype(jnp.int32)
 
     decode = _decode_loop(cfg, opts, block_tables, p0, decode_steps, page_size)
 
     def fresh_caches():
-        return model.init_caches(num_pages, page_size, S + 1,
-                                 bit_storage=opts.kv_bit_storage)
+        return model.init_caches(num_pages, page_size, S + 1, bit_storage=opts.kv_bit_storage)
 
     return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1), fresh_caches
 
 
-def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: list[int], *, batch: int,
-                           opts: KernelOptions | None = None, page_size: int = 16, max_model_len: int | None = None,
-                           repeats: int = 3, before_each=None) -> dict:
+def run_bare_loop_requests(
+    model: Model,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    *,
+    batch: int,
+    opts: KernelOptions | None = None,
+    page_size: int = 16,
+    max_model_len: int | None = None,
+    repeats: int = 3,
+    before_each=None,
+) -> dict:
     """The bare loop over a ragged workload's OWN requests: waves of `batch` requests in order, each
     wave prefilled in one ragged forward and decoded in one scan to its longest `max_tokens`.
     Throughput counts requested tokens only; compile time is reported apart (one prefill and one
@@ -201,8 +257,9 @@ def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: l
     for wave in waves:
         lens = tuple(len(prompts[i]) for i in wave)
         steps = max(max(max_tokens[i] for i in wave) - 1, 1)
-        prefill, decode, fresh = make_ragged_bare_loop(model, opts, prompt_lens=lens, decode_steps=steps,
-                                                       page_size=page_size, max_model_len=max_model_len)
+        prefill, decode, fresh = make_ragged_bare_loop(
+            model, opts, prompt_lens=lens, decode_steps=steps, page_size=page_size, max_model_len=max_model_len
+        )
         flat = jnp.asarray(np.concatenate([prompts[i] for i in wave]).astype(np.int32))
         t0 = time.perf_counter()
         caches = fresh()
@@ -228,10 +285,16 @@ def run_bare_loop_requests(model: Model, prompts: list[list[int]], max_tokens: l
                 tokens[i] = wave_tokens[row, : max_tokens[i]].tolist()
         run_times.append(elapsed)
     seconds = float(np.median(run_times))
-    return {"batch": batch, "waves": len(waves), "compile_s": compile_s, "seconds": seconds,
-            "all_seconds": run_times, "all_tokens_per_s": [sum(max_tokens) / t for t in run_times],
-            "output_tokens_per_s": sum(max_tokens) / seconds,
-            "tokens": [tokens[i] for i in range(len(prompts))]}
+    return {
+        "batch": batch,
+        "waves": len(waves),
+        "compile_s": compile_s,
+        "seconds": seconds,
+        "all_seconds": run_times,
+        "all_tokens_per_s": [sum(max_tokens) / t for t in run_times],
+        "output_tokens_per_s": sum(max_tokens) / seconds,
+        "tokens": [tokens[i] for i in range(len(prompts))],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,9 +59,13 @@ def register(key: str, model_id: str, max_tokens: int, parallel_tool_calls: bool
             message = inference_data["message"]
             tools = inference_data["tools"]
             inference_data["inference_input_log"] = {"message": repr(message), "tools": tools}
-            kwargs = {"messages": message, "model": self.model_name,
-                      "temperature": self.temperature, "store": False,
-                      "max_tokens": max_tokens}
+            kwargs = {
+                "messages": message,
+                "model": self.model_name,
+                "temperature": self.temperature,
+                "store": False,
+                "max_tokens": max_tokens,
+            }
             if tools:
                 kwargs["tools"] = tools
                 kwargs["tool_choice"] = "required"
@@ -70,13 +74,20 @@ def register(key: str, model_id: str, max_tokens: int, parallel_tool_calls: bool
             return self.generate_with_backoff(**kwargs)
 
     MODEL_CONFIG_MAPPING[key] = ModelConfig(
-        model_name=model_id, display_name=f"{model_id} (jaxserve, FC, forced)",
-        url="https://github.com/", org="jaxserve", license="",
-        model_handler=JaxserveFCHandler, is_fc_model=True, underscore_to_dot=True)
+        model_name=model_id,
+        display_name=f"{model_id} (jaxserve, FC, forced)",
+        url="https://github.com/",
+        org="jaxserve",
+        license="",
+        model_handler=JaxserveFCHandler,
+        is_fc_model=True,
+        underscore_to_dot=True,
+    )
 
 
 def _bfcl(args: list[str]) -> None:
     from bfcl_eval.__main__ import cli
+
     print("+ bfcl " + " ".join(args), flush=True)
     cli(args, standalone_mode=False)
 
@@ -94,8 +105,15 @@ def check_calls(result_dir: Path, key: str, categories: list[str], max_tokens: i
         entries = {e["id"]: e for e in load_dataset_entry(category)}
         files = list((result_dir / key).rglob(f"BFCL_v4_{category}_result.json"))
         rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
-        stats = {"entries": len(rows), "calls": 0, "valid_calls": 0, "answers_without_call": 0,
-                 "answers_cut_by_max_tokens": 0, "errors": 0, "invalid": []}
+        stats = {
+            "entries": len(rows),
+            "calls": 0,
+            "valid_calls": 0,
+            "answers_without_call": 0,
+            "answers_cut_by_max_tokens": 0,
+            "errors": 0,
+            "invalid": [],
+        }
         for row in rows:
             result = row["result"]
             if row.get("output_token_count", 0) >= max_tokens:
@@ -106,12 +124,11 @@ def check_calls(result_dir: Path, key: str, categories: list[str], max_tokens: i
             if not isinstance(result, list) or not result:
                 stats["answers_without_call"] += 1
                 continue
-            tools = convert_to_tool(entries[row["id"]]["function"], GORILLA_TO_OPENAPI,
-                                    ModelStyle.OPENAI_COMPLETIONS)
+            tools = convert_to_tool(entries[row["id"]]["function"], GORILLA_TO_OPENAPI, ModelStyle.OPENAI_COMPLETIONS)
             schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
             for call in result:
                 stats["calls"] += 1
-                (name, arguments), = call.items()
+                ((name, arguments),) = call.items()
                 try:
                     if name not in schemas:
                         raise ValueError(f"unknown function {name!r}")
@@ -147,17 +164,34 @@ def run(key: str, categories: list[str], ids: dict, args) -> dict:
 
     TEST_IDS_TO_GENERATE_PATH.write_text(json.dumps({c: ids[c] for c in categories}, indent=1))
     t0 = time.time()
-    _bfcl(["generate", "--model", key, "--run-ids", "--allow-overwrite",
-           "--num-threads", str(args.num_threads), "--temperature", "0"])
+    _bfcl(
+        [
+            "generate",
+            "--model",
+            key,
+            "--run-ids",
+            "--allow-overwrite",
+            "--num-threads",
+            str(args.num_threads),
+            "--temperature",
+            "0",
+        ]
+    )
     generate_s = time.time() - t0
     _bfcl(["evaluate", "--model", key, "--test-category", ",".join(categories), "--partial-eval"])
     scores = read_scores(SCORE_PATH, key, categories)
     calls = check_calls(RESULT_PATH, key, categories, args.max_tokens)
     total = sum(s["calls"] for s in calls.values())
     valid = sum(s["valid_calls"] for s in calls.values())
-    return {"entries_per_category": {c: len(ids[c]) for c in categories},
-            "generate_s": round(generate_s, 1), "accuracy": scores, "calls": calls,
-            "calls_total": total, "calls_valid": valid, "valid_share": valid / total if total else None}
+    return {
+        "entries_per_category": {c: len(ids[c]) for c in categories},
+        "generate_s": round(generate_s, 1),
+        "accuracy": scores,
+        "calls": calls,
+        "calls_total": total,
+        "calls_valid": valid,
+        "valid_share": valid / total if total else None,
+    }
 
 
 def main() -> None:
@@ -165,8 +199,11 @@ def main() -> None:
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--categories", default="simple_python,multiple,parallel")
     parser.add_argument("--limit", type=int, default=50, help="first N entries per category (0: all)")
-    parser.add_argument("--single-call-categories", default="simple_python,multiple",
-                        help="also run these with parallel_tool_calls: false ('' to skip)")
+    parser.add_argument(
+        "--single-call-categories",
+        default="simple_python,multiple",
+        help="also run these with parallel_tool_calls: false ('' to skip)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=4, help="concurrent requests")
     parser.add_argument("--workdir", type=Path, required=True, help="BFCL_PROJECT_ROOT (results, scores)")
@@ -189,24 +226,37 @@ def main() -> None:
 
     ids = {c: [e["id"] for e in load_dataset_entry(c)] for c in dict.fromkeys(categories + single)}
     if args.limit:
-        ids = {c: v[:args.limit] for c, v in ids.items()}
+        ids = {c: v[: args.limit] for c, v in ids.items()}
 
     import importlib.metadata as md
+
     report = {
-        "bfcl_eval_version": md.version("bfcl-eval"), "model": model_id, "url": url,
+        "bfcl_eval_version": md.version("bfcl-eval"),
+        "model": model_id,
+        "url": url,
         "handler": "bfcl's OpenAICompletionsHandler (Chat Completions, FC) with tool_choice='required' "
-                   f"and max_tokens={args.max_tokens} added",
-        "temperature": 0, "limit_per_category": args.limit, "num_threads": args.num_threads,
+        f"and max_tokens={args.max_tokens} added",
+        "temperature": 0,
+        "limit_per_category": args.limit,
+        "num_threads": args.num_threads,
         "runs": {},
     }
     report["runs"]["parallel_tool_calls unset (true)"] = run(MODEL_KEY, categories, ids, args)
     if single:
         report["runs"]["parallel_tool_calls false"] = run(SINGLE_KEY, single, ids, args)
-    summary = {name: {c: {"accuracy": r["accuracy"].get(c, {}).get("accuracy"),
-                          "calls": r["calls"][c]["calls"], "valid": r["calls"][c]["valid_calls"],
-                          "without_call": r["calls"][c]["answers_without_call"]}
-                      for c in r["calls"]} | {"valid_share": r["valid_share"]}
-               for name, r in report["runs"].items()}
+    summary = {
+        name: {
+            c: {
+                "accuracy": r["accuracy"].get(c, {}).get("accuracy"),
+                "calls": r["calls"][c]["calls"],
+                "valid": r["calls"][c]["valid_calls"],
+                "without_call": r["calls"][c]["answers_without_call"],
+            }
+            for c in r["calls"]
+        }
+        | {"valid_share": r["valid_share"]}
+        for name, r in report["runs"].items()
+    }
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -31,31 +31,73 @@ CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple")
 
 
 def _function(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
-    return {"name": name, "description": description,
-            "parameters": {"type": "object", "properties": properties,
-                           "required": list(properties) if required is None else required}}
+    return {
+        "name": name,
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": properties,
+            "required": list(properties) if required is None else required,
+        },
+    }
 
 
 FUNCTIONS = {
-    "get_weather": _function("get_weather", "Current weather in a city.", {
-        "city": {"type": "string", "description": "City name"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ["city"]),
-    "calculate_area": _function("calculate_area", "Area of a rectangle.", {
-        "width": {"type": "number", "description": "Width in meters"},
-        "height": {"type": "number", "description": "Height in meters"}}),
-    "convert_currency": _function("convert_currency", "Convert an amount between currencies.", {
-        "amount": {"type": "number"}, "source": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]},
-        "target": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]}}),
-    "book_table": _function("book_table", "Book a restaurant table.", {
-        "restaurant": {"type": "string"}, "people": {"type": "integer", "minimum": 1, "maximum": 20},
-        "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}}),
-    "search_books": _function("search_books", "Search a library catalogue.", {
-        "query": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1, "maximum": 50},
-        "available_only": {"type": "boolean"}}, ["query"]),
-    "set_reminder": _function("set_reminder", "Set a reminder.", {
-        "text": {"type": "string"}, "minutes_from_now": {"type": "integer", "minimum": 1},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["work", "home", "health"]},
-                 "maxItems": 3}}, ["text", "minutes_from_now"]),
+    "get_weather": _function(
+        "get_weather",
+        "Current weather in a city.",
+        {
+            "city": {"type": "string", "description": "City name"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        ["city"],
+    ),
+    "calculate_area": _function(
+        "calculate_area",
+        "Area of a rectangle.",
+        {
+            "width": {"type": "number", "description": "Width in meters"},
+            "height": {"type": "number", "description": "Height in meters"},
+        },
+    ),
+    "convert_currency": _function(
+        "convert_currency",
+        "Convert an amount between currencies.",
+        {
+            "amount": {"type": "number"},
+            "source": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]},
+            "target": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]},
+        },
+    ),
+    "book_table": _function(
+        "book_table",
+        "Book a restaurant table.",
+        {
+            "restaurant": {"type": "string"},
+            "people": {"type": "integer", "minimum": 1, "maximum": 20},
+            "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+        },
+    ),
+    "search_books": _function(
+        "search_books",
+        "Search a library catalogue.",
+        {
+            "query": {"type": "string"},
+            "max_results": {"type": "integer", "minimum": 1, "maximum": 50},
+            "available_only": {"type": "boolean"},
+        },
+        ["query"],
+    ),
+    "set_reminder": _function(
+        "set_reminder",
+        "Set a reminder.",
+        {
+            "text": {"type": "string"},
+            "minutes_from_now": {"type": "integer", "minimum": 1},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["work", "home", "health"]}, "maxItems": 3},
+        },
+        ["text", "minutes_from_now"],
+    ),
 }
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 QUESTIONS = {  # function -> question templates, formatted with case values
@@ -80,8 +122,11 @@ class Case:
 
 def strict(function: dict) -> dict:
     """OpenAI's strict form of a function: closed objects, every property required."""
-    parameters = {**function["parameters"], "additionalProperties": False,
-                  "required": list(function["parameters"]["properties"])}
+    parameters = {
+        **function["parameters"],
+        "additionalProperties": False,
+        "required": list(function["parameters"]["properties"]),
+    }
     return {**function, "strict": True, "parameters": parameters}
 
 
@@ -92,8 +137,13 @@ def build_cases(per_category: int = 12, strict_schemas: bool = False) -> list[Ca
     cases = []
     for i in range(per_category):
         name = names[i % len(names)]
-        values = {"city": CITIES[i % len(CITIES)], "a": 3 + i, "b": 4 + 2 * i, "n": 2 + i % 5,
-                  "topic": TOPICS[i % len(TOPICS)]}
+        values = {
+            "city": CITIES[i % len(CITIES)],
+            "a": 3 + i,
+            "b": 4 + 2 * i,
+            "n": 2 + i % 5,
+            "topic": TOPICS[i % len(TOPICS)],
+        }
         question = QUESTIONS[name].format(**values)
         others = [names[(i + k) % len(names)] for k in (1, 3)]
         cases.append(Case("simple", question, [functions[name]], name))
@@ -118,13 +168,17 @@ class Tally:
     failures: list = field(default_factory=list)
 
     def summary(self) -> dict:
-        rate = lambda n, d: round(n / d, 4) if d else None  # noqa: E731
-        return {"requests": self.requests, "calls": self.calls, "valid_calls": self.valid_calls,
-                "valid_call_rate": rate(self.valid_calls, self.calls),
-                "cut_without_call": self.cut_without_call,
-                "expected_function_rate": rate(self.expected_function, self.requests),
-                "expected_call_count_rate": rate(self.expected_count, self.requests),
-                "failures": self.failures[:5]}
+        rate = lambda n, d: round(n / d, 4) if d else None
+        return {
+            "requests": self.requests,
+            "calls": self.calls,
+            "valid_calls": self.valid_calls,
+            "valid_call_rate": rate(self.valid_calls, self.calls),
+            "cut_without_call": self.cut_without_call,
+            "expected_function_rate": rate(self.expected_function, self.requests),
+            "expected_call_count_rate": rate(self.expected_count, self.requests),
+            "failures": self.failures[:5],
+        }
 
 
 def check_calls(case: Case, tool_calls: list, tally: Tally) -> None:
@@ -141,32 +195,51 @@ def check_calls(case: Case, tool_calls: list, tally: Tally) -> None:
             jsonschema.validate(arguments, schemas[call.function.name])
             tally.valid_calls += 1
         except (ValueError, jsonschema.ValidationError) as err:
-            tally.failures.append({"question": case.question, "call": [call.function.name, call.function.arguments],
-                                   "error": str(err)[:200]})
+            tally.failures.append(
+                {
+                    "question": case.question,
+                    "call": [call.function.name, call.function.arguments],
+                    "error": str(err)[:200],
+                }
+            )
     if tool_calls and tool_calls[0].function.name == case.expected:
         tally.expected_function += 1
     if len(tool_calls) == case.expected_calls:
         tally.expected_count += 1
 
 
-async def run(url: str, model: str | None, cases: list[Case], *, max_tokens: int = 160, concurrency: int = 8,
-              temperature: float = 0.0, api_key: str = "unused") -> dict:
+async def run(
+    url: str,
+    model: str | None,
+    cases: list[Case],
+    *,
+    max_tokens: int = 160,
+    concurrency: int = 8,
+    temperature: float = 0.0,
+    api_key: str = "unused",
+) -> dict:
     import openai
 
     tallies = {category: Tally() for category in CATEGORIES}
     limit = asyncio.Semaphore(concurrency)
-    async with openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0,
-                                  timeout=600) as client:
+    async with openai.AsyncOpenAI(
+        base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=600
+    ) as client:
         if model is None:
             model = (await client.models.list()).data[0].id
 
         async def one(index: int, case: Case) -> None:
             async with limit:
                 response = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": case.question}],
-                    tools=[{"type": "function", "function": f} for f in case.functions], tool_choice="required",
-                    parallel_tool_calls=case.category.startswith("parallel"), max_tokens=max_tokens,
-                    temperature=temperature, seed=index)
+                    model=model,
+                    messages=[{"role": "user", "content": case.question}],
+                    tools=[{"type": "function", "function": f} for f in case.functions],
+                    tool_choice="required",
+                    parallel_tool_calls=case.category.startswith("parallel"),
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=index,
+                )
             choice = response.choices[0]
             tally = tallies[case.category]
             calls = choice.message.tool_calls or []
@@ -181,10 +254,14 @@ async def run(url: str, model: str | None, cases: list[Case], *, max_tokens: int
         for name in ("requests", "calls", "valid_calls", "cut_without_call", "expected_function", "expected_count"):
             setattr(overall, name, getattr(overall, name) + getattr(tally, name))
         overall.failures += tally.failures
-    return {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-            "seconds": round(time.perf_counter() - started, 2),
-            "categories": {c: t.summary() for c, t in tallies.items() if t.requests},
-            "overall": overall.summary()}
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seconds": round(time.perf_counter() - started, 2),
+        "categories": {c: t.summary() for c, t in tallies.items() if t.requests},
+        "overall": overall.summary(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="functions in OpenAI's strict form")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.url, args.model, build_cases(args.per_category, args.strict),
-                             max_tokens=args.max_tokens, concurrency=args.concurrency))
+    report = asyncio.run(
+        run(
+            args.url,
+            args.model,
+            build_cases(args.per_category, args.strict),
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+        )
+    )
     report["strict"] = args.strict
     text = json.dumps(report, indent=2)
     print(text)

@@ -34,10 +34,12 @@ def compile_seconds(model, tokens: int, scan: bool) -> float:
     from runtime.steps.executables import StepExecutables
 
     caches = model.init_caches(64, 16, 8)
-    ex = StepExecutables(model, caches, KernelOptions(), token_buckets=(tokens,), seq_buckets=(8,),
-                         max_num_seqs=8, max_blocks_per_seq=16)
-    fn = jax.jit(lambda p, c, b: forward(p, c, b, cfg=model.cfg, opts=KernelOptions(), scan_layers=scan),
-                 donate_argnums=1)
+    ex = StepExecutables(
+        model, caches, KernelOptions(), token_buckets=(tokens,), seq_buckets=(8,), max_num_seqs=8, max_blocks_per_seq=16
+    )
+    fn = jax.jit(
+        lambda p, c, b: forward(p, c, b, cfg=model.cfg, opts=KernelOptions(), scan_layers=scan), donate_argnums=1
+    )
     t0 = time.perf_counter()
     fn.trace(jax.tree.map(_spec, model.params), jax.tree.map(_spec, caches), ex._batch_spec(tokens)).lower().compile()
     return time.perf_counter() - t0
@@ -55,12 +57,18 @@ def main(argv=None) -> None:
         for depth in args.depths:
             path = write_random_checkpoint(args.family, Path(tmp) / f"d{depth}", **_layer_types(args.family, depth))
             model = load_model(path)
-            row = {"family": args.family, "layers": depth, "tokens": args.tokens,
-                   "scan_s": compile_seconds(model, args.tokens, True),
-                   "unrolled_s": compile_seconds(model, args.tokens, False)}
+            row = {
+                "family": args.family,
+                "layers": depth,
+                "tokens": args.tokens,
+                "scan_s": compile_seconds(model, args.tokens, True),
+                "unrolled_s": compile_seconds(model, args.tokens, False),
+            }
             rows.append(row)
-            print(f"{args.family:10s} layers={depth:3d}  scan {row['scan_s']:6.2f}s   unrolled {row['unrolled_s']:6.2f}s",
-                  flush=True)
+            print(
+                f"{args.family:10s} layers={depth:3d}  scan {row['scan_s']:6.2f}s   unrolled {row['unrolled_s']:6.2f}s",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -35,7 +35,6 @@ from benchmarks import write_json
 VARIANTS = (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "scan"))
 
 
-
 def _time(fn, *args, reps: int = 10) -> float:
     """Best of 3 batches of `reps` calls, ms per call (`fn` may return a pytree)."""
     import jax
@@ -70,7 +69,9 @@ def ops() -> dict:
         def run(x, up, down):
             def body(h, w):
                 return dot(dot(h, w[0]), w[1]) * 0.001, None
+
             return lax.scan(body, x, (up, down))[0]
+
         return jax.jit(run)
 
     def mlp_unrolled(dot):
@@ -78,6 +79,7 @@ def ops() -> dict:
             for w_up, w_down in zip(ups, downs):
                 x = dot(dot(x, w_up), w_down) * 0.001
             return x
+
         return jax.jit(run)
 
     out = {}
@@ -92,8 +94,11 @@ def ops() -> dict:
             out[f"{name} 30-layer MLP, unrolled, {label}"] = _time(mlp_unrolled(dot), x, ups, downs)
         embed = jnp.ones((V, H), dtype)
         out[f"{name} tied head, embed.T"] = _time(jax.jit(lambda h, e: f32_acc(h, e.T)), x, embed)
-        out[f"{name} tied head, contracted in place"] = _time(jax.jit(
-            lambda h, e: lax.dot_general(h, e, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)), x, embed)
+        out[f"{name} tied head, contracted in place"] = _time(
+            jax.jit(lambda h, e: lax.dot_general(h, e, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)),
+            x,
+            embed,
+        )
     return out
 
 
@@ -133,12 +138,15 @@ def breakdown(checkpoint: str, rows: int = 16) -> dict:
 
     def attention(q, kv, kv_lens, tables, cu):
         for _ in range(L):
-            q = ragged_paged_attention_chunked(q, kv, kv_lens, tables, cu, jnp.int32(rows), sm_scale=D ** -0.5)
+            q = ragged_paged_attention_chunked(q, kv, kv_lens, tables, cu, jnp.int32(rows), sm_scale=D**-0.5)
         return q
 
-    return {"layers": L, "rows": rows,
-            "matmuls_ms": _time(jax.jit(matmuls), jnp.ones((rows, H), bf), layers, jnp.ones((V, H), bf)),
-            "attention_ms": _time(jax.jit(attention), jnp.ones((rows, Hq, D), bf), kv, kv_lens, tables, cu)}
+    return {
+        "layers": L,
+        "rows": rows,
+        "matmuls_ms": _time(jax.jit(matmuls), jnp.ones((rows, H), bf), layers, jnp.ones((V, H), bf)),
+        "attention_ms": _time(jax.jit(attention), jnp.ones((rows, Hq, D), bf), kv, kv_lens, tables, cu),
+    }
 
 
 def decode_step_ms(checkpoint: str, dtype: str, layer_loop: str, num_seqs: int = 16, steps: int = 30) -> float:
@@ -147,14 +155,24 @@ def decode_step_ms(checkpoint: str, dtype: str, layer_loop: str, num_seqs: int =
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_seqs=num_seqs, max_num_batched_tokens=512,
-                                    max_model_len=2048, dtype=dtype, layer_loop=layer_loop, load_tokenizer=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=512,
+            max_model_len=2048,
+            dtype=dtype,
+            layer_loop=layer_loop,
+            load_tokenizer=False,
+        )
+    )
     vocab = engine.model.cfg.vocab_size
     rng = np.random.default_rng(0)
     for i in range(num_seqs):
         prompt = rng.integers(3, vocab, 128).tolist()
-        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=steps + 12, temperature=0.0,
-                                                                          ignore_eos=True)))
+        engine.add_request(
+            EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True))
+        )
     for _ in range(8):  # prefill chunks and the first decode steps
         engine.step()
     times = []
@@ -188,18 +206,30 @@ def main(argv: list[str] | None = None) -> int:
     for checkpoint in args.checkpoints:
         runs: dict[str, list[float]] = {f"{d}/{loop}": [] for d, loop in VARIANTS}
         for r in range(args.repeats):
-            for dtype, loop in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
-                out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_dtype", "--one", checkpoint, dtype, loop],
-                                     capture_output=True, text=True, check=True)
+            for dtype, loop in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.cpu_dtype", "--one", checkpoint, dtype, loop],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 ms = json.loads(out.stdout.strip().splitlines()[-1])["ms"]
                 runs[f"{dtype}/{loop}"].append(ms)
-                print(f"{Path(checkpoint).name} {dtype} layers {loop}: {ms:.1f} ms/step (load {os.getloadavg()[0]:.1f})",
-                      flush=True)
+                print(
+                    f"{Path(checkpoint).name} {dtype} layers {loop}: {ms:.1f} ms/step (load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
         medians = {k: float(np.median(v)) for k, v in runs.items()}
-        report[Path(checkpoint).name] = {"runs_ms": runs, "median_ms": medians,
-                                         "bf16_over_f32_speed": medians["float32/auto"] / medians["bfloat16/auto"]}
-        print(f"{Path(checkpoint).name}: float32 {medians['float32/auto']:.1f}, bf16 {medians['bfloat16/auto']:.1f} "
-              f"(plan), bf16 scanned {medians['bfloat16/scan']:.1f} ms/step", flush=True)
+        report[Path(checkpoint).name] = {
+            "runs_ms": runs,
+            "median_ms": medians,
+            "bf16_over_f32_speed": medians["float32/auto"] / medians["bfloat16/auto"],
+        }
+        print(
+            f"{Path(checkpoint).name}: float32 {medians['float32/auto']:.1f}, bf16 {medians['bfloat16/auto']:.1f} "
+            f"(plan), bf16 scanned {medians['bfloat16/scan']:.1f} ms/step",
+            flush=True,
+        )
     write_json(args.json, report)
     return 0
 

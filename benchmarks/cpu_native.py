@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import write_json
-
 from benchmarks.cpu_dtype import _time
 
 
@@ -46,9 +45,9 @@ def _attention_stack_ms(q, pools, kv_lens, tables, cu, num_seqs: int, D: int) ->
     def stack(impl):
         def run(q, pools):
             for kv in pools:
-                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(num_seqs), sm_scale=D ** -0.5,
-                                           impl=impl)
+                q = ragged_paged_attention(q, kv, kv_lens, tables, cu, jnp.int32(num_seqs), sm_scale=D**-0.5, impl=impl)
             return q
+
         return jax.jit(run)
 
     return {impl: _time(stack(impl), q, pools) for impl in ("chunked", "native")}
@@ -62,8 +61,9 @@ def attention(layers: int = 30, rows: int = 16, pages: int = 4096) -> dict:
 
     Hq, Hkv, D, ps, MB = 9, 3, 64, 16, 128
     rng = np.random.default_rng(0)
-    bits = lambda: jax.lax.bitcast_convert_type(  # noqa: E731
-        jnp.asarray(rng.standard_normal((pages, Hkv, ps, D)), jnp.bfloat16), jnp.uint16)
+    bits = lambda: jax.lax.bitcast_convert_type(
+        jnp.asarray(rng.standard_normal((pages, Hkv, ps, D)), jnp.bfloat16), jnp.uint16
+    )
     pools = [KVPages(k=bits(), v=bits(), view="bfloat16") for _ in range(layers)]
     tables = jnp.asarray(1 + rng.permutation(pages - 1)[: rows * MB].reshape(rows, MB).astype(np.int32))
     kv_lens = jnp.asarray(rng.integers(150, 260, rows).astype(np.int32))
@@ -82,7 +82,7 @@ def gdn(layers: int = 6, rows: int = 16) -> dict:
 
     H, Hk, K, V, slots = 8, 4, 128, 128, 2 * rows + 1
     rng = np.random.default_rng(1)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
     q = f(rows, Hk, K) / np.sqrt(K)
     k = f(rows, Hk, K) / np.sqrt(K)
     v, g, beta = f(rows, H, V), -jnp.abs(f(rows, H)) * 0.1, jax.nn.sigmoid(f(rows, H))
@@ -99,6 +99,7 @@ def gdn(layers: int = 6, rows: int = 16) -> dict:
                 outs.append(o)
                 new.append(pool)
             return outs, new
+
         return jax.jit(run, donate_argnums=0)
 
     out = {}
@@ -127,8 +128,10 @@ def projections(layers: int = 30) -> dict:
     H, I, Hq, Hkv, D = 576, 1536, 9, 3, 64
     rng = np.random.default_rng(2)
     shapes = dict(q=(H, Hq * D), k=(H, Hkv * D), v=(H, Hkv * D), o=(Hq * D, H), g=(H, I), u=(H, I), d=(I, H))
-    in_out = [{n: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.02, jnp.bfloat16)
-               for n, s in shapes.items()} for _ in range(layers)]
+    in_out = [
+        {n: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.02, jnp.bfloat16) for n, s in shapes.items()}
+        for _ in range(layers)
+    ]
     transposed = [{n: out_in(w) for n, w in layer.items()} for layer in in_out]
     native = [{n: packed(w) for n, w in layer.items()} for layer in in_out]
 
@@ -145,7 +148,11 @@ def projections(layers: int = 30) -> dict:
     for rows in (4, 16, 64, 512):
         x = jnp.ones((rows, H), jnp.bfloat16)
         ms = {"in_out": _time(fn, x, in_out), "out_in": _time(fn, x, transposed), "packed": _time(fn, x, native)}
-        out[rows] = {"ms": ms, "speedup_out_in": ms["in_out"] / ms["out_in"], "speedup_packed": ms["out_in"] / ms["packed"]}
+        out[rows] = {
+            "ms": ms,
+            "speedup_out_in": ms["in_out"] / ms["out_in"],
+            "speedup_packed": ms["out_in"] / ms["packed"],
+        }
     return {"layers": layers, "rows": out}
 
 
@@ -159,8 +166,9 @@ def prefill_attention(layers: int = 30, seqs: int = 4, length: int = 128) -> dic
 
     Hq, Hkv, D, ps, pages = 9, 3, 64, 16, 1024
     rng = np.random.default_rng(3)
-    bits = lambda: jax.lax.bitcast_convert_type(  # noqa: E731
-        jnp.asarray(rng.standard_normal((pages, Hkv, ps, D)), jnp.bfloat16), jnp.uint16)
+    bits = lambda: jax.lax.bitcast_convert_type(
+        jnp.asarray(rng.standard_normal((pages, Hkv, ps, D)), jnp.bfloat16), jnp.uint16
+    )
     pools = [KVPages(k=bits(), v=bits(), view="bfloat16") for _ in range(layers)]
     mb = length // ps
     tables = jnp.asarray(1 + rng.permutation(pages - 1)[: seqs * mb].reshape(seqs, mb).astype(np.int32))
@@ -177,10 +185,15 @@ def engine(checkpoints: list[str], repeats: int) -> dict:
     for checkpoint in checkpoints:
         runs: dict[str, list[float]] = {"native": [], "jnp": []}
         for r in range(repeats):
-            for label in (("native", "jnp") if r % 2 == 0 else ("jnp", "native")):
+            for label in ("native", "jnp") if r % 2 == 0 else ("jnp", "native"):
                 env = {**os.environ, "JAXSERVE_NATIVE": "1" if label == "native" else "0"}
-                out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_dtype", "--one", checkpoint, "bfloat16",
-                                      "auto"], capture_output=True, text=True, check=True, env=env)
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.cpu_dtype", "--one", checkpoint, "bfloat16", "auto"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env=env,
+                )
                 runs[label].append(json.loads(out.stdout.strip().splitlines()[-1])["ms"])
                 print(f"{Path(checkpoint).name} {label}: {runs[label][-1]:.1f} ms/step", flush=True)
         med = {k: float(np.median(v)) for k, v in runs.items()}
@@ -200,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native kernels unavailable: {cpu_native._state.get('error')}", file=sys.stderr)
         return 1
     report: dict = {"cpu_count": os.cpu_count()}
-    for name, part in (("decode_attention", attention), ("prefill_attention", prefill_attention),
-                       ("gdn_recurrent", gdn), ("projections", projections)):
+    for name, part in (
+        ("decode_attention", attention),
+        ("prefill_attention", prefill_attention),
+        ("gdn_recurrent", gdn),
+        ("projections", projections),
+    ):
         report[name] = part()
         print(name, json.dumps(report[name]), flush=True)
     if args.engine:

@@ -56,12 +56,18 @@ RUN = textwrap.dedent("""
 
 def run_mesh(path: str, data: int, num_requests: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", RUN, path, str(data), str(num_requests)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, path, str(data), str(num_requests)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main(argv=None) -> int:
@@ -73,8 +79,11 @@ def main(argv=None) -> int:
     from models.random_checkpoint import write_random_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(write_random_checkpoint("llama", Path(tmp) / "llama", num_attention_heads=8,
-                                           num_key_value_heads=8, vocab_size=1032))
+        path = str(
+            write_random_checkpoint(
+                "llama", Path(tmp) / "llama", num_attention_heads=8, num_key_value_heads=8, vocab_size=1032
+            )
+        )
         rows = [run_mesh(path, int(d), args.requests) for d in args.data.split(",")]
     base = rows[0]
     for row in rows:

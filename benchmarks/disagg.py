@@ -54,15 +54,22 @@ def _post(url: str, body: dict) -> dict:
 
 
 def bytes_per_request(prefill_url: str, prompt: list[int]) -> dict:
-    params = _post(prefill_url + "/v1/completions", {"prompt": prompt, "max_tokens": 1,
-                                                     "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+    params = _post(
+        prefill_url + "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )["kv_transfer_params"]
     desc = params["descriptor"]
     wire = {"kv": 0, "state": 0}
     for name, shape, dtype in desc["arrays"]:
         wire["kv" if name.startswith("kv") else "state"] += int(np.prod(shape)) * np.dtype(dtype).itemsize
     kv_true = wire["kv"] * desc["num_tokens"] / (desc["num_pages"] * desc["page_size"]) if wire["kv"] else 0
-    return {"prompt_tokens": len(prompt), "kv_bytes": int(kv_true), "state_bytes": wire["state"],
-            "state_share": wire["state"] / max(1, kv_true + wire["state"]), "wire_bytes": wire["kv"] + wire["state"]}
+    return {
+        "prompt_tokens": len(prompt),
+        "kv_bytes": int(kv_true),
+        "state_bytes": wire["state"],
+        "state_share": wire["state"] / max(1, kv_true + wire["state"]),
+        "wire_bytes": wire["kv"] + wire["state"],
+    }
 
 
 async def _ttfts(url: str, model: str, prompts: list[list[int]]) -> list[float]:
@@ -95,11 +102,19 @@ def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str 
         pulled = after["jaxserve_kv_transfer_bytes_pulled"] - before["jaxserve_kv_transfer_bytes_pulled"]
         seconds = after["jaxserve_kv_transfer_seconds_transferred"] - before["jaxserve_kv_transfer_seconds_transferred"]
         sizes = [bytes_per_request(pd.prefill.url, [int(t) for t in rng.integers(3, 500, n)]) for n in (64, prompt_len)]
-    return {"family": family, "kv_cache_dtype": kv_cache_dtype, "prompt_len": prompt_len, "reps": reps,
-            "ttft_colocated_ms": 1e3 * statistics.median(direct), "ttft_pd_ms": 1e3 * statistics.median(via_proxy),
-            "added_ttft_ms": 1e3 * (statistics.median(via_proxy) - statistics.median(direct)),
-            "pull_bandwidth_MBps": pulled / max(seconds, 1e-9) / 1e6, "bytes_pulled": pulled,
-            "pull_seconds_mean": seconds / reps, "bytes_per_request": sizes}
+    return {
+        "family": family,
+        "kv_cache_dtype": kv_cache_dtype,
+        "prompt_len": prompt_len,
+        "reps": reps,
+        "ttft_colocated_ms": 1e3 * statistics.median(direct),
+        "ttft_pd_ms": 1e3 * statistics.median(via_proxy),
+        "added_ttft_ms": 1e3 * (statistics.median(via_proxy) - statistics.median(direct)),
+        "pull_bandwidth_MBps": pulled / max(seconds, 1e-9) / 1e6,
+        "bytes_pulled": pulled,
+        "pull_seconds_mean": seconds / reps,
+        "bytes_per_request": sizes,
+    }
 
 
 def worktree(ref: str) -> Path:
@@ -107,13 +122,15 @@ def worktree(ref: str) -> Path:
     sha = subprocess.run(["git", "rev-parse", ref], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
     path = Path("/tmp") / f"jaxserve-{sha[:12]}"
     if not (path / "server").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True, capture_output=True
+        )
     return path
 
 
-def compare_trees(ref: str, families: list[str], prompt_len: int, reps: int, kv_cache_dtype: str,
-                  rounds: int) -> list[dict]:
+def compare_trees(
+    ref: str, families: list[str], prompt_len: int, reps: int, kv_cache_dtype: str, rounds: int
+) -> list[dict]:
     """TTFT through P/D of revision `ref` and of this tree, alternated `rounds` times per family."""
     trees = {"before": worktree(ref), "after": ROOT}
     rows = []
@@ -123,14 +140,27 @@ def compare_trees(ref: str, families: list[str], prompt_len: int, reps: int, kv_
             for label, root in trees.items():
                 row = measure_family(family, prompt_len, reps, kv_cache_dtype, root=root)
                 runs[label].append(row)
-                print(json.dumps({"tree": label, **{k: v for k, v in row.items() if k != "bytes_per_request"}}),
-                      flush=True)
-        med = {label: {key: statistics.median(r[key] for r in rs) for key in ("ttft_colocated_ms", "ttft_pd_ms",
-                                                                               "added_ttft_ms")}
-               for label, rs in runs.items()}
-        rows.append({"family": family, "ref": ref, "rounds": rounds, "reps": reps, **{
-            f"{label}_{key}": value for label, m in med.items() for key, value in m.items()},
-            "ttft_pd_after_over_before": med["after"]["ttft_pd_ms"] / med["before"]["ttft_pd_ms"]})
+                print(
+                    json.dumps({"tree": label, **{k: v for k, v in row.items() if k != "bytes_per_request"}}),
+                    flush=True,
+                )
+        med = {
+            label: {
+                key: statistics.median(r[key] for r in rs)
+                for key in ("ttft_colocated_ms", "ttft_pd_ms", "added_ttft_ms")
+            }
+            for label, rs in runs.items()
+        }
+        rows.append(
+            {
+                "family": family,
+                "ref": ref,
+                "rounds": rounds,
+                "reps": reps,
+                **{f"{label}_{key}": value for label, m in med.items() for key, value in m.items()},
+                "ttft_pd_after_over_before": med["after"]["ttft_pd_ms"] / med["before"]["ttft_pd_ms"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -161,8 +191,9 @@ AOT = ["--set", "compile.aot=true"]  # every bucket compiled before "ready": no 
 def compare_colocated(family: str, rate: float, requests: list[BenchRequest]) -> dict:
     path = checkpoint(family)
     warm = requests[:3]
-    colocated = Process("colocated", ["serve", str(path), *BASE_FLAGS, *AOT], launcher=["taskset", "-c", "0,1"],
-                        timeout_s=900)
+    colocated = Process(
+        "colocated", ["serve", str(path), *BASE_FLAGS, *AOT], launcher=["taskset", "-c", "0,1"], timeout_s=900
+    )
     try:
         _run_mixed(colocated.url, warm, float("inf"))
         both = _run_mixed(colocated.url, requests, rate)
@@ -171,14 +202,25 @@ def compare_colocated(family: str, rate: float, requests: list[BenchRequest]) ->
     pd = PDCluster.__new__(PDCluster)
     pd.processes = []
     try:
-        pd.prefill = Process("prefill", ["serve", str(path), "--role", "prefill", *BASE_FLAGS, *AOT],
-                             launcher=["taskset", "-c", "0"], timeout_s=900)
+        pd.prefill = Process(
+            "prefill",
+            ["serve", str(path), "--role", "prefill", *BASE_FLAGS, *AOT],
+            launcher=["taskset", "-c", "0"],
+            timeout_s=900,
+        )
         pd.processes.append(pd.prefill)
-        pd.decode = Process("decode", ["serve", str(path), "--role", "decode", *BASE_FLAGS, *AOT],
-                            launcher=["taskset", "-c", "1"], timeout_s=900)
+        pd.decode = Process(
+            "decode",
+            ["serve", str(path), "--role", "decode", *BASE_FLAGS, *AOT],
+            launcher=["taskset", "-c", "1"],
+            timeout_s=900,
+        )
         pd.processes.append(pd.decode)
-        pd.proxy = Process("proxy", ["proxy", "--prefill", pd.prefill.url, "--decode", pd.decode.url, "--port", "0"],
-                           launcher=["taskset", "-c", "1"])
+        pd.proxy = Process(
+            "proxy",
+            ["proxy", "--prefill", pd.prefill.url, "--decode", pd.decode.url, "--port", "0"],
+            launcher=["taskset", "-c", "1"],
+        )
         pd.processes.append(pd.proxy)
         _run_mixed(pd.proxy.url, warm, float("inf"))
         split = _run_mixed(pd.proxy.url, requests, rate)
@@ -201,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = {"families": [], "mixed": None}
     if args.before:
-        report["before_after"] = compare_trees(args.before, args.families, args.prompt_len, args.reps,
-                                               args.kv_cache_dtype, args.rounds)
+        report["before_after"] = compare_trees(
+            args.before, args.families, args.prompt_len, args.reps, args.kv_cache_dtype, args.rounds
+        )
         args.families, args.mixed_family = [], ""
     for family in args.families:
         t0 = time.perf_counter()

@@ -42,8 +42,11 @@ def _variants(plan, config):
     yield "plan", plan, {}
     yield "layer_loop=scan", dataclasses.replace(plan, layer_loop="scan"), {}
     yield "fuse_greedy=off", dataclasses.replace(plan, fuse_greedy=False), {}
-    yield "min token bucket 16", dataclasses.replace(
-        plan, token_buckets=pow2_buckets(limit, minimum=16, fine_until=seqs)), {}
+    yield (
+        "min token bucket 16",
+        dataclasses.replace(plan, token_buckets=pow2_buckets(limit, minimum=16, fine_until=seqs)),
+        {},
+    )
     yield "no 1.5x buckets", dataclasses.replace(plan, token_buckets=pow2_buckets(limit, minimum=4)), {}
     yield "attention=reference", dataclasses.replace(plan, attention_path="reference"), {}
     yield "bf16 KV, bit storage", plan, {"kv_cache_dtype": "bfloat16"}
@@ -77,8 +80,9 @@ def _build_engines(path: Path, base, plan, requests, skip: tuple[str, ...], only
 
     engines = {}
     for name, variant, overrides in _variants(plan, base):
-        if any(name.startswith(prefix) for prefix in skip) or (only and name != "plan"
-                                                               and not any(name.startswith(p) for p in only)):
+        if any(name.startswith(prefix) for prefix in skip) or (
+            only and name != "plan" and not any(name.startswith(p) for p in only)
+        ):
             continue
         config = dataclasses.replace(base, **overrides)
         model = load_model(path, dtype=config.dtype)  # fresh: an unrolled Model stays unrolled
@@ -96,12 +100,25 @@ def measure_checkpoint(path: Path, args) -> dict:
     from runtime.engine_config import EngineConfig
     from runtime.steps.execution_plan import plan_execution
 
-    base = EngineConfig(model=str(path), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, num_pages=args.num_pages, seed=0, load_tokenizer=False,
-                        compile_cache_dir=args.compile_cache_dir, **({"dtype": args.dtype} if args.dtype else {}))
+    base = EngineConfig(
+        model=str(path),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_pages=args.num_pages,
+        seed=0,
+        load_tokenizer=False,
+        compile_cache_dir=args.compile_cache_dir,
+        **({"dtype": args.dtype} if args.dtype else {}),
+    )
     cfg = load_model(path, dtype=base.dtype).cfg
-    requests = make_workload(args.workload, vocab_size=cfg.vocab_size, num_requests=args.num_requests,
-                             scale=args.scale, max_model_len=args.max_model_len)
+    requests = make_workload(
+        args.workload,
+        vocab_size=cfg.vocab_size,
+        num_requests=args.num_requests,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+    )
     engines = _build_engines(path, base, plan_execution(base, cfg, "cpu"), requests, args.skip, args.only)
     runs = {name: [] for name in engines}
     for _ in range(args.repeats):  # interleaved: the machine's load drifts over all variants alike
@@ -109,16 +126,32 @@ def measure_checkpoint(path: Path, args) -> dict:
             runs[name].append(_run(engine, requests))
     rows = []
     for name, (engine, start_s) in engines.items():
-        row = {"variant": name, "tok_s": statistics.median(runs[name]), "runs": runs[name], "start_s": start_s,
-               "executables": len(engine.executables.compile_seconds)}
+        row = {
+            "variant": name,
+            "tok_s": statistics.median(runs[name]),
+            "runs": runs[name],
+            "start_s": start_s,
+            "executables": len(engine.executables.compile_seconds),
+        }
         rows.append(row)
-        print(f"{path.name:16s} {name:24s} {row['tok_s']:8.1f} tok/s  runs {[round(r) for r in runs[name]]}  "
-              f"{row['executables']} executables, start {start_s:.1f} s", flush=True)
-    gains = {name: _paired_ratio(runs["plan"], runs[name]) for name in runs if name != "plan" and not name.startswith("bf16")}
+        print(
+            f"{path.name:16s} {name:24s} {row['tok_s']:8.1f} tok/s  runs {[round(r) for r in runs[name]]}  "
+            f"{row['executables']} executables, start {start_s:.1f} s",
+            flush=True,
+        )
+    gains = {
+        name: _paired_ratio(runs["plan"], runs[name]) for name in runs if name != "plan" and not name.startswith("bf16")
+    }
     if "bf16 KV, bit storage" in runs:
         gains["kv bit storage (bf16 KV)"] = _paired_ratio(runs["bf16 KV, bit storage"], runs["bf16 KV, float storage"])
-    return {"checkpoint": str(path), "layers": cfg.num_layers, "hybrid": cfg.is_hybrid, "workload": summarize(requests),
-            "rows": rows, "plan_over_off": gains}
+    return {
+        "checkpoint": str(path),
+        "layers": cfg.num_layers,
+        "hybrid": cfg.is_hybrid,
+        "workload": summarize(requests),
+        "rows": rows,
+        "plan_over_off": gains,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

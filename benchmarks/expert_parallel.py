@@ -27,8 +27,10 @@ import statistics
 import time
 from types import SimpleNamespace
 
-COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
-                        r"(?:-start)?\(")
+COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+    r"(?:-start)?\("
+)
 SHAPE = re.compile(r"(f32|bf16|f16|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 SMALL = dict(hidden=256, experts=64, top_k=10, intermediate=128, shared=128)
@@ -63,8 +65,9 @@ def _prod(dims: str) -> int:
     return n
 
 
-def analytic_wire_bytes(T: int, m: int, hidden: int, experts: int, top_k: int, intermediate: int, shared: int,
-                        itemsize: int = 2) -> dict[str, float]:
+def analytic_wire_bytes(
+    T: int, m: int, hidden: int, experts: int, top_k: int, intermediate: int, shared: int, itemsize: int = 2
+) -> dict[str, float]:
     """Per-device bytes on the wire for one MoE block of T tokens, by formula.
 
     Ideal TP (activations replicated): the routed experts' and the shared expert's row-parallel
@@ -93,16 +96,22 @@ def _params(shape: dict, key):
     import jax.numpy as jnp
 
     H, E, I, S = shape["hidden"], shape["experts"], shape["intermediate"], shape["shared"]
-    shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H),
-              "shared_gate_proj": (H, S), "shared_up_proj": (H, S), "shared_down_proj": (S, H),
-              "shared_expert_gate": (H, 1)}
+    shapes = {
+        "router": (H, E),
+        "experts_gate_up": (E, H, 2 * I),
+        "experts_down": (E, I, H),
+        "shared_gate_proj": (H, S),
+        "shared_up_proj": (H, S),
+        "shared_down_proj": (S, H),
+        "shared_expert_gate": (H, 1),
+    }
     keys = jax.random.split(key, len(shapes))
     return {name: jax.random.normal(k, s, jnp.float32) * s[-2] ** -0.5 for (name, s), k in zip(shapes.items(), keys)}
 
 
 def _place(params, mesh, expert: bool):
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
     from models.sharding import EXPERT, MOE_RULES, _spec_for
 
@@ -113,7 +122,8 @@ def _place(params, mesh, expert: bool):
 def run(devices: int, token_counts: list[int], repeats: int, shape: dict = SMALL) -> list[dict]:
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from models.ops import KernelOptions
     from models.sharding import TensorParallel
@@ -143,12 +153,20 @@ def run(devices: int, token_counts: list[int], repeats: int, shape: dict = SMALL
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
             comm = collectives(compiled.as_text(), devices)
-            rows.append({"tokens": T, "layout": layout, "devices": devices,
-                         "step_ms": 1e3 * statistics.median(times[2:]),
-                         "max_abs_err_vs_single": float(np.abs(out - reference).max()),
-                         "wire_bytes": sum(c["wire_bytes"] for c in comm.values()), "collectives": comm,
-                         "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                         "analytic_wire_bytes_fp32": analytic_wire_bytes(T, devices, itemsize=4, **shape)})
+            rows.append(
+                {
+                    "tokens": T,
+                    "layout": layout,
+                    "devices": devices,
+                    "step_ms": 1e3 * statistics.median(times[2:]),
+                    "max_abs_err_vs_single": float(np.abs(out - reference).max()),
+                    "wire_bytes": sum(c["wire_bytes"] for c in comm.values()),
+                    "collectives": comm,
+                    "flops": float(cost.get("flops", 0.0)),
+                    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                    "analytic_wire_bytes_fp32": analytic_wire_bytes(T, devices, itemsize=4, **shape),
+                }
+            )
     return rows
 
 
@@ -161,18 +179,26 @@ def jnp_float32():
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'T':>5} {'layout':<6}{'step ms':>9}{'wire KiB':>10}{'GFLOP':>9}{'MB acc.':>9}{'err':>10}  collectives"]
     for r in rows:
-        comm = ", ".join(f"{k} x{v['count']} {v['buffer_bytes'] / 1024:.0f} KiB" for k, v in sorted(r["collectives"].items()))
-        lines.append(f"{r['tokens']:>5} {r['layout']:<6}{r['step_ms']:>9.2f}{r['wire_bytes'] / 1024:>10.1f}"
-                     f"{r['flops'] / 1e9:>9.3f}{r['bytes_accessed'] / 1e6:>9.2f}{r['max_abs_err_vs_single']:>10.1e}  {comm}")
+        comm = ", ".join(
+            f"{k} x{v['count']} {v['buffer_bytes'] / 1024:.0f} KiB" for k, v in sorted(r["collectives"].items())
+        )
+        lines.append(
+            f"{r['tokens']:>5} {r['layout']:<6}{r['step_ms']:>9.2f}{r['wire_bytes'] / 1024:>10.1f}"
+            f"{r['flops'] / 1e9:>9.3f}{r['bytes_accessed'] / 1e6:>9.2f}{r['max_abs_err_vs_single']:>10.1e}  {comm}"
+        )
     return "\n".join(lines)
 
 
 def format_real(devices: int, token_counts: list[int]) -> str:
-    lines = [f"Qwen3-Next-80B MoE block, bf16, M={devices}: per-device wire MiB per layer (formula)",
-             f"{'T':>6}{'ideal TP':>10}{'TP today':>10}{'EP padded':>12}{'EP ragged':>12}"]
+    lines = [
+        f"Qwen3-Next-80B MoE block, bf16, M={devices}: per-device wire MiB per layer (formula)",
+        f"{'T':>6}{'ideal TP':>10}{'TP today':>10}{'EP padded':>12}{'EP ragged':>12}",
+    ]
     for T in token_counts:
         b = analytic_wire_bytes(T, devices, **QWEN3_NEXT_80B)
-        lines.append(f"{T:>6}{b['tp'] / 2**20:>10.2f}{b['tp_today'] / 2**20:>10.2f}{b['ep_padded'] / 2**20:>12.2f}{b['ep_ragged'] / 2**20:>12.2f}")
+        lines.append(
+            f"{T:>6}{b['tp'] / 2**20:>10.2f}{b['tp_today'] / 2**20:>10.2f}{b['ep_padded'] / 2**20:>12.2f}{b['ep_ragged'] / 2**20:>12.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -28,11 +28,19 @@ def generate(model, requests, kv_cache_dtype: str, args) -> list:
     from runtime.types import SamplingParams
 
     num_pages = args.max_num_seqs * -(-args.max_model_len // 16) + 1
-    llm = LLM(model, dtype="float32", kv_cache_dtype=kv_cache_dtype, num_pages=num_pages, page_size=16,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, seed=0, enable_prefix_caching=False)
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-              for r in requests]
+    llm = LLM(
+        model,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        num_pages=num_pages,
+        page_size=16,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=0,
+        enable_prefix_caching=False,
+    )
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2) for r in requests]
     outs = llm.generate([list(r.prompt_ids) for r in requests], params)
     return [o.outputs[0] for o in outs]
 
@@ -54,8 +62,9 @@ def compare(reference: list, other: list) -> dict:
             row["margin_other"] = margin(out.logprobs[first])
             # the reference's log-probability of the token the other run chose there
             chosen = dict(ref.logprobs[first].top).get(out.token_ids[first])
-            row["reference_logprob_gap_to_chosen"] = (ref.logprobs[first].logprob - chosen
-                                                      if chosen is not None else None)
+            row["reference_logprob_gap_to_chosen"] = (
+                ref.logprobs[first].logprob - chosen if chosen is not None else None
+            )
         rows.append(row)
     diverged = [r for r in rows if r["first_divergence"] is not None]
     all_margins = [margin(lp) for seq in reference for lp in seq.logprobs]
@@ -63,11 +72,13 @@ def compare(reference: list, other: list) -> dict:
         "sequences": len(rows),
         "diverged": len(diverged),
         "agreement": 1 - len(diverged) / max(len(rows), 1),
-        "first_divergence_fraction_median": (statistics.median(r["first_divergence"] / r["length"] for r in diverged)
-                                             if diverged else None),
+        "first_divergence_fraction_median": (
+            statistics.median(r["first_divergence"] / r["length"] for r in diverged) if diverged else None
+        ),
         "margin_at_divergence_max": max((r["margin_reference"] for r in diverged), default=None),
-        "margin_at_divergence_median": (statistics.median(r["margin_reference"] for r in diverged)
-                                        if diverged else None),
+        "margin_at_divergence_median": (
+            statistics.median(r["margin_reference"] for r in diverged) if diverged else None
+        ),
         "margin_all_positions_median": statistics.median(all_margins),
         "margin_all_positions_p10": statistics.quantiles(all_margins, n=10)[0],
     }
@@ -90,13 +101,23 @@ def main(argv=None):
     from models import load_model
 
     model = load_model(args.checkpoint, dtype="float32")
-    requests = make_workload(args.workload, vocab_size=model.cfg.vocab_size, seed=args.seed,
-                             num_requests=args.num_requests, scale=args.scale, max_model_len=args.max_model_len)
+    requests = make_workload(
+        args.workload,
+        vocab_size=model.cfg.vocab_size,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+    )
     runs = {kv: generate(model, requests, kv, args) for kv in KV_DTYPES}
-    report = {"checkpoint": args.checkpoint, "workload": args.workload, "scale": args.scale,
-              "float32_vs_bf16": compare(runs["auto"], runs["bfloat16"]),
-              "bf16_vs_fp8_e4m3": compare(runs["bfloat16"], runs["fp8_e4m3"]),
-              "float32_vs_fp8_e4m3": compare(runs["auto"], runs["fp8_e4m3"])}
+    report = {
+        "checkpoint": args.checkpoint,
+        "workload": args.workload,
+        "scale": args.scale,
+        "float32_vs_bf16": compare(runs["auto"], runs["bfloat16"]),
+        "bf16_vs_fp8_e4m3": compare(runs["bfloat16"], runs["fp8_e4m3"]),
+        "float32_vs_fp8_e4m3": compare(runs["auto"], runs["fp8_e4m3"]),
+    }
     for pair in ("float32_vs_bf16", "bf16_vs_fp8_e4m3", "float32_vs_fp8_e4m3"):
         print(pair, json.dumps(report[pair]["summary"], indent=None), flush=True)
     if args.json:

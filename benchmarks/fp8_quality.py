@@ -40,8 +40,18 @@ FP8_KINDS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 KV_DISTRIBUTIONS = ("normal", "outliers")
 
 
-def realistic_kv(rng, context, num_kv_heads, head_dim, distribution, *, outlier_channels=4,
-                 outlier_scale=10.0, v_outlier_fraction=1e-3, v_outlier_scale=10.0):
+def realistic_kv(
+    rng,
+    context,
+    num_kv_heads,
+    head_dim,
+    distribution,
+    *,
+    outlier_channels=4,
+    outlier_scale=10.0,
+    v_outlier_fraction=1e-3,
+    v_outlier_scale=10.0,
+):
     """K, V [context, Hkv, D] f32. "normal": N(0, 1). "outliers": also `outlier_channels` K
     channels scaled by `outlier_scale` for every token, and a fraction of V entries scaled."""
     k = rng.standard_normal((context, num_kv_heads, head_dim)).astype(np.float32)
@@ -63,21 +73,30 @@ def _pages_from_dense(kv_dtype, k, v, page_size, num_seqs, *, per_tensor: bool):
     context, num_kv_heads, head_dim = k.shape
     pages_per_seq = -(-context // page_size)
     num_pages = 1 + num_seqs * pages_per_seq
-    slots = np.concatenate([(1 + s * pages_per_seq) * page_size + np.arange(context)
-                            for s in range(num_seqs)]).astype(np.int32)
+    slots = np.concatenate([(1 + s * pages_per_seq) * page_size + np.arange(context) for s in range(num_seqs)]).astype(
+        np.int32
+    )
     k_all, v_all = np.tile(k, (num_seqs, 1, 1)), np.tile(v, (num_seqs, 1, 1))
     if not (is_fp8(kv_dtype) and per_tensor):
         kv = KVPages.create(num_pages, page_size, num_kv_heads, head_dim, kv_dtype)
         return write_kv(kv, jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(slots))
     # Per-tensor: one scale from the global amax, written into every (page, head) scale entry.
-    plain = write_kv(KVPages.create(num_pages, page_size, num_kv_heads, head_dim, jnp.float32),
-                     jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(slots))
+    plain = write_kv(
+        KVPages.create(num_pages, page_size, num_kv_heads, head_dim, jnp.float32),
+        jnp.asarray(k_all),
+        jnp.asarray(v_all),
+        jnp.asarray(slots),
+    )
     limit = fp8_max(kv_dtype)
     k_scale = jnp.float32(np.abs(k).max() / limit)
     v_scale = jnp.float32(np.abs(v).max() / limit)
     full = lambda s: jnp.full((num_pages, num_kv_heads), s, jnp.float32)
-    return KVPages(k=quantize(plain.k, k_scale, kv_dtype), v=quantize(plain.v, v_scale, kv_dtype),
-                   k_scale=full(k_scale), v_scale=full(v_scale))
+    return KVPages(
+        k=quantize(plain.k, k_scale, kv_dtype),
+        v=quantize(plain.v, v_scale, kv_dtype),
+        k_scale=full(k_scale),
+        v_scale=full(v_scale),
+    )
 
 
 def _decode_attention(q, kv, context, page_size):
@@ -89,19 +108,23 @@ def _decode_attention(q, kv, context, page_size):
     pages_per_seq = -(-context // page_size)
     block_tables = 1 + np.arange(num_seqs)[:, None] * pages_per_seq + np.arange(pages_per_seq)
     out = ragged_paged_attention(
-        jnp.asarray(q), kv, jnp.full((num_seqs,), context, jnp.int32),
-        jnp.asarray(block_tables, jnp.int32), jnp.arange(num_seqs + 1, dtype=jnp.int32),
-        jnp.int32(num_seqs), sm_scale=q.shape[-1] ** -0.5, impl="reference")
+        jnp.asarray(q),
+        kv,
+        jnp.full((num_seqs,), context, jnp.int32),
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.arange(num_seqs + 1, dtype=jnp.int32),
+        jnp.int32(num_seqs),
+        sm_scale=q.shape[-1] ** -0.5,
+        impl="reference",
+    )
     return np.asarray(out, np.float64)
 
 
 def _errors(out, ref):
-    return {"max_abs": float(np.abs(out - ref).max()),
-            "rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref))}
+    return {"max_abs": float(np.abs(out - ref).max()), "rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref))}
 
 
-def attention_quality(contexts, *, num_seqs=4, num_q_heads=8, num_kv_heads=2, head_dim=128,
-                      page_size=16, seed=0):
+def attention_quality(contexts, *, num_seqs=4, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, seed=0):
     """Rows of {kv, context, cache, scales, vs_f32: {max_abs, rel}, vs_bf16: {...}}."""
     rows = []
     for distribution, context in [(d, c) for d in KV_DISTRIBUTIONS for c in contexts]:
@@ -109,33 +132,53 @@ def attention_quality(contexts, *, num_seqs=4, num_q_heads=8, num_kv_heads=2, he
         k, v = realistic_kv(rng, context, num_kv_heads, head_dim, distribution)
         q = rng.standard_normal((num_seqs, num_q_heads, head_dim)).astype(np.float32)
         run = lambda dtype, per_tensor=False: _decode_attention(
-            q, _pages_from_dense(dtype, k, v, page_size, num_seqs, per_tensor=per_tensor),
-            context, page_size)
+            q, _pages_from_dense(dtype, k, v, page_size, num_seqs, per_tensor=per_tensor), context, page_size
+        )
         ref_f32, ref_bf16 = run("float32"), run("bfloat16")
-        rows.append({"kv": distribution, "context": context, "cache": "bf16", "scales": "-",
-                     "vs_f32": _errors(ref_bf16, ref_f32), "vs_bf16": None})
+        rows.append(
+            {
+                "kv": distribution,
+                "context": context,
+                "cache": "bf16",
+                "scales": "-",
+                "vs_f32": _errors(ref_bf16, ref_f32),
+                "vs_bf16": None,
+            }
+        )
         for kind, dtype in FP8_KINDS.items():
             for scales in ("per-page", "per-tensor"):
                 out = run(dtype, per_tensor=scales == "per-tensor")
-                rows.append({"kv": distribution, "context": context, "cache": f"fp8 {kind}",
-                             "scales": scales,
-                             "vs_f32": _errors(out, ref_f32), "vs_bf16": _errors(out, ref_bf16)})
+                rows.append(
+                    {
+                        "kv": distribution,
+                        "context": context,
+                        "cache": f"fp8 {kind}",
+                        "scales": scales,
+                        "vs_f32": _errors(out, ref_f32),
+                        "vs_bf16": _errors(out, ref_bf16),
+                    }
+                )
         print(f"  {distribution} context {context}: done", file=sys.stderr, flush=True)
     return rows
 
 
 def attention_table(rows) -> str:
-    lines = ["| K/V | context | KV cache | scales | max-abs vs f32 | rel vs f32 | max-abs vs bf16 | "
-             "rel vs bf16 |", "|---|---:|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| K/V | context | KV cache | scales | max-abs vs f32 | rel vs f32 | max-abs vs bf16 | rel vs bf16 |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         b = r["vs_bf16"]
         bf16 = f"{b['max_abs']:.2e} | {b['rel']:.2e}" if b else "- | -"
-        lines.append(f"| {r['kv']} | {r['context']} | {r['cache']} | {r['scales']} | {r['vs_f32']['max_abs']:.2e} | "
-                     f"{r['vs_f32']['rel']:.2e} | {bf16} |")
+        lines.append(
+            f"| {r['kv']} | {r['context']} | {r['cache']} | {r['scales']} | {r['vs_f32']['max_abs']:.2e} | "
+            f"{r['vs_f32']['rel']:.2e} | {bf16} |"
+        )
     return "\n".join(lines)
 
 
 # ---- end-to-end on the tiny checkpoints -----------------------------------------------------
+
 
 def _prompt_logits(model, ids, kv_dtype):
     """Teacher-forced logits [T, vocab] of one prompt, K/V written to a `kv_dtype` cache."""
@@ -157,14 +200,19 @@ def model_quality(families, *, prompt_len=200, num_prompts=4, new_tokens=16, see
         path = build_cached_checkpoint(family)
         model = load_model(path)
         rng = np.random.default_rng(seed)
-        prompts = [rng.integers(3, model.cfg.vocab_size, size=prompt_len).tolist()
-                   for _ in range(num_prompts)]
+        prompts = [rng.integers(3, model.cfg.vocab_size, size=prompt_len).tolist() for _ in range(num_prompts)]
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
 
         def generate(kv_dtype):
-            llm = LLM(model, kv_cache_dtype=kv_dtype, attention_backend="reference",
-                      max_num_seqs=num_prompts, max_num_batched_tokens=256, max_model_len=512,
-                      load_tokenizer=False)
+            llm = LLM(
+                model,
+                kv_cache_dtype=kv_dtype,
+                attention_backend="reference",
+                max_num_seqs=num_prompts,
+                max_num_batched_tokens=256,
+                max_model_len=512,
+                load_tokenizer=False,
+            )
             completions = [o.outputs[0] for o in llm.generate(prompts, params)]
             return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in completions]
 
@@ -182,22 +230,32 @@ def model_quality(families, *, prompt_len=200, num_prompts=4, new_tokens=16, see
                 agree, total = agree + same, total + len(ref_tokens)
                 if same:
                     lp_err = max(lp_err, float(np.abs(np.subtract(lps[:same], ref_lps[:same])).max()))
-            rows.append({"family": family, "kv_cache_dtype": kv_dtype,
-                         "prompt_logits_max_abs": max_abs, "prompt_top1_agreement": float(top1),
-                         "greedy_tokens_before_divergence": f"{agree}/{total}",
-                         "greedy_logprob_max_abs": lp_err})
+            rows.append(
+                {
+                    "family": family,
+                    "kv_cache_dtype": kv_dtype,
+                    "prompt_logits_max_abs": max_abs,
+                    "prompt_top1_agreement": float(top1),
+                    "greedy_tokens_before_divergence": f"{agree}/{total}",
+                    "greedy_logprob_max_abs": lp_err,
+                }
+            )
             print(f"  {family} {kv_dtype}: done", file=sys.stderr, flush=True)
     return rows
 
 
 def model_table(rows) -> str:
-    lines = ["| checkpoint | kv_cache_dtype | prompt logits max-abs vs auto | prompt top-1 agreement | "
-             "greedy tokens equal to auto (before 1st divergence) | sampled-token logprob max-abs |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| checkpoint | kv_cache_dtype | prompt logits max-abs vs auto | prompt top-1 agreement | "
+        "greedy tokens equal to auto (before 1st divergence) | sampled-token logprob max-abs |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['kv_cache_dtype']} | {r['prompt_logits_max_abs']:.2e} | "
-                     f"{r['prompt_top1_agreement']:.3f} | {r['greedy_tokens_before_divergence']} | "
-                     f"{r['greedy_logprob_max_abs']:.2e} |")
+        lines.append(
+            f"| {r['family']} | {r['kv_cache_dtype']} | {r['prompt_logits_max_abs']:.2e} | "
+            f"{r['prompt_top1_agreement']:.3f} | {r['greedy_tokens_before_divergence']} | "
+            f"{r['greedy_logprob_max_abs']:.2e} |"
+        )
     return "\n".join(lines)
 
 

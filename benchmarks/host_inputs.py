@@ -22,11 +22,11 @@ from pathlib import Path
 
 from benchmarks import write_json
 from runtime.buckets import bucket_for
-from runtime.steps.inputs import build_batch
 from runtime.scheduling.request import PLACEHOLDER_TOKEN
-from runtime.steps.table_host import RequestTableHost
-from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.steps.inputs import build_batch
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.steps.table_host import RequestTableHost
 from runtime.types import SamplingParams
 
 PAGE, MAX_BLOCKS, BUCKETS = 16, 64, (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -70,27 +70,46 @@ def time_per_step(fn, outs) -> float:
 
 def measure(seqs: int, mixed: bool, n: int = 300, rounds: int = 5) -> dict:
     outs = steps(seqs, n, mixed)
-    bucket = lambda out: bucket_for(max(out.num_batched_tokens, len(out.sequences)), BUCKETS)  # noqa: E731
+    bucket = lambda out: bucket_for(max(out.num_batched_tokens, len(out.sequences)), BUCKETS)
     build, plan, meta, meta_table = [], [], [], []
 
     def sampling(out, row_params):
         reqs = [seq.request for seq in out.sequences]
         n = len(reqs)
-        return SamplingMetadata.from_params([r.params for r in reqs], [1] * n, [[]] * n, [[]] * n, pad_to=seqs,
-                                            banned_ids=[[]] * n, row_params=row_params)
+        return SamplingMetadata.from_params(
+            [r.params for r in reqs],
+            [1] * n,
+            [[]] * n,
+            [[]] * n,
+            pad_to=seqs,
+            banned_ids=[[]] * n,
+            row_params=row_params,
+        )
 
     for _ in range(rounds):
         host = RequestTableHost(seqs, PAGE, BUCKETS[-1])
         host.plan(outs[0], bucket(outs[0]))  # placements (prefill of 100 tokens)
         plan.append(time_per_step(lambda out: host.plan(out, bucket(out)), outs[1:]))
-        build.append(time_per_step(lambda out: build_batch(out, token_buckets=BUCKETS, max_num_seqs=seqs,
-                                                           max_blocks_per_seq=MAX_BLOCKS, page_size=PAGE), outs[1:]))
+        build.append(
+            time_per_step(
+                lambda out: build_batch(
+                    out, token_buckets=BUCKETS, max_num_seqs=seqs, max_blocks_per_seq=MAX_BLOCKS, page_size=PAGE
+                ),
+                outs[1:],
+            )
+        )
         meta.append(time_per_step(lambda out: sampling(out, True), outs[1:]))
         meta_table.append(time_per_step(lambda out: sampling(out, False), outs[1:]))
     b, p = statistics.median(build), statistics.median(plan)
     m, mt = statistics.median(meta), statistics.median(meta_table)
-    return {"build_batch_us": b, "table_plan_us": p, "ratio_plan_over_build": p / b,
-            "sampling_metadata_us": m, "sampling_metadata_table_us": mt, "ratio_meta_table_over_host": mt / m}
+    return {
+        "build_batch_us": b,
+        "table_plan_us": p,
+        "ratio_plan_over_build": p / b,
+        "sampling_metadata_us": m,
+        "sampling_metadata_table_us": mt,
+        "ratio_meta_table_over_host": mt / m,
+    }
 
 
 def main(argv=None) -> dict:

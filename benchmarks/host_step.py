@@ -43,8 +43,18 @@ from pathlib import Path
 from benchmarks import write_json
 
 WORKLOADS = ("decode", "mixed", "arrivals")
-KEYS = ("step_ms", "wait_ms", "host_ms", "schedule_ms", "dispatch_ms", "rest_ms", "tokens_per_s", "host_ms_p50",
-        "dispatch_ms_p50", "step_ms_p50")
+KEYS = (
+    "step_ms",
+    "wait_ms",
+    "host_ms",
+    "schedule_ms",
+    "dispatch_ms",
+    "rest_ms",
+    "tokens_per_s",
+    "host_ms_p50",
+    "dispatch_ms_p50",
+    "step_ms_p50",
+)
 
 
 # ---- child: one engine, timed ---------------------------------------------------------------------
@@ -69,6 +79,7 @@ class Timers:
                 return fn(*args)
             finally:
                 self.totals[key] += time.perf_counter() - t0
+
         return timed
 
     def close(self):
@@ -92,8 +103,13 @@ def serve(engine, requests, tag: str, concurrency: int | None = None) -> dict:
     def admit(n: int) -> None:
         for _ in range(min(n, len(pending))):
             i, r = pending.pop()
-            engine.add_request(EngineRequest(f"{tag}{i}", list(r.prompt_ids),
-                                             SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)))
+            engine.add_request(
+                EngineRequest(
+                    f"{tag}{i}",
+                    list(r.prompt_ids),
+                    SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                )
+            )
 
     try:
         t_start = time.perf_counter()
@@ -114,15 +130,22 @@ def serve(engine, requests, tag: str, concurrency: int | None = None) -> dict:
     finally:
         timers.close()
     t = timers.totals
-    per = lambda x: 1e3 * x / steps  # noqa: E731
+    per = lambda x: 1e3 * x / steps
     host = step_time - t["wait"]
-    return {"steps": steps, "step_ms": per(step_time), "wait_ms": per(t["wait"]), "host_ms": per(host),
-            "schedule_ms": per(t["schedule"]), "dispatch_ms": per(t["dispatch"]),
-            "rest_ms": per(host - t["schedule"] - t["dispatch"]), "tokens_per_s": tokens / elapsed,
-            # medians over the steps: robust to the spikes of a shared machine
-            "host_ms_p50": 1e3 * statistics.median(d - w for d, w, _, _ in per_step),
-            "dispatch_ms_p50": 1e3 * statistics.median(x for _, _, _, x in per_step),
-            "step_ms_p50": 1e3 * statistics.median(d for d, _, _, _ in per_step)}
+    return {
+        "steps": steps,
+        "step_ms": per(step_time),
+        "wait_ms": per(t["wait"]),
+        "host_ms": per(host),
+        "schedule_ms": per(t["schedule"]),
+        "dispatch_ms": per(t["dispatch"]),
+        "rest_ms": per(host - t["schedule"] - t["dispatch"]),
+        "tokens_per_s": tokens / elapsed,
+        # medians over the steps: robust to the spikes of a shared machine
+        "host_ms_p50": 1e3 * statistics.median(d - w for d, w, _, _ in per_step),
+        "dispatch_ms_p50": 1e3 * statistics.median(x for _, _, _, x in per_step),
+        "step_ms_p50": 1e3 * statistics.median(d for d, _, _, _ in per_step),
+    }
 
 
 def workloads(vocab_size: int, seqs: int) -> dict:
@@ -130,9 +153,11 @@ def workloads(vocab_size: int, seqs: int) -> dict:
     from benchmarks.workloads import make_uniform, make_workload
 
     mixed = dict(vocab_size=vocab_size, scale=0.25, max_model_len=1024)
-    return {"decode": (make_uniform(seqs, 16, 96, vocab_size=vocab_size), None),
-            "mixed": (make_workload("mixed", num_requests=seqs, **mixed), None),
-            "arrivals": (make_workload("mixed", num_requests=8 * seqs, seed=1, **mixed), seqs)}
+    return {
+        "decode": (make_uniform(seqs, 16, 96, vocab_size=vocab_size), None),
+        "mixed": (make_workload("mixed", num_requests=seqs, **mixed), None),
+        "arrivals": (make_workload("mixed", num_requests=8 * seqs, seed=1, **mixed), seqs),
+    }
 
 
 def child(args) -> None:
@@ -140,9 +165,18 @@ def child(args) -> None:
     from runtime.engine_config import EngineConfig
 
     seqs = args.seqs[0]
-    engine = LLMEngine(EngineConfig(model=args.checkpoint, dtype=args.dtype, max_model_len=1024, seed=0,
-                                    max_num_seqs=seqs, max_num_batched_tokens=512, enable_prefix_caching=False,
-                                    compile_cache_dir=args.compile_cache))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.checkpoint,
+            dtype=args.dtype,
+            max_model_len=1024,
+            seed=0,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=False,
+            compile_cache_dir=args.compile_cache,
+        )
+    )
     result = {}
     for name, (requests, concurrency) in workloads(engine.model.cfg.vocab_size, seqs).items():
         serve(engine, requests, "warm", concurrency)  # every bucket the workload touches runs once before timing
@@ -166,16 +200,27 @@ def child(args) -> None:
 
 
 # ---- parent: alternate the trees -------------------------------------------------------------------
-def run_child(tree: str, checkpoint: str, seqs: int, compile_cache: str, profile: bool = False,
-              dtype: str = "float32") -> dict:
+def run_child(
+    tree: str, checkpoint: str, seqs: int, compile_cache: str, profile: bool = False, dtype: str = "float32"
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-    cmd = [sys.executable, str(Path(__file__).resolve()), checkpoint, "--child", "--seqs", str(seqs),
-           "--compile-cache", compile_cache, "--dtype", dtype] + (["--profile", "-"] if profile else [])
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        checkpoint,
+        "--child",
+        "--seqs",
+        str(seqs),
+        "--compile-cache",
+        compile_cache,
+        "--dtype",
+        dtype,
+    ] + (["--profile", "-"] if profile else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"child for {tree} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main(argv=None) -> dict:
@@ -200,25 +245,43 @@ def main(argv=None) -> dict:
             for name, tree in trees.items():
                 r = run_child(tree, args.checkpoint, seqs, args.compile_cache, dtype=args.dtype)
                 runs[name][str(seqs)].append(r)
-                line = ", ".join(f"{w} {r[w]['tokens_per_s']:.0f} tok/s, host {r[w]['host_ms']:.2f} ms/step "
-                                 f"step {r[w]['step_ms']:.2f} ms" for w in WORKLOADS)
+                line = ", ".join(
+                    f"{w} {r[w]['tokens_per_s']:.0f} tok/s, host {r[w]['host_ms']:.2f} ms/step "
+                    f"step {r[w]['step_ms']:.2f} ms"
+                    for w in WORKLOADS
+                )
                 print(f"rep {rep} seqs {seqs} {name}: {line}", flush=True)
-    median = lambda rs, w, k: statistics.median(r[w][k] for r in rs)  # noqa: E731
-    summary = {name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in WORKLOADS}
-                      for seqs, rs in per_seqs.items()} for name, per_seqs in runs.items()}
-    result = {"checkpoint": args.checkpoint, "trees": trees, "repeats": args.repeats, "dtype": args.dtype,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "median": summary, "runs": runs}
+    median = lambda rs, w, k: statistics.median(r[w][k] for r in rs)
+    summary = {
+        name: {seqs: {w: {k: median(rs, w, k) for k in KEYS} for w in WORKLOADS} for seqs, rs in per_seqs.items()}
+        for name, per_seqs in runs.items()
+    }
+    result = {
+        "checkpoint": args.checkpoint,
+        "trees": trees,
+        "repeats": args.repeats,
+        "dtype": args.dtype,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "median": summary,
+        "runs": runs,
+    }
     if len(trees) == 2:
         base, new = list(trees)
         result["ratio_new_over_base"] = {
-            seqs: {w: {k: summary[new][seqs][w][k] / summary[base][seqs][w][k]
-                       for k in ("host_ms", "host_ms_p50", "dispatch_ms", "dispatch_ms_p50", "step_ms", "tokens_per_s")}
-                   for w in WORKLOADS} for seqs in summary[base]}
+            seqs: {
+                w: {
+                    k: summary[new][seqs][w][k] / summary[base][seqs][w][k]
+                    for k in ("host_ms", "host_ms_p50", "dispatch_ms", "dispatch_ms_p50", "step_ms", "tokens_per_s")
+                }
+                for w in WORKLOADS
+            }
+            for seqs in summary[base]
+        }
     if args.profile:
         with open(args.profile, "w") as f:
             for name, tree in trees.items():
-                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True,
-                              dtype=args.dtype)
+                r = run_child(tree, args.checkpoint, max(args.seqs), args.compile_cache, profile=True, dtype=args.dtype)
                 f.write(f"===== {name} ({tree}), {max(args.seqs)} sequences, decode workload =====\n")
                 f.write(json.dumps(r["decode"]) + "\n" + r["profile"] + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))

@@ -31,12 +31,20 @@ from pathlib import Path
 
 import jax
 
-from models.model import load_model
 from models.convert import convert_checkpoint
+from models.model import load_model
 from models.random_checkpoint import write_random_checkpoint
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 CASES = {"tiny-llama": ("llama", {}), "tiny-qwen3_5": ("qwen3_5", {}), "smollm2-135m-shaped": ("llama", SMOLLM2_135M)}
 
 
@@ -55,11 +63,18 @@ def _timed_load(path: Path, dtype: str, repeats: int, mesh=None) -> float:
 
 def _worker(args) -> None:
     """One of `--processes` processes: load every case onto a mesh over all processes' devices."""
-    from runtime.parallel.mesh import initialize_multihost, make_mesh
     from types import SimpleNamespace
 
-    initialize_multihost(SimpleNamespace(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.processes,
-                                         process_id=args.process_id, cpu_devices=1))
+    from runtime.parallel.mesh import initialize_multihost, make_mesh
+
+    initialize_multihost(
+        SimpleNamespace(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=args.processes,
+            process_id=args.process_id,
+            cpu_devices=1,
+        )
+    )
     mesh = make_mesh(1, args.processes)
     for name in CASES:
         tmp = Path(args.worker)
@@ -76,10 +91,31 @@ def _run_processes(tmp: str, args) -> dict[str, dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.load_time", "--worker", tmp, "--port", str(port),
-                               "--processes", str(args.processes), "--process-id", str(pid), "--repeats",
-                               str(args.repeats), "--dtype", args.dtype], env=env, stdout=subprocess.PIPE, text=True)
-             for pid in range(args.processes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.load_time",
+                "--worker",
+                tmp,
+                "--port",
+                str(port),
+                "--processes",
+                str(args.processes),
+                "--process-id",
+                str(pid),
+                "--repeats",
+                str(args.repeats),
+                "--dtype",
+                args.dtype,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(args.processes)
+    ]
     slowest: dict[str, dict] = {}
     try:
         for p in procs:
@@ -116,16 +152,34 @@ def main(argv: list[str] | None = None) -> None:
         for name, (family, overrides) in CASES.items():
             src = write_random_checkpoint(family, Path(tmp) / name, **overrides)
             convert_checkpoint(src, Path(tmp) / f"{name}-orbax", dtype=args.dtype)
-        times = _run_processes(tmp, args) if args.processes > 1 else {
-            name: {"safetensors_s": _timed_load(Path(tmp) / name, args.dtype, args.repeats),
-                   "orbax_s": _timed_load(Path(tmp) / f"{name}-orbax", args.dtype, args.repeats)} for name in CASES}
+        times = (
+            _run_processes(tmp, args)
+            if args.processes > 1
+            else {
+                name: {
+                    "safetensors_s": _timed_load(Path(tmp) / name, args.dtype, args.repeats),
+                    "orbax_s": _timed_load(Path(tmp) / f"{name}-orbax", args.dtype, args.repeats),
+                }
+                for name in CASES
+            }
+        )
         for name, t in times.items():
             safetensors_s, orbax_s = t["safetensors_s"], t["orbax_s"]
-            rows.append({"checkpoint": name, "dtype": args.dtype, "processes": args.processes,
-                         "safetensors_s": round(safetensors_s, 3),
-                         "orbax_s": round(orbax_s, 3), "orbax_over_safetensors": round(orbax_s / safetensors_s, 2)})
-            print(f"{name:<22} safetensors {safetensors_s:7.3f} s   orbax {orbax_s:7.3f} s   "
-                  f"ratio {orbax_s / safetensors_s:.2f}", flush=True)
+            rows.append(
+                {
+                    "checkpoint": name,
+                    "dtype": args.dtype,
+                    "processes": args.processes,
+                    "safetensors_s": round(safetensors_s, 3),
+                    "orbax_s": round(orbax_s, 3),
+                    "orbax_over_safetensors": round(orbax_s / safetensors_s, 2),
+                }
+            )
+            print(
+                f"{name:<22} safetensors {safetensors_s:7.3f} s   orbax {orbax_s:7.3f} s   "
+                f"ratio {orbax_s / safetensors_s:.2f}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -55,7 +55,10 @@ class ModelShape:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def kv_bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
         return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * KV_ITEMSIZE[kv_dtype]
@@ -63,7 +66,8 @@ class ModelShape:
     @property
     def state_bytes_per_slot(self) -> int:
         per_layer = (self.linear_conv_kernel_dim - 1) * self.conv_dim + (
-            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        )
         return 4 * per_layer * self.num_linear_layers
 
     @property
@@ -72,16 +76,27 @@ class ModelShape:
         q_width = self.num_heads * self.head_dim * (2 if self.attn_output_gate else 1)
         attention = H * q_width + 2 * H * self.num_kv_heads * self.head_dim + self.num_heads * self.head_dim * H
         value_width = self.linear_num_value_heads * self.linear_value_head_dim
-        gdn = (H * (self.conv_dim + value_width + 2 * self.linear_num_value_heads)  # qkv, z, b, a
-               + self.conv_dim * self.linear_conv_kernel_dim + value_width * H)  # conv1d, out_proj
+        gdn = (
+            H * (self.conv_dim + value_width + 2 * self.linear_num_value_heads)  # qkv, z, b, a
+            + self.conv_dim * self.linear_conv_kernel_dim
+            + value_width * H
+        )  # conv1d, out_proj
         if self.num_experts:
-            mlp = (self.num_experts * 3 * H * self.moe_intermediate_size + H * self.num_experts
-                   + 3 * H * self.shared_expert_intermediate_size + H)
+            mlp = (
+                self.num_experts * 3 * H * self.moe_intermediate_size
+                + H * self.num_experts
+                + 3 * H * self.shared_expert_intermediate_size
+                + H
+            )
         else:
             mlp = 3 * H * self.intermediate_size
         embeddings = self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
-        return (embeddings + self.num_attention_layers * attention + self.num_linear_layers * gdn
-                + len(self.layer_types) * mlp)
+        return (
+            embeddings
+            + self.num_attention_layers * attention
+            + self.num_linear_layers * gdn
+            + len(self.layer_types) * mlp
+        )
 
 
 def load_shape(path: str | Path) -> ModelShape:
@@ -92,18 +107,28 @@ def load_shape(path: str | Path) -> ModelShape:
     n = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0 else "linear_attention"
-        for i in range(n)]
+        for i in range(n)
+    ]
     return ModelShape(
-        name=path.stem, hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"],
+        name=path.stem,
+        hidden_size=hf["hidden_size"],
+        vocab_size=hf["vocab_size"],
         tie_word_embeddings=bool(top.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))),
-        layer_types=tuple(layer_types), num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+        layer_types=tuple(layer_types),
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         attn_output_gate=hf.get("attn_output_gate", hf.get("model_type") == "qwen3_next"),
-        linear_num_key_heads=hf.get("linear_num_key_heads", 0), linear_num_value_heads=hf.get("linear_num_value_heads", 0),
-        linear_key_head_dim=hf.get("linear_key_head_dim", 0), linear_value_head_dim=hf.get("linear_value_head_dim", 0),
-        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), intermediate_size=hf.get("intermediate_size", 0),
-        num_experts=hf.get("num_experts", 0), moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
+        linear_num_key_heads=hf.get("linear_num_key_heads", 0),
+        linear_num_value_heads=hf.get("linear_num_value_heads", 0),
+        linear_key_head_dim=hf.get("linear_key_head_dim", 0),
+        linear_value_head_dim=hf.get("linear_value_head_dim", 0),
+        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_experts=hf.get("num_experts", 0),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -123,17 +148,31 @@ class MemoryPlan:
         return (self.num_state_slots - 1 if slots is None else slots) * self.state_bytes
 
 
-def plan_memory(shape: ModelShape, *, device_gib: float = 139.0, memory_fraction: float = 0.9, page_size: int = 16,
-                kv_dtype: str = "bfloat16", max_num_seqs: int = 256, budget_fraction: float | None = 0.25,
-                prefix_caching: bool = True) -> MemoryPlan:
+def plan_memory(
+    shape: ModelShape,
+    *,
+    device_gib: float = 139.0,
+    memory_fraction: float = 0.9,
+    page_size: int = 16,
+    kv_dtype: str = "bfloat16",
+    max_num_seqs: int = 256,
+    budget_fraction: float | None = 0.25,
+    prefix_caching: bool = True,
+) -> MemoryPlan:
     """The engine's sizing rule (runtime/engine/llm_engine.py) on a device of `device_gib` usable GiB."""
     cache_bytes = int(device_gib * GIB * memory_fraction) - 2 * shape.num_params
     if cache_bytes <= 0:
-        raise ValueError(f"{shape.name}: {shape.num_params / 1e9:.1f}B bf16 weights leave no cache memory on "
-                         f"{device_gib} GiB x {memory_fraction}")
+        raise ValueError(
+            f"{shape.name}: {shape.num_params / 1e9:.1f}B bf16 weights leave no cache memory on "
+            f"{device_gib} GiB x {memory_fraction}"
+        )
     num_slots, checkpoints = plan_state_slots(
-        max_num_seqs=max_num_seqs, prefix_caching=prefix_caching, budget_fraction=budget_fraction,
-        cache_bytes=cache_bytes, state_bytes_per_slot=shape.state_bytes_per_slot)
+        max_num_seqs=max_num_seqs,
+        prefix_caching=prefix_caching,
+        budget_fraction=budget_fraction,
+        cache_bytes=cache_bytes,
+        state_bytes_per_slot=shape.state_bytes_per_slot,
+    )
     page_bytes = shape.kv_bytes_per_token(kv_dtype) * page_size
     num_pages = (cache_bytes - num_slots * shape.state_bytes_per_slot) // page_bytes
     return MemoryPlan(cache_bytes, page_bytes, shape.state_bytes_per_slot, int(num_pages), num_slots, checkpoints)

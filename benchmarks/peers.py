@@ -46,8 +46,7 @@ def prepare_hf_checkpoint(out_dir: str | Path, gguf_path: str | Path | None = No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     from safetensors.torch import save_file
 
     # save_pretrained refuses GGUF-loaded models; the weights are plain fp32 tensors by now.
@@ -71,12 +70,36 @@ def vllm_available(venv: Path = VLLM_VENV) -> bool:
     return (venv / "bin" / "vllm").exists()
 
 
-def vllm_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
-                       max_num_batched_tokens: int, dtype: str = "float32", enable_prefix_caching: bool = True,
-                       venv: Path = VLLM_VENV) -> list[str]:
-    cmd = [str(venv / "bin" / "vllm"), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-           "--max-num-batched-tokens", str(max_num_batched_tokens), "--served-model-name", "bench-model"]
+def vllm_serve_command(
+    checkpoint: str | Path,
+    port: int,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    dtype: str = "float32",
+    enable_prefix_caching: bool = True,
+    venv: Path = VLLM_VENV,
+) -> list[str]:
+    cmd = [
+        str(venv / "bin" / "vllm"),
+        "serve",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+        "--served-model-name",
+        "bench-model",
+    ]
     if not enable_prefix_caching:
         cmd.append("--no-enable-prefix-caching")
     return cmd
@@ -84,9 +107,17 @@ def vllm_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int,
 
 def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
     return env
@@ -102,30 +133,74 @@ def llama_cpp_available(checkpoint: str | Path, build_dir: Path = LLAMA_CPP_DIR)
     return (build_dir / "bin" / "llama-server").exists() and llama_cpp_gguf(checkpoint, build_dir).exists()
 
 
-def llama_cpp_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
-                            max_num_batched_tokens: int, num_threads: int, dtype: str = "float32",
-                            build_dir: Path = LLAMA_CPP_DIR) -> list[str]:
+def llama_cpp_serve_command(
+    checkpoint: str | Path,
+    port: int,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_threads: int,
+    dtype: str = "float32",
+    build_dir: Path = LLAMA_CPP_DIR,
+) -> list[str]:
     """`llama-server` with the same limits as the other servers: `max_num_seqs` slots (-np) of
     `max_model_len` tokens each (-c is the total over all slots), `max_num_batched_tokens` per
     step (-b/-ub). Prompt caching is llama-server's default (the analogue of prefix caching).
     `dtype` is only checked: the GGUF is f32 (weights); llama.cpp keeps its KV cache in f16."""
     if dtype != "float32":
         raise ValueError(f"the llama.cpp peer serves the f32 GGUF only, not {dtype}")
-    return [str(build_dir / "bin" / "llama-server"), "-m", str(llama_cpp_gguf(checkpoint, build_dir)),
-            "--host", "127.0.0.1", "--port", str(port), "--alias", "bench-model",
-            "-c", str(max_model_len * max_num_seqs), "-np", str(max_num_seqs),
-            "-b", str(max_num_batched_tokens), "-ub", str(max_num_batched_tokens),
-            "-t", str(num_threads), "-tb", str(num_threads), "--no-warmup"]
+    return [
+        str(build_dir / "bin" / "llama-server"),
+        "-m",
+        str(llama_cpp_gguf(checkpoint, build_dir)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        "bench-model",
+        "-c",
+        str(max_model_len * max_num_seqs),
+        "-np",
+        str(max_num_seqs),
+        "-b",
+        str(max_num_batched_tokens),
+        "-ub",
+        str(max_num_batched_tokens),
+        "-t",
+        str(num_threads),
+        "-tb",
+        str(num_threads),
+        "--no-warmup",
+    ]
 
 
-def jaxserve_serve_command(checkpoint: str | Path, port: int, *, max_model_len: int, max_num_seqs: int,
-                           max_num_batched_tokens: int, dtype: str = "float32", enable_prefix_caching: bool = True,
-                           compile_cache_dir: str | None = None, extra_sets: dict | None = None) -> list[str]:
-    sets = {"model.path": str(checkpoint), "model.dtype": dtype, "model.max_model_len": max_model_len,
-            "model.served_model_name": "bench-model", "server.port": port,
-            "scheduler.max_num_seqs": max_num_seqs, "scheduler.max_num_batched_tokens": max_num_batched_tokens,
-            "cache.num_pages": max_num_seqs * -(-max_model_len // 16) + 1, "cache.enable_prefix_caching": str(enable_prefix_caching).lower(),
-            "server.max_waiting_requests": 4096, "compile.aot": "true"}
+def jaxserve_serve_command(
+    checkpoint: str | Path,
+    port: int,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    dtype: str = "float32",
+    enable_prefix_caching: bool = True,
+    compile_cache_dir: str | None = None,
+    extra_sets: dict | None = None,
+) -> list[str]:
+    sets = {
+        "model.path": str(checkpoint),
+        "model.dtype": dtype,
+        "model.max_model_len": max_model_len,
+        "model.served_model_name": "bench-model",
+        "server.port": port,
+        "scheduler.max_num_seqs": max_num_seqs,
+        "scheduler.max_num_batched_tokens": max_num_batched_tokens,
+        "cache.num_pages": max_num_seqs * -(-max_model_len // 16) + 1,
+        "cache.enable_prefix_caching": str(enable_prefix_caching).lower(),
+        "server.max_waiting_requests": 4096,
+        "compile.aot": "true",
+    }
     if compile_cache_dir:
         sets["compile.cache_dir"] = compile_cache_dir
     sets.update(extra_sets or {})  # e.g. an A/B variant's launch-config overrides
@@ -150,8 +225,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None = None, timeout_s: float = 900,
-                   cwd: str | Path | None = None):
+def running_server(
+    cmd: list[str],
+    url: str,
+    log_path: Path,
+    *,
+    env: dict | None = None,
+    timeout_s: float = 900,
+    cwd: str | Path | None = None,
+):
     """Start a server process (its output to `log_path`; in `cwd`, default the repository root),
     wait until it serves, stop it afterwards. Refuses a port something already listens on: a stray
     server there would answer in this one's place."""
@@ -163,8 +245,9 @@ def running_server(cmd: list[str], url: str, log_path: Path, *, env: dict | None
             raise RuntimeError(f"port {port} is in use ({e}); stop whatever listens there first") from e
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO, start_new_session=True
+        )
         try:
             wait_healthy(url, proc, timeout_s)
             yield proc
@@ -195,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not vllm_available():
         raise SystemExit("vLLM is not installed: run bash benchmarks/setup_vllm_cpu.sh first")
-    cmd = vllm_serve_command(args.checkpoint, args.port, max_model_len=args.max_model_len,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    cmd = vllm_serve_command(
+        args.checkpoint,
+        args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     return subprocess.call(cmd, env=vllm_env())
 
 

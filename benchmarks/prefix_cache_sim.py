@@ -31,13 +31,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory  # noqa: E402
-from benchmarks.prefix_traces import TRACES, Session, make_trace  # noqa: E402
-from paged_kv import CacheManager  # noqa: E402
-from runtime.config import SchedulerConfig  # noqa: E402
-from runtime.scheduling.request import Request  # noqa: E402
-from runtime.scheduling.scheduler import Scheduler  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory
+from benchmarks.prefix_traces import TRACES, Session, make_trace
+from paged_kv import CacheManager
+from runtime.config import SchedulerConfig
+from runtime.scheduling.request import Request
+from runtime.scheduling.scheduler import Scheduler
+from runtime.types import SamplingParams
 
 
 @dataclass
@@ -58,8 +58,12 @@ class _Usage:
     peaks: dict = field(default_factory=dict)
 
     def add(self, stats: dict, num_checkpoints: int) -> None:
-        sample = {"kv_running": stats["pages_used"], "kv_cached": stats["pages_cached"],
-                  "slots_running": stats["slots_used"], "checkpoints": num_checkpoints}
+        sample = {
+            "kv_running": stats["pages_used"],
+            "kv_cached": stats["pages_cached"],
+            "slots_running": stats["slots_used"],
+            "checkpoints": num_checkpoints,
+        }
         self.steps += 1
         for key, value in sample.items():
             self.sums[key] = self.sums.get(key, 0) + value
@@ -72,8 +76,14 @@ def _prefix_pages(sessions: list[Session]) -> int:
 
 def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -> dict:
     """Serve every session's turns through the real scheduler; returns counts and usage."""
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
-                                          max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len), cache)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+        ),
+        cache,
+    )
     next_turn = {s.session_id: 0 for s in sessions}
     arrivals = sorted((s.start_step, i) for i, s in enumerate(sessions))
     outputs: dict[str, tuple[int, ...]] = {}
@@ -90,8 +100,9 @@ def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -
             request_id = f"{session.session_id}/{k}"
             output = session.turns[k].output
             outputs[request_id], owner[request_id] = output, session
-            scheduler.add_request(Request(request_id, session.prompt(k), SamplingParams(
-                max_tokens=len(output), ignore_eos=True)))
+            scheduler.add_request(
+                Request(request_id, session.prompt(k), SamplingParams(max_tokens=len(output), ignore_eos=True))
+            )
         out = scheduler.schedule()
         sampled = {}
         for seq in out.sequences:
@@ -117,8 +128,13 @@ def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -
 
 def simulate(sessions: list[Session], plan: MemoryPlan, policy: str, config: SimConfig) -> dict:
     """One policy at one memory plan: the summary row (GiB, rates)."""
-    cache = CacheManager(page_size=config.page_size, num_pages=plan.num_pages, num_state_slots=plan.num_state_slots,
-                         checkpoint_policy=policy, num_checkpoint_slots=plan.num_checkpoint_slots)
+    cache = CacheManager(
+        page_size=config.page_size,
+        num_pages=plan.num_pages,
+        num_state_slots=plan.num_state_slots,
+        checkpoint_policy=policy,
+        num_checkpoint_slots=plan.num_checkpoint_slots,
+    )
     run = run_trace(sessions, cache, config)
     stats, usage = run["stats"], run["usage"]
     page_gib, slot_gib = plan.page_bytes / GIB, plan.state_bytes / GIB
@@ -145,23 +161,30 @@ def ceiling(sessions: list[Session], config: SimConfig) -> dict:
     pages = _prefix_pages(sessions) // config.page_size + len(sessions) + 2
     cache = CacheManager(page_size=config.page_size, num_pages=pages)
     run = run_trace(sessions, cache, config)
-    return {"hit_rate": run["stats"]["prefix_cache_hit_rate"], "hit_tokens": run["stats"]["prefix_cache_hit_tokens"],
-            "prefill_tokens": run["prefill_tokens"]}
+    return {
+        "hit_rate": run["stats"]["prefix_cache_hit_rate"],
+        "hit_tokens": run["stats"]["prefix_cache_hit_tokens"],
+        "prefill_tokens": run["prefill_tokens"],
+    }
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The docs' table: one line per (model, trace, budget, policy) row of `simulate`."""
-    lines = ["| model | trace | checkpoint budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
-             "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens | steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | trace | checkpoint budget | policy | hit rate | ceiling | of ceiling | ckpt GiB avg / peak "
+        "| KV running / cached GiB avg | state running GiB avg | ckpt evictions | page evictions | prefill tokens | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         avg, peak = r["avg_gib"], r["peak_gib"]
         of = "-" if r["of_ceiling"] is None else f"{r['of_ceiling']:.0%}"
         budget = "2 x seqs shared" if r["budget"] < 0 else f"{r['budget']:.0%}: {r['num_checkpoint_slots']} slots"
-        lines.append(f"| {r['model']} | {r['trace']} | {budget} | `{r['policy']}` | {r['hit_rate']:.1%} "
-                     f"| {r['ceiling']:.1%} | {of} | {avg['checkpoints']:.1f} / {peak['checkpoints']:.1f} "
-                     f"| {avg['kv_running']:.1f} / {avg['kv_cached']:.1f} | {avg['slots_running']:.1f} "
-                     f"| {r['checkpoint_evictions']} | {r['page_evictions']} | {r['prefill_tokens']:,} | {r['steps']:,} |")
+        lines.append(
+            f"| {r['model']} | {r['trace']} | {budget} | `{r['policy']}` | {r['hit_rate']:.1%} "
+            f"| {r['ceiling']:.1%} | {of} | {avg['checkpoints']:.1f} / {peak['checkpoints']:.1f} "
+            f"| {avg['kv_running']:.1f} / {avg['kv_cached']:.1f} | {avg['slots_running']:.1f} "
+            f"| {r['checkpoint_evictions']} | {r['page_evictions']} | {r['prefill_tokens']:,} | {r['steps']:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -171,9 +194,14 @@ def main(argv=None) -> None:
     parser.add_argument("--model", action="append", help="HF config.json (repeatable)")
     parser.add_argument("--trace", action="append", choices=TRACES)
     parser.add_argument("--policy", action="append", default=None, help="CheckpointPolicy spec (repeatable)")
-    parser.add_argument("--budget", type=float, action="append", default=None,
-                        help="largest fraction of cache memory for checkpoint slots (2 per sequence; repeatable; default "
-                             "0.25 as the engine; -1: the original 2 x max_num_seqs shared slots)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        action="append",
+        default=None,
+        help="largest fraction of cache memory for checkpoint slots (2 per sequence; repeatable; default "
+        "0.25 as the engine; -1: the original 2 x max_num_seqs shared slots)",
+    )
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--device-gib", type=float, default=139.0)
     parser.add_argument("--memory-fraction", type=float, default=0.9)
@@ -194,25 +222,41 @@ def main(argv=None) -> None:
     for model in args.model:
         shape = load_shape(model)
         for trace_name in args.trace:
-            sessions = make_trace(trace_name, vocab_size=shape.vocab_size, seed=args.seed,
-                                  num_sessions=args.num_sessions)
+            sessions = make_trace(
+                trace_name, vocab_size=shape.vocab_size, seed=args.seed, num_sessions=args.num_sessions
+            )
             top = ceiling(sessions, config)
             for budget in args.budget or [0.25]:
-                plan = plan_memory(shape, device_gib=args.device_gib * args.devices, page_size=config.page_size,
-                                   memory_fraction=args.memory_fraction, kv_dtype=args.kv_dtype,
-                                   max_num_seqs=config.max_num_seqs, budget_fraction=None if budget < 0 else budget)
+                plan = plan_memory(
+                    shape,
+                    device_gib=args.device_gib * args.devices,
+                    page_size=config.page_size,
+                    memory_fraction=args.memory_fraction,
+                    kv_dtype=args.kv_dtype,
+                    max_num_seqs=config.max_num_seqs,
+                    budget_fraction=None if budget < 0 else budget,
+                )
                 for policy in args.policy or ["auto"]:
                     row = simulate(sessions, plan, policy, config)
-                    row.update(model=shape.name, trace=trace_name, budget=budget, ceiling=top["hit_rate"],
-                               of_ceiling=round(row["hit_rate"] / top["hit_rate"], 3) if top["hit_rate"] else None,
-                               cache_gib=round(plan.cache_bytes / GIB, 1), num_pages=plan.num_pages,
-                               num_checkpoint_slots=plan.num_checkpoint_slots)
+                    row.update(
+                        model=shape.name,
+                        trace=trace_name,
+                        budget=budget,
+                        ceiling=top["hit_rate"],
+                        of_ceiling=round(row["hit_rate"] / top["hit_rate"], 3) if top["hit_rate"] else None,
+                        cache_gib=round(plan.cache_bytes / GIB, 1),
+                        num_pages=plan.num_pages,
+                        num_checkpoint_slots=plan.num_checkpoint_slots,
+                    )
                     rows.append(row)
-                    print(f"{shape.name:20s} {trace_name:13s} budget {budget:5} {policy:24s} hit {row['hit_rate']:.3f} "
-                          f"ceiling {top['hit_rate']:.3f} ({row['of_ceiling']}) ckpt {row['checkpoint_share_of_cache']:.0%} "
-                          f"of cache, avg GiB {row['avg_gib']} evict pages {row['page_evictions']} "
-                          f"ckpts {row['checkpoint_evictions']} written {row['checkpoints_written']} "
-                          f"preempt {row['preemptions']} prefill {row['prefill_tokens']} steps {row['steps']}", flush=True)
+                    print(
+                        f"{shape.name:20s} {trace_name:13s} budget {budget:5} {policy:24s} hit {row['hit_rate']:.3f} "
+                        f"ceiling {top['hit_rate']:.3f} ({row['of_ceiling']}) ckpt {row['checkpoint_share_of_cache']:.0%} "
+                        f"of cache, avg GiB {row['avg_gib']} evict pages {row['page_evictions']} "
+                        f"ckpts {row['checkpoint_evictions']} written {row['checkpoints_written']} "
+                        f"preempt {row['preemptions']} prefill {row['prefill_tokens']} steps {row['steps']}",
+                        flush=True,
+                    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -68,8 +68,15 @@ class _Tokens:
         return int(np.clip(round(self.rng.lognormal(np.log(median), 0.8)), low, high))
 
 
-def _chat(tok: _Tokens, n: int, spread: int, system_len: int = 1500, max_turns: int = 8, user=(20, 400, 80),
-          response=(50, 1000, 250)) -> list[Session]:
+def _chat(
+    tok: _Tokens,
+    n: int,
+    spread: int,
+    system_len: int = 1500,
+    max_turns: int = 8,
+    user=(20, 400, 80),
+    response=(50, 1000, 250),
+) -> list[Session]:
     system = tok(system_len)
     sessions = []
     for i in range(n):
@@ -92,8 +99,9 @@ def _few_shot(tok: _Tokens, n: int, spread: int) -> list[Session]:
         instruction, examples = tasks[int(tok.rng.integers(0, len(tasks)))]
         shots = sum(examples[: int(tok.rng.integers(1, 13))], ())
         prompt = instruction + shots + tok(int(tok.rng.integers(20, 101)))
-        sessions.append(Session(f"shot{i}", (Turn(prompt, tok(int(tok.rng.integers(20, 101)))),),
-                                int(tok.rng.integers(0, spread))))
+        sessions.append(
+            Session(f"shot{i}", (Turn(prompt, tok(int(tok.rng.integers(20, 101)))),), int(tok.rng.integers(0, spread)))
+        )
     return sessions
 
 
@@ -108,18 +116,28 @@ def _agent(tok: _Tokens, n: int, spread: int) -> list[Session]:
     return sessions
 
 
-def make_trace(name: str, *, vocab_size: int, seed: int = 0, num_sessions: int | None = None,
-               spread_steps: int = 2000, max_model_len: int = 32768) -> list[Session]:
+def make_trace(
+    name: str,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    num_sessions: int | None = None,
+    spread_steps: int = 2000,
+    max_model_len: int = 32768,
+) -> list[Session]:
     """The `name` trace; identical for identical arguments."""
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; choose from {TRACES}")
     if name in WORKLOADS:
-        requests = make_workload(name, vocab_size=vocab_size, seed=seed, num_requests=num_sessions,
-                                 max_model_len=max_model_len)
+        requests = make_workload(
+            name, vocab_size=vocab_size, seed=seed, num_requests=num_sessions, max_model_len=max_model_len
+        )
         rng = np.random.default_rng([seed, 7])
         low, high = token_id_range(vocab_size)
-        return [Session(f"{name}{i}", (Turn(r.prompt_ids, tuple(int(t) for t in rng.integers(low, high, r.max_tokens))),))
-                for i, r in enumerate(requests)]
+        return [
+            Session(f"{name}{i}", (Turn(r.prompt_ids, tuple(int(t) for t in rng.integers(low, high, r.max_tokens))),))
+            for i, r in enumerate(requests)
+        ]
     tok = _Tokens(np.random.default_rng([seed, TRACES.index(name)]), vocab_size)
     default_n = {"chat": 256, "short_chat": 256, "few_shot": 512, "agent": 64}[name]
     build = {"chat": _chat, "short_chat": _short_chat, "few_shot": _few_shot, "agent": _agent}[name]

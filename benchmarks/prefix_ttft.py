@@ -42,24 +42,41 @@ def main(argv=None) -> None:
     from runtime.engine_config import EngineConfig
 
     model = load_model(args.checkpoint, dtype=args.dtype)
-    requests = make_workload("shared_prefix", vocab_size=model.cfg.vocab_size, seed=args.seed,
-                             num_requests=args.requests + 1, max_model_len=args.max_model_len)
+    requests = make_workload(
+        "shared_prefix",
+        vocab_size=model.cfg.vocab_size,
+        seed=args.seed,
+        num_requests=args.requests + 1,
+        max_model_len=args.max_model_len,
+    )
     report = {"shared_prefix_len": shared_prefix_len(requests), "workload": summarize(requests), "policies": {}}
     cache_dir = tempfile.mkdtemp(prefix="prefix-ttft-jit-")
     for policy in args.policy or ["off", "auto"]:
-        engine = LLMEngine(EngineConfig(
-            model=args.checkpoint, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, seed=0, load_tokenizer=False,
-            token_buckets=tuple(int(t) for t in args.token_buckets.split(",")), compile_cache_dir=cache_dir,
-            enable_prefix_caching=policy != "off", hybrid_checkpoint_policy="auto" if policy == "off" else policy),
-            model=model)
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.checkpoint,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                seed=0,
+                load_tokenizer=False,
+                token_buckets=tuple(int(t) for t in args.token_buckets.split(",")),
+                compile_cache_dir=cache_dir,
+                enable_prefix_caching=policy != "off",
+                hybrid_checkpoint_policy="auto" if policy == "off" else policy,
+            ),
+            model=model,
+        )
         measure_ttft_sequential(engine, requests[:1])  # warm-up; with caching on, it fills the cache
         before = engine.stats()["prefix_cache_hit_tokens"]
         ttfts = measure_ttft_sequential(engine, requests[1:])
         report["policies"][policy] = {
-            "median_ttft_ms": 1000 * float(np.median(ttfts)), "mean_ttft_ms": 1000 * float(np.mean(ttfts)),
+            "median_ttft_ms": 1000 * float(np.median(ttfts)),
+            "mean_ttft_ms": 1000 * float(np.mean(ttfts)),
             "ttft_ms": [round(1000 * t, 1) for t in ttfts],
-            "hit_tokens": engine.stats()["prefix_cache_hit_tokens"] - before}
+            "hit_tokens": engine.stats()["prefix_cache_hit_tokens"] - before,
+        }
         print(policy, json.dumps(report["policies"][policy]), flush=True)
         del engine
     if "off" in report["policies"]:

@@ -35,8 +35,14 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 # row name -> (model.quantization, group size)
-ONLINE = {"int8": ("int8", 128), "fp8": ("fp8", 128), "w8a8-int8": ("w8a8-int8", 128), "w8a8-fp8": ("w8a8-fp8", 128),
-          "int4-g128": ("int4", 128), "int4-zp-g32": ("int4-zp", 32)}
+ONLINE = {
+    "int8": ("int8", 128),
+    "fp8": ("fp8", 128),
+    "w8a8-int8": ("w8a8-int8", 128),
+    "w8a8-fp8": ("w8a8-fp8", 128),
+    "int4-g128": ("int4", 128),
+    "int4-zp-g32": ("int4-zp", 32),
+}
 SCHEMES = ("fp32", *ONLINE, "gguf-q4_1")
 
 
@@ -66,7 +72,7 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
     out = []
     for _ in range(count):
         start = int(rng.integers(0, len(words) - 40))
-        out.append(tokenizer.encode(" ".join(words[start:start + int(rng.integers(8, 40))])))
+        out.append(tokenizer.encode(" ".join(words[start : start + int(rng.integers(8, 40))])))
     return out
 
 
@@ -82,8 +88,15 @@ def _kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:
 def _generate(model, prompts, tokens: int):
     from runtime import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=256, token_buckets=(16, 64, 256),
-              num_pages=len(prompts) * 8 + 1, enable_prefix_caching=False, aot_compile=False)
+    llm = LLM(
+        model,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=256,
+        token_buckets=(16, 64, 256),
+        num_pages=len(prompts) * 8 + 1,
+        enable_prefix_caching=False,
+        aot_compile=False,
+    )
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params)  # the same run once first: every bucket it uses is compiled
     start = time.perf_counter()
@@ -105,8 +118,11 @@ def quality_and_throughput(path, prompts_count: int, tokens: int, kl_tokens: int
             ref = (outs, logits)
         same = [np.mean(np.array(a) == np.array(b)) for a, b in zip(outs, ref[0])]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(outs, ref[0])]
-        row.update(agreement=round(float(np.mean(same)), 4), mean_common_prefix=round(float(np.mean(prefix)), 1),
-                   mean_kl=round(_kl(ref[1], logits), 5))
+        row.update(
+            agreement=round(float(np.mean(same)), 4),
+            mean_common_prefix=round(float(np.mean(prefix)), 1),
+            mean_kl=round(_kl(ref[1], logits), 5),
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -125,8 +141,9 @@ def decode_step_bytes(path) -> list[dict]:
         compiled = _step_fn(model.cfg, model._with_tp(None)).lower(model.params, caches, batch).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        rows.append({"scheme": name, "bytes_accessed": int(cost.get("bytes accessed", 0)),
-                     "weight_bytes": model.weight_bytes()})
+        rows.append(
+            {"scheme": name, "bytes_accessed": int(cost.get("bytes accessed", 0)), "weight_bytes": model.weight_bytes()}
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -163,8 +180,14 @@ print(json.dumps({"gguf": sys.argv[2], "rss_mib": psutil.Process().memory_info()
 def resident_memory(path) -> list[dict]:
     rows = []
     for mode in ("dequantized", "kept"):
-        out = subprocess.run([sys.executable, "-c", _RESIDENT, str(path), mode], capture_output=True, text=True,
-                             cwd=REPO, timeout=900, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _RESIDENT, str(path), mode],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=900,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -172,8 +195,9 @@ def resident_memory(path) -> list[dict]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=("quality", "memory", "bytes"), default=None,
-                        help="one section (quality includes throughput)")
+    parser.add_argument(
+        "--only", choices=("quality", "memory", "bytes"), default=None, help="one section (quality includes throughput)"
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kl-tokens", type=int, default=512)
@@ -193,8 +217,9 @@ def main(argv=None):
     if args.only in (None, "bytes"):
         results["decode_step_bytes"] = decode_step_bytes(path)
     if args.only in (None, "quality"):
-        results["quality"] = quality_and_throughput(path, args.prompts, args.tokens, args.kl_tokens,
-                                                    tuple(args.schemes.split(",")))
+        results["quality"] = quality_and_throughput(
+            path, args.prompts, args.tokens, args.kl_tokens, tuple(args.schemes.split(","))
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

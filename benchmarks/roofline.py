@@ -37,6 +37,7 @@ import numpy as np
 from benchmarks import write_json
 from benchmarks.cpu_dtype import _time
 
+
 def _matmul_weights(params) -> tuple[list, object]:
     """-> ([per-token matmul weights, one per layer and projection], the LM head weight). The
     projections are the parameters `models.quant_rules.MODULE_PATHS` names (its linear modules)."""
@@ -92,7 +93,9 @@ def matmul_ms(params, dtype, tokens: int, sample_rows: int, reps: int = 5) -> tu
     xs = [jnp.ones((tokens, w.shape[-2]), dtype) for w in weights]
     h = jnp.ones((sample_rows, head.shape[-2]), dtype)
     ms = _time(jax.jit(run), weights, head, xs, h, reps=reps)
-    flops = 2 * tokens * sum(w.shape[-2] * w.shape[-1] for w in weights) + 2 * sample_rows * head.shape[-2] * head.shape[-1]
+    flops = (
+        2 * tokens * sum(w.shape[-2] * w.shape[-1] for w in weights) + 2 * sample_rows * head.shape[-2] * head.shape[-1]
+    )
     return ms, flops / 1e9
 
 
@@ -127,9 +130,16 @@ def run_one(checkpoint: str, dtype: str, case: dict, with_torch: bool) -> dict:
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_seqs=case["max_num_seqs"],
-                                    max_num_batched_tokens=case["max_num_batched_tokens"],
-                                    max_model_len=case["max_model_len"], dtype=dtype, load_tokenizer=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint,
+            max_num_seqs=case["max_num_seqs"],
+            max_num_batched_tokens=case["max_num_batched_tokens"],
+            max_model_len=case["max_model_len"],
+            dtype=dtype,
+            load_tokenizer=False,
+        )
+    )
     vocab = engine.model.cfg.vocab_size
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
@@ -143,11 +153,22 @@ def run_one(checkpoint: str, dtype: str, case: dict, with_torch: bool) -> dict:
     engine.scheduler.schedule = recording_schedule
 
     def serve(seed: int) -> tuple[float, int, int]:
-        reqs = make_workload(case["workload"], vocab_size=vocab, seed=seed, num_requests=case["num_requests"],
-                             scale=case["scale"], max_model_len=case["max_model_len"])
+        reqs = make_workload(
+            case["workload"],
+            vocab_size=vocab,
+            seed=seed,
+            num_requests=case["num_requests"],
+            scale=case["scale"],
+            max_model_len=case["max_model_len"],
+        )
         for i, r in enumerate(reqs):
-            engine.add_request(EngineRequest(f"s{seed}-{i}", list(r.prompt_ids), SamplingParams(
-                max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)))
+            engine.add_request(
+                EngineRequest(
+                    f"s{seed}-{i}",
+                    list(r.prompt_ids),
+                    SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                )
+            )
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
@@ -156,8 +177,10 @@ def run_one(checkpoint: str, dtype: str, case: dict, with_torch: bool) -> dict:
     serve(seed=1000)  # warm-up: first calls of every executable
     steps.clear()
     wall_s, prompt_tokens, output_tokens = serve(seed=case["seed"])
-    ran = [(bucket_for(max(t, s), engine.token_buckets, "token count"), seq_bucket(max(s, 1), engine.seq_buckets))
-           for t, s in steps]
+    ran = [
+        (bucket_for(max(t, s), engine.token_buckets, "token count"), seq_bucket(max(s, 1), engine.seq_buckets))
+        for t, s in steps
+    ]
     params, dt = engine.model.params, engine.model.dtype
     per_shape = {}
     for shape in sorted(set(ran)):
@@ -168,10 +191,16 @@ def run_one(checkpoint: str, dtype: str, case: dict, with_torch: bool) -> dict:
     matmul_s = sum(per_shape[s]["ms"] for s in ran) / 1e3
     gflop = sum(per_shape[s]["gflop"] for s in ran)
     report = {
-        "dtype": dtype, "steps": len(steps), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "wall_s": wall_s, "output_tok_s": output_tokens / wall_s,
-        "matmul_s": matmul_s, "matmul_share_of_wall": matmul_s / wall_s,
-        "matmul_gflop_per_s": gflop / matmul_s, "ceiling_output_tok_s": output_tokens / matmul_s,
+        "dtype": dtype,
+        "steps": len(steps),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tok_s": output_tokens / wall_s,
+        "matmul_s": matmul_s,
+        "matmul_share_of_wall": matmul_s / wall_s,
+        "matmul_gflop_per_s": gflop / matmul_s,
+        "ceiling_output_tok_s": output_tokens / matmul_s,
         "per_bucket": list(per_shape.values()),
     }
     if with_torch:
@@ -200,27 +229,43 @@ def main(argv: list[str] | None = None) -> int:
         case = json.loads(args.one)
         print(json.dumps(run_one(args.checkpoint, case.pop("dtype"), case, case.pop("torch"))))
         return 0
-    case = dict(workload=args.workload, scale=args.scale, num_requests=args.num_requests, seed=args.seed,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len)
-    report: dict = {"checkpoint": args.checkpoint, "case": case, "cpu_count": os.cpu_count(),
-                    "target_output_tok_s": args.target_tok_s, "dtypes": {}}
+    case = dict(
+        workload=args.workload,
+        scale=args.scale,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    report: dict = {
+        "checkpoint": args.checkpoint,
+        "case": case,
+        "cpu_count": os.cpu_count(),
+        "target_output_tok_s": args.target_tok_s,
+        "dtypes": {},
+    }
     for dtype in args.dtypes.split(","):
         one = json.dumps({**case, "dtype": dtype, "torch": args.torch})
-        out = subprocess.run([sys.executable, "-m", "benchmarks.roofline", args.checkpoint, "--one", one],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.roofline", args.checkpoint, "--one", one], capture_output=True, text=True
+        )
         if out.returncode:
             raise RuntimeError(f"{dtype} run failed:\n{out.stderr[-3000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         report["dtypes"][dtype] = r
-        line = (f"{dtype}: {r['output_tok_s']:.0f} output tok/s over {r['steps']} steps "
-                f"({r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, {r['wall_s']:.2f} s); "
-                f"matmuls alone {r['matmul_s']:.2f} s = {100 * r['matmul_share_of_wall']:.0f} % of the wall, "
-                f"{r['matmul_gflop_per_s']:.0f} GFLOP/s; ceiling {r['ceiling_output_tok_s']:.0f} tok/s")
+        line = (
+            f"{dtype}: {r['output_tok_s']:.0f} output tok/s over {r['steps']} steps "
+            f"({r['prompt_tokens']} prompt + {r['output_tokens']} output tokens, {r['wall_s']:.2f} s); "
+            f"matmuls alone {r['matmul_s']:.2f} s = {100 * r['matmul_share_of_wall']:.0f} % of the wall, "
+            f"{r['matmul_gflop_per_s']:.0f} GFLOP/s; ceiling {r['ceiling_output_tok_s']:.0f} tok/s"
+        )
         if args.torch:
             line += f" (torch GEMM: {r['torch_matmul_s']:.2f} s, ceiling {r['torch_ceiling_output_tok_s']:.0f})"
         if args.target_tok_s:
-            line += f"; target {args.target_tok_s:.0f} is {args.target_tok_s / r['ceiling_output_tok_s']:.2f}x the ceiling"
+            line += (
+                f"; target {args.target_tok_s:.0f} is {args.target_tok_s / r['ceiling_output_tok_s']:.2f}x the ceiling"
+            )
         print(line, flush=True)
     if args.json:
         write_json(args.json, report)

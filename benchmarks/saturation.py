@@ -66,8 +66,9 @@ class Case:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     # (label, kind, dtype) or (label, "ours", dtype, {launch-config key: value})
-    servers: tuple = field(default=(("ours-fp32", "ours", "float32"), ("ours-bf16", "ours", "bfloat16"),
-                                    ("vllm-bf16", "vllm", "bfloat16")))
+    servers: tuple = field(
+        default=(("ours-fp32", "ours", "float32"), ("ours-bf16", "ours", "bfloat16"), ("vllm-bf16", "vllm", "bfloat16"))
+    )
 
 
 CASES = {
@@ -77,27 +78,55 @@ CASES = {
 }
 
 
-def _server_command(kind: str, checkpoint: str, port: int, dtype: str, case: Case, cache_dir: str,
-                    sets: dict | None = None) -> tuple:
-    limits = dict(max_model_len=case.max_model_len, max_num_seqs=case.max_num_seqs,
-                  max_num_batched_tokens=case.max_num_batched_tokens, dtype=dtype)
+def _server_command(
+    kind: str, checkpoint: str, port: int, dtype: str, case: Case, cache_dir: str, sets: dict | None = None
+) -> tuple:
+    limits = dict(
+        max_model_len=case.max_model_len,
+        max_num_seqs=case.max_num_seqs,
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        dtype=dtype,
+    )
     if kind == "ours":
-        return peers.jaxserve_serve_command(checkpoint, port, **limits, compile_cache_dir=cache_dir,
-                                            extra_sets=sets), None
+        return peers.jaxserve_serve_command(
+            checkpoint, port, **limits, compile_cache_dir=cache_dir, extra_sets=sets
+        ), None
     return peers.vllm_serve_command(checkpoint, port, **limits), peers.vllm_env(num_threads=os.cpu_count())
 
 
 def _one_run(case: Case, url: str, checkpoint: str, vocab: int, seed: int, out_dir: Path, name: str) -> dict:
     """One load against one server -> the KEYS of its metrics."""
     if case.workload == "random":
-        result = vllm_bench_serve(url, checkpoint, input_len=case.input_len, output_len=case.output_len,
-                                  num_prompts=case.num_requests, out_dir=out_dir, name=name,
-                                  max_concurrency=case.concurrency, seed=seed)
+        result = vllm_bench_serve(
+            url,
+            checkpoint,
+            input_len=case.input_len,
+            output_len=case.output_len,
+            num_prompts=case.num_requests,
+            out_dir=out_dir,
+            name=name,
+            max_concurrency=case.concurrency,
+            seed=seed,
+        )
         return {k: result.get(k) for k in KEYS}
-    requests = make_workload(case.workload, vocab_size=vocab, seed=seed, num_requests=case.num_requests,
-                             scale=case.scale, max_model_len=case.max_model_len)
-    run = benchmark_server(url, name, requests, rates=[math.inf], concurrencies=[case.concurrency],
-                           model="bench-model", warmup=0, verbose=False)["runs"][0]
+    requests = make_workload(
+        case.workload,
+        vocab_size=vocab,
+        seed=seed,
+        num_requests=case.num_requests,
+        scale=case.scale,
+        max_model_len=case.max_model_len,
+    )
+    run = benchmark_server(
+        url,
+        name,
+        requests,
+        rates=[math.inf],
+        concurrencies=[case.concurrency],
+        model="bench-model",
+        warmup=0,
+        verbose=False,
+    )["runs"][0]
     if run["metrics"]["failed"]:
         raise RuntimeError(f"{name}: {run['metrics']['failed']} requests failed: {run['errors']}")
     return {k: run["metrics"][k] for k in KEYS}
@@ -137,9 +166,15 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
     checkpoint = str(Path(case.checkpoint).resolve())
     vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     servers = [s for s in case.servers if s[1] != "vllm" or peers.vllm_available()]
-    report = {"case": name, "case_config": {k: v for k, v in case.__dict__.items() if k != "servers"},
-              "servers": [s[0] for s in servers], "server_sets": {s[0]: s[3] for s in servers if len(s) > 3},
-              "runs": {s[0]: [] for s in servers}, "load_average": [], "quiesce_s": []}
+    report = {
+        "case": name,
+        "case_config": {k: v for k, v in case.__dict__.items() if k != "servers"},
+        "servers": [s[0] for s in servers],
+        "server_sets": {s[0]: s[3] for s in servers if len(s) > 3},
+        "runs": {s[0]: [] for s in servers},
+        "load_average": [],
+        "quiesce_s": [],
+    }
     case_dir = out_dir / name
     case_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -149,35 +184,45 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
             cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"), *sets)
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
-            proc = stack.enter_context(peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env,
-                                                            timeout_s=timeout_s))
+            proc = stack.enter_context(
+                peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env, timeout_s=timeout_s)
+            )
             pids.append(proc.pid)
             print(f"[{name}] {label} ready in {time.perf_counter() - t0:.0f} s", flush=True)
             urls[label] = url
             _one_run(case, url, checkpoint, vocab, seed=9000, out_dir=case_dir, name=f"{label}_warmup")
         for r in range(repeats):
             order = [s[0] for s in servers]
-            order = order[r % len(order):] + order[: r % len(order)]
+            order = order[r % len(order) :] + order[: r % len(order)]
             for label in order:
                 waited = quiesce(pids)
                 report["quiesce_s"].append(round(waited, 2))
-                metrics = _one_run(case, urls[label], checkpoint, vocab, seed=1000 + r, out_dir=case_dir,
-                                   name=f"{label}_run{r}")
+                metrics = _one_run(
+                    case, urls[label], checkpoint, vocab, seed=1000 + r, out_dir=case_dir, name=f"{label}_run{r}"
+                )
                 report["runs"][label].append(metrics)
                 report["load_average"].append(os.getloadavg()[0])
-                print(f"[{name}] repeat {r} {label}: {metrics['output_throughput']:.1f} tok/s, "
-                      f"p99 TPOT {metrics['p99_tpot_ms']:.1f} ms, TTFT p50 {metrics['median_ttft_ms']:.0f} ms "
-                      f"(waited {waited:.1f} s for idle servers)",
-                      flush=True)
+                print(
+                    f"[{name}] repeat {r} {label}: {metrics['output_throughput']:.1f} tok/s, "
+                    f"p99 TPOT {metrics['p99_tpot_ms']:.1f} ms, TTFT p50 {metrics['median_ttft_ms']:.0f} ms "
+                    f"(waited {waited:.1f} s for idle servers)",
+                    flush=True,
+                )
     report["median"] = {label: _median(runs) for label, runs in report["runs"].items()}
     vllm = report["median"].get("vllm-bf16")
     if vllm:
         report["ours_over_vllm"] = {
-            label: {"output_throughput": m["output_throughput"] / vllm["output_throughput"],
-                    "p99_tpot": m["p99_tpot_ms"] / vllm["p99_tpot_ms"],
-                    "target_met": bool(m["output_throughput"] >= 1.2 * vllm["output_throughput"]
-                                       and m["p99_tpot_ms"] <= vllm["p99_tpot_ms"])}
-            for label, m in report["median"].items() if label.startswith("ours")}
+            label: {
+                "output_throughput": m["output_throughput"] / vllm["output_throughput"],
+                "p99_tpot": m["p99_tpot_ms"] / vllm["p99_tpot_ms"],
+                "target_met": bool(
+                    m["output_throughput"] >= 1.2 * vllm["output_throughput"]
+                    and m["p99_tpot_ms"] <= vllm["p99_tpot_ms"]
+                ),
+            }
+            for label, m in report["median"].items()
+            if label.startswith("ours")
+        }
     return report
 
 
@@ -191,15 +236,19 @@ def parse_variant(spec: str) -> tuple:
 
 
 def format_table(reports: list[dict]) -> str:
-    lines = ["| case | server | output tok/s | vs vLLM | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | server | output tok/s | vs vLLM | TTFT p50 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rep in reports:
         for label, m in rep["median"].items():
             ratio = rep.get("ours_over_vllm", {}).get(label, {}).get("output_throughput")
-            lines.append(f"| {rep['case']} | {label} | {m['output_throughput']:.0f} | "
-                         f"{'' if ratio is None else f'{ratio:.2f}x'} | {m['median_ttft_ms']:.0f} | "
-                         f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
-                         f"{m['median_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |")
+            lines.append(
+                f"| {rep['case']} | {label} | {m['output_throughput']:.0f} | "
+                f"{'' if ratio is None else f'{ratio:.2f}x'} | {m['median_ttft_ms']:.0f} | "
+                f"{m['median_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
+                f"{m['median_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -208,14 +257,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--servers", default=None, help="subset of labels, e.g. ours-bf16,vllm-bf16")
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests per run for every case (default: the case's; 32 runs last ~1-2 s on the "
-                             "tiny models, where the host's noise moves single runs by +-30%%)")
-    parser.add_argument("--ours-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
-                        help="one more server per case: ours in bf16 with these launch-config overrides")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per run for every case (default: the case's; 32 runs last ~1-2 s on the "
+        "tiny models, where the host's noise moves single runs by +-30%%)",
+    )
+    parser.add_argument(
+        "--ours-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="one more server per case: ours in bf16 with these launch-config overrides",
+    )
     parser.add_argument("--base-port", type=int, default=8400)
     parser.add_argument("--startup-timeout", type=float, default=1200)
-    parser.add_argument("--out-dir", default=None, help="server logs and vllm bench serve results (default: a temp dir)")
+    parser.add_argument(
+        "--out-dir", default=None, help="server logs and vllm bench serve results (default: a temp dir)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     # SIGTERM (a killed benchmark) unwinds like Ctrl-C, so every server it started is stopped too
@@ -229,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         servers = case.servers + variants
         if keep is not None:
             servers = tuple(s for s in servers if s[0] in keep)
-        case = Case(**{**case.__dict__, "servers": servers,
-                       "num_requests": args.num_requests or case.num_requests})
+        case = Case(**{**case.__dict__, "servers": servers, "num_requests": args.num_requests or case.num_requests})
         reports.append(run_case(name, case, args.repeats, out_dir, args.base_port, args.startup_timeout))
         write_json(args.json, {"cpu_count": os.cpu_count(), "cases": reports})
     print(format_table(reports), flush=True)

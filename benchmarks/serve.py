@@ -54,12 +54,19 @@ class RequestResult:
     error: str = ""
 
 
-async def send_completion(session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest,
-                          *, api_key: str | None = None) -> RequestResult:
+async def send_completion(
+    session: aiohttp.ClientSession, url: str, model: str, request: BenchRequest, *, api_key: str | None = None
+) -> RequestResult:
     """One streamed /v1/completions request, timed the way vLLM's client times it."""
-    payload = {"model": model, "prompt": list(request.prompt_ids), "max_tokens": request.max_tokens,
-               "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-               "ignore_eos": True}
+    payload = {
+        "model": model,
+        "prompt": list(request.prompt_ids),
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = RequestResult(prompt_len=request.prompt_len)
     st = time.perf_counter()
@@ -96,7 +103,7 @@ async def send_completion(session: aiohttp.ClientSession, url: str, model: str, 
             result.latency = most_recent - st
         else:
             result.error = "never received a chunk with choices"
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}"
     return result
 
@@ -113,14 +120,23 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
     return times * (n / request_rate) / times[-1] if n and times[-1] > 0 else times
 
 
-async def run_load(url: str, model: str, requests: list[BenchRequest], *, request_rate: float = math.inf,
-                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                   api_key: str | None = None) -> tuple[list[RequestResult], float]:
+async def run_load(
+    url: str,
+    model: str,
+    requests: list[BenchRequest],
+    *,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send every request on its arrival schedule; -> (results in request order, duration s)."""
     send_at = arrival_times(len(requests), request_rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector) as session:
+
         async def one(req: BenchRequest) -> RequestResult:
             if gate is None:
                 return await send_completion(session, url, model, req, api_key=api_key)
@@ -141,8 +157,11 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], *, reques
 
 def _stats(values_s: list[float], prefix: str) -> dict:
     ms = np.asarray(values_s or [0.0], dtype=np.float64) * 1000.0
-    out = {f"mean_{prefix}_ms": float(np.mean(ms)), f"median_{prefix}_ms": float(np.median(ms)),
-           f"std_{prefix}_ms": float(np.std(ms))}
+    out = {
+        f"mean_{prefix}_ms": float(np.mean(ms)),
+        f"median_{prefix}_ms": float(np.median(ms)),
+        f"std_{prefix}_ms": float(np.std(ms)),
+    }
     for p in PERCENTILES:
         out[f"p{p}_{prefix}_ms"] = float(np.percentile(ms, p))
     return out
@@ -175,8 +194,11 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo_ms: dic
             if all(per_request[k][i] <= v / 1000.0 for k, v in slo_ms.items()):
                 good += 1
     metrics = {
-        "duration_s": duration_s, "completed": completed, "failed": len(results) - completed,
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "duration_s": duration_s,
+        "completed": completed,
+        "failed": len(results) - completed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
         "request_throughput": completed / duration_s,
         "request_goodput": good / duration_s if slo_ms else None,
         "output_throughput": total_output / duration_s,
@@ -188,14 +210,18 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo_ms: dic
 
 
 def format_metrics(label: str, rate_label: str, m: dict) -> str:
-    lines = [f"==== {label} @ {rate_label} ====",
-             f"requests ok/failed       {m['completed']}/{m['failed']}   duration {m['duration_s']:.2f} s",
-             f"request throughput       {m['request_throughput']:.3f} req/s"
-             + (f"   goodput {m['request_goodput']:.3f} req/s" if m["request_goodput"] is not None else ""),
-             f"output token throughput  {m['output_throughput']:.2f} tok/s   total {m['total_token_throughput']:.2f} tok/s"]
+    lines = [
+        f"==== {label} @ {rate_label} ====",
+        f"requests ok/failed       {m['completed']}/{m['failed']}   duration {m['duration_s']:.2f} s",
+        f"request throughput       {m['request_throughput']:.3f} req/s"
+        + (f"   goodput {m['request_goodput']:.3f} req/s" if m["request_goodput"] is not None else ""),
+        f"output token throughput  {m['output_throughput']:.2f} tok/s   total {m['total_token_throughput']:.2f} tok/s",
+    ]
     for name in ("ttft", "tpot", "itl", "e2el"):
-        lines.append(f"{name.upper():5s} ms  mean {m[f'mean_{name}_ms']:9.2f}  p50 {m[f'p50_{name}_ms']:9.2f}  "
-                     f"p90 {m[f'p90_{name}_ms']:9.2f}  p99 {m[f'p99_{name}_ms']:9.2f}")
+        lines.append(
+            f"{name.upper():5s} ms  mean {m[f'mean_{name}_ms']:9.2f}  p50 {m[f'p50_{name}_ms']:9.2f}  "
+            f"p90 {m[f'p90_{name}_ms']:9.2f}  p99 {m[f'p99_{name}_ms']:9.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -221,12 +247,23 @@ def parse_slo(items: list[str]) -> dict[str, float]:
     return slo
 
 
-def benchmark_server(url: str, label: str, requests: list[BenchRequest], *, rates: list[float],
-                     concurrencies: list[int | None], burstiness: float = 1.0, slo_ms: dict | None = None,
-                     seed: int = 0, model: str | None = None, api_key: str | None = None,
-                     warmup: int = 1, verbose: bool = True,
-                     warmup_requests: list[BenchRequest] | None = None,
-                     request_sets: list[list[BenchRequest]] | None = None) -> dict:
+def benchmark_server(
+    url: str,
+    label: str,
+    requests: list[BenchRequest],
+    *,
+    rates: list[float],
+    concurrencies: list[int | None],
+    burstiness: float = 1.0,
+    slo_ms: dict | None = None,
+    seed: int = 0,
+    model: str | None = None,
+    api_key: str | None = None,
+    warmup: int = 1,
+    verbose: bool = True,
+    warmup_requests: list[BenchRequest] | None = None,
+    request_sets: list[list[BenchRequest]] | None = None,
+) -> dict:
     """Run every (rate, concurrency) point against one server; -> {'label', 'model', 'runs': [...]}.
 
     Warm-up sends `warmup_requests` if given, else the first `warmup` of `requests`. Every run
@@ -242,13 +279,27 @@ def benchmark_server(url: str, label: str, requests: list[BenchRequest], *, rate
     runs = []
     for i, (rate, conc) in enumerate(points):
         run_requests = requests if request_sets is None else request_sets[i]
-        results, duration = asyncio.run(run_load(url, model, run_requests, request_rate=rate,
-                                                 burstiness=burstiness, max_concurrency=conc, seed=seed,
-                                                 api_key=api_key))
+        results, duration = asyncio.run(
+            run_load(
+                url,
+                model,
+                run_requests,
+                request_rate=rate,
+                burstiness=burstiness,
+                max_concurrency=conc,
+                seed=seed,
+                api_key=api_key,
+            )
+        )
         metrics = compute_metrics(results, duration, slo_ms)
         errors = sorted({r.error for r in results if r.error})[:3]
-        run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": conc,
-               "burstiness": burstiness, "metrics": metrics, "errors": errors}
+        run = {
+            "request_rate": "inf" if math.isinf(rate) else rate,
+            "max_concurrency": conc,
+            "burstiness": burstiness,
+            "metrics": metrics,
+            "errors": errors,
+        }
         runs.append(run)
         if verbose:
             rate_label = f"rate={run['request_rate']} conc={conc or 'unbounded'}"
@@ -265,8 +316,11 @@ def plot_servers(servers: list[dict], path: str | Path, title: str = "") -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("p50_ttft_ms", "median TTFT (ms)"), ("p50_tpot_ms", "median TPOT (ms)"),
-              ("p50_e2el_ms", "median e2e latency (ms)"))
+    panels = (
+        ("p50_ttft_ms", "median TTFT (ms)"),
+        ("p50_tpot_ms", "median TPOT (ms)"),
+        ("p50_e2el_ms", "median e2e latency (ms)"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     for server in servers:
         ms = [r["metrics"] for r in server["runs"]]
@@ -291,14 +345,23 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt/output length")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the server's, else 2048")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="prompt token ids are drawn below this (default: from --tokenizer-dir config.json)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn below this (default: from --tokenizer-dir config.json)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rates", default="inf", help="comma-separated request rates (req/s) or inf")
     parser.add_argument("--concurrency", default="", help="comma-separated max concurrencies (default unbounded)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="1.0 = Poisson")
-    parser.add_argument("--slo", action="append", default=[], metavar="METRIC:MS",
-                        help="goodput SLO, e.g. --slo ttft:500 --slo tpot:50 (ttft, tpot, e2el)")
+    parser.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="METRIC:MS",
+        help="goodput SLO, e.g. --slo ttft:500 --slo tpot:50 (ttft, tpot, e2el)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="requests sent (and ignored) before measuring")
     parser.add_argument("--api-key", default=None)
 
@@ -307,8 +370,14 @@ def requests_from_args(args, server_max_model_len: int | None) -> list[BenchRequ
     if args.vocab_size is None:
         raise SystemExit("--vocab-size is required (the checkpoint's vocab_size)")
     max_len = args.max_model_len or server_max_model_len or 2048
-    return make_workload(args.workload, vocab_size=args.vocab_size, seed=args.seed, num_requests=args.num_requests,
-                         scale=args.scale, max_model_len=max_len)
+    return make_workload(
+        args.workload,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        scale=args.scale,
+        max_model_len=max_len,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,9 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     requests = requests_from_args(args, info.get("max_model_len"))
     rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()] or [None]
-    result = benchmark_server(args.url, args.label or args.url, requests, rates=rates, concurrencies=concs,
-                              burstiness=args.burstiness, slo_ms=parse_slo(args.slo), seed=args.seed,
-                              model=args.model or info["id"], api_key=args.api_key, warmup=args.warmup)
+    result = benchmark_server(
+        args.url,
+        args.label or args.url,
+        requests,
+        rates=rates,
+        concurrencies=concs,
+        burstiness=args.burstiness,
+        slo_ms=parse_slo(args.slo),
+        seed=args.seed,
+        model=args.model or info["id"],
+        api_key=args.api_key,
+        warmup=args.warmup,
+    )
     result["workload"] = {"name": args.workload, "scale": args.scale, "seed": args.seed, **summarize(requests)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

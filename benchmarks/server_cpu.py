@@ -71,35 +71,72 @@ def _classify(pid: int, before: dict, after: dict) -> dict[str, float]:
     `server.engine_process=false` the loop thread; `xla`: XLA's pools; `other`: the rest."""
     deltas = {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
     groups = {"http": 0.0, "engine": 0.0, "xla": 0.0, "other": 0.0}
-    python = sorted(((d, tid) for tid, (name, d) in deltas.items() if tid != pid and not name.startswith("tf_")),
-                    reverse=True)
+    python = sorted(
+        ((d, tid) for tid, (name, d) in deltas.items() if tid != pid and not name.startswith("tf_")), reverse=True
+    )
     engine_tid = python[0][1] if python else None
     for tid, (name, d) in deltas.items():
-        key = "http" if tid == pid else "xla" if name.startswith("tf_XLAEigen") else \
-            "engine" if tid == engine_tid else "other"
+        key = (
+            "http"
+            if tid == pid
+            else "xla"
+            if name.startswith("tf_XLAEigen")
+            else "engine"
+            if tid == engine_tid
+            else "other"
+        )
         groups[key] += d
     return groups
 
 
 def _load(url: str, num_requests: int, seed: int, out: Path, vocab: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.serve", "--url", url, "--workload", "mixed", "--scale", "0.25",
-           "--vocab-size", str(vocab),
-           "--num-requests", str(num_requests), "--concurrency", "16", "--warmup", "0", "--seed", str(seed),
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serve",
+        "--url",
+        url,
+        "--workload",
+        "mixed",
+        "--scale",
+        "0.25",
+        "--vocab-size",
+        str(vocab),
+        "--num-requests",
+        str(num_requests),
+        "--concurrency",
+        "16",
+        "--warmup",
+        "0",
+        "--seed",
+        str(seed),
+        "--json",
+        str(out),
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     run = json.loads(out.read_text())["runs"][0]["metrics"]
     client = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"output_throughput": run["output_throughput"], "p99_tpot_ms": run["p99_tpot_ms"],
-            "median_ttft_ms": run["median_ttft_ms"], "client_cpu_s": client}
+    return {
+        "output_throughput": run["output_throughput"],
+        "p99_tpot_ms": run["p99_tpot_ms"],
+        "median_ttft_ms": run["median_ttft_ms"],
+        "client_cpu_s": client,
+    }
 
 
 def run_tree(tree: str, checkpoint: str, num_requests: int, seed: int, work: Path) -> dict:
     url = f"http://127.0.0.1:{PORT}"
-    cmd = peers.jaxserve_serve_command(checkpoint, PORT, max_model_len=2048, max_num_seqs=16,
-                                       max_num_batched_tokens=512, dtype="bfloat16",
-                                       compile_cache_dir=str(work / "jax-cache"))
+    cmd = peers.jaxserve_serve_command(
+        checkpoint,
+        PORT,
+        max_model_len=2048,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        dtype="bfloat16",
+        compile_cache_dir=str(work / "jax-cache"),
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
     vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     with peers.running_server(cmd, url, work / "server.log", env=env, cwd=Path(tree).resolve()) as proc:
@@ -109,9 +146,13 @@ def run_tree(tree: str, checkpoint: str, num_requests: int, seed: int, work: Pat
         wall = time.perf_counter() - t0
         cpu = _classify(proc.pid, before, _thread_cpu(proc.pid))
     tokens = result["output_throughput"] * wall
-    return {**result, "wall_s": wall, "server_cpu_s": cpu,
-            "server_python_us_per_token": 1e6 * (cpu["http"] + cpu["engine"]) / tokens,
-            "http_us_per_token": 1e6 * cpu["http"] / tokens}
+    return {
+        **result,
+        "wall_s": wall,
+        "server_cpu_s": cpu,
+        "server_python_us_per_token": 1e6 * (cpu["http"] + cpu["engine"]) / tokens,
+        "http_us_per_token": 1e6 * cpu["http"] / tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +172,29 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_tree(tree, checkpoint, args.num_requests, seed=1000 + rep, work=Path(tmp) / name)
                 runs[name].append(r)
                 cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["server_cpu_s"].items())
-                print(f"rep {rep} {name}: {r['output_throughput']:.0f} tok/s, p99 TPOT {r['p99_tpot_ms']:.1f} ms, "
-                      f"CPU s: {cpu}, client {r['client_cpu_s']:.2f}; HTTP {r['http_us_per_token']:.0f} us/token",
-                      flush=True)
-    median = {name: {k: statistics.median(r[k] for r in rs) for k in
-                     ("output_throughput", "p99_tpot_ms", "median_ttft_ms", "http_us_per_token",
-                      "server_python_us_per_token", "client_cpu_s")} for name, rs in runs.items()}
-    write_json(args.json, {"checkpoint": checkpoint, "trees": trees, "num_requests": args.num_requests,
-                           "median": median, "runs": runs})
+                print(
+                    f"rep {rep} {name}: {r['output_throughput']:.0f} tok/s, p99 TPOT {r['p99_tpot_ms']:.1f} ms, "
+                    f"CPU s: {cpu}, client {r['client_cpu_s']:.2f}; HTTP {r['http_us_per_token']:.0f} us/token",
+                    flush=True,
+                )
+    median = {
+        name: {
+            k: statistics.median(r[k] for r in rs)
+            for k in (
+                "output_throughput",
+                "p99_tpot_ms",
+                "median_ttft_ms",
+                "http_us_per_token",
+                "server_python_us_per_token",
+                "client_cpu_s",
+            )
+        }
+        for name, rs in runs.items()
+    }
+    write_json(
+        args.json,
+        {"checkpoint": checkpoint, "trees": trees, "num_requests": args.num_requests, "median": median, "runs": runs},
+    )
     for name, m in median.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items()))
     return 0

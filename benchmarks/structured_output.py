@@ -37,34 +37,58 @@ from benchmarks.workloads import make_workload, summarize
 SECTIONS = ("offline", "online", "mask", "compile", "sampler")
 # Never complete within a benchmark's max_tokens (minItems), and bounded strings: every step of
 # the grammar run is masked, like a long structured answer.
-SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 10000, "items": {
-    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
-                                     "ok": {"type": "boolean"}},
-    "required": ["id", "name", "ok"], "additionalProperties": False}}},
-    "required": ["rows"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "rows": {
+            "type": "array",
+            "minItems": 10000,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string", "maxLength": 12},
+                    "ok": {"type": "boolean"},
+                },
+                "required": ["id", "name", "ok"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["rows"],
+    "additionalProperties": False,
+}
 
 
 def _engine(args):
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
 
-    return LLMEngine(EngineConfig(model=args.checkpoint, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0))
+    return LLMEngine(
+        EngineConfig(
+            model=args.checkpoint,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=0,
+        )
+    )
 
 
 def _params(max_tokens: int, seed: int, grammar):
     from runtime.types import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True,
-                          structured_output=grammar)
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True, structured_output=grammar)
 
 
 def _run_offline(engine, requests, grammar) -> float:
     from runtime.types import EngineRequest
 
     for i, r in enumerate(requests):
-        engine.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", list(r.prompt_ids), _params(r.max_tokens, i, grammar)))
+        engine.add_request(
+            EngineRequest(f"r{time.monotonic_ns()}-{i}", list(r.prompt_ids), _params(r.max_tokens, i, grammar))
+        )
     t0 = time.perf_counter()
     generated = 0
     while engine.has_unfinished():
@@ -101,9 +125,19 @@ def online(engine, requests, repeats: int) -> dict:
             extra["structured_outputs"] = {"json": SCHEMA}
         async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=3600) as c:
             t0 = time.perf_counter()
-            outs = await asyncio.gather(*[
-                c.completions.create(model="bench", prompt=list(r.prompt_ids), max_tokens=r.max_tokens,
-                                     temperature=1.0, seed=i, extra_body=extra) for i, r in enumerate(requests)])
+            outs = await asyncio.gather(
+                *[
+                    c.completions.create(
+                        model="bench",
+                        prompt=list(r.prompt_ids),
+                        max_tokens=r.max_tokens,
+                        temperature=1.0,
+                        seed=i,
+                        extra_body=extra,
+                    )
+                    for i, r in enumerate(requests)
+                ]
+            )
             wall = time.perf_counter() - t0
         return sum(o.usage.completion_tokens for o in outs) / wall
 
@@ -136,8 +170,13 @@ def mask_fill(compiler, grammar, rows: int, steps: int) -> dict:
         bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
         for row, request_id in enumerate(ids):
             manager.advance(request_id, int(rng.choice(np.flatnonzero(bits[row]))))
-    return {"rows": rows, "steps": steps, "fill_ms_median": statistics.median(times),
-            "fill_ms_p90": float(np.percentile(times, 90)), "per_row_us_median": statistics.median(times) * 1e3 / rows}
+    return {
+        "rows": rows,
+        "steps": steps,
+        "fill_ms_median": statistics.median(times),
+        "fill_ms_p90": float(np.percentile(times, 90)),
+        "per_row_us_median": statistics.median(times) * 1e3 / rows,
+    }
 
 
 def compile_times(tokenizer, vocab_size: int, eos_ids, count: int) -> dict:
@@ -159,8 +198,13 @@ def compile_times(tokenizer, vocab_size: int, eos_ids, count: int) -> dict:
 
     cold, cached = timed(), timed()
     compiler.shutdown()
-    return {"tokenizer_view_s": tokenizer_s, "cold_ms_median": statistics.median(cold),
-            "cold_ms_max": max(cold), "cached_ms_median": statistics.median(cached), "schemas": count}
+    return {
+        "tokenizer_view_s": tokenizer_s,
+        "cold_ms_median": statistics.median(cold),
+        "cold_ms_max": max(cold),
+        "cached_ms_median": statistics.median(cached),
+        "schemas": count,
+    }
 
 
 def sampler_overhead(rows: int, vocab: int, iters: int = 50) -> dict:
@@ -174,7 +218,7 @@ def sampler_overhead(rows: int, vocab: int, iters: int = 50) -> dict:
     rng = np.random.default_rng(0)
     logits = jax.device_put(rng.normal(size=(rows, vocab)).astype(np.float32))
     bitmask = np.full((rows, bitmask_width(vocab)), -1, np.int32)
-    bitmask[: rows // 2] = rng.integers(-2**31, 2**31, size=(rows // 2, bitmask.shape[1]), dtype=np.int64)
+    bitmask[: rows // 2] = rng.integers(-(2**31), 2**31, size=(rows // 2, bitmask.shape[1]), dtype=np.int64)
     result = {"rows": rows, "vocab": vocab, "device": str(jax.devices()[0])}
     for temperature in (1.0, 0.0):
         params = [SamplingParams(temperature=temperature, seed=i) for i in range(rows)]
@@ -241,11 +285,20 @@ def _with_engine(args, sections: list[str]) -> dict:
     grammar = StructuredOutput("json", json.dumps(SCHEMA))
     engine = _engine(args)
     cfg = engine.model.cfg
-    requests = make_workload(args.workload, vocab_size=cfg.vocab_size, seed=0, num_requests=args.num_requests,
-                             scale=args.scale, max_model_len=args.max_model_len)
-    result = {"checkpoint": args.checkpoint, "workload": {"name": args.workload, "scale": args.scale,
-                                                          **summarize(requests)},
-              "max_num_seqs": args.max_num_seqs, "schema": SCHEMA}
+    requests = make_workload(
+        args.workload,
+        vocab_size=cfg.vocab_size,
+        seed=0,
+        num_requests=args.num_requests,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+    )
+    result = {
+        "checkpoint": args.checkpoint,
+        "workload": {"name": args.workload, "scale": args.scale, **summarize(requests)},
+        "max_num_seqs": args.max_num_seqs,
+        "schema": SCHEMA,
+    }
     if "offline" in sections:
         result["offline"] = offline(engine, requests, grammar, args.repeats)
         print("offline", json.dumps(result["offline"]), flush=True)
@@ -253,8 +306,9 @@ def _with_engine(args, sections: list[str]) -> dict:
         result["mask"] = mask_fill(engine.structured_output.compiler, grammar, args.mask_rows, args.mask_steps)
         print("mask", json.dumps(result["mask"]), flush=True)
     if "compile" in sections:
-        result["compile"] = compile_times(engine.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids),
-                                          args.compile_schemas)
+        result["compile"] = compile_times(
+            engine.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids), args.compile_schemas
+        )
         print("compile", json.dumps(result["compile"]), flush=True)
     if "online" in sections:  # last: the server takes the engine over
         result["online"] = online(engine, requests, args.repeats)

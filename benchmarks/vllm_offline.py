@@ -32,8 +32,17 @@ from pathlib import Path
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-SPEC_KEYS = ("checkpoint", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "enable_prefix_caching", "repeats", "warmup", "requests")
+SPEC_KEYS = (
+    "checkpoint",
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "repeats",
+    "warmup",
+    "requests",
+)
 
 
 def read_spec(path: str | Path) -> dict:
@@ -54,9 +63,15 @@ def run(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(spec["checkpoint"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              enable_prefix_caching=spec["enable_prefix_caching"], seed=0)
+    llm = LLM(
+        spec["checkpoint"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        enable_prefix_caching=spec["enable_prefix_caching"],
+        seed=0,
+    )
     startup = time.perf_counter() - t0
     requests = spec["requests"]
 
@@ -76,9 +91,15 @@ def run(spec: dict) -> dict:
     runs = [generate(requests) for _ in range(int(spec["repeats"]))]
     seconds, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
     output_tokens = sum(n for _, n in requests)
-    return {"vllm_version": getattr(vllm, "__version__", None), "startup_s": startup,
-            "all_seconds": [s for s, _ in runs], "seconds": seconds, "output_tokens": output_tokens,
-            "output_tokens_per_s": output_tokens / seconds, "tokens": tokens}
+    return {
+        "vllm_version": getattr(vllm, "__version__", None),
+        "startup_s": startup,
+        "all_seconds": [s for s, _ in runs],
+        "seconds": seconds,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / seconds,
+        "tokens": tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run(read_spec(argv[0]))
     Path(argv[1]).write_text(json.dumps(result))
-    print(f"vLLM {result['vllm_version']}: {result['output_tokens_per_s']:.1f} tok/s (median of "
-          f"{len(result['all_seconds'])} runs, {result['seconds']:.2f} s; start-up {result['startup_s']:.1f} s)",
-          flush=True)
+    print(
+        f"vLLM {result['vllm_version']}: {result['output_tokens_per_s']:.1f} tok/s (median of "
+        f"{len(result['all_seconds'])} runs, {result['seconds']:.2f} s; start-up {result['startup_s']:.1f} s)",
+        flush=True,
+    )
     return 0
 
 

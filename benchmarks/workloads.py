@@ -48,7 +48,7 @@ def token_id_range(vocab_size: int) -> tuple[int, int]:
 
 
 def _scaled(n: float, scale: float) -> int:
-    return max(1, int(round(n * scale)))
+    return max(1, round(n * scale))
 
 
 def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...]:
@@ -62,8 +62,15 @@ def _long_tailed(rng: np.random.Generator, n: int, low: int, high: int, median: 
     return np.clip(np.round(draws), low, high).astype(int)
 
 
-def make_workload(name: str, *, vocab_size: int, seed: int = 0, num_requests: int | None = None,
-                  scale: float = 1.0, max_model_len: int = 2048) -> list[BenchRequest]:
+def make_workload(
+    name: str,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    num_requests: int | None = None,
+    scale: float = 1.0,
+    max_model_len: int = 2048,
+) -> list[BenchRequest]:
     """The `name` workload: a list of requests, identical for identical arguments."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
@@ -135,9 +142,15 @@ def summarize(requests: list[BenchRequest]) -> dict:
         "num_requests": len(requests),
         "prompt_tokens": int(sum(prompt_lens)),
         "output_tokens": int(sum(output_lens)),
-        "prompt_len_min_mean_max": [min(prompt_lens, default=0), float(np.mean(prompt_lens or [0])),
-                                    max(prompt_lens, default=0)],
-        "output_len_min_mean_max": [min(output_lens, default=0), float(np.mean(output_lens or [0])),
-                                    max(output_lens, default=0)],
+        "prompt_len_min_mean_max": [
+            min(prompt_lens, default=0),
+            float(np.mean(prompt_lens or [0])),
+            max(prompt_lens, default=0),
+        ],
+        "output_len_min_mean_max": [
+            min(output_lens, default=0),
+            float(np.mean(output_lens or [0])),
+            max(output_lens, default=0),
+        ],
         "sha256": digest.hexdigest()[:16],
     }

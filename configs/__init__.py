@@ -21,7 +21,21 @@ from configs.schema import (
 )
 
 __all__ = [
-    "CONFIG_DIR", "DEFAULTS", "DEFAULT_CONFIG", "CacheSection", "CompileConfig", "ConfigError", "KVTransferSection",
-    "KernelsConfig", "LaunchConfig", "MeshConfig", "ModelSection", "MultihostConfig", "ParallelConfig",
-    "SchedulerSection", "ServerConfig", "load_config", "parse_override",
+    "CONFIG_DIR",
+    "DEFAULTS",
+    "DEFAULT_CONFIG",
+    "CacheSection",
+    "CompileConfig",
+    "ConfigError",
+    "KVTransferSection",
+    "KernelsConfig",
+    "LaunchConfig",
+    "MeshConfig",
+    "ModelSection",
+    "MultihostConfig",
+    "ParallelConfig",
+    "SchedulerSection",
+    "ServerConfig",
+    "load_config",
+    "parse_override",
 ]

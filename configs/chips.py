@@ -26,15 +26,56 @@ class ChipSpec:
     topology_name: str | None = None  # TPU generation for get_topology_desc("<name>:<topology>")
 
 
-CHIPS: dict[str, ChipSpec] = {c.name: c for c in (
-    ChipSpec("tpu-v5e", "tpu", "TPU v5 lite", 16 * GiB, 819 * GB, 197 * TB,
-             "https://cloud.google.com/tpu/docs/v5e (16 GiB HBM2, 819 GBps, 197 TFLOPs bf16)", "v5e"),
-    ChipSpec("tpu-v5p", "tpu", "TPU v5", 95 * GiB, 2765 * GB, 459 * TB,
-             "https://cloud.google.com/tpu/docs/v5p (95 GiB HBM2e, 2765 GBps, 459 TFLOPs bf16)", "v5p"),
-    ChipSpec("tpu-v6e", "tpu", "TPU v6 lite", 32 * GiB, 1640 * GB, 918 * TB,
-             "https://cloud.google.com/tpu/docs/v6e (32 GiB HBM, 1640 GBps, 918 TFLOPs bf16)", "v6e"),
-    ChipSpec("gpu-h200", "gpu", "NVIDIA H200", 141 * GB, 4.8 * TB, 989 * TB,
-             "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s, 989 TFLOPS bf16 dense)"),
-    ChipSpec("gpu-h100", "gpu", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35 * TB, 989 * TB,
-             "https://www.nvidia.com/en-us/data-center/h100/ (SXM: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS bf16 dense)"),
-)}
+CHIPS: dict[str, ChipSpec] = {
+    c.name: c
+    for c in (
+        ChipSpec(
+            "tpu-v5e",
+            "tpu",
+            "TPU v5 lite",
+            16 * GiB,
+            819 * GB,
+            197 * TB,
+            "https://cloud.google.com/tpu/docs/v5e (16 GiB HBM2, 819 GBps, 197 TFLOPs bf16)",
+            "v5e",
+        ),
+        ChipSpec(
+            "tpu-v5p",
+            "tpu",
+            "TPU v5",
+            95 * GiB,
+            2765 * GB,
+            459 * TB,
+            "https://cloud.google.com/tpu/docs/v5p (95 GiB HBM2e, 2765 GBps, 459 TFLOPs bf16)",
+            "v5p",
+        ),
+        ChipSpec(
+            "tpu-v6e",
+            "tpu",
+            "TPU v6 lite",
+            32 * GiB,
+            1640 * GB,
+            918 * TB,
+            "https://cloud.google.com/tpu/docs/v6e (32 GiB HBM, 1640 GBps, 918 TFLOPs bf16)",
+            "v6e",
+        ),
+        ChipSpec(
+            "gpu-h200",
+            "gpu",
+            "NVIDIA H200",
+            141 * GB,
+            4.8 * TB,
+            989 * TB,
+            "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s, 989 TFLOPS bf16 dense)",
+        ),
+        ChipSpec(
+            "gpu-h100",
+            "gpu",
+            "NVIDIA H100 80GB HBM3",
+            80 * GB,
+            3.35 * TB,
+            989 * TB,
+            "https://www.nvidia.com/en-us/data-center/h100/ (SXM: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS bf16 dense)",
+        ),
+    )
+}

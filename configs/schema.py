@@ -17,12 +17,23 @@ runtime.config.CacheConfig / SchedulerConfig, runtime.kv_transfer.KVTransferConf
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+import itertools
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Annotated, Any, Literal, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from configs.environment import environment_overrides
 
@@ -43,8 +54,9 @@ PLUGIN_GROUP = "jaxserve.plugins"  # models.registry.PLUGIN_GROUP (configs impor
 
 def registered_names(kind: str) -> list[str]:
     """Built-in names of `kind` plus those installed distributions add through entry points."""
-    plugins = [ep.name.partition(".")[2] for ep in metadata.entry_points(group=PLUGIN_GROUP)
-               if ep.name.startswith(kind + ".")]
+    plugins = [
+        ep.name.partition(".")[2] for ep in metadata.entry_points(group=PLUGIN_GROUP) if ep.name.startswith(kind + ".")
+    ]
     return list(dict.fromkeys([*BUILTIN_NAMES[kind], *plugins]))
 
 
@@ -116,7 +128,7 @@ class CacheSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _one_sizing_rule(self) -> "CacheSection":
+    def _one_sizing_rule(self) -> CacheSection:
         if self.num_pages is not None and self.memory_fraction is not None:
             raise ValueError("set num_pages or memory_fraction, not both")
         return self
@@ -134,7 +146,7 @@ class SchedulerSection(_Section):
     async_scheduling: bool = True
 
     @model_validator(mode="after")
-    def _budget_is_consistent(self) -> "SchedulerSection":
+    def _budget_is_consistent(self) -> SchedulerSection:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -144,7 +156,7 @@ class SchedulerSection(_Section):
         if buckets is not None:
             if not buckets or any(b < 1 for b in buckets):
                 raise ValueError("token_buckets must be a non-empty list of positive integers")
-            if any(a >= b for a, b in zip(buckets, buckets[1:])):
+            if any(a >= b for a, b in itertools.pairwise(buckets)):
                 raise ValueError("token_buckets must be strictly increasing")
             if buckets[-1] != self.max_num_batched_tokens:
                 raise ValueError(
@@ -190,8 +202,9 @@ class MultihostConfig(_Section):
     @classmethod
     def _secret_strength(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value().strip()) < 16:
-            raise ValueError("must be at least 16 characters (e.g. `python -c 'import secrets; "
-                             "print(secrets.token_urlsafe(32))'`)")
+            raise ValueError(
+                "must be at least 16 characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
         return value
 
     @field_validator("coordinator_address", "coordinator_bind_address")
@@ -205,7 +218,7 @@ class MultihostConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _process_id_in_range(self) -> "MultihostConfig":
+    def _process_id_in_range(self) -> MultihostConfig:
         if self.process_id >= self.num_processes:
             raise ValueError(f"process_id ({self.process_id}) must be < num_processes ({self.num_processes})")
         return self
@@ -242,8 +255,10 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _data_parallel_serves_both_roles(self):
         if self.mesh.data > 1 and self.role != "both":
-            raise ValueError(f"mesh.data={self.mesh.data} (attention data parallelism) with role={self.role!r}: "
-                             "P/D disaggregation runs with data: 1")
+            raise ValueError(
+                f"mesh.data={self.mesh.data} (attention data parallelism) with role={self.role!r}: "
+                "P/D disaggregation runs with data: 1"
+            )
         return self
 
 
@@ -275,8 +290,9 @@ class KVTransferSection(_Section):
     @classmethod
     def _token_strength(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value().strip()) < 16:
-            raise ValueError("must be at least 16 characters (e.g. `python -c 'import secrets; "
-                             "print(secrets.token_urlsafe(32))'`)")
+            raise ValueError(
+                "must be at least 16 characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+            )
         return value
 
 
@@ -428,6 +444,6 @@ def _describe(err: ValidationError) -> str:
         if issue["type"] == "extra_forbidden":
             message = "unknown field"
         elif message.startswith("Value error, "):
-            message = message[len("Value error, "):]
+            message = message[len("Value error, ") :]
         lines.append(f"{where}: {message}")
     return "; ".join(lines)

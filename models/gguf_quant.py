@@ -34,7 +34,7 @@ def repack(data: np.ndarray, tensor_type, rows: int, cols: int) -> QuantizedWeig
         codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
         return QuantizedWeight(np.ascontiguousarray(codes.T), np.ascontiguousarray(d.T), bits=8, group_size=BLOCK)
     start = 2 if tensor_type == Q.Q4_0 else 4
-    nibbles = blocks[..., start:start + 16]
+    nibbles = blocks[..., start : start + 16]
     codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)  # element j, then j + 16
     offset = None
     if tensor_type == Q.Q4_1:

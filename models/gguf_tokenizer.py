@@ -34,8 +34,12 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
-_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                      "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def read_tokenizer_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -60,8 +64,11 @@ def _field_value(field) -> Any:
 @functools.cache
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (`bytes_to_unicode`)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     mapping = {byte: chr(byte) for byte in printable}
     others = [byte for byte in range(256) if byte not in mapping]
     mapping.update({byte: chr(256 + n) for n, byte in enumerate(others)})
@@ -79,39 +86,67 @@ def build_gguf_tokenizer(metadata: dict[str, Any]):
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
-    vocab = {(token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
-             for index, token in enumerate(tokens)}
+    vocab = {
+        (token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))): index
+        for index, token in enumerate(tokens)
+    }
     merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False))
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) stay whole and are special; a control token spelled
     # outside the byte alphabet is a llama.cpp mislabel and is skipped, as transformers does.
-    backend.add_special_tokens([AddedToken(token, normalized=False, special=True)
-                                for token, kind in zip(tokens, token_types)
-                                if kind == CONTROL and set(token) <= alphabet])
-    backend.add_tokens([AddedToken(token, normalized=False, special=False)
-                        for token, kind in zip(tokens, token_types) if kind == USER_DEFINED and token in vocab])
+    backend.add_special_tokens(
+        [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, token_types)
+            if kind == CONTROL and set(token) <= alphabet
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(tokens, token_types)
+            if kind == USER_DEFINED and token in vocab
+        ]
+    )
 
-    special = {name: tokens[metadata[f"tokenizer.ggml.{key}"]] for name, key in _SPECIAL_TOKEN_IDS.items()
-               if f"tokenizer.ggml.{key}" in metadata}
+    special = {
+        name: tokens[metadata[f"tokenizer.ggml.{key}"]]
+        for name, key in _SPECIAL_TOKEN_IDS.items()
+        if f"tokenizer.ggml.{key}" in metadata
+    }
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and "bos_token" in special
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in special
     if add_bos or add_eos:
         pieces = [[special["bos_token"]] if add_bos else [], [special["eos_token"]] if add_eos else []]
         single = " ".join(pieces[0] + ["$A"] + pieces[1])
         backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=single + " " + single.replace("$A", "$B"),
-            special_tokens=[(token, vocab[token]) for token in {*pieces[0], *pieces[1]}])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=metadata.get("tokenizer.chat_template"),
-                                   **special)
+            single=single,
+            pair=single + " " + single.replace("$A", "$B"),
+            special_tokens=[(token, vocab[token]) for token in {*pieces[0], *pieces[1]}],
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, chat_template=metadata.get("tokenizer.chat_template"), **special
+    )
 
 
 def load_tokenizer_from_gguf_metadata(path: str | Path):

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.batch import single_sequence_batch
-from pallas_kernels.kv_cache import KVPages
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.ops import KernelOptions
 from models.orbax_io import is_orbax_checkpoint, restore_params
@@ -27,10 +26,11 @@ from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
 from models.quantization import OutInWeight, PackedWeight, QuantizedWeight, packed, param_bytes
-from models.sharding import shard_caches, shard_model
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
+from models.sharding import shard_caches, shard_model
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
+from pallas_kernels.kv_cache import KVPages
 
 log = logging.getLogger("jaxserve.model")
 
@@ -85,15 +85,21 @@ class Model:
         `unstack_layers`. Float32 and quantized weights are left as they are."""
         self.params = out_in_projections(self.params, hold=packed)
         embed = self.params["embed"]
-        if "lm_head" not in self.params and "head_packed" not in self.params and not isinstance(
-                embed, QuantizedWeight) and embed.dtype == jnp.bfloat16:  # tied: the logits' weight [V, H] packed
+        if (
+            "lm_head" not in self.params
+            and "head_packed" not in self.params
+            and not isinstance(embed, QuantizedWeight)
+            and embed.dtype == jnp.bfloat16
+        ):  # tied: the logits' weight [V, H] packed
             self.params["head_packed"] = packed(OutInWeight(embed))
 
     @property
     def out_in(self) -> bool:
         """Whether the projections are held in a CPU layout ([out, in] or packed), not as loaded."""
-        return any(isinstance(w, (OutInWeight, PackedWeight)) for w in jax.tree.leaves(
-            self.params, is_leaf=lambda w: isinstance(w, (OutInWeight, PackedWeight))))
+        return any(
+            isinstance(w, (OutInWeight, PackedWeight))
+            for w in jax.tree.leaves(self.params, is_leaf=lambda w: isinstance(w, (OutInWeight, PackedWeight)))
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters on the device(s), scales included."""
@@ -105,8 +111,9 @@ class Model:
         if not self.unrolled:
             self.params = unstack_layers(self.params)
 
-    def init_caches(self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto",
-                    bit_storage: bool = False) -> dict:
+    def init_caches(
+        self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto", bit_storage: bool = False
+    ) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
@@ -118,16 +125,23 @@ class Model:
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
             if cfg.layer_types[j] == ATTENTION:
-                kv.append(KVPages.create(G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                         bit_storage=bit_storage))
+                kv.append(
+                    KVPages.create(
+                        G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, bit_storage=bit_storage
+                    )
+                )
                 conv.append(None)
                 rec.append(None)
             else:
                 kv.append(None)
                 W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
                 conv.append(jnp.zeros((G * num_slots, W - 1, C), jnp.float32))
-                rec.append(jnp.zeros((G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                      cfg.linear_value_head_dim), jnp.float32))
+                rec.append(
+                    jnp.zeros(
+                        (G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                        jnp.float32,
+                    )
+                )
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None else shard_caches(caches, cfg, self.tp.mesh)
 
@@ -137,11 +151,14 @@ class Model:
 
     def state_bytes_per_slot(self) -> int:
         c = self.cfg
-        per_layer = (c.linear_conv_kernel_dim - 1) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        per_layer = (
+            c.linear_conv_kernel_dim - 1
+        ) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         return 4 * per_layer * c.num_linear_layers
 
-    def logits(self, token_ids, opts: KernelOptions | None = None, page_size: int = 16,
-               kv_dtype: str = "auto") -> np.ndarray:
+    def logits(
+        self, token_ids, opts: KernelOptions | None = None, page_size: int = 16, kv_dtype: str = "auto"
+    ) -> np.ndarray:
         """Causal logits [T, vocab] (float32 numpy) for one sequence, from an empty cache whose KV
         pages are stored as `kv_dtype` (e.g. "fp8_e4m3" to measure FP8 KV quality)."""
         token_ids = [int(t) for t in token_ids]
@@ -157,8 +174,9 @@ class Model:
         caches = self.init_caches(2 + padded // page_size, page_size, num_slots=2, kv_dtype=kv_dtype)
         return np.asarray(_logits_fn(self.cfg, opts)(self.params, caches, batch))[:T]
 
-    def greedy(self, token_ids, max_new_tokens: int, opts: KernelOptions | None = None,
-               page_size: int = 16) -> list[int]:
+    def greedy(
+        self, token_ids, max_new_tokens: int, opts: KernelOptions | None = None, page_size: int = 16
+    ) -> list[int]:
         """Greedy continuation of one sequence: one prefill, then one-token decode steps through the
         paged caches (pages and state slot carried between steps). No EOS handling: exactly
         `max_new_tokens` tokens. The plain reference loop the engine is checked against."""
@@ -170,9 +188,11 @@ class Model:
         out: list[int] = []
         padded = pow2_bucket(len(ids), SEQUENCE_PAD_MIN)
         caches = self.init_caches(2 + (padded + max_new_tokens) // page_size, page_size, num_slots=2)
-        batch = dataclasses.replace(single_sequence_batch(ids, page_size, pad_to=padded),
-                                    block_tables=full.block_tables,  # one table width: fewer compiles
-                                    logits_indices=np.array([len(ids) - 1], np.int32))
+        batch = dataclasses.replace(
+            single_sequence_batch(ids, page_size, pad_to=padded),
+            block_tables=full.block_tables,  # one table width: fewer compiles
+            logits_indices=np.array([len(ids) - 1], np.int32),
+        )
         for i in range(max_new_tokens):
             caches, tok = step(self.params, caches, batch)
             out.append(int(tok[0]))
@@ -194,7 +214,7 @@ class Model:
         return opts if self.tp is None else dataclasses.replace(opts, tp=self.tp)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logits_fn(cfg: ModelConfig, opts: KernelOptions):
     def run(params, caches, batch):
         hidden, _ = forward(params, caches, batch, cfg=cfg, opts=opts)
@@ -203,7 +223,7 @@ def _logits_fn(cfg: ModelConfig, opts: KernelOptions):
     return jax.jit(run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step_fn(cfg: ModelConfig, opts: KernelOptions):
     def run(params, caches, batch):
         hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
@@ -216,8 +236,14 @@ def _gguf_kind(w: QuantizedWeight) -> str:
     return f"int{w.bits}-g{w.group_size}" + ("-offset" if w.offset is not None else "")
 
 
-KV_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn,
-             "fp8_e5m2": jnp.float8_e5m2, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+KV_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+}
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
@@ -228,9 +254,15 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str):
     return jnp.dtype(KV_DTYPES[kv_dtype])
 
 
-def load_model(path: str | Path, dtype: str = "float32", progress: bool = False, mesh=None,
-               quantization: QuantizationConfig | None = None, keep_gguf_quantized: bool = True,
-               expert_parallel: bool = False) -> Model:
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    progress: bool = False,
+    mesh=None,
+    quantization: QuantizationConfig | None = None,
+    keep_gguf_quantized: bool = True,
+    expert_parallel: bool = False,
+) -> Model:
     """Load an HF checkpoint directory (config.json + *.safetensors), a GGUF file / directory, or a
     `jaxserve convert` orbax directory, split over `mesh` when given (`models.sharding.shard_model`;
     an orbax checkpoint is restored straight into that sharding, each process reading its shards).
@@ -247,8 +279,10 @@ def load_model(path: str | Path, dtype: str = "float32", progress: bool = False,
         model = Model(cfg, params, dtype, path)
         model.tp = tp
         if quantization is not None:
-            raise CheckpointError(f"{path}: online quantization of an orbax checkpoint is not supported; "
-                                  "quantize before `jaxserve convert`, or serve the HF directory")
+            raise CheckpointError(
+                f"{path}: online quantization of an orbax checkpoint is not supported; "
+                "quantize before `jaxserve convert`, or serve the HF directory"
+            )
         return model
     model = _load_unsharded(path, dtype, progress, keep_gguf_quantized)
     if quantization is not None:

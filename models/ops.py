@@ -49,6 +49,7 @@ def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
         return "native" if which in ("attention", "gdn") else "reference"
     return "pallas"
 
+
 # Attention and GDN back-ends by name (`attention_backend` / `gdn_backend`; "auto" picks below).
 # An entry is `fn(*operands, interpret=..., **op_kwargs)`: attention `(q, kv, kv_lens,
 # block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret)`, GDN
@@ -116,18 +117,40 @@ def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
     if tp is None or not tp.attention:
         return _write_kv(kv, k, v, slot_mapping)
     heads = P(None, tp.axis)
-    return _on_mesh(_write_kv, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()),
-                    _kv_specs(kv, tp.axis))(kv, k, v, slot_mapping)
+    return _on_mesh(_write_kv, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()), _kv_specs(kv, tp.axis))(
+        kv, k, v, slot_mapping
+    )
 
 
-def paged_attention(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, opts: KernelOptions, *, sm_scale,
-                    sliding_window=None, soft_cap=None):
+def paged_attention(
+    q,
+    kv,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    opts: KernelOptions,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+):
     impl = opts.impl("attention")
     backend = ATTENTION_BACKENDS.get(impl)
 
     def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs):
-        return backend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                       sliding_window=sliding_window, soft_cap=soft_cap, interpret=opts.interpret)
+        return backend(
+            q,
+            kv,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=opts.interpret,
+        )
 
     tp = opts.tp
     if tp is not None and _per_shard(impl, backend):
@@ -164,8 +187,13 @@ def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state,
         return conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
     if impl == "pallas":
         channels = P(None, tp.axis)  # x [T, C]
-        conv = _on_mesh(conv, tp, tp.gdn, (channels, P(tp.axis, None), P(None, None, tp.axis)) + (P(),) * 4,
-                        (channels, P(None, None, tp.axis)))
+        conv = _on_mesh(
+            conv,
+            tp,
+            tp.gdn,
+            (channels, P(tp.axis, None), P(None, None, tp.axis)) + (P(),) * 4,
+            (channels, P(None, None, tp.axis)),
+        )
     y, conv_state = conv(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state, num_seqs)
     if tp.gdn:
         y = unpermute_qkv(y, tp.gdn_qkv_widths, tp.size)

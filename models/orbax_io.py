@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from models.weights import abstract_params
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError
 from models.sharding import TensorParallel, _reorder_gdn, param_specs, tensor_parallel_plan
+from models.weights import abstract_params
 
 MARKER = "jaxserve_orbax.json"
 PARAMS = "params"
@@ -36,8 +36,9 @@ def is_orbax_checkpoint(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def write_checkpoint(params: dict, cfg: ModelConfig, src: str | Path, out_dir: str | Path, dtype: str,
-                     mesh: Mesh | None = None) -> Path:
+def write_checkpoint(
+    params: dict, cfg: ModelConfig, src: str | Path, out_dir: str | Path, dtype: str, mesh: Mesh | None = None
+) -> Path:
     """Write `params` (in `dtype`, which the marker records) with orbax into the empty or new `out_dir`,
     with the side files of the HF directory `src`. With `mesh`, the arrays are written from their sharded placement (each
     process writes its shards)."""
@@ -61,8 +62,9 @@ def saved_dtype(path: str | Path) -> str:
     return json.loads((Path(path) / MARKER).read_text())["dtype"]
 
 
-def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
-                   mesh: Mesh | None = None, expert_parallel: bool = False) -> tuple[dict, TensorParallel | None]:
+def restore_params(
+    path: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None, expert_parallel: bool = False
+) -> tuple[dict, TensorParallel | None]:
     """The parameters of an orbax checkpoint (cast to `dtype`), on one device or split over `mesh`
     (then also its `TensorParallel` plan, as `shard_model` would set it)."""
     import orbax.checkpoint as ocp
@@ -77,8 +79,9 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
     else:
         plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
         specs = param_specs(abstract, cfg, plan)
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-                              abstract, specs)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), abstract, specs
+        )
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore((path / PARAMS).absolute(), target)
@@ -91,4 +94,3 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype: str,
         return jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.dtype(stored) else a, p)
 
     return jax.jit(finish, out_shardings=shardings)(params), plan
-

@@ -63,8 +63,9 @@ def _group_size(qc: dict, *aliases) -> int:
     if g == -1:
         return 0
     if g <= 0 or g % 8:
-        raise CheckpointError(f"config.json quantization_config.group_size: must be -1 or a positive multiple "
-                              f"of 8, got {g}")
+        raise CheckpointError(
+            f"config.json quantization_config.group_size: must be -1 or a positive multiple of 8, got {g}"
+        )
     return g
 
 
@@ -81,10 +82,13 @@ def parse_quantization_config(qc) -> CheckpointQuantization | None:
             raise CheckpointError(f"config.json quantization_config.bits: AWQ supports 4 bits, got {bits}")
         version = _field(qc, "version", str, "gemm").lower()
         if version != "gemm":
-            raise CheckpointError(f"config.json quantization_config.version: only the AWQ GEMM layout is "
-                                  f"supported, got {version!r}")
+            raise CheckpointError(
+                f"config.json quantization_config.version: only the AWQ GEMM layout is supported, got {version!r}"
+            )
         if not _field(qc, "zero_point", bool, True):
-            raise CheckpointError("config.json quantization_config.zero_point: AWQ without zero points is not supported")
+            raise CheckpointError(
+                "config.json quantization_config.zero_point: AWQ without zero points is not supported"
+            )
         return CheckpointQuantization("awq", _group_size(qc, "q_group_size"))
     if method == "gptq":
         bits = _field(qc, "bits", int)
@@ -92,40 +96,52 @@ def parse_quantization_config(qc) -> CheckpointQuantization | None:
             raise CheckpointError(f"config.json quantization_config.bits: GPTQ supports 4 bits, got {bits}")
         fmt = _field(qc, "checkpoint_format", str, "gptq")
         if fmt != "gptq":
-            raise CheckpointError(f"config.json quantization_config.checkpoint_format: only 'gptq' (v1) is "
-                                  f"supported, got {fmt!r}")
+            raise CheckpointError(
+                f"config.json quantization_config.checkpoint_format: only 'gptq' (v1) is supported, got {fmt!r}"
+            )
         return CheckpointQuantization("gptq", _group_size(qc), desc_act=_field(qc, "desc_act", bool, False))
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
-    raise CheckpointError(f"config.json quantization_config.quant_method: supported are awq, gptq and "
-                          f"compressed-tensors, got {method!r}")
+    raise CheckpointError(
+        f"config.json quantization_config.quant_method: supported are awq, gptq and compressed-tensors, got {method!r}"
+    )
 
 
 def _parse_compressed_tensors(qc: dict) -> CheckpointQuantization:
     fmt = _field(qc, "format", str)
     if fmt != "float-quantized":
-        raise CheckpointError(f"config.json quantization_config.format: only 'float-quantized' (FP8) is "
-                              f"supported, got {fmt!r}")
+        raise CheckpointError(
+            f"config.json quantization_config.format: only 'float-quantized' (FP8) is supported, got {fmt!r}"
+        )
     groups = _field(qc, "config_groups", dict)
     if len(groups) != 1:
         raise CheckpointError(f"config.json quantization_config.config_groups: expected one group, got {len(groups)}")
-    (name, group), = groups.items()
+    ((name, group),) = groups.items()
     where = f"config.json quantization_config.config_groups.{name}"
     weights = group.get("weights") if isinstance(group, dict) else None
     if not isinstance(weights, dict):
         raise CheckpointError(f"{where}.weights: missing")
     if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
-        raise CheckpointError(f"{where}.weights: only num_bits 8 / type float is supported, got "
-                              f"{weights.get('num_bits')} / {weights.get('type')}")
+        raise CheckpointError(
+            f"{where}.weights: only num_bits 8 / type float is supported, got "
+            f"{weights.get('num_bits')} / {weights.get('type')}"
+        )
     if weights.get("strategy") not in ("channel", "tensor"):
         raise CheckpointError(f"{where}.weights.strategy: channel or tensor, got {weights.get('strategy')!r}")
     acts = group.get("input_activations")
     if acts is None:
         return CheckpointQuantization("fp8")
-    if not isinstance(acts, dict) or not acts.get("dynamic") or acts.get("type") != "float" \
-            or acts.get("num_bits") != 8 or acts.get("strategy") != "token":
-        raise CheckpointError(f"{where}.input_activations: only dynamic per-token FP8 (num_bits 8, type float, "
-                              f"strategy token, dynamic true) is supported, got {acts!r}")
+    if (
+        not isinstance(acts, dict)
+        or not acts.get("dynamic")
+        or acts.get("type") != "float"
+        or acts.get("num_bits") != 8
+        or acts.get("strategy") != "token"
+    ):
+        raise CheckpointError(
+            f"{where}.input_activations: only dynamic per-token FP8 (num_bits 8, type float, "
+            f"strategy token, dynamic true) is supported, got {acts!r}"
+        )
     return CheckpointQuantization("fp8", act="fp8")
 
 
@@ -173,14 +189,17 @@ def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantizatio
             raise CheckpointError(f"{src_name(src)}: tensor {module}.weight is {q.dtype}, expected float8_e4m3fn")
         scale = np.asarray(src.get(f"{module}.weight_scale"), np.float32)
         if scale.size not in (1, out):
-            raise CheckpointError(f"{src_name(src)}: tensor {module}.weight_scale has shape {list(scale.shape)}, "
-                                  f"expected [{out}, 1] or [1]")
+            raise CheckpointError(
+                f"{src_name(src)}: tensor {module}.weight_scale has shape {list(scale.shape)}, "
+                f"expected [{out}, 1] or [1]"
+            )
         scale = np.broadcast_to(scale.reshape(1, -1), (1, out)).copy()
         return QuantizedWeight(np.ascontiguousarray(q.T), scale, bits=8, act=fmt.act)
     g = fmt.group_size or inp
     if inp % g or out % 8 or inp % 8:
-        raise CheckpointError(f"{src_name(src)}: {module} [{out}, {inp}] does not fit group size {g} and "
-                              f"8-value int32 packing")
+        raise CheckpointError(
+            f"{src_name(src)}: {module} [{out}, {inp}] does not fit group size {g} and 8-value int32 packing"
+        )
     groups = inp // g
     scale = np.asarray(src.get(f"{module}.scales", (groups, out)), np.float32)
     if fmt.method == "awq":
@@ -196,8 +215,9 @@ def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantizatio
 
 def _checked(src, name: str, w: QuantizedWeight, shape) -> QuantizedWeight:
     if tuple(w.shape) != tuple(shape):
-        raise CheckpointError(f"{src_name(src)}: tensor {name!r} has [in, out] shape {list(w.shape)}, "
-                              f"the config implies {list(shape)}")
+        raise CheckpointError(
+            f"{src_name(src)}: tensor {name!r} has [in, out] shape {list(w.shape)}, the config implies {list(shape)}"
+        )
     return w
 
 
@@ -234,8 +254,10 @@ def stack_layers(values: list):
         return np.stack(values)
     if all(isinstance(v, QuantizedWeight) for v in values) and len({_layout(v) for v in values}) == 1:
         first = values[0]
-        leaves = [None if getattr(first, f) is None else np.stack([getattr(v, f) for v in values])
-                  for f in ("q", "scale", "offset", "perm")]
+        leaves = [
+            None if getattr(first, f) is None else np.stack([getattr(v, f) for v in values])
+            for f in ("q", "scale", "offset", "perm")
+        ]
         return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size, act=first.act)
     return np.stack([dequantize_np(v) if isinstance(v, QuantizedWeight) else v for v in values])
 

@@ -27,15 +27,27 @@ log = logging.getLogger("jaxserve.quantization")
 
 # our parameter name -> HF module path (the rules' vocabulary)
 MODULE_PATHS = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj",
-    "in_qkv": "linear_attn.in_proj_qkv", "in_z": "linear_attn.in_proj_z", "in_b": "linear_attn.in_proj_b",
-    "in_a": "linear_attn.in_proj_a", "out_proj": "linear_attn.out_proj",
-    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-    "router": "mlp.gate", "experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj",
-    "shared_gate_proj": "mlp.shared_expert.gate_proj", "shared_up_proj": "mlp.shared_expert.up_proj",
-    "shared_down_proj": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate",
-    "embed": "embed_tokens", "lm_head": "lm_head",
+    "in_qkv": "linear_attn.in_proj_qkv",
+    "in_z": "linear_attn.in_proj_z",
+    "in_b": "linear_attn.in_proj_b",
+    "in_a": "linear_attn.in_proj_a",
+    "out_proj": "linear_attn.out_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+    "router": "mlp.gate",
+    "experts_gate_up": "mlp.experts.gate_up_proj",
+    "experts_down": "mlp.experts.down_proj",
+    "shared_gate_proj": "mlp.shared_expert.gate_proj",
+    "shared_up_proj": "mlp.shared_expert.up_proj",
+    "shared_down_proj": "mlp.shared_expert.down_proj",
+    "shared_expert_gate": "mlp.shared_expert_gate",
+    "embed": "embed_tokens",
+    "lm_head": "lm_head",
 }
 # Tiny, precision-sensitive matmuls kept in float unless the user's rules say otherwise: the MoE
 # router and shared-expert gate (routing flips), GDN's decay / beta inputs (a, b: a few columns).
@@ -106,7 +118,8 @@ def quantize_params(params: dict, qcfg: QuantizationConfig) -> tuple[dict, dict[
         out["lm_head"] = _quantize_leaf("lm_head", params["lm_head"], qcfg, report)
     out["groups"] = tuple(
         {name: _quantize_leaf(name, leaf, qcfg, report) if name in MODULE_PATHS else leaf for name, leaf in g.items()}
-        for g in params["groups"])
+        for g in params["groups"]
+    )
     return out, report
 
 

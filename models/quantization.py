@@ -64,7 +64,7 @@ class QuantizedWeight:
     def ndim(self) -> int:
         return self.q.ndim
 
-    def host(self) -> "QuantizedWeight":
+    def host(self) -> QuantizedWeight:
         return jax.tree.map(np.asarray, self)
 
 
@@ -162,14 +162,17 @@ class Scheme:
     zero_point: bool = False  # int4: asymmetric (min/max) groups with an offset
 
 
-SCHEMES = {s.name: s for s in (
-    Scheme("int8", "int8"),
-    Scheme("fp8", "fp8"),
-    Scheme("w8a8-int8", "int8", act="int8"),
-    Scheme("w8a8-fp8", "fp8", act="fp8"),
-    Scheme("int4", "int4", grouped=True),
-    Scheme("int4-zp", "int4", grouped=True, zero_point=True),
-)}
+SCHEMES = {
+    s.name: s
+    for s in (
+        Scheme("int8", "int8"),
+        Scheme("fp8", "fp8"),
+        Scheme("w8a8-int8", "int8", act="int8"),
+        Scheme("w8a8-fp8", "fp8", act="fp8"),
+        Scheme("int4", "int4", grouped=True),
+        Scheme("int4-zp", "int4", grouped=True, zero_point=True),
+    )
+}
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -256,14 +259,16 @@ def qdot(x, w):
             return cpu_native.bf16_matmul(x, w.p, w.n)
         w = OutInWeight(cpu_native.unpack_bf16_weight(w.p, w.n, w.k, out_in=True))
     if isinstance(w, OutInWeight):
-        return lax.dot_general(x, w.t, (((x.ndim - 1,), (w.t.ndim - 1,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+        return lax.dot_general(
+            x, w.t, (((x.ndim - 1,), (w.t.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32
+        ).astype(x.dtype)
     if not isinstance(w, QuantizedWeight):
         # f32 accumulation, rounded to x's dtype: what x @ w means for bf16, spelled so XLA:CPU's
         # XNNPACK dot takes bf16 operands as they are (a bf16-output dot gets both operands
         # converted to f32 first: 4-5x slower)
-        return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+        return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(
+            x.dtype
+        )
     x = _permute_input(x, w)
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     if w.act != "none":
@@ -279,14 +284,20 @@ def qdot(x, w):
 
 def kernel_supports(w) -> bool:
     """Whether `pallas_kernels.quantized_matmul` takes this weight (2-D, weight-only, no act order)."""
-    return isinstance(w, QuantizedWeight) and w.act == "none" and w.perm is None and w.q.ndim == 2 and (
-        w.offset is None or w.group_size > 0)
+    return (
+        isinstance(w, QuantizedWeight)
+        and w.act == "none"
+        and w.perm is None
+        and w.q.ndim == 2
+        and (w.offset is None or w.group_size > 0)
+    )
 
 
 def qdot_pallas(x, w: QuantizedWeight, *, interpret=False):
     """`qdot` through the Pallas kernel of the default backend (see `kernel_supports`)."""
-    return quantized_matmul(x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size, impl="pallas",
-                            interpret=interpret)
+    return quantized_matmul(
+        x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size, impl="pallas", interpret=interpret
+    )
 
 
 def qdot_reference(x, w):
@@ -315,9 +326,14 @@ def embed_lookup(embed, ids, dtype):
     stored transposed ([H, V], one scale per vocab column) so the tied lm_head is a plain `qdot`."""
     if not isinstance(embed, QuantizedWeight):
         return embed[ids]
-    cols = QuantizedWeight(jnp.take(embed.q, ids, axis=-1), jnp.take(embed.scale, ids, axis=-1),
-                           None if embed.offset is None else jnp.take(embed.offset, ids, axis=-1),
-                           None, bits=embed.bits, group_size=embed.group_size)
+    cols = QuantizedWeight(
+        jnp.take(embed.q, ids, axis=-1),
+        jnp.take(embed.scale, ids, axis=-1),
+        None if embed.offset is None else jnp.take(embed.offset, ids, axis=-1),
+        None,
+        bits=embed.bits,
+        group_size=embed.group_size,
+    )
     return dequantize(cols, dtype).T
 
 
@@ -335,7 +351,7 @@ def take_columns(w, columns):
     """w[..., columns] for a float weight or a QuantizedWeight (codes, scales, offsets)."""
     if not isinstance(w, QuantizedWeight):
         return w[..., columns]
-    pick = lambda a: None if a is None else a[..., columns]  # noqa: E731
+    pick = lambda a: None if a is None else a[..., columns]
     return dataclasses.replace(w, q=pick(w.q), scale=pick(w.scale), offset=pick(w.offset))
 
 

@@ -75,29 +75,60 @@ def _quantize_module(method: str, w: np.ndarray, group: int, rng) -> dict[str, n
     # GPTQ v1 stores zero - 1 in an unsigned nibble: zeros start at 1
     codes, scales, zeros, g_idx = _rtn_int4(w.T.astype(np.float32), group, order, 0 if method == "awq" else 1)
     if method == "awq":
-        return {"qweight": _pack8(codes, 1, AWQ_ORDER), "qzeros": _pack8(zeros, 1, AWQ_ORDER),
-                "scales": scales.astype(np.float16)}
-    return {"qweight": _pack8(codes, 0), "qzeros": _pack8(zeros - 1, 1),  # GPTQ v1 stores zero - 1
-            "scales": scales.astype(np.float16), "g_idx": g_idx}
+        return {
+            "qweight": _pack8(codes, 1, AWQ_ORDER),
+            "qzeros": _pack8(zeros, 1, AWQ_ORDER),
+            "scales": scales.astype(np.float16),
+        }
+    return {
+        "qweight": _pack8(codes, 0),
+        "qzeros": _pack8(zeros - 1, 1),  # GPTQ v1 stores zero - 1
+        "scales": scales.astype(np.float16),
+        "g_idx": g_idx,
+    }
 
 
 def _quantization_config(method: str, group: int, skipped: list[str]) -> dict:
     if method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
-                "modules_to_not_convert": skipped}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": skipped,
+        }
     if method.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": method == "gptq-desc-act",
-                "sym": False, "checkpoint_format": "gptq"}
-    acts = ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
-            if method == "fp8-dynamic" else None)
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", *skipped],
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts,
-                                          "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                                                      "symmetric": True, "dynamic": False}}}}
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": method == "gptq-desc-act",
+            "sym": False,
+            "checkpoint_format": "gptq",
+        }
+    acts = (
+        {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+        if method == "fp8-dynamic"
+        else None
+    )
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head", *skipped],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": acts,
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            }
+        },
+    }
 
 
-def write_quantized_checkpoint(float_dir: str | Path, out_dir: str | Path, method: str, *, group_size: int = 32,
-                               seed: int = 0) -> Path:
+def write_quantized_checkpoint(
+    float_dir: str | Path, out_dir: str | Path, method: str, *, group_size: int = 32, seed: int = 0
+) -> Path:
     """Quantize `float_dir`'s decoder Linear weights into `out_dir` in `method`'s on-disk format."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

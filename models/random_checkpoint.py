@@ -190,8 +190,7 @@ def _import_torch_stack():
         import transformers
     except ImportError as error:
         raise ImportError(
-            "models.random_checkpoint needs torch and transformers: install the test extra, "
-            "`pip install -e '.[test]'`"
+            "models.random_checkpoint needs torch and transformers: install the test extra, `pip install -e '.[test]'`"
         ) from error
     return torch, transformers
 
@@ -259,8 +258,14 @@ def _trained_tokenizer_files() -> dict[str, bytes]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1024,
         "added_tokens_decoder": {
-            str(index): {"content": token, "special": True, "lstrip": False, "rstrip": False,
-                         "normalized": False, "single_word": False}
+            str(index): {
+                "content": token,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for token, index in special_ids.items()
         },
         "chat_template": CHATML_TEMPLATE,
@@ -398,14 +403,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.08)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
-                  "linear_key_head_dim", "linear_value_head_dim"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    ):
         parser.add_argument("--" + field.replace("_", "-"), dest=field, type=int)
-    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=JSON",
-                        help="any other config field, e.g. --set tie_word_embeddings=true")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="any other config field, e.g. --set tie_word_embeddings=true",
+    )
     parser.add_argument("--describe", action="store_true", help="print the family's defaults and exit")
     args = parser.parse_args(argv)
     if args.describe:
@@ -420,8 +444,9 @@ def main(argv: list[str] | None = None) -> None:
         if not sep:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key] = _parse_value(value)
-    path = write_random_checkpoint(args.family, args.out_dir, seed=args.seed, std=args.std, dtype=args.dtype,
-                                   **overrides)
+    path = write_random_checkpoint(
+        args.family, args.out_dir, seed=args.seed, std=args.std, dtype=args.dtype, **overrides
+    )
     print(path)
 
 

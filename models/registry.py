@@ -59,8 +59,11 @@ class Registry(Generic[T]):
 
     def _plugin_targets(self) -> dict[str, str]:
         prefix = self.kind + "."
-        return {ep.name[len(prefix):]: ep.value for ep in metadata.entry_points(group=PLUGIN_GROUP)
-                if ep.name.startswith(prefix)}
+        return {
+            ep.name[len(prefix) :]: ep.value
+            for ep in metadata.entry_points(group=PLUGIN_GROUP)
+            if ep.name.startswith(prefix)
+        }
 
     def __contains__(self, name: str) -> bool:
         return name in self._targets or name in self._plugin_targets()
@@ -75,9 +78,11 @@ class Registry(Generic[T]):
         if target is None:
             target = self._plugin_targets().get(name)
         if target is None:
-            raise KeyError(f"unknown {self.kind} {name!r}; known: {self.names()} "
-                           f"(plugins add entries to the {PLUGIN_GROUP!r} entry-point group as "
-                           f"'{self.kind}.<name>')")
+            raise KeyError(
+                f"unknown {self.kind} {name!r}; known: {self.names()} "
+                f"(plugins add entries to the {PLUGIN_GROUP!r} entry-point group as "
+                f"'{self.kind}.<name>')"
+            )
         if isinstance(target, str):
             target = _import_target(target)
             self._targets[name] = target

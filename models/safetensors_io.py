@@ -111,9 +111,7 @@ class SafetensorsDir:
         begin, end = info["data_offsets"]
         arr = self._maps[f][start + begin : start + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
         if shape is not None and tuple(arr.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{f}: tensor {name!r} has shape {list(arr.shape)}, the config implies {list(shape)}"
-            )
+            raise CheckpointError(f"{f}: tensor {name!r} has shape {list(arr.shape)}, the config implies {list(shape)}")
         return arr
 
 

@@ -31,7 +31,8 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.quantization import QuantizedWeight, take_columns
@@ -64,7 +65,7 @@ def _divides(n: int, m: int) -> bool:
     return n > 0 and n % m == 0
 
 
-@functools.lru_cache(maxsize=None)  # one plan (and one set of fall-back warnings) per model and mesh
+@functools.cache  # one plan (and one set of fall-back warnings) per model and mesh
 def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> TensorParallel:
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
@@ -72,8 +73,12 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     expert = _expert_parallel(cfg, m, expert_parallel)
     attention = _divides(cfg.num_heads, m) and _divides(cfg.num_kv_heads, m)
     if m > 1 and cfg.num_attention_layers and not attention:
-        log.warning("attention replicated: %d query / %d KV heads do not divide by model axis %d",
-                    cfg.num_heads, cfg.num_kv_heads, m)
+        log.warning(
+            "attention replicated: %d query / %d KV heads do not divide by model axis %d",
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            m,
+        )
     gdn, widths = False, (0, 0, 0)
     if cfg.is_hybrid:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -82,8 +87,9 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
         widths = (qk, qk, hv * cfg.linear_value_head_dim)
         if m > 1 and not gdn:
             log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
-    return TensorParallel(mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths,
-                          expert=expert)
+    return TensorParallel(
+        mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths, expert=expert
+    )
 
 
 def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
@@ -93,9 +99,11 @@ def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
         log.warning("expert parallelism asked for a model without MoE layers: ignored")
         return False
     if cfg.num_experts % m:
-        raise ValueError(f"expert parallelism: {cfg.num_experts} experts do not divide by model axis {m}; "
-                         "use a model axis that divides the expert count, or expert-intermediate TP "
-                         "(parallel.expert: false)")
+        raise ValueError(
+            f"expert parallelism: {cfg.num_experts} experts do not divide by model axis {m}; "
+            "use a model axis that divides the expert count, or expert-intermediate TP "
+            "(parallel.expert: false)"
+        )
     return True
 
 
@@ -126,16 +134,46 @@ EXPERT = "expert"  # split the expert index of a [.., E, in, out] expert weight
 VECTOR = "vector"  # split the last dim of a per-head / per-column vector
 REPLICATED = "replicated"
 
-ATTENTION_RULES = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "o_proj": ROW,
-                   "q_bias": VECTOR, "k_bias": VECTOR, "v_bias": VECTOR, "o_bias": REPLICATED,
-                   "q_norm": REPLICATED, "k_norm": REPLICATED}
-GDN_RULES = {"in_qkv": COLUMN, "in_z": COLUMN, "in_b": COLUMN, "in_a": COLUMN, "conv_w": "conv",
-             "A_log": VECTOR, "dt_bias": VECTOR, "gated_norm": REPLICATED, "out_proj": ROW}
-MLP_RULES = {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW, "gate_bias": VECTOR,
-             "up_bias": VECTOR, "down_bias": REPLICATED}
-MOE_RULES = {"router": REPLICATED, "experts_gate_up": COLUMN, "experts_down": ROW,
-             "shared_gate_proj": COLUMN, "shared_up_proj": COLUMN, "shared_down_proj": ROW,
-             "shared_expert_gate": REPLICATED}
+ATTENTION_RULES = {
+    "q_proj": COLUMN,
+    "k_proj": COLUMN,
+    "v_proj": COLUMN,
+    "o_proj": ROW,
+    "q_bias": VECTOR,
+    "k_bias": VECTOR,
+    "v_bias": VECTOR,
+    "o_bias": REPLICATED,
+    "q_norm": REPLICATED,
+    "k_norm": REPLICATED,
+}
+GDN_RULES = {
+    "in_qkv": COLUMN,
+    "in_z": COLUMN,
+    "in_b": COLUMN,
+    "in_a": COLUMN,
+    "conv_w": "conv",
+    "A_log": VECTOR,
+    "dt_bias": VECTOR,
+    "gated_norm": REPLICATED,
+    "out_proj": ROW,
+}
+MLP_RULES = {
+    "gate_proj": COLUMN,
+    "up_proj": COLUMN,
+    "down_proj": ROW,
+    "gate_bias": VECTOR,
+    "up_bias": VECTOR,
+    "down_bias": REPLICATED,
+}
+MOE_RULES = {
+    "router": REPLICATED,
+    "experts_gate_up": COLUMN,
+    "experts_down": ROW,
+    "shared_gate_proj": COLUMN,
+    "shared_up_proj": COLUMN,
+    "shared_down_proj": ROW,
+    "shared_expert_gate": REPLICATED,
+}
 NORM_RULES = {"input_norm": REPLICATED, "post_norm": REPLICATED}
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
 
@@ -144,9 +182,7 @@ def _spec_for(rule: str, ndim: int, axis: str) -> P:
     dims: list = [None] * ndim
     if rule in (COLUMN, VECTOR):
         dims[-1] = axis
-    elif rule == ROW:
-        dims[-2] = axis
-    elif rule == "conv":  # conv_w [G, C, W]
+    elif rule == ROW or rule == "conv":
         dims[-2] = axis
     elif rule == EXPERT:
         dims[-3] = axis
@@ -180,8 +216,14 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
             rule = REPLICATED
         width = _split_dim(rule, leaf.shape)
         if m > 1 and width is not None and width % m:
-            log.warning("%s (layer position %d, shape %s) replicated: %d does not divide by model axis %d",
-                        name, position, tuple(leaf.shape), width, m)
+            log.warning(
+                "%s (layer position %d, shape %s) replicated: %d does not divide by model axis %d",
+                name,
+                position,
+                tuple(leaf.shape),
+                width,
+                m,
+            )
             rule = REPLICATED
         specs[name] = _leaf_spec(rule, leaf, m, axis)
     return specs
@@ -201,8 +243,15 @@ def _leaf_spec(rule: str, leaf, m: int, axis: str):
             return P()
         return _spec_for(rule, a.ndim, axis)
 
-    return QuantizedWeight(part(leaf.q), part(leaf.scale), part(leaf.offset), part(leaf.perm, False),
-                           bits=leaf.bits, group_size=leaf.group_size, act=leaf.act)
+    return QuantizedWeight(
+        part(leaf.q),
+        part(leaf.scale),
+        part(leaf.offset),
+        part(leaf.perm, False),
+        bits=leaf.bits,
+        group_size=leaf.group_size,
+        act=leaf.act,
+    )
 
 
 def param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
@@ -214,8 +263,13 @@ def param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     embed = params["embed"]
     specs = {
         # [V, H], or quantized [H, V] (see models.quantization.embed_lookup)
-        "embed": (_leaf_spec(COLUMN if vocab_split else REPLICATED, embed, m, axis)
-                  if isinstance(embed, QuantizedWeight) else P(axis, None) if vocab_split else P()),
+        "embed": (
+            _leaf_spec(COLUMN if vocab_split else REPLICATED, embed, m, axis)
+            if isinstance(embed, QuantizedWeight)
+            else P(axis, None)
+            if vocab_split
+            else P()
+        ),
         "final_norm": P(),
         "groups": tuple(group_param_specs(cfg, g, j, plan) for j, g in enumerate(params["groups"])),
     }
@@ -276,8 +330,9 @@ def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
 
 
 def cache_shardings(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
-    return jax.tree.map(lambda s: NamedSharding(plan.mesh, s), cache_specs(caches, cfg, plan),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: NamedSharding(plan.mesh, s), cache_specs(caches, cfg, plan), is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:

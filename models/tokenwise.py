@@ -16,6 +16,7 @@ import jax
 
 def tokenwise(fn):
     """fn(params, x [T, H]) -> [T, H'], independent per token; params are never vmapped."""
+
     @jax.custom_batching.custom_vmap
     def call(params, x):
         return fn(params, x)

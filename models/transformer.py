@@ -23,8 +23,8 @@ from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
-from pallas_kernels import cpu_native
 from models.tokenwise import tokenwise
+from pallas_kernels import cpu_native
 
 
 def rms_norm(x, w, eps: float, zero_centred: bool):
@@ -76,8 +76,9 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     page_size = kv.k.shape[2]
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
     kv = ops.write_kv(kv, k, v, slots, opts)
-    out = ops.paged_attention(q, kv, batch.kv_lens, batch.block_tables + page_offset, batch.cu_q_lens,
-                              batch.num_seqs, opts, sm_scale=D**-0.5)
+    out = ops.paged_attention(
+        q, kv, batch.kv_lens, batch.block_tables + page_offset, batch.cu_q_lens, batch.num_seqs, opts, sm_scale=D**-0.5
+    )
     out = out.reshape(T, cfg.num_heads * D)
     if cfg.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
@@ -90,8 +91,9 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     slots = batch.state_slot_ids + slot_offset
     mixed = ops.linear(x, p["in_qkv"], opts)  # [T, conv_dim] = [Q all | K all | V all]
-    mixed, conv_state = ops.causal_conv1d(mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots,
-                                          batch.has_initial_state, batch.num_seqs, opts)
+    mixed, conv_state = ops.causal_conv1d(
+        mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
+    )
     q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
     q = q.reshape(T, hk, dk).astype(jnp.float32)
     k = k.reshape(T, hk, dk).astype(jnp.float32)
@@ -101,8 +103,19 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     beta = jax.nn.sigmoid(qdot(x, p["in_b"]).astype(jnp.float32))  # [T, hv]
     a = qdot(x, p["in_a"]).astype(jnp.float32)
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
-    o, rec_state = ops.gated_delta_rule(q.astype(x.dtype), k.astype(x.dtype), v, g, beta, rec_state,
-                                        batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts)
+    o, rec_state = ops.gated_delta_rule(
+        q.astype(x.dtype),
+        k.astype(x.dtype),
+        v,
+        g,
+        beta,
+        rec_state,
+        batch.cu_q_lens,
+        slots,
+        batch.has_initial_state,
+        batch.num_seqs,
+        opts,
+    )
     z = ops.linear(x, p["in_z"], opts).reshape(T, hv, dv)
     o = o.astype(x.dtype)
     o32 = o.astype(jnp.float32)
@@ -164,8 +177,9 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
             h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts)
         else:
             slots_per_layer = rec_list[j].shape[0] // n_groups
-            h, conv_list[j], rec_list[j] = gdn_layer(p, h, conv_list[j], rec_list[j], batch,
-                                                     g * slots_per_layer, cfg, opts)
+            h, conv_list[j], rec_list[j] = gdn_layer(
+                p, h, conv_list[j], rec_list[j], batch, g * slots_per_layer, cfg, opts
+            )
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.mlp_types[layer] == "dense":
@@ -175,8 +189,9 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 
-def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions,
-            scan_layers: bool = True):
+def forward(
+    params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions, scan_layers: bool = True
+):
     """-> (hidden [R, H] at batch.logits_indices, new caches)."""
     x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
     rope = rope_tables(batch.positions, cfg)
@@ -188,6 +203,7 @@ def forward(params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.
             for g, params_g in enumerate(params["layers"]):
                 x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
         elif scan_layers and n_groups > 1:
+
             def body(carry, xs):
                 x, caches = carry
                 params_g, g = xs
@@ -214,15 +230,34 @@ def unstack_layers(params: dict) -> dict:
 
 # The [K, N] weights `ops.linear` / `qdot` multiply (the rest: norms, biases, the GDN conv,
 # A_log / dt_bias, MoE expert stacks, the embedding).
-PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                         "shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate",
-                         "router", "in_qkv", "in_z", "in_b", "in_a", "out_proj"})
+PROJECTIONS = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "shared_gate_proj",
+        "shared_up_proj",
+        "shared_down_proj",
+        "shared_expert_gate",
+        "router",
+        "in_qkv",
+        "in_z",
+        "in_b",
+        "in_a",
+        "out_proj",
+    }
+)
 
 
 def out_in_projections(params: dict, hold=out_in) -> dict:
     """Every float projection (and an untied lm_head) as an `OutInWeight` [..., N, K]: the CPU
     weight layout (`hold=packed`: every bf16 one as a `PackedWeight`, the CPU layout for the
     native matmul). Stacked `groups` keep their leading axis; idempotent."""
+
     def layer(p: dict) -> dict:
         return {k: hold(w) if k in PROJECTIONS else w for k, w in p.items()}
 

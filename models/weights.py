@@ -10,7 +10,8 @@ the same tree as `jax.ShapeDtypeStruct`s, from the config alone (no weights read
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,9 @@ class DictSource:
             raise CheckpointError(f"{self.origin}: tensor {name!r} is missing from the checkpoint")
         arr = self.tensors[name]
         if shape is not None and tuple(arr.shape) != tuple(shape):
-            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {list(arr.shape)}, the config implies {list(shape)}")
+            raise CheckpointError(
+                f"{self.origin}: tensor {name!r} has shape {list(arr.shape)}, the config implies {list(shape)}"
+            )
         return arr
 
 
@@ -156,8 +159,13 @@ def _cast(name: str, arr, dtype):
     return jnp.asarray(np.asarray(arr, dtype=np.float32).astype(target) if arr.dtype != target else arr)
 
 
-def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", progress: bool = False,
-                quantization: CheckpointQuantization | None = None) -> dict:
+def load_params(
+    cfg: ModelConfig,
+    src: TensorSource,
+    dtype: str = "float32",
+    progress: bool = False,
+    quantization: CheckpointQuantization | None = None,
+) -> dict:
     """Read every parameter of `cfg` from `src` (HF names), cast to `dtype`, stack by layer group.
     With `quantization` (a pre-quantized checkpoint), Linear weights stored quantized stay so."""
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
@@ -181,7 +189,10 @@ def load_params(cfg: ModelConfig, src: TensorSource, dtype: str = "float32", pro
         for i in tqdm(range(cfg.num_layers), desc="loading weights", unit="layer", disable=not progress)
     ]
     groups = tuple(
-        {k: _cast(k, stack_layers([layers[i][k] for i in range(j, cfg.num_layers, period)]), np_dtype) for k in layers[j]}
+        {
+            k: _cast(k, stack_layers([layers[i][k] for i in range(j, cfg.num_layers, period)]), np_dtype)
+            for k in layers[j]
+        }
         for j in range(period)
     )
     params = {
@@ -211,9 +222,17 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     H, C, hv, dv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    return {"in_qkv": (H, C), "in_z": (H, hv * dv), "in_b": (H, hv), "in_a": (H, hv),
-            "conv_w": (C, cfg.linear_conv_kernel_dim), "A_log": (hv,), "dt_bias": (hv,), "gated_norm": (dv,),
-            "out_proj": (hv * dv, H)}
+    return {
+        "in_qkv": (H, C),
+        "in_z": (H, hv * dv),
+        "in_b": (H, hv),
+        "in_a": (H, hv),
+        "conv_w": (C, cfg.linear_conv_kernel_dim),
+        "A_log": (hv,),
+        "dt_bias": (hv,),
+        "gated_norm": (dv,),
+        "out_proj": (hv * dv, H),
+    }
 
 
 def _mlp_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
@@ -227,8 +246,9 @@ def _mlp_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H)}
     if Is:
-        shapes.update(shared_gate_proj=(H, Is), shared_up_proj=(H, Is), shared_down_proj=(Is, H),
-                      shared_expert_gate=(H, 1))
+        shapes.update(
+            shared_gate_proj=(H, Is), shared_up_proj=(H, Is), shared_down_proj=(Is, H), shared_expert_gate=(H, 1)
+        )
     return shapes
 
 

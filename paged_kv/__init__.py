@@ -7,13 +7,13 @@ from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_block, hash_full_p
 from paged_kv.state_slots import NULL_SLOT, StateSlotPool
 
 __all__ = [
+    "NULL_PAGE",
+    "NULL_SLOT",
     "Admission",
     "BlockHash",
     "BlockIndex",
     "CacheManager",
     "CheckpointPolicy",
-    "NULL_PAGE",
-    "NULL_SLOT",
     "PagePool",
     "PrefixHit",
     "SequenceAllocation",

@@ -76,8 +76,14 @@ class CacheManager:
     """
 
     def __init__(
-        self, *, page_size: int, num_pages: int, num_state_slots: int = 0, enable_prefix_caching: bool = True,
-        checkpoint_policy: CheckpointPolicy | str = "page", num_checkpoint_slots: int | None = None,
+        self,
+        *,
+        page_size: int,
+        num_pages: int,
+        num_state_slots: int = 0,
+        enable_prefix_caching: bool = True,
+        checkpoint_policy: CheckpointPolicy | str = "page",
+        num_checkpoint_slots: int | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -156,7 +162,11 @@ class CacheManager:
         self.pages.take(page)
 
     def allocate(
-        self, request_id: str, token_ids: Sequence[int], num_tokens: int, hit: PrefixHit = PrefixHit(),
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        hit: PrefixHit = PrefixHit(),
         extra_keys: tuple = (),
     ) -> Admission | None:
         """Pages for the first `num_tokens` tokens (reusing `hit`) and a running slot, or None.
@@ -208,7 +218,11 @@ class CacheManager:
         return True
 
     def reserve_checkpoint(
-        self, request_id: str, token_ids: Sequence[int], boundary: int, rolling: bool = False,
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        boundary: int,
+        rolling: bool = False,
         last_token_known: bool = True,
     ) -> tuple[int, int] | None:
         """Reserve a slot to save the running state after `boundary` tokens (page aligned).
@@ -226,8 +240,9 @@ class CacheManager:
         if allocation.pending_checkpoint is not None:
             raise RuntimeError(f"request {request_id!r} already writes a checkpoint this step")
         if last_token_known:
-            hashes = hash_full_pages(token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes,
-                                     boundary)
+            hashes = hash_full_pages(
+                token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, boundary
+            )
             existing = self.slots.lookup_checkpoint(hashes[boundary // self.page_size - 1])
             if existing is not None:
                 self.slots.checkpoints.touch(existing)
@@ -246,8 +261,10 @@ class CacheManager:
         return allocation.state_slot, slot
 
     def _checkpoints_at_budget(self) -> bool:
-        return (self.num_checkpoint_slots is not None
-                and self.slots.num_checkpoints + self.num_pending_checkpoints >= self.num_checkpoint_slots)
+        return (
+            self.num_checkpoint_slots is not None
+            and self.slots.num_checkpoints + self.num_pending_checkpoints >= self.num_checkpoint_slots
+        )
 
     def _make_room_for_checkpoint(self) -> bool:
         """Within the budget, one more checkpoint fits (evicting the LRU one if needed)."""

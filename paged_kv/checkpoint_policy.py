@@ -68,7 +68,7 @@ class CheckpointPolicy:
             raise ValueError("checkpoint policy align needs a block size, e.g. align:528")
 
     @classmethod
-    def parse(cls, spec: "str | CheckpointPolicy") -> "CheckpointPolicy":
+    def parse(cls, spec: str | CheckpointPolicy) -> CheckpointPolicy:
         """`page`, `align:<block>`, `auto`, `ends`, `every_page`, each optionally followed by `,key=value`."""
         if isinstance(spec, CheckpointPolicy):
             return spec
@@ -82,8 +82,9 @@ class CheckpointPolicy:
             "every_page": {},
         }
         if name not in presets:
-            raise ValueError(f"unknown checkpoint policy {spec!r}; choose from page, align:<block>, auto, ends, "
-                             f"every_page")
+            raise ValueError(
+                f"unknown checkpoint policy {spec!r}; choose from page, align:<block>, auto, ends, every_page"
+            )
         fields = dict(presets[name], name=name)
         if block:
             if name != "align" or not block.isdigit():
@@ -92,8 +93,9 @@ class CheckpointPolicy:
         for option in options:
             key, _, value = option.partition("=")
             if key not in _INT_OPTIONS or not value.isdigit():
-                raise ValueError(f"checkpoint policy {spec!r}: bad option {option!r} (integer options: "
-                                 f"{', '.join(_INT_OPTIONS)})")
+                raise ValueError(
+                    f"checkpoint policy {spec!r}: bad option {option!r} (integer options: {', '.join(_INT_OPTIONS)})"
+                )
             fields[key] = int(value)
         if name == "align":
             fields["decode_interval"] = fields.get("block", 0)
@@ -105,8 +107,9 @@ class CheckpointPolicy:
         for key in ("block", "interval", "decode_interval"):
             value = getattr(self, key)
             if value % page_size:
-                raise ValueError(f"checkpoint policy {self.name}: {key}={value} must be a multiple of the page "
-                                 f"size {page_size}")
+                raise ValueError(
+                    f"checkpoint policy {self.name}: {key}={value} must be a multiple of the page size {page_size}"
+                )
 
     # ---- where prefill chunks end --------------------------------------------------------------
     def _stride(self, page_size: int) -> int:
@@ -172,8 +175,9 @@ class CheckpointPolicy:
         return not (kept or (self.keep_prompt_end and boundary == reusable))
 
 
-def num_checkpoint_slots(budget_fraction: float, cache_bytes: int, state_bytes_per_slot: int,
-                         max_slots: int | None = None) -> int:
+def num_checkpoint_slots(
+    budget_fraction: float, cache_bytes: int, state_bytes_per_slot: int, max_slots: int | None = None
+) -> int:
     """Checkpoint slots that fit `budget_fraction` of the cache memory (KV pages + all state slots)."""
     if not 0 <= budget_fraction < 1:
         raise ValueError(f"the checkpoint budget must be a fraction in [0, 1), got {budget_fraction}")
@@ -181,8 +185,14 @@ def num_checkpoint_slots(budget_fraction: float, cache_bytes: int, state_bytes_p
     return slots if max_slots is None else min(slots, max_slots)
 
 
-def plan_state_slots(*, max_num_seqs: int, prefix_caching: bool, budget_fraction: float | None, cache_bytes: int,
-                     state_bytes_per_slot: int) -> tuple[int, int | None]:
+def plan_state_slots(
+    *,
+    max_num_seqs: int,
+    prefix_caching: bool,
+    budget_fraction: float | None,
+    cache_bytes: int,
+    state_bytes_per_slot: int,
+) -> tuple[int, int | None]:
     """(num_state_slots incl. the null slot, num_checkpoint_slots) for a hybrid's cache.
 
     One running slot per sequence; with prefix caching, CHECKPOINTS_PER_SEQ checkpoint slots
@@ -196,8 +206,9 @@ def plan_state_slots(*, max_num_seqs: int, prefix_caching: bool, budget_fraction
         return 1 + max_num_seqs, None
     if budget_fraction is None:
         return 1 + 3 * max_num_seqs, None
-    checkpoints = num_checkpoint_slots(budget_fraction, cache_bytes, state_bytes_per_slot,
-                                       max_slots=CHECKPOINTS_PER_SEQ * max_num_seqs)
+    checkpoints = num_checkpoint_slots(
+        budget_fraction, cache_bytes, state_bytes_per_slot, max_slots=CHECKPOINTS_PER_SEQ * max_num_seqs
+    )
     return 1 + max_num_seqs + checkpoints, checkpoints
 
 

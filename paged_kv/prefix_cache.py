@@ -30,7 +30,10 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 
 
 def hash_full_pages(
-    token_ids: Sequence[int], page_size: int, extra_keys: tuple = (), known: list[BlockHash] | None = None,
+    token_ids: Sequence[int],
+    page_size: int,
+    extra_keys: tuple = (),
+    known: list[BlockHash] | None = None,
     num_tokens: int | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of the full pages among the first `num_tokens` (default: all) tokens.

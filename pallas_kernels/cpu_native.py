@@ -51,10 +51,23 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cc"
 # No -ffinite-math-only: masked scores and empty rows must keep IEEE semantics. Reassociation
 # lets the dot products vectorize.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-freciprocal-math", "-shared", "-fPIC", "-std=c++17")
-TARGETS = {"jaxserve_ragged_attention": "JaxserveRaggedAttention", "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent",
-           "jaxserve_bf16_matmul": "JaxserveBf16Matmul"}
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-freciprocal-math",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
+TARGETS = {
+    "jaxserve_ragged_attention": "JaxserveRaggedAttention",
+    "jaxserve_gdn_recurrent": "JaxserveGdnRecurrent",
+    "jaxserve_bf16_matmul": "JaxserveBf16Matmul",
+}
 KV_FORMATS = {"float32": 0, "bfloat16": 1}  # FP8 pages: 2, through a 256-entry table
 _NO_SCALE = np.ones((1, 1), np.float32)
 # Under jax.vmap (attention data parallelism maps the forward over ranks) a call per rank.
@@ -94,8 +107,11 @@ def _build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), jax.__version__,
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), cxx, version, " ".join(FLAGS), jax.__version__, platform.machine(), _cpu_flags()]
+        ).encode()
+    ).hexdigest()[:20]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -129,7 +145,7 @@ def available() -> bool:
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             lib.JaxserveBf16MatmulSimd.restype = ctypes.c_int32
             _state.update(ok=True, path=path, lib=lib, matmul_simd=bool(lib.JaxserveBf16MatmulSimd()))
-        except Exception as e:  # noqa: BLE001 -- any build / load failure means: take the jnp path
+        except Exception as e:
             log.warning("native CPU kernels unavailable, using the jnp paths: %s", e)
             _state.update(ok=False, error=str(e))
         return _state["ok"]
@@ -140,9 +156,18 @@ def _fp8_table(dtype) -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(jnp.dtype(dtype)).astype(np.float32)
 
 
-def ragged_paged_attention(q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
-                           cu_q_lens: jax.Array, num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> jax.Array:
+def ragged_paged_attention(
+    q: jax.Array,
+    kv: KVPages,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
     """Ragged paged attention (`pallas_kernels.ragged_paged_attention`'s arguments and semantics)
     in C++: decode tokens and prefill chunks of one batch in one call.
 
@@ -159,14 +184,27 @@ def ragged_paged_attention(q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_
     scaled = kv.k_scale is not None
     k_scale = kv.k_scale if scaled else _NO_SCALE
     v_scale = kv.v_scale if scaled else _NO_SCALE
-    call = jax.ffi.ffi_call("jaxserve_ragged_attention", jax.ShapeDtypeStruct((T, Hq, D), jnp.float32),
-                            vmap_method=VMAP_METHOD)
-    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
-    return call(q.astype(jnp.float32), kv.k, kv.v, k_scale, v_scale, jnp.asarray(table), i32(block_tables),
-                i32(kv_lens), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0), kv_format=np.int32(kv_format),
-                scaled=np.int32(scaled))
+    call = jax.ffi.ffi_call(
+        "jaxserve_ragged_attention", jax.ShapeDtypeStruct((T, Hq, D), jnp.float32), vmap_method=VMAP_METHOD
+    )
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+    return call(
+        q.astype(jnp.float32),
+        kv.k,
+        kv.v,
+        k_scale,
+        v_scale,
+        jnp.asarray(table),
+        i32(block_tables),
+        i32(kv_lens),
+        i32(cu_q_lens),
+        jnp.reshape(i32(num_seqs), (1,)),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+        sliding_window=np.int32(sliding_window or 0),
+        kv_format=np.int32(kv_format),
+        scaled=np.int32(scaled),
+    )
 
 
 def gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, rows):
@@ -178,13 +216,26 @@ def gdn_recurrent(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initia
     [S]) plus rows [S] bool. Returns (o [T, H, V] float32, zero outside the selected rows'
     tokens; the state pool). Call only when `available()`.
     """
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    call = jax.ffi.ffi_call("jaxserve_gdn_recurrent",
-                            (jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-                            input_output_aliases={5: 1}, vmap_method=VMAP_METHOD)
-    return call(f32(q), f32(k), f32(v), f32(g), f32(beta), state, i32(cu_q_lens), i32(state_slot_ids),
-                i32(has_initial_state), i32(rows))
+    f32 = lambda x: x.astype(jnp.float32)
+    i32 = lambda x: x.astype(jnp.int32)
+    call = jax.ffi.ffi_call(
+        "jaxserve_gdn_recurrent",
+        (jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+        input_output_aliases={5: 1},
+        vmap_method=VMAP_METHOD,
+    )
+    return call(
+        f32(q),
+        f32(k),
+        f32(v),
+        f32(g),
+        f32(beta),
+        state,
+        i32(cu_q_lens),
+        i32(state_slot_ids),
+        i32(has_initial_state),
+        i32(rows),
+    )
 
 
 def matmul_simd() -> bool:
@@ -239,7 +290,8 @@ def bf16_matmul(x: jax.Array, wp: jax.Array, n: int, out_dtype=jnp.bfloat16, val
     if valid_rows is None:
         ctx = _TOKEN_ROWS.get()
         valid_rows = ctx[0] if ctx is not None and ctx[1] == rows else rows
-    call = jax.ffi.ffi_call("jaxserve_bf16_matmul", jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)),
-                            vmap_method=VMAP_METHOD)
+    call = jax.ffi.ffi_call(
+        "jaxserve_bf16_matmul", jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)), vmap_method=VMAP_METHOD
+    )
     valid = jnp.asarray(valid_rows, jnp.int32).reshape(1)
     return call(x.reshape(rows, k).astype(jnp.bfloat16), wp, valid).reshape(*lead, n)

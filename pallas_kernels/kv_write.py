@@ -20,60 +20,68 @@ _MIN_SCALE = 1e-30
 
 
 def _write_plain(kv: KVPages, pages: jax.Array, new: jax.Array, page: jax.Array, offset: jax.Array):
-  # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
-  return pages.at[page, :, offset].set(kv.store(new), mode="drop")
+    # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
+    return pages.at[page, :, offset].set(kv.store(new), mode="drop")
 
 
-def _write_fp8(kv: KVPages, pages: jax.Array, scale: jax.Array, new: jax.Array, page: jax.Array,
-               offset: jax.Array, valid: jax.Array):
-  num_pages = pages.shape[0]
-  limit = fp8_max(kv.dtype)
-  # Per (page, head) amax of this step's tokens, and which pages restart at offset 0.
-  token_amax = jnp.max(jnp.abs(new.astype(jnp.float32)), axis=-1)            # [T, Hkv]
-  token_amax = jnp.where(valid[:, None], token_amax, 0.0)
-  step_amax = jnp.zeros(scale.shape, jnp.float32).at[page].max(token_amax, mode="drop")
-  starts_fresh = jnp.zeros((num_pages,), jnp.int32).at[page].max(
-      (valid & (offset == 0)).astype(jnp.int32), mode="drop") > 0            # [P]
-  written = jnp.zeros((num_pages,), jnp.int32).at[page].max(
-      valid.astype(jnp.int32), mode="drop") > 0                              # [P]
+def _write_fp8(
+    kv: KVPages,
+    pages: jax.Array,
+    scale: jax.Array,
+    new: jax.Array,
+    page: jax.Array,
+    offset: jax.Array,
+    valid: jax.Array,
+):
+    num_pages = pages.shape[0]
+    limit = fp8_max(kv.dtype)
+    # Per (page, head) amax of this step's tokens, and which pages restart at offset 0.
+    token_amax = jnp.max(jnp.abs(new.astype(jnp.float32)), axis=-1)  # [T, Hkv]
+    token_amax = jnp.where(valid[:, None], token_amax, 0.0)
+    step_amax = jnp.zeros(scale.shape, jnp.float32).at[page].max(token_amax, mode="drop")
+    starts_fresh = (
+        jnp.zeros((num_pages,), jnp.int32).at[page].max((valid & (offset == 0)).astype(jnp.int32), mode="drop") > 0
+    )  # [P]
+    written = jnp.zeros((num_pages,), jnp.int32).at[page].max(valid.astype(jnp.int32), mode="drop") > 0  # [P]
 
-  needed = jnp.maximum(step_amax / limit, _MIN_SCALE)                        # [P, Hkv]
-  grown = jnp.where(starts_fresh[:, None], needed, jnp.maximum(scale, needed))
-  new_scale = jnp.where(written[:, None], grown, scale)
+    needed = jnp.maximum(step_amax / limit, _MIN_SCALE)  # [P, Hkv]
+    grown = jnp.where(starts_fresh[:, None], needed, jnp.maximum(scale, needed))
+    new_scale = jnp.where(written[:, None], grown, scale)
 
-  # Requantize the pages written this step (a page hit by several tokens is gathered several
-  # times; every copy is identical, so the duplicate scatters agree).
-  safe_page = jnp.minimum(page, num_pages - 1)
-  old_pages = kv.load(pages[safe_page]).astype(jnp.float32)                  # [T, Hkv, ps, D]
-  ratio = scale[safe_page] / new_scale[safe_page]                            # [T, Hkv]
-  requantized = jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit)
-  pages = pages.at[page].set(kv.store(requantized), mode="drop")
+    # Requantize the pages written this step (a page hit by several tokens is gathered several
+    # times; every copy is identical, so the duplicate scatters agree).
+    safe_page = jnp.minimum(page, num_pages - 1)
+    old_pages = kv.load(pages[safe_page]).astype(jnp.float32)  # [T, Hkv, ps, D]
+    ratio = scale[safe_page] / new_scale[safe_page]  # [T, Hkv]
+    requantized = jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit)
+    pages = pages.at[page].set(kv.store(requantized), mode="drop")
 
-  token_scale = new_scale[safe_page][:, :, None]                             # [T, Hkv, 1]
-  pages = pages.at[page, :, offset].set(kv.store(quantize(new, token_scale, kv.dtype)), mode="drop")
-  return pages, new_scale
+    token_scale = new_scale[safe_page][:, :, None]  # [T, Hkv, 1]
+    pages = pages.at[page, :, offset].set(kv.store(quantize(new, token_scale, kv.dtype)), mode="drop")
+    return pages, new_scale
 
 
 @jax.jit
 def write_kv(kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
-  """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
+    """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
 
-  kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
-  Returns the updated KVPages (donate `kv` at the call site to update in place).
-  """
-  if k.shape != v.shape or k.ndim != 3:
-    raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
-  if k.shape[1:] != (kv.num_kv_heads, kv.head_dim):
-    raise ValueError(f"k is {k.shape}, pages hold Hkv={kv.num_kv_heads}, D={kv.head_dim}")
-  if slot_mapping.shape != k.shape[:1]:
-    raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
-  slot_mapping = slot_mapping.astype(jnp.int32)
-  valid = slot_mapping >= 0
-  page = jnp.where(valid, slot_mapping // kv.page_size, kv.num_pages)  # out of range -> dropped
-  offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
-  if not kv.quantized:
-    return KVPages(k=_write_plain(kv, kv.k, k, page, offset), v=_write_plain(kv, kv.v, v, page, offset),
-                   view=kv.view)
-  k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid)
-  v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid)
-  return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale, view=kv.view)
+    kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
+    Returns the updated KVPages (donate `kv` at the call site to update in place).
+    """
+    if k.shape != v.shape or k.ndim != 3:
+        raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
+    if k.shape[1:] != (kv.num_kv_heads, kv.head_dim):
+        raise ValueError(f"k is {k.shape}, pages hold Hkv={kv.num_kv_heads}, D={kv.head_dim}")
+    if slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    valid = slot_mapping >= 0
+    page = jnp.where(valid, slot_mapping // kv.page_size, kv.num_pages)  # out of range -> dropped
+    offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
+    if not kv.quantized:
+        return KVPages(
+            k=_write_plain(kv, kv.k, k, page, offset), v=_write_plain(kv, kv.v, v, page, offset), view=kv.view
+        )
+    k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid)
+    v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid)
+    return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale, view=kv.view)

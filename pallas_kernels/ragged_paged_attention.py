@@ -26,174 +26,203 @@ from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, t
 IMPLS = ("reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu")
 
 
-def _sequence_kv(pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array,
-                 kv_len: jax.Array, load=lambda x: x) -> jax.Array:
-  """Gathers one sequence's K or V, dequantized to f32, zero past kv_len: [Hkv, MB*ps, D]."""
-  gathered = load(pages[page_ids])                                           # [MB, Hkv, ps, D]
-  page_scale = None if scale is None else scale[page_ids][:, :, None, None]  # [MB, Hkv, 1, 1]
-  values = dequantize(gathered, page_scale)
-  num_blocks, num_kv_heads, page_size, head_dim = values.shape
-  values = values.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_blocks * page_size, head_dim)
-  in_context = jnp.arange(num_blocks * page_size) < kv_len
-  # where, not multiply: unused slots and the null page may hold NaN.
-  return jnp.where(in_context[None, :, None], values, 0.0)
+def _sequence_kv(
+    pages: jax.Array, scale: jax.Array | None, page_ids: jax.Array, kv_len: jax.Array, load=lambda x: x
+) -> jax.Array:
+    """Gathers one sequence's K or V, dequantized to f32, zero past kv_len: [Hkv, MB*ps, D]."""
+    gathered = load(pages[page_ids])  # [MB, Hkv, ps, D]
+    page_scale = None if scale is None else scale[page_ids][:, :, None, None]  # [MB, Hkv, 1, 1]
+    values = dequantize(gathered, page_scale)
+    num_blocks, num_kv_heads, page_size, head_dim = values.shape
+    values = values.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_blocks * page_size, head_dim)
+    in_context = jnp.arange(num_blocks * page_size) < kv_len
+    # where, not multiply: unused slots and the null page may hold NaN.
+    return jnp.where(in_context[None, :, None], values, 0.0)
 
 
 def _visible(q_pos, key_pos, kv_len, sliding_window):
-  """[..., L] mask of the keys a query at q_pos [...] may attend to."""
-  visible = (key_pos <= q_pos[..., None]) & (key_pos < kv_len)
-  if sliding_window is not None:
-    visible &= key_pos > q_pos[..., None] - sliding_window
-  return visible
+    """[..., L] mask of the keys a query at q_pos [...] may attend to."""
+    visible = (key_pos <= q_pos[..., None]) & (key_pos < kv_len)
+    if sliding_window is not None:
+        visible &= key_pos > q_pos[..., None] - sliding_window
+    return visible
 
 
 def _softmax_attend(scores, visible, values, subscripts, sm_scale, soft_cap):
-  scores = scores * sm_scale
-  if soft_cap is not None:
-    scores = soft_cap * jnp.tanh(scores / soft_cap)
-  probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
-  return jnp.einsum(subscripts, probs, values)
+    scores = scores * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
+    return jnp.einsum(subscripts, probs, values)
 
 
-def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
-                  sliding_window, soft_cap):
-  """All sequences at once when every one has at most one query (a pure decode step)."""
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_seqs_padded = kv_lens.shape[0]
-  group = num_q_heads // kv.num_kv_heads
-  token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)                          # [S]
-  q_seq = q[token].astype(jnp.float32).reshape(num_seqs_padded, kv.num_kv_heads, group,
-                                              head_dim)
-  gather = jax.vmap(functools.partial(_sequence_kv, load=kv.load), in_axes=(None, None, 0, 0))
-  keys = gather(kv.k, kv.k_scale, block_tables, kv_lens)                     # [S, Hkv, L, D]
-  values = gather(kv.v, kv.v_scale, block_tables, kv_lens)
-  key_pos = jnp.arange(keys.shape[2])
-  visible = _visible(kv_lens - 1, key_pos, kv_lens[:, None], sliding_window)  # [S, L]
-  scores = jnp.einsum("shgd,shld->shgl", q_seq, keys)
-  o_seq = _softmax_attend(scores, visible[:, None, None], values, "shgl,shld->shgd",
-                          sm_scale, soft_cap)
-  writes = (jnp.arange(num_seqs_padded) < num_seqs) & (cu_q_lens[1:] > cu_q_lens[:-1])
-  token = jnp.where(writes, token, num_tokens)                               # -> dropped
-  out = jnp.zeros_like(q)
-  return out.at[token].set(o_seq.reshape(-1, num_q_heads, head_dim).astype(q.dtype),
-                           mode="drop")
+def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap):
+    """All sequences at once when every one has at most one query (a pure decode step)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs_padded = kv_lens.shape[0]
+    group = num_q_heads // kv.num_kv_heads
+    token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)  # [S]
+    q_seq = q[token].astype(jnp.float32).reshape(num_seqs_padded, kv.num_kv_heads, group, head_dim)
+    gather = jax.vmap(functools.partial(_sequence_kv, load=kv.load), in_axes=(None, None, 0, 0))
+    keys = gather(kv.k, kv.k_scale, block_tables, kv_lens)  # [S, Hkv, L, D]
+    values = gather(kv.v, kv.v_scale, block_tables, kv_lens)
+    key_pos = jnp.arange(keys.shape[2])
+    visible = _visible(kv_lens - 1, key_pos, kv_lens[:, None], sliding_window)  # [S, L]
+    scores = jnp.einsum("shgd,shld->shgl", q_seq, keys)
+    o_seq = _softmax_attend(scores, visible[:, None, None], values, "shgl,shld->shgd", sm_scale, soft_cap)
+    writes = (jnp.arange(num_seqs_padded) < num_seqs) & (cu_q_lens[1:] > cu_q_lens[:-1])
+    token = jnp.where(writes, token, num_tokens)  # -> dropped
+    out = jnp.zeros_like(q)
+    return out.at[token].set(o_seq.reshape(-1, num_q_heads, head_dim).astype(q.dtype), mode="drop")
 
 
-def _sequence_by_sequence(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
-                          sliding_window, soft_cap, block_q):
-  """Loops over the true sequences, and inside each over query blocks of `block_q` tokens
-  (1 for a decode sequence), attending to the sequence's gathered pages."""
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads = kv.num_kv_heads
-  group = num_q_heads // num_kv_heads
-  # q_blocks: [T + bq, Hkv, G, D]; the tail keeps every block slice in bounds.
-  q_blocks = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
-      num_tokens + block_q, num_kv_heads, group, head_dim)
-  key_pos = jnp.arange(block_tables.shape[1] * kv.page_size)
+def _sequence_by_sequence(
+    q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, block_q
+):
+    """Loops over the true sequences, and inside each over query blocks of `block_q` tokens
+    (1 for a decode sequence), attending to the sequence's gathered pages."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv.num_kv_heads
+    group = num_q_heads // num_kv_heads
+    # q_blocks: [T + bq, Hkv, G, D]; the tail keeps every block slice in bounds.
+    q_blocks = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(num_tokens + block_q, num_kv_heads, group, head_dim)
+    key_pos = jnp.arange(block_tables.shape[1] * kv.page_size)
 
-  def attend_sequence(s, out):
-    kv_len = kv_lens[s]
-    seq_start = cu_q_lens[s]
-    q_len = cu_q_lens[s + 1] - seq_start
-    keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len, kv.load)  # [Hkv, L, D]
-    values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len, kv.load)
+    def attend_sequence(s, out):
+        kv_len = kv_lens[s]
+        seq_start = cu_q_lens[s]
+        q_len = cu_q_lens[s + 1] - seq_start
+        keys = _sequence_kv(kv.k, kv.k_scale, block_tables[s], kv_len, kv.load)  # [Hkv, L, D]
+        values = _sequence_kv(kv.v, kv.v_scale, block_tables[s], kv_len, kv.load)
 
-    def attend_blocks(size, out):
-      def attend_block(b, out):
-        start = seq_start + b * size
-        q_block = lax.dynamic_slice_in_dim(q_blocks, start, size).astype(jnp.float32)
-        row_in_seq = b * size + jnp.arange(size)
-        visible = _visible(kv_len - q_len + row_in_seq, key_pos, kv_len, sliding_window)
-        scores = jnp.einsum("qhgd,hld->hgql", q_block, keys)               # [Hkv, G, bq, L]
-        o_block = _softmax_attend(scores, visible, values, "hgql,hld->qhgd", sm_scale,
-                                  soft_cap).astype(out.dtype)
-        previous = lax.dynamic_slice_in_dim(out, start, size)
-        merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
-        return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
-      return lax.fori_loop(0, (q_len + size - 1) // size, attend_block, out)
+        def attend_blocks(size, out):
+            def attend_block(b, out):
+                start = seq_start + b * size
+                q_block = lax.dynamic_slice_in_dim(q_blocks, start, size).astype(jnp.float32)
+                row_in_seq = b * size + jnp.arange(size)
+                visible = _visible(kv_len - q_len + row_in_seq, key_pos, kv_len, sliding_window)
+                scores = jnp.einsum("qhgd,hld->hgql", q_block, keys)  # [Hkv, G, bq, L]
+                o_block = _softmax_attend(scores, visible, values, "hgql,hld->qhgd", sm_scale, soft_cap).astype(
+                    out.dtype
+                )
+                previous = lax.dynamic_slice_in_dim(out, start, size)
+                merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
+                return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
 
-    return lax.cond(q_len <= 1, functools.partial(attend_blocks, 1),
-                    functools.partial(attend_blocks, block_q), out)
+            return lax.fori_loop(0, (q_len + size - 1) // size, attend_block, out)
 
-  out = lax.fori_loop(0, num_seqs, attend_sequence, jnp.zeros_like(q_blocks))
-  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+        return lax.cond(q_len <= 1, functools.partial(attend_blocks, 1), functools.partial(attend_blocks, block_q), out)
+
+    out = lax.fori_loop(0, num_seqs, attend_sequence, jnp.zeros_like(q_blocks))
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
 
 
 def ragged_paged_attention_reference(
-    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-    sliding_window: int | None = None, soft_cap: float | None = None,
-    block_q: int = 16) -> jax.Array:
-  """Pure-jnp reference, jit-able with static shapes; see the module docstring.
+    q: jax.Array,
+    kv: KVPages,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 16,
+) -> jax.Array:
+    """Pure-jnp reference, jit-able with static shapes; see the module docstring.
 
-  Scores and softmax in f32 over each sequence's gathered, dequantized pages (memory
-  ~ MB * ps * Hkv * D per sequence; a pure decode step gathers all S sequences at once).
-  Returns [T, Hq, D] in q's dtype.
-  """
-  num_seqs = true_num_seqs(num_seqs)
-  options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-  args = (q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
-  block_q = max(1, min(block_q, q.shape[0]))
-  all_decode = jnp.max(query_lengths(cu_q_lens, num_seqs)) <= 1
-  return lax.cond(all_decode, functools.partial(_decode_batch, **options),
-                  functools.partial(_sequence_by_sequence, **options, block_q=block_q), *args)
+    Scores and softmax in f32 over each sequence's gathered, dequantized pages (memory
+    ~ MB * ps * Hkv * D per sequence; a pure decode step gathers all S sequences at once).
+    Returns [T, Hq, D] in q's dtype.
+    """
+    num_seqs = true_num_seqs(num_seqs)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+    block_q = max(1, min(block_q, q.shape[0]))
+    all_decode = jnp.max(query_lengths(cu_q_lens, num_seqs)) <= 1
+    return lax.cond(
+        all_decode,
+        functools.partial(_decode_batch, **options),
+        functools.partial(_sequence_by_sequence, **options, block_q=block_q),
+        *args,
+    )
 
 
 def _pick_impl(impl: str, interpret) -> str:
-  if impl != "pallas":
-    return impl
-  backend = jax.default_backend()
-  if backend == "gpu":
-    return "pallas_gpu"
-  if backend == "tpu" or interpret:
-    return "pallas_tpu"
-  raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+    if impl != "pallas":
+        return impl
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "pallas_gpu"
+    if backend == "tpu" or interpret:
+        return "pallas_tpu"
+    raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl", "interpret"))
 def ragged_paged_attention(
-    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-    sliding_window: int | None = None, soft_cap: float | None = None,
-    impl: str = "reference", interpret=False) -> jax.Array:
-  """Causal attention of a ragged batch over paged KV.
+    q: jax.Array,
+    kv: KVPages,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str = "reference",
+    interpret=False,
+) -> jax.Array:
+    """Causal attention of a ragged batch over paged KV.
 
-  q:            [T, Hq, D] float32/bfloat16
-  kv:           KVPages, pages [P, Hkv, ps, D] (FP8 pages carry [P, Hkv] f32 scales)
-  kv_lens:      [S] int32, context length of each sequence including this step's tokens
-  block_tables: [S, MB] int32, logical block -> physical page
-  cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
-  num_seqs:     int32 [] or [1], the true number of sequences
-  impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
-                context) | "native" (the CPU serving path: the whole batch in the C++ kernel
-                of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
-                "pallas" (kernel for the default backend; on CPU with
-                `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
-  interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
-  Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
-  """
-  check_inputs(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if sliding_window is not None and sliding_window < 1:
-    raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-  if soft_cap is not None and soft_cap <= 0:
-    raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-  args = (q, kv, kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-          cu_q_lens.astype(jnp.int32), true_num_seqs(num_seqs))
-  options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-  impl = _pick_impl(impl, interpret)
-  if kv.view is not None and impl.startswith("pallas"):
-    raise ValueError("KV pages in bit storage (KVPages.view set) are for the jnp paths "
-                     "('reference', 'chunked', 'native'); the Pallas kernels take float pages")
-  if impl == "reference":
-    return ragged_paged_attention_reference(*args, **options)
-  if impl in ("chunked", "native"):
-    from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
-    return ragged_paged_attention_chunked(*args, **options, native=impl == "native")
-  if impl == "pallas_tpu":
-    from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
-    return ragged_paged_attention_tpu(*args, **options, interpret=interpret)
-  from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
-  return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
+    q:            [T, Hq, D] float32/bfloat16
+    kv:           KVPages, pages [P, Hkv, ps, D] (FP8 pages carry [P, Hkv] f32 scales)
+    kv_lens:      [S] int32, context length of each sequence including this step's tokens
+    block_tables: [S, MB] int32, logical block -> physical page
+    cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
+    num_seqs:     int32 [] or [1], the true number of sequences
+    impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
+                  context) | "native" (the CPU serving path: the whole batch in the C++ kernel
+                  of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
+                  "pallas" (kernel for the default backend; on CPU with
+                  `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
+    interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
+    Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
+    """
+    check_inputs(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    args = (
+        q,
+        kv,
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+        true_num_seqs(num_seqs),
+    )
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    impl = _pick_impl(impl, interpret)
+    if kv.view is not None and impl.startswith("pallas"):
+        raise ValueError(
+            "KV pages in bit storage (KVPages.view set) are for the jnp paths "
+            "('reference', 'chunked', 'native'); the Pallas kernels take float pages"
+        )
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, **options)
+    if impl in ("chunked", "native"):
+        from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
+
+        return ragged_paged_attention_chunked(*args, **options, native=impl == "native")
+    if impl == "pallas_tpu":
+        from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(*args, **options, interpret=interpret)
+    from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
+
+    return ragged_paged_attention_gpu(*args, **options, interpret=interpret)

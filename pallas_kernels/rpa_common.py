@@ -17,53 +17,52 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def check_inputs(q, kv: KVPages, kv_lens, block_tables, cu_q_lens, num_seqs) -> None:
-  """Raises ValueError unless the shapes follow docs/interfaces.md."""
-  if q.ndim != 3:
-    raise ValueError(f"q must be [T, Hq, D], got {q.shape}")
-  _, num_q_heads, head_dim = q.shape
-  if kv.k.shape != kv.v.shape or kv.k.ndim != 4:
-    raise ValueError(f"k/v pages must both be [P, Hkv, ps, D], got {kv.k.shape}, {kv.v.shape}")
-  if kv.head_dim != head_dim:
-    raise ValueError(f"q head dim {head_dim} != page head dim {kv.head_dim}")
-  if num_q_heads % kv.num_kv_heads:
-    raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={kv.num_kv_heads}")
-  if kv.quantized and (kv.k_scale.shape != kv.k.shape[:2] or kv.v_scale.shape != kv.k.shape[:2]):
-    raise ValueError(f"FP8 scales must be [P, Hkv] = {kv.k.shape[:2]}")
-  num_seqs_padded = kv_lens.shape[0]
-  if kv_lens.ndim != 1 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs_padded:
-    raise ValueError(f"kv_lens [S] and block_tables [S, MB] disagree: {kv_lens.shape}, "
-                     f"{block_tables.shape}")
-  if cu_q_lens.shape != (num_seqs_padded + 1,):
-    raise ValueError(f"cu_q_lens must be [S+1] = [{num_seqs_padded + 1}], got {cu_q_lens.shape}")
-  if jnp.size(num_seqs) != 1:
-    raise ValueError(f"num_seqs must have shape [] or [1], got {jnp.shape(num_seqs)}")
+    """Raises ValueError unless the shapes follow docs/interfaces.md."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {q.shape}")
+    _, num_q_heads, head_dim = q.shape
+    if kv.k.shape != kv.v.shape or kv.k.ndim != 4:
+        raise ValueError(f"k/v pages must both be [P, Hkv, ps, D], got {kv.k.shape}, {kv.v.shape}")
+    if kv.head_dim != head_dim:
+        raise ValueError(f"q head dim {head_dim} != page head dim {kv.head_dim}")
+    if num_q_heads % kv.num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={kv.num_kv_heads}")
+    if kv.quantized and (kv.k_scale.shape != kv.k.shape[:2] or kv.v_scale.shape != kv.k.shape[:2]):
+        raise ValueError(f"FP8 scales must be [P, Hkv] = {kv.k.shape[:2]}")
+    num_seqs_padded = kv_lens.shape[0]
+    if kv_lens.ndim != 1 or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs_padded:
+        raise ValueError(f"kv_lens [S] and block_tables [S, MB] disagree: {kv_lens.shape}, {block_tables.shape}")
+    if cu_q_lens.shape != (num_seqs_padded + 1,):
+        raise ValueError(f"cu_q_lens must be [S+1] = [{num_seqs_padded + 1}], got {cu_q_lens.shape}")
+    if jnp.size(num_seqs) != 1:
+        raise ValueError(f"num_seqs must have shape [] or [1], got {jnp.shape(num_seqs)}")
 
 
 def true_num_seqs(num_seqs) -> jax.Array:
-  return jnp.reshape(jnp.asarray(num_seqs, jnp.int32), ())
+    return jnp.reshape(jnp.asarray(num_seqs, jnp.int32), ())
 
 
 def query_lengths(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
-  """[S] int32 query lengths; zero for padded sequences (index >= num_seqs)."""
-  lengths = cu_q_lens[1:] - cu_q_lens[:-1]
-  return jnp.where(jnp.arange(lengths.shape[0]) < num_seqs, lengths, 0).astype(jnp.int32)
+    """[S] int32 query lengths; zero for padded sequences (index >= num_seqs)."""
+    lengths = cu_q_lens[1:] - cu_q_lens[:-1]
+    return jnp.where(jnp.arange(lengths.shape[0]) < num_seqs, lengths, 0).astype(jnp.int32)
 
 
 def build_work_list(cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num_work: int):
-  """Cuts the ragged batch into query blocks.
+    """Cuts the ragged batch into query blocks.
 
-  Returns (work_seq [num_work], work_q_start [num_work], num_valid_work [1]), all int32:
-  work item w < num_valid_work covers flat tokens
-  `work_q_start[w] : min(work_q_start[w] + block_q, cu_q_lens[work_seq[w] + 1])`.
-  `num_work >= cdiv(T, block_q) + S` always suffices.
-  """
-  q_lens = query_lengths(cu_q_lens, num_seqs)
-  blocks_per_seq = (q_lens + block_q - 1) // block_q                        # [S]
-  blocks_end = jnp.cumsum(blocks_per_seq)                                    # [S]
-  work = jnp.arange(num_work, dtype=jnp.int32)
-  seq = jnp.searchsorted(blocks_end, work, side="right").astype(jnp.int32)
-  seq = jnp.minimum(seq, q_lens.shape[0] - 1)
-  block_in_seq = work - (blocks_end[seq] - blocks_per_seq[seq])
-  q_start = cu_q_lens[seq] + block_in_seq * block_q
-  num_valid = blocks_end[-1:].astype(jnp.int32)
-  return seq, q_start.astype(jnp.int32), num_valid
+    Returns (work_seq [num_work], work_q_start [num_work], num_valid_work [1]), all int32:
+    work item w < num_valid_work covers flat tokens
+    `work_q_start[w] : min(work_q_start[w] + block_q, cu_q_lens[work_seq[w] + 1])`.
+    `num_work >= cdiv(T, block_q) + S` always suffices.
+    """
+    q_lens = query_lengths(cu_q_lens, num_seqs)
+    blocks_per_seq = (q_lens + block_q - 1) // block_q  # [S]
+    blocks_end = jnp.cumsum(blocks_per_seq)  # [S]
+    work = jnp.arange(num_work, dtype=jnp.int32)
+    seq = jnp.searchsorted(blocks_end, work, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, q_lens.shape[0] - 1)
+    block_in_seq = work - (blocks_end[seq] - blocks_per_seq[seq])
+    q_start = cu_q_lens[seq] + block_in_seq * block_q
+    num_valid = blocks_end[-1:].astype(jnp.int32)
+    return seq, q_start.astype(jnp.int32), num_valid

@@ -31,182 +31,222 @@ from pallas_kernels.kv_cache import KVPages
 from pallas_kernels.rpa_common import MASK_VALUE, build_work_list
 
 
-def _kernel(kv_lens_ref, block_tables_ref, cu_q_lens_ref, work_seq_ref, work_start_ref,
-            num_work_ref,                                          # SMEM (scalar prefetch)
-            q_hbm, k_hbm, v_hbm, *rest,                             # HBM
-            group, block_q, pages_per_block, max_blocks, sm_scale, sliding_window, soft_cap,
-            quantized):
-  if quantized:
-    k_scale_hbm, v_scale_hbm, o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, scale_smem, kv_sems, \
-        io_sem = rest
-  else:
-    o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sem = rest
-  head = pl.program_id(0)
-  work = pl.program_id(1)
-  rows = block_q * group
-  page_size = k_hbm.shape[2]
-  keys_per_block = pages_per_block * page_size
+def _kernel(
+    kv_lens_ref,
+    block_tables_ref,
+    cu_q_lens_ref,
+    work_seq_ref,
+    work_start_ref,
+    num_work_ref,  # SMEM (scalar prefetch)
+    q_hbm,
+    k_hbm,
+    v_hbm,
+    *rest,  # HBM
+    group,
+    block_q,
+    pages_per_block,
+    max_blocks,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    quantized,
+):
+    if quantized:
+        k_scale_hbm, v_scale_hbm, o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, scale_smem, kv_sems, io_sem = rest
+    else:
+        o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sem = rest
+    head = pl.program_id(0)
+    work = pl.program_id(1)
+    rows = block_q * group
+    page_size = k_hbm.shape[2]
+    keys_per_block = pages_per_block * page_size
 
-  @pl.when(work < num_work_ref[0])
-  def _attend():
-    seq = work_seq_ref[work]
-    q_start = work_start_ref[work]
-    seq_start = cu_q_lens_ref[seq]
-    q_len = cu_q_lens_ref[seq + 1] - seq_start
-    kv_len = kv_lens_ref[seq]
-    first_row = q_start - seq_start                          # index of the block's 1st query
-    first_pos = kv_len - q_len + first_row
-    last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
-    kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    # lax.div (truncating) rather than //: operands are >= 0 and floor division needs sign.
-    block_lo = lax.div(kv_lo, keys_per_block)
-    block_hi = lax.div(last_pos + keys_per_block, keys_per_block)   # cdiv(last_pos + 1, keys)
+    @pl.when(work < num_work_ref[0])
+    def _attend():
+        seq = work_seq_ref[work]
+        q_start = work_start_ref[work]
+        seq_start = cu_q_lens_ref[seq]
+        q_len = cu_q_lens_ref[seq + 1] - seq_start
+        kv_len = kv_lens_ref[seq]
+        first_row = q_start - seq_start  # index of the block's 1st query
+        first_pos = kv_len - q_len + first_row
+        last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
+        kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        # lax.div (truncating) rather than //: operands are >= 0 and floor division needs sign.
+        block_lo = lax.div(kv_lo, keys_per_block)
+        block_hi = lax.div(last_pos + keys_per_block, keys_per_block)  # cdiv(last_pos + 1, keys)
 
-    # Tokens are a leading (untiled) dim of q [Hkv, T, G, D]: any start offset is legal.
-    q_copy = pltpu.make_async_copy(q_hbm.at[head, pl.ds(q_start, block_q)], q_vmem, io_sem)
-    q_copy.start()
+        # Tokens are a leading (untiled) dim of q [Hkv, T, G, D]: any start offset is legal.
+        q_copy = pltpu.make_async_copy(q_hbm.at[head, pl.ds(q_start, block_q)], q_vmem, io_sem)
+        q_copy.start()
 
-    def page_copies(block, slot):
-      copies = []
-      for i in range(pages_per_block):
-        logical = jnp.minimum(block * pages_per_block + i, max_blocks - 1)
-        page = block_tables_ref[seq * max_blocks + logical]
-        # One page per leading index: a row offset i * ps would break FP8's (32, 128) tiles.
-        copies.append(pltpu.make_async_copy(k_hbm.at[page, head], k_vmem.at[slot, i],
-                                            kv_sems.at[slot]))
-        copies.append(pltpu.make_async_copy(v_hbm.at[page, head], v_vmem.at[slot, i],
-                                            kv_sems.at[slot]))
-        if quantized:
-          # Scales are [P, 1, Hkv]: the page is a leading (untiled) dim, so any page is legal.
-          copies.append(pltpu.make_async_copy(k_scale_hbm.at[page], scale_smem.at[0, slot, i],
-                                              kv_sems.at[slot]))
-          copies.append(pltpu.make_async_copy(v_scale_hbm.at[page], scale_smem.at[1, slot, i],
-                                              kv_sems.at[slot]))
-      return copies
+        def page_copies(block, slot):
+            copies = []
+            for i in range(pages_per_block):
+                logical = jnp.minimum(block * pages_per_block + i, max_blocks - 1)
+                page = block_tables_ref[seq * max_blocks + logical]
+                # One page per leading index: a row offset i * ps would break FP8's (32, 128) tiles.
+                copies.append(pltpu.make_async_copy(k_hbm.at[page, head], k_vmem.at[slot, i], kv_sems.at[slot]))
+                copies.append(pltpu.make_async_copy(v_hbm.at[page, head], v_vmem.at[slot, i], kv_sems.at[slot]))
+                if quantized:
+                    # Scales are [P, 1, Hkv]: the page is a leading (untiled) dim, so any page is legal.
+                    copies.append(
+                        pltpu.make_async_copy(k_scale_hbm.at[page], scale_smem.at[0, slot, i], kv_sems.at[slot])
+                    )
+                    copies.append(
+                        pltpu.make_async_copy(v_scale_hbm.at[page], scale_smem.at[1, slot, i], kv_sems.at[slot])
+                    )
+            return copies
 
-    for copy in page_copies(block_lo, 0):
-      copy.start()
-    q_copy.wait()
-    q = q_vmem[...].reshape(rows, q_vmem.shape[-1])                          # [rows, D]
-    shape = (rows, keys_per_block)
-    row_pos = first_pos + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), group)
-    col = lax.broadcasted_iota(jnp.int32, shape, 1)
+        for copy in page_copies(block_lo, 0):
+            copy.start()
+        q_copy.wait()
+        q = q_vmem[...].reshape(rows, q_vmem.shape[-1])  # [rows, D]
+        shape = (rows, keys_per_block)
+        row_pos = first_pos + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0), group)
+        col = lax.broadcasted_iota(jnp.int32, shape, 1)
 
-    def column_scales(which, slot):
-      # [1, keys]: the scale of the page each key column came from.
-      page_of_col = lax.div(lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1), page_size)
-      scales = jnp.zeros((1, keys_per_block), jnp.float32)
-      for i in range(pages_per_block):
-        scales = jnp.where(page_of_col == i, scale_smem[which, slot, i, 0, head], scales)
-      return scales
+        def column_scales(which, slot):
+            # [1, keys]: the scale of the page each key column came from.
+            page_of_col = lax.div(lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1), page_size)
+            scales = jnp.zeros((1, keys_per_block), jnp.float32)
+            for i in range(pages_per_block):
+                scales = jnp.where(page_of_col == i, scale_smem[which, slot, i, 0, head], scales)
+            return scales
 
-    def attend_block(block, carry):
-      m_prev, l_prev, acc_prev = carry
-      slot = lax.rem(block - block_lo, 2)
+        def attend_block(block, carry):
+            m_prev, l_prev, acc_prev = carry
+            slot = lax.rem(block - block_lo, 2)
 
-      @pl.when(block + 1 < block_hi)
-      def _prefetch_next():
-        for copy in page_copies(block + 1, 1 - slot):
-          copy.start()
+            @pl.when(block + 1 < block_hi)
+            def _prefetch_next():
+                for copy in page_copies(block + 1, 1 - slot):
+                    copy.start()
 
-      for copy in page_copies(block, slot):
-        copy.wait()
-      k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)           # [keys, D]
-      v = v_vmem[slot].reshape(keys_per_block, -1)
-      key_pos = block * keys_per_block + col                                 # [rows, keys]
-      scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)           # [rows, keys]
-      if quantized:
-        scores = scores * column_scales(0, slot)
-      scores = scores * sm_scale
-      if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-      visible = (key_pos <= row_pos) & (key_pos < kv_len)
-      if sliding_window is not None:
-        visible &= key_pos > row_pos - sliding_window
-      scores = jnp.where(visible, scores, MASK_VALUE)
-      m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [rows, 1]
-      probs = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
-      alpha = jnp.exp(m_prev - m_next)
-      l_next = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
-      if quantized:  # scales of pages past the context may be NaN: keep the where outside
-        probs = jnp.where(visible, probs * column_scales(1, slot), 0.0)
-      # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
-      v_pos = block * keys_per_block + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-      v = jnp.where(v_pos < kv_len, v.astype(q.dtype), jnp.zeros((), q.dtype))
-      pv = lax.dot_general(probs.astype(q.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)               # [rows, D]
-      return m_next, l_next, alpha * acc_prev + pv
+            for copy in page_copies(block, slot):
+                copy.wait()
+            k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)  # [keys, D]
+            v = v_vmem[slot].reshape(keys_per_block, -1)
+            key_pos = block * keys_per_block + col  # [rows, keys]
+            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [rows, keys]
+            if quantized:
+                scores = scores * column_scales(0, slot)
+            scores = scores * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            visible = (key_pos <= row_pos) & (key_pos < kv_len)
+            if sliding_window is not None:
+                visible &= key_pos > row_pos - sliding_window
+            scores = jnp.where(visible, scores, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # [rows, 1]
+            probs = jnp.where(visible, jnp.exp(scores - m_next), 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            l_next = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
+            if quantized:  # scales of pages past the context may be NaN: keep the where outside
+                probs = jnp.where(visible, probs * column_scales(1, slot), 0.0)
+            # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
+            v_pos = block * keys_per_block + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            v = jnp.where(v_pos < kv_len, v.astype(q.dtype), jnp.zeros((), q.dtype))
+            pv = lax.dot_general(
+                probs.astype(q.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )  # [rows, D]
+            return m_next, l_next, alpha * acc_prev + pv
 
-    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32))
-    _, l_final, acc = lax.fori_loop(block_lo, block_hi, attend_block, init)
-    o_vmem[...] = (acc / l_final).reshape(o_vmem.shape).astype(o_vmem.dtype)
-    out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[head, pl.ds(q_start, block_q)], io_sem)
-    out_copy.start()
-    out_copy.wait()
+        init = (
+            jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32),
+        )
+        _, l_final, acc = lax.fori_loop(block_lo, block_hi, attend_block, init)
+        o_vmem[...] = (acc / l_final).reshape(o_vmem.shape).astype(o_vmem.dtype)
+        out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[head, pl.ds(q_start, block_q)], io_sem)
+        out_copy.start()
+        out_copy.wait()
 
 
 def default_block_q(group: int) -> int:
-  """Query tokens per work item: 128 rows of (token, group member), at least 8 tokens."""
-  return max(8, 128 // group)
+    """Query tokens per work item: 128 rows of (token, group member), at least 8 tokens."""
+    return max(8, 128 // group)
 
 
 def default_pages_per_block(page_size: int, max_blocks: int) -> int:
-  """Pages per key block: about 128 keys."""
-  return max(1, min(max_blocks, 128 // page_size))
+    """Pages per key block: about 128 keys."""
+    return max(1, min(max_blocks, 128 // page_size))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block", "interpret")
+)
 def ragged_paged_attention_tpu(
-    q: jax.Array, kv: KVPages, kv_lens: jax.Array, block_tables: jax.Array,
-    cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-    sliding_window: int | None = None, soft_cap: float | None = None,
-    block_q: int | None = None, pages_per_block: int | None = None,
-    interpret=False) -> jax.Array:
-  """TPU kernel; arguments as `ragged_paged_attention` (int32 metadata, num_seqs shape [])."""
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_pages, num_kv_heads, page_size, _ = kv.k.shape
-  num_seqs_padded, max_blocks = block_tables.shape
-  group = num_q_heads // num_kv_heads
-  block_q = block_q or default_block_q(group)
-  pages_per_block = pages_per_block or default_pages_per_block(page_size, max_blocks)
-  num_work = pl.cdiv(num_tokens, block_q) + num_seqs_padded
-  work_seq, work_start, num_work_valid = build_work_list(cu_q_lens, num_seqs, block_q, num_work)
+    q: jax.Array,
+    kv: KVPages,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    interpret=False,
+) -> jax.Array:
+    """TPU kernel; arguments as `ragged_paged_attention` (int32 metadata, num_seqs shape [])."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _num_pages, num_kv_heads, page_size, _ = kv.k.shape
+    num_seqs_padded, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    block_q = block_q or default_block_q(group)
+    pages_per_block = pages_per_block or default_pages_per_block(page_size, max_blocks)
+    num_work = pl.cdiv(num_tokens, block_q) + num_seqs_padded
+    work_seq, work_start, num_work_valid = build_work_list(cu_q_lens, num_seqs, block_q, num_work)
 
-  # q_heads: [Hkv, T + bq, G, D]; in VMEM a block becomes rows = token * G + group member.
-  padded_tokens = num_tokens + block_q
-  q_heads = jnp.pad(q, ((0, block_q), (0, 0), (0, 0))).reshape(
-      padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    # q_heads: [Hkv, T + bq, G, D]; in VMEM a block becomes rows = token * G + group member.
+    padded_tokens = num_tokens + block_q
+    q_heads = (
+        jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+        .reshape(padded_tokens, num_kv_heads, group, head_dim)
+        .transpose(1, 0, 2, 3)
+    )
 
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  inputs = [q_heads, kv.k, kv.v]
-  q_block = (block_q, group, head_dim)
-  scratch = [pltpu.VMEM(q_block, q.dtype), pltpu.VMEM(q_block, q.dtype),
-             pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype),
-             pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.v.dtype)]
-  if kv.quantized:
-    inputs += [kv.k_scale[:, None, :], kv.v_scale[:, None, :]]               # [P, 1, Hkv]
-    scratch.append(pltpu.SMEM((2, 2, pages_per_block, 1, num_kv_heads), jnp.float32))
-  scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    inputs = [q_heads, kv.k, kv.v]
+    q_block = (block_q, group, head_dim)
+    scratch = [
+        pltpu.VMEM(q_block, q.dtype),
+        pltpu.VMEM(q_block, q.dtype),
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype),
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.v.dtype),
+    ]
+    if kv.quantized:
+        inputs += [kv.k_scale[:, None, :], kv.v_scale[:, None, :]]  # [P, 1, Hkv]
+        scratch.append(pltpu.SMEM((2, 2, pages_per_block, 1, num_kv_heads), jnp.float32))
+    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
 
-  kernel = functools.partial(
-      _kernel, group=group, block_q=block_q, pages_per_block=pages_per_block,
-      max_blocks=max_blocks, sm_scale=sm_scale, sliding_window=sliding_window,
-      soft_cap=soft_cap, quantized=kv.quantized)
-  out_rows = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=6,
-          grid=(num_kv_heads, num_work),
-          in_specs=[any_spec] * len(inputs),
-          out_specs=any_spec,
-          scratch_shapes=scratch),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret,
-  )(kv_lens, block_tables.reshape(-1), cu_q_lens, work_seq, work_start, num_work_valid,
-    *inputs)
-  out = out_rows.transpose(1, 0, 2, 3)
-  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        block_q=block_q,
+        pages_per_block=pages_per_block,
+        max_blocks=max_blocks,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        quantized=kv.quantized,
+    )
+    out_rows = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q_heads.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_kv_heads, num_work),
+            in_specs=[any_spec] * len(inputs),
+            out_specs=any_spec,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(kv_lens, block_tables.reshape(-1), cu_q_lens, work_seq, work_start, num_work_valid, *inputs)
+    out = out_rows.transpose(1, 0, 2, 3)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)

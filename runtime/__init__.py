@@ -22,4 +22,4 @@ def __getattr__(name):  # lazy: `from runtime.types import ...` must not pull in
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineRequest"]
+__all__ = ["LLM", "CompletionOutput", "EngineRequest", "LLMEngine", "RequestOutput", "SamplingParams"]

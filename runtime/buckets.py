@@ -19,15 +19,28 @@ import bisect
 
 from models.padding import SEQUENCE_PAD_MIN, BucketMiss, ceil_div, pow2_bucket
 
-__all__ = ["BANNED_WIDTH_MIN", "PENALTY_WIDTH_MIN", "SEQUENCE_PAD_MIN", "BucketMiss", "banned_width", "bucket_for",
-           "ceil_div", "pages_for", "penalty_width", "pow2_bucket", "pow2_buckets", "seq_bucket"]
+__all__ = [
+    "BANNED_WIDTH_MIN",
+    "PENALTY_WIDTH_MIN",
+    "SEQUENCE_PAD_MIN",
+    "BucketMiss",
+    "banned_width",
+    "bucket_for",
+    "ceil_div",
+    "pages_for",
+    "penalty_width",
+    "pow2_bucket",
+    "pow2_buckets",
+    "seq_bucket",
+]
 
 PENALTY_WIDTH_MIN = 16  # smallest non-zero width of the sampler's output / prompt / logit-bias id matrices
 BANNED_WIDTH_MIN = 4  # smallest non-zero width of the banned-token matrix (min_tokens bans a few stop ids)
 
 
-def pow2_buckets(limit: int, minimum: int = 16, explicit: tuple[int, ...] | None = None,
-                 fine_until: int = 0) -> tuple[int, ...]:
+def pow2_buckets(
+    limit: int, minimum: int = 16, explicit: tuple[int, ...] | None = None, fine_until: int = 0
+) -> tuple[int, ...]:
     """Sorted bucket sizes: `explicit` (plus `limit`) when given, else powers of two from `minimum`
     plus, up to `fine_until`, the 1.5x sizes between them."""
     if limit < 1:

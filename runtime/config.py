@@ -89,4 +89,5 @@ def check_pool_holds_one_sequence(num_pages: int, page_size: int, max_model_len:
         raise ValueError(
             f"the KV cache holds {usable_tokens} tokens ({num_pages - 1} usable pages x {page_size}) but one "
             f"sequence of max_model_len={max_model_len} tokens needs {pages_for(max_model_len, page_size)} pages; "
-            f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len")
+            f"give more pages (cache.num_pages / cache.memory_fraction) or lower model.max_model_len"
+        )

@@ -39,12 +39,16 @@ class EngineConfig:
     max_num_batched_tokens: int = _S.max_num_batched_tokens
     long_prefill_token_threshold: int = 0
     policy: str = _S.policy
-    async_scheduling: bool = _S.async_scheduling  # plan step n+1 while step n runs (runtime/engine/llm_engine.py); False: wait for each step
+    async_scheduling: bool = (
+        _S.async_scheduling
+    )  # plan step n+1 while step n runs (runtime/engine/llm_engine.py); False: wait for each step
     token_buckets: tuple[int, ...] | None = _S.token_buckets
     attention_backend: str = _K.attention_backend
     gdn_backend: str = _K.gdn_backend
     layer_loop: str = _K.layer_loop  # scan | unroll | auto (runtime/steps/execution_plan.py decides)
-    fuse_greedy: bool | None = _K.fuse_greedy  # greedy backbone per bucket (StepExecutables); None: the execution plan decides
+    fuse_greedy: bool | None = (
+        _K.fuse_greedy
+    )  # greedy backbone per bucket (StepExecutables); None: the execution plan decides
     interpret: Any = False
     aot_compile: bool = DEFAULTS.compile.aot
     aot_grammar_samplers: bool = True  # with aot_compile: also the grammar-masked samplers (structured output)
@@ -68,8 +72,9 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1):
@@ -135,8 +140,10 @@ def build_engine_config(launch: LaunchConfig, model_path: str, **engine_only: An
     (set it on the launch config, so that it is validated there)."""
     routed = sorted(set(engine_only) & set(ENGINE_FIELD_KEYS))
     if routed:
-        raise TypeError(f"{routed} come from the launch config ({[ENGINE_FIELD_KEYS[f] for f in routed]}), "
-                        "not engine-only arguments")
+        raise TypeError(
+            f"{routed} come from the launch config ({[ENGINE_FIELD_KEYS[f] for f in routed]}), "
+            "not engine-only arguments"
+        )
     values = {field: launch_value(launch, key) for field, key in ENGINE_FIELD_KEYS.items()}
     if values["memory_fraction"] is None:
         values["memory_fraction"] = DEFAULT_MEMORY_FRACTION
@@ -155,4 +162,3 @@ def build_engine_config(launch: LaunchConfig, model_path: str, **engine_only: An
         section["token"] = launch.kv_transfer.token.get_secret_value() if launch.kv_transfer.token else None
         values["kv_transfer"] = KVTransferConfig(role=launch.parallel.role, **section)
     return EngineConfig(model=model_path, **{**values, **engine_only})
-

@@ -18,6 +18,7 @@ class EngineBusy(RuntimeError):
     """A request refused for now, not for what it is (a capacity such as the P/D transfer caps
     is full): the server answers 503, and retrying later can succeed."""
 
+
 GrammarKind = Literal["json", "regex", "choice", "lark", "ebnf"]
 GRAMMAR_KINDS = ("json", "regex", "choice", "lark", "ebnf")
 
@@ -52,6 +53,7 @@ class StructuredOutput:
     def key(self) -> tuple:
         """What identifies the compiled grammar (start_after does not change it)."""
         return self.kind, self.spec, *self.optional_block
+
 
 MAX_LOGPROBS = 20  # top alternatives the compiled steps can report per token (generated or prompt)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's own limit)
@@ -108,41 +110,69 @@ class SamplingParams:
             "max_tokens",
             f"must be an integer >= 0, got {self.max_tokens!r}",
         )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               f"must be an integer >= 0, got {self.min_tokens!r}")
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens",
-                   f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
         _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               f"must be in (0, 2], got {self.repetition_penalty}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty}",
+        )
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                   name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-               f"has {len(self.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed")
-        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
-               f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+            _check(
+                value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"has {len(self.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+        )
         _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "repeats a token id")
-        _check(all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for _, b in self.logit_bias), "logit_bias",
-               f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+        _check(
+            all(-LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for _, b in self.logit_bias),
+            "logit_bias",
+            f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
 

@@ -25,14 +25,24 @@ def validate_request(request: EngineRequest, *, vocab_size: int, max_model_len: 
     if params.max_tokens == 0:  # scoring only: the prompt must fit, nothing is generated
         _check(room >= 0, "prompt", f"{len(prompt)} tokens exceed the maximum context length of {max_model_len}")
     else:
-        _check(room >= 1, "prompt", f"{len(prompt)} tokens leave no room to generate within the maximum context "
-                                    f"length of {max_model_len} tokens")
+        _check(
+            room >= 1,
+            "prompt",
+            f"{len(prompt)} tokens leave no room to generate within the maximum context "
+            f"length of {max_model_len} tokens",
+        )
     if params.max_tokens is not None:
-        _check(params.max_tokens <= room, "max_tokens",
-               f"{params.max_tokens} tokens requested but the prompt has {len(prompt)} tokens and the maximum "
-               f"context length is {max_model_len}")
-    _check(params.min_tokens <= max(room, 0), "min_tokens",
-           f"({params.min_tokens}) exceeds the {max(room, 0)} tokens the context leaves after the prompt")
+        _check(
+            params.max_tokens <= room,
+            "max_tokens",
+            f"{params.max_tokens} tokens requested but the prompt has {len(prompt)} tokens and the maximum "
+            f"context length is {max_model_len}",
+        )
+    _check(
+        params.min_tokens <= max(room, 0),
+        "min_tokens",
+        f"({params.min_tokens}) exceeds the {max(room, 0)} tokens the context leaves after the prompt",
+    )
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
         _check_token_ids(name, ids, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):

@@ -24,19 +24,24 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from configs.schema import ServerConfig
-from server import formats
+from server import formats, structured
+from server.chat_messages import normalize_messages, template_source
+from server.chat_output import ChatOutputParser
 from server.chat_template import TemplateTimeout, render_chat_template
 from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
 from server.openapi import openapi_document
 from server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest,
-    ignored_fields_set, internal_error, parse_body,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    ignored_fields_set,
+    internal_error,
+    parse_body,
 )
 from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, Job, build_job, run_job
-from server import structured
-from server.chat_messages import normalize_messages, template_source
-from server.chat_output import ChatOutputParser
 from server.tool_parser import build_tool_parser
 
 logger = logging.getLogger("jaxserve.server")
@@ -81,8 +86,9 @@ class ServerState:
 
     def template_text(self, request_template: str | None = None) -> str:
         """The source of the chat template a request renders with."""
-        return template_source(request_template or self.chat_template
-                               or getattr(self.engine.tokenizer, "chat_template", None))
+        return template_source(
+            request_template or self.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+        )
 
     def vocabulary_has(self, tag: str) -> bool:
         if tag not in self._vocabulary:  # once: the vocabulary of a large model is a big dict
@@ -126,12 +132,18 @@ STATE = web.AppKey("jaxserve_state", ServerState)
 REQUEST_ID = web.RequestKey("jaxserve_request_id", str) if hasattr(web, "RequestKey") else "jaxserve_request_id"
 
 
-def create_app(engine: EngineClient, server_config: ServerConfig | None = None,
-               kv_transfer_token: str | None = None) -> web.Application:
+def create_app(
+    engine: EngineClient, server_config: ServerConfig | None = None, kv_transfer_token: str | None = None
+) -> web.Application:
     config = server_config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_policy])
-    app[STATE] = ServerState(engine, config, ServerMetrics(engine.stats), formats.TokenTexts(engine.tokenizer),
-                             kv_transfer_token=kv_transfer_token)
+    app[STATE] = ServerState(
+        engine,
+        config,
+        ServerMetrics(engine.stats),
+        formats.TokenTexts(engine.tokenizer),
+        kv_transfer_token=kv_transfer_token,
+    )
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
@@ -167,8 +179,7 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
     try:
         if request_id is not None and not _REQUEST_ID.match(request_id):
             request_id = None
-            raise RequestError(400, "X-Request-ID: must be 1-128 characters of [A-Za-z0-9._:-]",
-                               param="X-Request-ID")
+            raise RequestError(400, "X-Request-ID: must be 1-128 characters of [A-Za-z0-9._:-]", param="X-Request-ID")
         request_id = request_id or uuid.uuid4().hex
         request[REQUEST_ID] = request_id
         path = request.path
@@ -177,12 +188,19 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
         if state.config.api_key and path.startswith(_PROTECTED_PREFIXES):
             _check_api_key(request, state.config.api_key)
         if request.content_length is not None and request.content_length > state.config.max_body_bytes:
-            raise RequestError(413, f"The request body ({request.content_length} bytes) exceeds the limit of "
-                                    f"{state.config.max_body_bytes} bytes", code="request_too_large")
+            raise RequestError(
+                413,
+                f"The request body ({request.content_length} bytes) exceeds the limit of "
+                f"{state.config.max_body_bytes} bytes",
+                code="request_too_large",
+            )
         route_exists = request.match_info.http_exception is None  # else the 404/405 comes first
         if request.method == "POST" and route_exists and request.content_type.lower() != JSON_CONTENT_TYPE:
-            raise RequestError(415, f"Content-Type must be {JSON_CONTENT_TYPE}, got "
-                                    f"{request.headers.get('Content-Type', 'none')!r}", code="unsupported_media_type")
+            raise RequestError(
+                415,
+                f"Content-Type must be {JSON_CONTENT_TYPE}, got {request.headers.get('Content-Type', 'none')!r}",
+                code="unsupported_media_type",
+            )
         state.in_flight += 1
         state.idle.clear()
         try:
@@ -207,8 +225,9 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
             message = f"The request body exceeds the limit of {state.config.max_body_bytes} bytes"
         headers = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
         state.metrics.rejected_requests.labels(status=str(err.status)).inc()
-        return _error_response(RequestError(err.status, message, code=code, error_type=error_type,
-                                            headers=headers), request_id)
+        return _error_response(
+            RequestError(err.status, message, code=code, error_type=error_type, headers=headers), request_id
+        )
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:  # a bug: log it with its traceback, tell the client only that it happened
@@ -220,22 +239,28 @@ async def _errors_and_policy(request: web.Request, handler) -> web.StreamRespons
 def _check_api_key(request: web.Request, api_key: str) -> None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise RequestError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'})
+        raise RequestError(
+            401,
+            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'},
+        )
 
 
 async def _read_json(request: web.Request, model: type[BaseModel]):
     timeout_s = request.app[STATE].config.body_read_timeout_s
     try:  # raises 413 past client_max_size, also for chunked bodies
         body = await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestError(408, f"The request body did not arrive within {timeout_s:g} s",
-                           code="request_timeout") from None
+    except TimeoutError:
+        raise RequestError(
+            408, f"The request body did not arrive within {timeout_s:g} s", code="request_timeout"
+        ) from None
     parsed = parse_body(model, body)
     ignored = ignored_fields_set(parsed)
     if ignored:
-        logger.debug("request %s: ignored fields (they do not change the output): %s",
-                     request[REQUEST_ID], ", ".join(ignored))
+        logger.debug(
+            "request %s: ignored fields (they do not change the output): %s", request[REQUEST_ID], ", ".join(ignored)
+        )
     return parsed
 
 
@@ -249,26 +274,42 @@ def _check_kv_transfer(request: web.Request, state: ServerState, body) -> None:
         return
     presented = request.headers.get(KV_TRANSFER_TOKEN_HEADER, "")
     if not hmac.compare_digest(presented.encode(), state.kv_transfer_token.encode()):
-        raise RequestError(400, f"kv_transfer_params: accepted only from the P/D proxy (the internal "
-                                f"{KV_TRANSFER_TOKEN_HEADER} header is missing or wrong)", param="kv_transfer_params")
+        raise RequestError(
+            400,
+            f"kv_transfer_params: accepted only from the P/D proxy (the internal "
+            f"{KV_TRANSFER_TOKEN_HEADER} header is missing or wrong)",
+            param="kv_transfer_params",
+        )
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.engine.model_name:
-        raise RequestError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{state.engine.model_name}`", param="model", code="model_not_found",
-                           error_type="invalid_request_error")
+        raise RequestError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.engine.model_name}`",
+            param="model",
+            code="model_not_found",
+            error_type="invalid_request_error",
+        )
 
 
 def _check_capacity(state: ServerState, num_requests: int) -> None:
     limit = state.config.max_waiting_requests
     if num_requests > limit:  # could never be admitted: not a retry-later
-        raise RequestError(400, f"n: this request needs {num_requests} completions (n x prompts) but the server "
-                                f"queues at most {limit} (server.max_waiting_requests)", param="n")
+        raise RequestError(
+            400,
+            f"n: this request needs {num_requests} completions (n x prompts) but the server "
+            f"queues at most {limit} (server.max_waiting_requests)",
+            param="n",
+        )
     waiting = int(state.engine.stats().get("num_waiting", 0))
     if waiting + num_requests > state.config.max_waiting_requests:
-        raise RequestError(429, f"The waiting queue is full ({waiting} requests waiting); retry later",
-                           code="queue_full", error_type="rate_limit_error")
+        raise RequestError(
+            429,
+            f"The waiting queue is full ({waiting} requests waiting); retry later",
+            code="queue_full",
+            error_type="rate_limit_error",
+        )
 
 
 async def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -285,9 +326,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     tokenizer = state.engine.tokenizer
     raw = body.prompt
-    if isinstance(raw, str):
-        raw = [raw]
-    elif raw and isinstance(raw[0], int):
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]
     prompts = [await _encode(tokenizer, p, True) if isinstance(p, str) else list(p) for p in raw]
     if any(not p for p in prompts):
@@ -298,9 +337,19 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     grammar, param = structured.request_grammar(body)
     if grammar is not None:
         await structured.compile_or_400(state.compiler(), grammar, param)
-    job = build_job(state.engine, body, uuid.uuid4().hex, prompts, body.max_tokens,
-                    DEFAULT_COMPLETION_MAX_TOKENS, body.logprobs, echo_texts, prompt_logprobs=body.prompt_logprobs,
-                    echo_logprobs=body.echo and body.logprobs is not None, structured_output=grammar)
+    job = build_job(
+        state.engine,
+        body,
+        uuid.uuid4().hex,
+        prompts,
+        body.max_tokens,
+        DEFAULT_COMPLETION_MAX_TOKENS,
+        body.logprobs,
+        echo_texts,
+        prompt_logprobs=body.prompt_logprobs,
+        echo_logprobs=body.echo and body.logprobs is not None,
+        structured_output=grammar,
+    )
     return await _run(request, state, job, chat=False)
 
 
@@ -312,30 +361,44 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    tools = structured.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                 max_tool_calls=state.config.max_tool_calls,
-                                 auto_tool_choice=state.config.enable_auto_tool_choice)
+    tools = structured.tool_plan(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        max_tool_calls=state.config.max_tool_calls,
+        auto_tool_choice=state.config.enable_auto_tool_choice,
+    )
     template_kwargs = dict(body.chat_template_kwargs or {})
     if tools.functions:
         template_kwargs["tools"] = [{"type": "function", "function": f} for f in tools.functions]
     request_template = body.request_chat_template()
-    prompt = await _render_chat(state, body.messages, body.add_generation_prompt, template_kwargs,
-                                request_template, functions=tools.functions)
+    prompt = await _render_chat(
+        state, body.messages, body.add_generation_prompt, template_kwargs, request_template, functions=tools.functions
+    )
     template_text = state.template_text(request_template)
 
     def model_may_think(reasoning) -> bool:
         return reasoning.model_may_open(template_text, state.vocabulary_has(reasoning.start_tag))
 
-    grammar, reasoning = await structured.chat_grammar(body, tools, state.tool_parser, template_kwargs, prompt,
-                                                       state.engine.tokenizer, state.config.reasoning_parser,
-                                                       state.compiler, model_may_think)
+    grammar, reasoning = await structured.chat_grammar(
+        body,
+        tools,
+        state.tool_parser,
+        template_kwargs,
+        prompt,
+        state.engine.tokenizer,
+        state.config.reasoning_parser,
+        state.compiler,
+        model_may_think,
+    )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise RequestError(400, f"{param}: must be at least 1", param=param)
-    job = build_job(state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs,
-                    structured_output=grammar)
+    job = build_job(
+        state.engine, body, uuid.uuid4().hex, [prompt], max_tokens, None, logprobs, structured_output=grammar
+    )
     if reasoning is not None or tools.parses_calls:
         tool_parser = state.tool_parser if tools.parses_calls else None
         for choice in job.choices:
@@ -354,22 +417,36 @@ def _check_stream_options(body) -> None:
         raise RequestError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
 
-async def _render_chat(state: ServerState, messages, add_generation_prompt: bool, template_kwargs: dict | None,
-                       request_template: str | None = None, functions: list[dict] | None = None) -> list[int]:
+async def _render_chat(
+    state: ServerState,
+    messages,
+    add_generation_prompt: bool,
+    template_kwargs: dict | None,
+    request_template: str | None = None,
+    functions: list[dict] | None = None,
+) -> list[int]:
     """Render with the chat template (the client's if allowed, else --chat-template's, else the
     model's) in the sandbox under a time limit, then encode without adding special tokens again.
     Messages are normalized first (`server/chat_messages.py`); `functions`: the request's tools."""
     if request_template is not None and not state.config.trust_request_chat_template:
-        raise RequestError(400, "chat_template: client-supplied chat templates are disabled on this server "
-                                "(start it with --trust-request-chat-template to allow them)", param="chat_template")
+        raise RequestError(
+            400,
+            "chat_template: client-supplied chat templates are disabled on this server "
+            "(start it with --trust-request-chat-template to allow them)",
+            param="chat_template",
+        )
     tokenizer = state.engine.tokenizer
     conversation = normalize_messages(messages, state.template_text(request_template), state.tool_parser, functions)
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
     try:
         text = await render_chat_template(
-            tokenizer, conversation, template=request_template or state.chat_template,
-            add_generation_prompt=add_generation_prompt, template_kwargs=kwargs,
-            timeout_s=state.config.chat_template_timeout_s)
+            tokenizer,
+            conversation,
+            template=request_template or state.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=kwargs,
+            timeout_s=state.config.chat_template_timeout_s,
+        )
         prompt = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
     except TemplateTimeout as err:
         raise RequestError(400, f"messages: {err}", param="messages") from None
@@ -382,8 +459,15 @@ async def _render_chat(state: ServerState, messages, add_generation_prompt: bool
 
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    card = {"id": state.engine.model_name, "object": "model", "created": formats.now(), "owned_by": "jaxserve",
-            "root": state.engine.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
+    card = {
+        "id": state.engine.model_name,
+        "object": "model",
+        "created": formats.now(),
+        "owned_by": "jaxserve",
+        "root": state.engine.model_name,
+        "parent": None,
+        "max_model_len": state.engine.max_model_len,
+    }
     return web.json_response({"object": "list", "data": [card]})
 
 
@@ -424,8 +508,11 @@ async def _tokenizer_info(request: web.Request) -> web.Response:
     """vLLM's `GET /tokenizer_info`: the tokenizer's configuration (lm-eval reads it)."""
     state = request.app[STATE]
     tokenizer = state.engine.tokenizer
-    info = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
-            if _is_json_value(value) and not key.endswith("_file")}
+    info = {
+        key: value
+        for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+        if _is_json_value(value) and not key.endswith("_file")
+    }
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tokenizer, name, None)
     info["tokenizer_class"] = type(tokenizer).__name__

@@ -77,16 +77,25 @@ def _tool_calls(calls: Any, param: str, as_object: bool) -> list[dict]:
         where = f"{param}[{index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(400, f'{where}: must be {{"id", "type": "function", "function": {{"name", '
-                                    f'"arguments"}}}}', param=where)
-        out.append({**call, "type": call.get("type") or "function",
-                    "function": {**function, "arguments": _arguments(function.get("arguments"),
-                                                                     f"{where}.function.arguments", as_object)}})
+            raise RequestError(
+                400, f'{where}: must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', param=where
+            )
+        out.append(
+            {
+                **call,
+                "type": call.get("type") or "function",
+                "function": {
+                    **function,
+                    "arguments": _arguments(function.get("arguments"), f"{where}.function.arguments", as_object),
+                },
+            }
+        )
     return out
 
 
-def normalize_messages(messages: list[ChatMessage], template: str, tool_parser=None,
-                       tools: list[dict] | None = None) -> list[dict]:
+def normalize_messages(
+    messages: list[ChatMessage], template: str, tool_parser=None, tools: list[dict] | None = None
+) -> list[dict]:
     """The conversation for `apply_chat_template` with the template whose source is `template`.
     When it does not render tool calls itself, they are folded into text with `tool_parser`
     (its `render_calls` and `tools_prompt`), and `tools` (function definitions) go into the

@@ -70,7 +70,8 @@ class ChatOutputParser:
             ids = self._call_ids(len(parsed.calls))
             fields["tool_calls"] = [
                 {"id": ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for i, c in enumerate(parsed.calls)]
+                for i, c in enumerate(parsed.calls)
+            ]
         return fields
 
     def finish_reason(self, text: str, reason: str | None) -> str | None:
@@ -83,15 +84,25 @@ class ChatOutputParser:
         parsed = self.parse(text, final)
         out = []
         if len(parsed.reasoning) > self._reasoning_sent:
-            out.append({"reasoning_content": parsed.reasoning[self._reasoning_sent:]})
+            out.append({"reasoning_content": parsed.reasoning[self._reasoning_sent :]})
             self._reasoning_sent = len(parsed.reasoning)
         if len(parsed.content) > self._content_sent:
-            out.append({"content": parsed.content[self._content_sent:]})
+            out.append({"content": parsed.content[self._content_sent :]})
             self._content_sent = len(parsed.content)
         sent = len(self._ids)
         ids = self._call_ids(len(parsed.calls))
         for index in range(sent, len(parsed.calls)):
             call = parsed.calls[index]
-            out.append({"tool_calls": [{"index": index, "id": ids[index], "type": "function",
-                                        "function": {"name": call.name, "arguments": call.arguments}}]})
+            out.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": ids[index],
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ]
+                }
+            )
         return out

@@ -22,7 +22,8 @@ import asyncio
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TEMPLATE_FILENAME = "<template>"  # what jinja2's `Environment.from_string` compiles to
 _CHECK_EVERY = 64  # template lines between clock reads
@@ -71,9 +72,15 @@ def run_with_deadline(work: Callable[[], Any], deadline: _Deadline) -> Any:
         sys.settrace(previous)
 
 
-async def render_chat_template(tokenizer, conversation: list[dict], *, template: str | None,
-                               add_generation_prompt: bool, template_kwargs: dict | None,
-                               timeout_s: float) -> str:
+async def render_chat_template(
+    tokenizer,
+    conversation: list[dict],
+    *,
+    template: str | None,
+    add_generation_prompt: bool,
+    template_kwargs: dict | None,
+    timeout_s: float,
+) -> str:
     """Render `conversation` with `template` (None: the tokenizer's own) in a worker thread.
 
     Raises TemplateTimeout past `timeout_s`; if the awaiting task is cancelled (the client
@@ -85,8 +92,9 @@ async def render_chat_template(tokenizer, conversation: list[dict], *, template:
         kwargs["chat_template"] = template
 
     def render() -> str:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
 
     try:
         return await asyncio.to_thread(run_with_deadline, render, deadline)

@@ -29,8 +29,9 @@ import importlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
@@ -57,10 +58,15 @@ class ConfigFlag:
     also: tuple[tuple[str, Any], ...] = ()  # further (key, value) it implies
 
 
-_DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-           "float": "float32", "float32": "float32"}
-_KV_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
-              "fp8_e5m2": "fp8_e5m2"}
+_DTYPES = {
+    "auto": None,
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+_KV_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--host", "server.host", "bind address"),
@@ -68,42 +74,97 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--api-key", "server.api_key", "require this bearer token"),
     ConfigFlag("--served-model-name", "model.served_model_name", "model id reported by /v1/models"),
     ConfigFlag("--max-model-len", "model.max_model_len", "context length limit (prompt + output)", type=int),
-    ConfigFlag("--dtype", "model.dtype", "weight/activation dtype (auto: the config's)", choices=tuple(_DTYPES),
-               convert=_DTYPES.get),
+    ConfigFlag(
+        "--dtype",
+        "model.dtype",
+        "weight/activation dtype (auto: the config's)",
+        choices=tuple(_DTYPES),
+        convert=_DTYPES.get,
+    ),
     ConfigFlag("--max-num-seqs", "scheduler.max_num_seqs", "most sequences in one step", type=int),
-    ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "token budget of one step",
-               type=int),
-    ConfigFlag("--async-scheduling", "scheduler.async_scheduling",
-               "plan the next step while the device runs this one", boolean=True),
-    ConfigFlag("--gpu-memory-utilization", "cache.memory_fraction",
-               "fraction of device memory to budget for weights + KV cache (replaces cache.num_pages)", type=float,
-               also=(("cache.num_pages", None),)),
-    ConfigFlag("--kv-cache-dtype", "cache.kv_cache_dtype", "KV page dtype (fp8 = fp8_e4m3)",
-               choices=tuple(_KV_DTYPES), convert=_KV_DTYPES.get),
-    ConfigFlag("--enable-prefix-caching", "cache.enable_prefix_caching", "share KV pages of common prefixes",
-               boolean=True),
+    ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "token budget of one step", type=int),
+    ConfigFlag(
+        "--async-scheduling",
+        "scheduler.async_scheduling",
+        "plan the next step while the device runs this one",
+        boolean=True,
+    ),
+    ConfigFlag(
+        "--gpu-memory-utilization",
+        "cache.memory_fraction",
+        "fraction of device memory to budget for weights + KV cache (replaces cache.num_pages)",
+        type=float,
+        also=(("cache.num_pages", None),),
+    ),
+    ConfigFlag(
+        "--kv-cache-dtype",
+        "cache.kv_cache_dtype",
+        "KV page dtype (fp8 = fp8_e4m3)",
+        choices=tuple(_KV_DTYPES),
+        convert=_KV_DTYPES.get,
+    ),
+    ConfigFlag(
+        "--enable-prefix-caching", "cache.enable_prefix_caching", "share KV pages of common prefixes", boolean=True
+    ),
     ConfigFlag("--chat-template", "server.chat_template", "a Jinja chat template (or a file) replacing the model's"),
-    ConfigFlag("--trust-request-chat-template", "server.trust_request_chat_template",
-               "let clients send their own chat_template (rendered in the sandbox, time-limited)", switch=True),
-    ConfigFlag("--quantization", "model.quantization",
-               "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp"),
-    ConfigFlag("--role", "parallel.role", "P/D disaggregation role (docs/disaggregation.md)",
-               choices=("prefill", "decode", "both")),
-    ConfigFlag("--reasoning-parser", "server.reasoning_parser",
-               "split <think>...</think> into reasoning_content", choices=("qwen3",)),
-    ConfigFlag("--tool-call-parser", "server.tool_call_parser",
-               "the tool-call format parsed and forced: hermes (Qwen, Hermes) | llama3_json (Llama 3.x)",
-               choices=("hermes", "llama3_json")),
-    ConfigFlag("--enable-auto-tool-choice", "server.enable_auto_tool_choice",
-               'parse tool calls for tool_choice "auto" (and tools without a tool_choice)', boolean=True),
-    ConfigFlag("--max-tool-calls", "server.max_tool_calls",
-               "most tool calls in one answer when parallel_tool_calls is on", type=int),
-    ConfigFlag("--kv-transfer-token", "kv_transfer.token",
-               "P/D: the proxy <-> instance credential (prefer JAXSERVE_KV_TRANSFER_TOKEN: flags show in ps)"),
-    ConfigFlag("--insecure-kv-transfer", "kv_transfer.insecure",
-               "P/D: serve a role on a non-loopback address without a token (not for production)", switch=True),
-    ConfigFlag("--process-id", "parallel.multihost.process_id",
-               "this process of a multi-host launch (0 serves HTTP; docs/scaling.md)", type=int),
+    ConfigFlag(
+        "--trust-request-chat-template",
+        "server.trust_request_chat_template",
+        "let clients send their own chat_template (rendered in the sandbox, time-limited)",
+        switch=True,
+    ),
+    ConfigFlag(
+        "--quantization",
+        "model.quantization",
+        "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp",
+    ),
+    ConfigFlag(
+        "--role",
+        "parallel.role",
+        "P/D disaggregation role (docs/disaggregation.md)",
+        choices=("prefill", "decode", "both"),
+    ),
+    ConfigFlag(
+        "--reasoning-parser",
+        "server.reasoning_parser",
+        "split <think>...</think> into reasoning_content",
+        choices=("qwen3",),
+    ),
+    ConfigFlag(
+        "--tool-call-parser",
+        "server.tool_call_parser",
+        "the tool-call format parsed and forced: hermes (Qwen, Hermes) | llama3_json (Llama 3.x)",
+        choices=("hermes", "llama3_json"),
+    ),
+    ConfigFlag(
+        "--enable-auto-tool-choice",
+        "server.enable_auto_tool_choice",
+        'parse tool calls for tool_choice "auto" (and tools without a tool_choice)',
+        boolean=True,
+    ),
+    ConfigFlag(
+        "--max-tool-calls",
+        "server.max_tool_calls",
+        "most tool calls in one answer when parallel_tool_calls is on",
+        type=int,
+    ),
+    ConfigFlag(
+        "--kv-transfer-token",
+        "kv_transfer.token",
+        "P/D: the proxy <-> instance credential (prefer JAXSERVE_KV_TRANSFER_TOKEN: flags show in ps)",
+    ),
+    ConfigFlag(
+        "--insecure-kv-transfer",
+        "kv_transfer.insecure",
+        "P/D: serve a role on a non-loopback address without a token (not for production)",
+        switch=True,
+    ),
+    ConfigFlag(
+        "--process-id",
+        "parallel.multihost.process_id",
+        "this process of a multi-host launch (0 serves HTTP; docs/scaling.md)",
+        type=int,
+    ),
 )
 
 
@@ -111,15 +172,28 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for flag in CONFIG_FLAGS:
         dest = _dest(flag)
         if flag.boolean:
-            parser.add_argument(flag.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{flag.help} ({flag.key})")
+            parser.add_argument(
+                flag.flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{flag.help} ({flag.key})",
+            )
         elif flag.switch:
-            parser.add_argument(flag.flag, dest=dest, action="store_const", const=True, default=None,
-                                help=f"{flag.help} ({flag.key})")
+            parser.add_argument(
+                flag.flag, dest=dest, action="store_const", const=True, default=None, help=f"{flag.help} ({flag.key})"
+            )
         else:
             metavar = None if flag.choices else {int: "N", float: "X"}.get(flag.type, "VALUE")
-            parser.add_argument(flag.flag, dest=dest, type=flag.type, choices=flag.choices, default=None,
-                                metavar=metavar, help=f"{flag.help} ({flag.key})")
+            parser.add_argument(
+                flag.flag,
+                dest=dest,
+                type=flag.type,
+                choices=flag.choices,
+                default=None,
+                metavar=metavar,
+                help=f"{flag.help} ({flag.key})",
+            )
 
 
 def _dest(flag: ConfigFlag) -> str:
@@ -142,35 +216,71 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA, OpenAI-compatible API")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("serve", "run the server"), ("config", "print the validated launch config"),
-                       ("plan", "compile the config for its chip; print memory and cost per device")):
+    for name, text in (
+        ("serve", "run the server"),
+        ("config", "print the validated launch config"),
+        ("plan", "compile the config for its chip; print memory and cost per device"),
+    ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--config", default=None, help="launch YAML (default: configs/cpu-demo.yaml)")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config field, e.g. --set cache.page_size=32 (repeatable)")
-        sub.add_argument("model", nargs="?", default=None,
-                         help="HF checkpoint directory or .gguf file (default: the config's, else SmolLM2-135M)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. --set cache.page_size=32 (repeatable)",
+        )
+        sub.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="HF checkpoint directory or .gguf file (default: the config's, else SmolLM2-135M)",
+        )
         _add_config_flags(sub)
-        sub.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                         help="devices the weights are split over (parallel.mesh.model)")
-        sub.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                         help="attention data parallelism: D ranks, each with its own batch, pages and "
-                              "state slots (parallel.mesh.data)")
-        sub.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                         help="MoE experts split by expert index over the model axis (parallel.expert)")
+        sub.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help="devices the weights are split over (parallel.mesh.model)",
+        )
+        sub.add_argument(
+            "--data-parallel-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help="attention data parallelism: D ranks, each with its own batch, pages and "
+            "state slots (parallel.mesh.data)",
+        )
+        sub.add_argument(
+            "--enable-expert-parallel",
+            action="store_true",
+            default=None,
+            help="MoE experts split by expert index over the model axis (parallel.expert)",
+        )
         if name == "plan":
-            sub.add_argument("--buckets", default=None, metavar="T,T,...",
-                             help="compile only these token buckets (default: every bucket)")
+            sub.add_argument(
+                "--buckets",
+                default=None,
+                metavar="T,T,...",
+                help="compile only these token buckets (default: every bucket)",
+            )
         if name == "serve":
-            sub.add_argument("--fake-engine", action="store_true",
-                             help="serve the hand-computable FakeEngine instead of a model")
+            sub.add_argument(
+                "--fake-engine", action="store_true", help="serve the hand-computable FakeEngine instead of a model"
+            )
             sub.add_argument("--log-level", default="INFO")
     convert = commands.add_parser("convert", help="write an HF checkpoint as an orbax checkpoint (fast, sharded loads)")
     convert.add_argument("source", help="HF checkpoint directory")
     convert.add_argument("out_dir", help="new directory: params/ (orbax) + config and tokenizer files")
     convert.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    convert.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                         help="write from this sharding (each process writes its shards); any mesh restores it")
+    convert.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help="write from this sharding (each process writes its shards); any mesh restores it",
+    )
     commands.add_parser("proxy", add_help=False, help="prefill -> decode router (jaxserve proxy --help)")
     return parser
 
@@ -180,12 +290,15 @@ def _load(args) -> LaunchConfig:
     if args.model is not None:
         overrides["model.path"] = args.model
     overrides.update(flag_overrides(args))
-    overrides.update(parallel_overrides(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel))
+    overrides.update(
+        parallel_overrides(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
+    )
     return load_config(args.config, overrides)
 
 
-def parallel_overrides(tensor_parallel_size: int | None, data_parallel_size: int | None,
-                       enable_expert_parallel: bool | None) -> dict:
+def parallel_overrides(
+    tensor_parallel_size: int | None, data_parallel_size: int | None, enable_expert_parallel: bool | None
+) -> dict:
     """vLLM's parallelism flags -> `parallel` keys."""
     if data_parallel_size is not None and data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
@@ -203,15 +316,20 @@ def _build_engine(config: LaunchConfig, fake: bool):
     if fake:
         from server.testing import FakeEngine, build_test_tokenizer
 
-        return FakeEngine(build_test_tokenizer(), model_name=config.model.served_model_name or "fake-model",
-                          max_model_len=config.model.max_model_len or 2048,
-                          num_slots=config.scheduler.max_num_seqs)
+        return FakeEngine(
+            build_test_tokenizer(),
+            model_name=config.model.served_model_name or "fake-model",
+            max_model_len=config.model.max_model_len or 2048,
+            num_slots=config.scheduler.max_num_seqs,
+        )
     module_name, _, attribute = ENGINE_FACTORY.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as err:
-        raise SystemExit(f"jaxserve: the engine factory {ENGINE_FACTORY} is not available ({err}); "
-                         "use --fake-engine to run the HTTP layer alone") from None
+        raise SystemExit(
+            f"jaxserve: the engine factory {ENGINE_FACTORY} is not available ({err}); "
+            "use --fake-engine to run the HTTP layer alone"
+        ) from None
     return factory(config)
 
 
@@ -263,8 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve: refusing to start: {refused}", file=sys.stderr)
         return 2
     kv = config.kv_transfer
-    if config.parallel.role != "both" and kv.token is None and not (is_loopback(config.server.host)
-                                                                    and is_loopback(kv.host)):
+    if (
+        config.parallel.role != "both"
+        and kv.token is None
+        and not (is_loopback(config.server.host) and is_loopback(kv.host))
+    ):
         warn_insecure_every_minute(f"this {config.parallel.role} instance")
     from server.runner import serve
 

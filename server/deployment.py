@@ -15,9 +15,11 @@ import threading
 log = logging.getLogger("jaxserve.deployment")
 WILDCARDS = ("0.0.0.0", "::", "")
 INSECURE_WARNING_PERIOD_S = 60.0
-HOW_TO_SET_TOKEN = ("set the internal token on every instance and the proxy: export JAXSERVE_KV_TRANSFER_TOKEN="
-                    "$(python -c 'import secrets; print(secrets.token_urlsafe(32))') (or --kv-transfer-token, or "
-                    "kv_transfer.token in the YAML); --insecure-kv-transfer serves without one (not for production)")
+HOW_TO_SET_TOKEN = (
+    "set the internal token on every instance and the proxy: export JAXSERVE_KV_TRANSFER_TOKEN="
+    "$(python -c 'import secrets; print(secrets.token_urlsafe(32))') (or --kv-transfer-token, or "
+    "kv_transfer.token in the YAML); --insecure-kv-transfer serves without one (not for production)"
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -37,13 +39,20 @@ def pd_deployment_error(config) -> str | None:
         return None
     kv = config.kv_transfer
     if kv.host.strip() in WILDCARDS and not kv.advertise_host and config.parallel.role == "prefill":
-        return (f"kv_transfer.host {kv.host!r} binds every interface: set kv_transfer.advertise_host to the address "
-                "decode instances dial (e.g. --set kv_transfer.advertise_host=10.0.0.5)")
-    exposed = [f"{name} {host!r}" for name, host in (("server.host", config.server.host),
-                                                     ("kv_transfer.host", kv.host)) if not is_loopback(host)]
+        return (
+            f"kv_transfer.host {kv.host!r} binds every interface: set kv_transfer.advertise_host to the address "
+            "decode instances dial (e.g. --set kv_transfer.advertise_host=10.0.0.5)"
+        )
+    exposed = [
+        f"{name} {host!r}"
+        for name, host in (("server.host", config.server.host), ("kv_transfer.host", kv.host))
+        if not is_loopback(host)
+    ]
     if exposed and kv.token is None and not kv.insecure:
-        return (f"role {config.parallel.role} binds a non-loopback address ({', '.join(exposed)}) without "
-                f"kv_transfer.token: {HOW_TO_SET_TOKEN}")
+        return (
+            f"role {config.parallel.role} binds a non-loopback address ({', '.join(exposed)}) without "
+            f"kv_transfer.token: {HOW_TO_SET_TOKEN}"
+        )
     return None
 
 
@@ -53,8 +62,11 @@ def warn_insecure_every_minute(what: str, stop: threading.Event | None = None) -
 
     def loop():
         while True:
-            log.warning("INSECURE: %s runs on a non-loopback address without kv_transfer.token "
-                        "(--insecure-kv-transfer); anyone who reaches it can inject or read KV state", what)
+            log.warning(
+                "INSECURE: %s runs on a non-loopback address without kv_transfer.token "
+                "(--insecure-kv-transfer); anyone who reaches it can inject or read KV state",
+                what,
+            )
             if stop.wait(INSECURE_WARNING_PERIOD_S):
                 return
 

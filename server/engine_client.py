@@ -7,14 +7,22 @@ behind the same routes.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 from runtime.types import EngineRequest, RequestOutput
 
 STATS_KEYS = (
-    "pages_total", "pages_free", "pages_cached",
-    "slots_total", "slots_free", "slots_cached",
-    "prefix_cache_hit_rate", "num_preemptions", "num_running", "num_waiting",
+    "pages_total",
+    "pages_free",
+    "pages_cached",
+    "slots_total",
+    "slots_free",
+    "slots_cached",
+    "prefix_cache_hit_rate",
+    "num_preemptions",
+    "num_running",
+    "num_waiting",
 )
 
 

@@ -30,9 +30,12 @@ class TokenTexts:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI usage; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def system_fingerprint(server_version: str, model: str) -> str:
@@ -57,16 +60,17 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, text_off
             top.setdefault(texts(token_id), logprob)
         top.setdefault(token, entry.logprob)
         top_logprobs.append(top)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 def prompt_entries(prompt: list[int], scored: list[TokenLogprob | None] | None, k: int) -> list[TokenLogprob]:
     """Echoed prompt tokens as logprob entries: the first (and any unscored one) with logprob
     None, the others with their top k alternatives."""
     scored = scored or [None] * len(prompt)
-    return [TokenLogprob(token, None, []) if entry is None else TokenLogprob(token, entry.logprob, entry.top[:k])
-            for token, entry in zip(prompt, scored)]
+    return [
+        TokenLogprob(token, None, []) if entry is None else TokenLogprob(token, entry.logprob, entry.top[:k])
+        for token, entry in zip(prompt, scored)
+    ]
 
 
 def vllm_prompt_logprobs(scored: list[TokenLogprob | None], texts: TokenTexts, k: int) -> list[dict | None]:
@@ -77,10 +81,13 @@ def vllm_prompt_logprobs(scored: list[TokenLogprob | None], texts: TokenTexts, k
         if entry is None:
             out.append(None)
             continue
-        ranked = {str(t): {"logprob": lp, "rank": rank, "decoded_token": texts(t)}
-                  for rank, (t, lp) in enumerate(entry.top[:k], start=1)}
-        ranked.setdefault(str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank,
-                                                "decoded_token": texts(entry.token_id)})
+        ranked = {
+            str(t): {"logprob": lp, "rank": rank, "decoded_token": texts(t)}
+            for rank, (t, lp) in enumerate(entry.top[:k], start=1)
+        }
+        ranked.setdefault(
+            str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": texts(entry.token_id)}
+        )
         out.append(ranked)
     return out
 
@@ -99,58 +106,104 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict,
-                    fingerprint: str) -> dict:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
+def completion_body(
+    response_id: str, model: str, created: int, choices: list[dict], usage_: dict, fingerprint: str
+) -> dict:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": fingerprint,
+    }
 
 
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: int | str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+def completion_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def chat_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict,
-              fingerprint: str) -> dict:
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": fingerprint}
+def chat_body(response_id: str, model: str, created: int, choices: list[dict], usage_: dict, fingerprint: str) -> dict:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": fingerprint,
+    }
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None) -> dict:
+def chat_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> dict:
     message = {"role": "assistant", "content": text, "refusal": None, "annotations": [], "tool_calls": []}
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def completion_chunk(response_id: str, model: str, created: int, choices: list[dict],
-                     include_usage: bool, fingerprint: str) -> dict:
-    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": fingerprint}
+def completion_chunk(
+    response_id: str, model: str, created: int, choices: list[dict], include_usage: bool, fingerprint: str
+) -> dict:
+    chunk = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": fingerprint,
+    }
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_chunk(response_id: str, model: str, created: int, choices: list[dict], include_usage: bool,
-               fingerprint: str) -> dict:
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": fingerprint}
+def chat_chunk(
+    response_id: str, model: str, created: int, choices: list[dict], include_usage: bool, fingerprint: str
+) -> dict:
+    chunk = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": fingerprint,
+    }
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: int | str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+def chat_chunk_choice(
+    index: int, delta: dict, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None = None
+) -> dict:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode("utf-8")
+    return f"data: {data}\n\n".encode()
 
 
 def now() -> int:

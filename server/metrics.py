@@ -8,7 +8,7 @@ are read from `engine.stats()` at scrape time by a custom collector.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,20 +34,29 @@ class _EngineStatsCollector:
             "jaxserve_state_slots_total": ("Recurrent-state slots", stats.get("slots_total", 0)),
             "jaxserve_state_slots_free": ("Free recurrent-state slots", stats.get("slots_free", 0)),
             "jaxserve_state_slots_cached": ("State slots kept by the prefix cache", stats.get("slots_cached", 0)),
-            "jaxserve_prefix_cache_hit_rate": ("Prefix-cache hit rate (tokens)", stats.get("prefix_cache_hit_rate", 0.0)),
+            "jaxserve_prefix_cache_hit_rate": (
+                "Prefix-cache hit rate (tokens)",
+                stats.get("prefix_cache_hit_rate", 0.0),
+            ),
             "jaxserve_kv_cache_usage_ratio": ("Fraction of KV pages in use", _usage(stats, "pages")),
             "jaxserve_state_slot_usage_ratio": ("Fraction of state slots in use", _usage(stats, "slots")),
-            "jaxserve_weight_bytes": ("Bytes of model parameters on the device(s), quantization scales included",
-                                      stats.get("weight_bytes", 0)),
+            "jaxserve_weight_bytes": (
+                "Bytes of model parameters on the device(s), quantization scales included",
+                stats.get("weight_bytes", 0),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
-        yield CounterMetricFamily("jaxserve_num_preemptions", "Requests preempted for lack of pages",
-                                  value=float(stats.get("num_preemptions", 0)))
+        yield CounterMetricFamily(
+            "jaxserve_num_preemptions",
+            "Requests preempted for lack of pages",
+            value=float(stats.get("num_preemptions", 0)),
+        )
         for name, value in stats.items():  # P/D (runtime/kv_transfer): counters and held pages/slots
             if name.startswith("kv_transfer_"):
-                yield GaugeMetricFamily(f"jaxserve_{name}", f"P/D KV transfer: {name[12:].replace('_', ' ')}",
-                                        value=float(value))
+                yield GaugeMetricFamily(
+                    f"jaxserve_{name}", f"P/D KV transfer: {name[12:].replace('_', ' ')}", value=float(value)
+                )
 
 
 def _usage(stats: dict, kind: str) -> float:
@@ -60,29 +69,44 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(read_engine_stats))
         self.time_to_first_token = Histogram(
-            "jaxserve_time_to_first_token_seconds", "Time from arrival to the first generated token",
-            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+            "jaxserve_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.inter_token_latency = Histogram(
-            "jaxserve_inter_token_latency_seconds", "Time between generated tokens of one completion",
-            buckets=ITL_BUCKETS_S, registry=self.registry)
+            "jaxserve_inter_token_latency_seconds",
+            "Time between generated tokens of one completion",
+            buckets=ITL_BUCKETS_S,
+            registry=self.registry,
+        )
         self.e2e_latency = Histogram(
-            "jaxserve_e2e_request_latency_seconds", "Time from arrival to the last token of a completion",
-            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+            "jaxserve_e2e_request_latency_seconds",
+            "Time from arrival to the last token of a completion",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
-            "jaxserve_prompt_tokens", "Prompt tokens of admitted completions", registry=self.registry)
-        self.generation_tokens = Counter(
-            "jaxserve_generation_tokens", "Generated tokens", registry=self.registry)
+            "jaxserve_prompt_tokens", "Prompt tokens of admitted completions", registry=self.registry
+        )
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Generated tokens", registry=self.registry)
         self.finished_requests = Counter(
-            "jaxserve_request_success", "Completions finished, by reason (abort: the client went away, "
-            "an error or a shutdown ended it)", ["finished_reason"], registry=self.registry)
+            "jaxserve_request_success",
+            "Completions finished, by reason (abort: the client went away, an error or a shutdown ended it)",
+            ["finished_reason"],
+            registry=self.registry,
+        )
         self.rejected_requests = Counter(
-            "jaxserve_requests_rejected", "HTTP requests answered with an error, by status", ["status"],
-            registry=self.registry)
+            "jaxserve_requests_rejected",
+            "HTTP requests answered with an error, by status",
+            ["status"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self, num_prompt_tokens: int) -> "CompletionTimer":
+    def track(self, num_prompt_tokens: int) -> CompletionTimer:
         self.prompt_tokens.inc(num_prompt_tokens)
         return CompletionTimer(self)
 

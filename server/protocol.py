@@ -28,9 +28,16 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 class RequestError(Exception):
     """An error to send to the client as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, error_type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.error_type = status, message, param, code, error_type
         self.headers = headers or {}
@@ -41,8 +48,9 @@ class RequestError(Exception):
 
 def internal_error(request_id: str | None) -> RequestError:
     """What a client sees of a bug or an engine failure: no details (they go to the log)."""
-    return RequestError(500, f"internal error (request id {request_id})", code="internal_error",
-                        error_type="internal_error")
+    return RequestError(
+        500, f"internal error (request id {request_id})", code="internal_error", error_type="internal_error"
+    )
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -128,8 +136,12 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     # Checked by `_prompt_shape`; the annotation states the same rules for the OpenAPI document.
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)]
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # with logprobs: the prompt's logprobs come first (first token null)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM extension
@@ -139,17 +151,21 @@ class CompletionRequest(_SamplingRequest):
     def _prompt_shape(cls, value: Any, handler):
         # Checked by hand: pydantic's union would try every member and collect an error per
         # element, which takes seconds on a 10 MB list of token ids.
-        if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
-            prompt = value
-        elif isinstance(value, str) or _is_token_ids(value):
-            prompt = value
-        elif isinstance(value, list) and value and all(_is_token_ids(item) for item in value):
+        if (
+            (isinstance(value, list) and value and all(isinstance(item, str) for item in value))
+            or isinstance(value, str)
+            or _is_token_ids(value)
+            or (isinstance(value, list) and value and all(_is_token_ids(item) for item in value))
+        ):
             prompt = value
         else:
             raise ValueError(
                 "must be a string, a list of strings, a list of token ids (non-negative integers) "
-                "or a list of lists of token ids")
-        if not prompt or (isinstance(prompt, list) and any(len(item) == 0 for item in prompt if not isinstance(item, int))):
+                "or a list of lists of token ids"
+            )
+        if not prompt or (
+            isinstance(prompt, list) and any(len(item) == 0 for item in prompt if not isinstance(item, int))
+        ):
             raise ValueError("must not be empty")
         return prompt
 
@@ -180,7 +196,7 @@ class ChatMessage(BaseModel):
         try:
             return handler(value)
         except ValidationError:
-            raise ValueError("must be a string, a list of {\"type\": \"text\", \"text\": ...} parts, or null") from None
+            raise ValueError('must be a string, a list of {"type": "text", "text": ...} parts, or null') from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -207,9 +223,14 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize: either `prompt` or `messages` (vLLM's shape)."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of them, not null
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [  # exactly one of them, not null
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
 
     model: str | None = None
     prompt: str | None = None

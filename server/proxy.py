@@ -43,8 +43,18 @@ log = logging.getLogger("jaxserve.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 TOKEN_HEADER = "X-KV-Transfer-Token"
 # What the prefill leg must not carry: it computes the prompt and returns JSON, nothing else.
-PREFILL_DROPPED_FIELDS = ("stream_options", "logprobs", "top_logprobs", "echo", "max_completion_tokens",
-                          "min_tokens", "stop", "stop_token_ids", "n", "best_of")
+PREFILL_DROPPED_FIELDS = (
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "max_completion_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "best_of",
+)
 INSECURE_WARNING_INTERVAL_S = 60.0
 RELEASE_TIMEOUT_S = 5.0
 
@@ -59,12 +69,17 @@ def _error(status: int, message: str, error_type: str = "invalid_request_error",
 
 
 def _unauthorized() -> web.Response:
-    return _error(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                  headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'})
+    return _error(
+        401,
+        "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+        "authentication_error",
+        headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'},
+    )
 
 
 def same_secret(presented: str, expected: str) -> bool:
     """Constant-time comparison; hashing first hides the expected length too."""
+
     def digest(text: str) -> bytes:
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
@@ -76,13 +91,21 @@ class Proxy:
         self.config = config
         self.prefill, self.decode = Pool("prefill", config.prefill), Pool("decode", config.decode)
         # No total timeout: a stream may run for hours; a backend silent for idle_timeout_s is cut.
-        self.read_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                                  sock_read=config.idle_timeout_s)
-        self.prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s,
-                                                     sock_connect=config.connect_timeout_s)
+        self.read_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.idle_timeout_s
+        )
+        self.prefill_timeout = aiohttp.ClientTimeout(
+            total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
+        )
         self.insecure_warning_interval_s = insecure_warning_interval_s
-        self.counters = {"requests": 0, "disaggregated": 0, "local_prefill_fallbacks": 0, "released_on_disconnect": 0,
-                         "decode_unavailable": 0, "decode_failures": 0}
+        self.counters = {
+            "requests": 0,
+            "disaggregated": 0,
+            "local_prefill_fallbacks": 0,
+            "released_on_disconnect": 0,
+            "decode_unavailable": 0,
+            "decode_failures": 0,
+        }
         self.session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task] = []  # health checks, the insecure-mode warning
         self._releases: set[asyncio.Task] = set()
@@ -102,8 +125,13 @@ class Proxy:
     async def _start(self, _app) -> None:
         # limit=0: the default cap of 100 connections would queue the 101st stream behind the others.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        checker = HealthChecker([self.prefill, self.decode], self.session, self.config.health_interval_s,
-                                self.config.health_timeout_s, self.config.health_failures)
+        checker = HealthChecker(
+            [self.prefill, self.decode],
+            self.session,
+            self.config.health_interval_s,
+            self.config.health_timeout_s,
+            self.config.health_failures,
+        )
         self._loops.append(asyncio.create_task(checker.run()))
         if insecure_bind(self.config):
             self._loops.append(asyncio.create_task(self._warn_insecure()))
@@ -122,8 +150,11 @@ class Proxy:
 
     async def _warn_insecure(self) -> None:
         while True:
-            log.warning("serving on %s with no kv transfer token (--insecure-kv-transfer): anyone who can reach "
-                        "the instances can pass kv_transfer_params; set JAXSERVE_KV_TRANSFER_TOKEN", self.config.host)
+            log.warning(
+                "serving on %s with no kv transfer token (--insecure-kv-transfer): anyone who can reach "
+                "the instances can pass kv_transfer_params; set JAXSERVE_KV_TRANSFER_TOKEN",
+                self.config.host,
+            )
             await asyncio.sleep(self.insecure_warning_interval_s)
 
     def _authorized(self, request: web.Request) -> bool:
@@ -143,8 +174,10 @@ class Proxy:
         return headers
 
     async def _health(self, _request: web.Request) -> web.Response:
-        pools = {pool.role: {"in_service": pool.live_count(), "total": len(pool.backends)}
-                 for pool in (self.prefill, self.decode)}
+        pools = {
+            pool.role: {"in_service": pool.live_count(), "total": len(pool.backends)}
+            for pool in (self.prefill, self.decode)
+        }
         serving = self.decode.live_count() > 0
         body = {"status": "ok" if serving else "unavailable", **pools}
         return web.json_response(body, status=200 if serving else 503)
@@ -154,8 +187,10 @@ class Proxy:
         for pool in (self.prefill, self.decode):
             for b in pool.backends:
                 labels = f'role="{b.role}",index="{b.index}"'
-                lines += [f"jaxserve_proxy_outstanding{{{labels}}} {b.outstanding}",
-                          f"jaxserve_proxy_backend_up{{{labels}}} {int(b.in_service)}"]
+                lines += [
+                    f"jaxserve_proxy_outstanding{{{labels}}} {b.outstanding}",
+                    f"jaxserve_proxy_backend_up{{{labels}}} {int(b.in_service)}",
+                ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
@@ -166,10 +201,11 @@ class Proxy:
             return _error(503, "no decode instance is in service", "service_unavailable")
         with Pool.hold(candidates[0]) as backend:
             try:
-                async with self.session.get(backend.url + "/v1/models", headers=self._headers(request),
-                                            timeout=self.read_timeout) as resp:
+                async with self.session.get(
+                    backend.url + "/v1/models", headers=self._headers(request), timeout=self.read_timeout
+                ) as resp:
                     return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientError) as err:
                 log.warning("%s: /v1/models failed: %r", backend.name, err)
                 return _error(502, f"the decode instance failed ({type(err).__name__})", "internal_error")
 
@@ -205,7 +241,7 @@ class Proxy:
             async with self._post(self.decode, request.path, body, headers, self.read_timeout) as resp:
                 started = True
                 return await self._pass_through(request, resp)
-        except (NoBackend, asyncio.TimeoutError, aiohttp.ClientError) as err:
+        except (TimeoutError, NoBackend, aiohttp.ClientError) as err:
             if started:  # the client's connection failed mid-answer: nobody to answer
                 raise
             return self._decode_failed(err)
@@ -220,8 +256,9 @@ class Proxy:
         self.counters["decode_failures"] += 1
         log.warning("decode leg failed: %r", err)
         if isinstance(err, asyncio.TimeoutError):  # aiohttp's timeouts (some are ClientErrors too)
-            return _error(504, f"the decode instance did not answer within {self.config.idle_timeout_s:g} s",
-                          "internal_error")
+            return _error(
+                504, f"the decode instance did not answer within {self.config.idle_timeout_s:g} s", "internal_error"
+            )
         return _error(502, f"the decode instance failed ({type(err).__name__})", "internal_error")
 
     def _decode_unavailable(self) -> web.Response:
@@ -233,8 +270,9 @@ class Proxy:
         if path.endswith("/chat/completions"):
             return True
         prompt = body.get("prompt")
-        return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
-                                           and all(isinstance(t, int) for t in prompt))
+        return isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+        )
 
     @contextlib.asynccontextmanager
     async def _post(self, pool: Pool, path: str, body: dict, headers: dict, timeout: aiohttp.ClientTimeout):
@@ -269,7 +307,7 @@ class Proxy:
                 if params is not None and not isinstance(params, dict):
                     raise ValueError(f"unexpected reply: {str(params)[:200]}")
                 return params
-        except asyncio.TimeoutError:
+        except TimeoutError:
             reason = f"no answer within {self.config.prefill_timeout_s:g} s"
         except (NoBackend, aiohttp.ClientError, ValueError) as err:
             reason = repr(err)
@@ -278,13 +316,17 @@ class Proxy:
         return None
 
     async def _pass_through(self, request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        out = web.StreamResponse(status=resp.status, headers={
-            k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control", "x-request-id")})
+        out = web.StreamResponse(
+            status=resp.status,
+            headers={
+                k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control", "x-request-id")
+            },
+        )
         await out.prepare(request)
         while True:
             try:
                 chunk = await resp.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientError) as err:
                 return await self._cut(request, out, resp, err)
             if not chunk:
                 break
@@ -292,8 +334,9 @@ class Proxy:
         await out.write_eof()
         return out
 
-    async def _cut(self, request: web.Request, out: web.StreamResponse, resp: aiohttp.ClientResponse,
-                   err: Exception) -> web.StreamResponse:
+    async def _cut(
+        self, request: web.Request, out: web.StreamResponse, resp: aiohttp.ClientResponse, err: Exception
+    ) -> web.StreamResponse:
         """The decode instance failed or went silent mid-answer: a stream ends with an error
         event and [DONE] (as an instance's own cut-off stream does); other answers, whose status
         is already sent, end with the connection, so a truncated body is never a clean 200."""
@@ -302,8 +345,14 @@ class Proxy:
         reason = f"sent nothing for {self.config.idle_timeout_s:g} s" if silent else f"failed ({type(err).__name__})"
         log.warning("decode stream cut: the decode instance %s", reason)
         if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            error = {"error": {"message": f"the decode instance {reason}", "type": "internal_error", "param": None,
-                               "code": None}}
+            error = {
+                "error": {
+                    "message": f"the decode instance {reason}",
+                    "type": "internal_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
             await out.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
             await out.write_eof()
         elif request.transport is not None:
@@ -317,11 +366,14 @@ class Proxy:
             return
         body = {"transfer_id": transfer.get("transfer_id"), "status": "abort"}
         try:
-            async with self.session.post(control_url.rstrip("/") + "/kv_transfer/release", json=body,
-                                         headers=self._headers(),
-                                         timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as resp:
+            async with self.session.post(
+                control_url.rstrip("/") + "/kv_transfer/release",
+                json=body,
+                headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
+            ) as resp:
                 await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             log.warning("release of transfer %s failed: %r", transfer.get("transfer_id"), err)
 
 
@@ -348,8 +400,13 @@ async def _serve(proxy: Proxy) -> None:
     runner, bound_host, bound_port = await start_app(proxy.app(), proxy.config.host, proxy.config.port)
     for backend in proxy.prefill.backends + proxy.decode.backends:
         log.info("%s = %s", backend.name, backend.url)
-    log.info("jaxserve proxy ready at http://%s:%d (%d prefill, %d decode instances)", bound_host, bound_port,
-             len(proxy.prefill.backends), len(proxy.decode.backends))
+    log.info(
+        "jaxserve proxy ready at http://%s:%d (%d prefill, %d decode instances)",
+        bound_host,
+        bound_port,
+        len(proxy.prefill.backends),
+        len(proxy.decode.backends),
+    )
     try:
         await stop.wait()
     finally:

@@ -53,7 +53,8 @@ def check_bind(config: ProxyConfig) -> None:
             "JAXSERVE_KV_TRANSFER_TOKEN (or --kv-transfer-token) to the same secret on the proxy, the prefill and "
             "the decode instances, e.g. `export JAXSERVE_KV_TRANSFER_TOKEN=$(python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))')`; or pass --insecure-kv-transfer to run without one "
-            "(not for production)")
+            "(not for production)"
+        )
 
 
 def _positive(kind):
@@ -62,6 +63,7 @@ def _positive(kind):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     return parse
 
 
@@ -74,21 +76,34 @@ def _parser() -> argparse.ArgumentParser:
     add("--host", default=defaults.host, help="bind address (non-loopback needs a kv transfer token)")
     add("--port", type=int, default=defaults.port)
     add("--api-key", default=None, help="require this bearer token (forwarded to the instances)")
-    add("--kv-transfer-token", default=None, metavar="TOKEN",
+    add(
+        "--kv-transfer-token",
+        default=None,
+        metavar="TOKEN",
         help="the proxy <-> instance credential, >= 16 characters (prefer JAXSERVE_KV_TRANSFER_TOKEN: flags show "
-             "in ps)")
-    add("--insecure-kv-transfer", action="store_true",
-        help="serve on a non-loopback address without a kv transfer token (not for production)")
+        "in ps)",
+    )
+    add(
+        "--insecure-kv-transfer",
+        action="store_true",
+        help="serve on a non-loopback address without a kv transfer token (not for production)",
+    )
     for flag, dest, kind, help_text in (
-            ("--connect-timeout", "connect_timeout_s", float, "seconds to connect to an instance"),
-            ("--idle-timeout", "idle_timeout_s", float, "seconds an instance may stay silent mid-answer"),
-            ("--prefill-timeout", "prefill_timeout_s", float,
-             "seconds for the whole prefill leg (past it: local prefill)"),
-            ("--health-interval", "health_interval_s", float, "seconds between /health checks of each instance"),
-            ("--health-timeout", "health_timeout_s", float, "seconds one /health check may take"),
-            ("--health-failures", "health_failures", int, "failed checks in a row that take an instance out")):
-        add(flag, dest=dest, type=_positive(kind), default=getattr(defaults, dest), metavar="N" if kind is int else "S",
-            help=f"{help_text} (%(default)s)")
+        ("--connect-timeout", "connect_timeout_s", float, "seconds to connect to an instance"),
+        ("--idle-timeout", "idle_timeout_s", float, "seconds an instance may stay silent mid-answer"),
+        ("--prefill-timeout", "prefill_timeout_s", float, "seconds for the whole prefill leg (past it: local prefill)"),
+        ("--health-interval", "health_interval_s", float, "seconds between /health checks of each instance"),
+        ("--health-timeout", "health_timeout_s", float, "seconds one /health check may take"),
+        ("--health-failures", "health_failures", int, "failed checks in a row that take an instance out"),
+    ):
+        add(
+            flag,
+            dest=dest,
+            type=_positive(kind),
+            default=getattr(defaults, dest),
+            metavar="N" if kind is int else "S",
+            help=f"{help_text} (%(default)s)",
+        )
     add("--log-level", default=defaults.log_level)
     return parser
 
@@ -100,8 +115,9 @@ def build_config(argv: list[str] | None = None, environ: Mapping[str, str] | Non
     try:  # the instances' rule for the token, from the one schema
         KVTransferSection(token=args["kv_transfer_token"])
     except ValidationError as err:
-        raise ProxyConfigError(f"kv transfer token (--kv-transfer-token / JAXSERVE_KV_TRANSFER_TOKEN): "
-                               f"{err.errors()[0]['msg']}") from None
+        raise ProxyConfigError(
+            f"kv transfer token (--kv-transfer-token / JAXSERVE_KV_TRANSFER_TOKEN): {err.errors()[0]['msg']}"
+        ) from None
     config = ProxyConfig(prefill=tuple(args.pop("prefill")), decode=tuple(args.pop("decode")), **args)
     check_bind(config)
     return config

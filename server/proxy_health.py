@@ -62,8 +62,9 @@ class Pool:
             log.warning("%s taken out of service: %s", backend.name, reason)
         backend.in_service = False
 
-    def record_check(self, backend: Backend, healthy: bool, refused: bool, failures_to_remove: int,
-                     reason: str = "") -> None:
+    def record_check(
+        self, backend: Backend, healthy: bool, refused: bool, failures_to_remove: int, reason: str = ""
+    ) -> None:
         if healthy:
             if not backend.in_service:
                 log.info("%s back in service", backend.name)
@@ -79,8 +80,14 @@ class Pool:
 class HealthChecker:
     """Polls `/health` of every backend of `pools` every `interval_s` seconds."""
 
-    def __init__(self, pools: list[Pool], session: aiohttp.ClientSession, interval_s: float, timeout_s: float,
-                 failures_to_remove: int):
+    def __init__(
+        self,
+        pools: list[Pool],
+        session: aiohttp.ClientSession,
+        interval_s: float,
+        timeout_s: float,
+        failures_to_remove: int,
+    ):
         self.pools = pools
         self.session = session
         self.interval_s = interval_s
@@ -106,6 +113,6 @@ class HealthChecker:
                 healthy, reason = resp.status == 200, f"/health answered {resp.status}"
         except aiohttp.ClientConnectorError as err:
             refused, reason = True, f"connection failed: {err.os_error or err}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             reason = f"/health failed: {type(err).__name__} {err}".strip()
         pool.record_check(backend, healthy, refused, self.failures_to_remove, reason)

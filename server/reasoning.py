@@ -37,7 +37,7 @@ class Qwen3ReasoningParser:
         in_reasoning = self.open_at_start
         stripped = text.lstrip()
         if stripped.startswith(self.start_tag):
-            in_reasoning, text = True, stripped[len(self.start_tag):]
+            in_reasoning, text = True, stripped[len(self.start_tag) :]
         elif not final and not self.open_at_start and stripped and self.start_tag.startswith(stripped):
             return "", ""  # may still become "<think>"
         if not in_reasoning:
@@ -46,7 +46,7 @@ class Qwen3ReasoningParser:
         if end < 0:
             hold = 0 if final else partial_tag_length(text, self.end_tag)
             return text[: len(text) - hold], ""
-        return text[:end], text[end + len(self.end_tag):].lstrip("\n")
+        return text[:end], text[end + len(self.end_tag) :].lstrip("\n")
 
     @staticmethod
     def prompt_opens_reasoning(prompt_text_tail: str) -> bool:

@@ -41,8 +41,13 @@ async def start_app(app: web.Application, host: str, port: int) -> tuple[web.App
     `handler_cancellation=True` cancels a handler whose client went away, so a non-streaming
     request aborts its engine work too, not only a streaming one.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                           logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=2.0,
+        logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -61,7 +66,7 @@ async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s:
     drained = True
     try:
         await asyncio.wait_for(state.idle.wait(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         drained = False
         logger.warning("drain timeout: %d requests still in flight are cut off", state.in_flight)
         state.cut.set()  # each ends with an error (streams: an error event, then [DONE])
@@ -72,8 +77,12 @@ async def drain_and_stop(runner: web.AppRunner, engine: EngineClient, timeout_s:
     return drained
 
 
-async def serve_async(engine: EngineClient, server_config: ServerConfig,
-                      stop: asyncio.Event | None = None, kv_transfer_token: str | None = None) -> int:
+async def serve_async(
+    engine: EngineClient,
+    server_config: ServerConfig,
+    stop: asyncio.Event | None = None,
+    kv_transfer_token: str | None = None,
+) -> int:
     """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain. Returns the exit code."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -82,7 +91,9 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    runner, host, port = await start_app(create_app(engine, server_config, kv_transfer_token), server_config.host, server_config.port)
+    runner, host, port = await start_app(
+        create_app(engine, server_config, kv_transfer_token), server_config.host, server_config.port
+    )
     logger.info("jaxserve ready at http://%s:%d (model %s)", host, port, engine.model_name)
     watcher = asyncio.create_task(_stop_when_unhealthy(engine, stop, server_config.unhealthy_linger_s))
     try:
@@ -97,12 +108,16 @@ async def serve_async(engine: EngineClient, server_config: ServerConfig,
     return exit_code
 
 
-async def _stop_when_unhealthy(engine: EngineClient, stop: asyncio.Event, linger_s: float = 0.0,
-                               period_s: float = 0.2) -> None:
+async def _stop_when_unhealthy(
+    engine: EngineClient, stop: asyncio.Event, linger_s: float = 0.0, period_s: float = 0.2
+) -> None:
     while not stop.is_set():
         if not engine.is_healthy():
-            logger.error("the engine is no longer healthy: /health answers 503 for %.0f s, then draining and "
-                         "exiting with status 1", linger_s)
+            logger.error(
+                "the engine is no longer healthy: /health answers 503 for %.0f s, then draining and "
+                "exiting with status 1",
+                linger_s,
+            )
             await asyncio.sleep(linger_s)  # let load balancers and operators see the 503
             stop.set()
             return

@@ -16,13 +16,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from aiohttp import web
 
 from runtime.types import (
-    EngineBusy, EngineRequest, RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob,
+    EngineBusy,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutput,
+    TokenLogprob,
     fan_out,
 )
 from server import formats
@@ -71,20 +77,43 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """Build SamplingParams; an out-of-range value becomes a 400 naming the field."""
     stop = body.stop if body.stop is not None else ()
-    optional = {name: getattr(body, name) for name in (
-        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        if getattr(body, name) is not None}
+    optional = {
+        name: getattr(body, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        if getattr(body, name) is not None
+    }
     try:
         return SamplingParams(
-            n=1, max_tokens=max_tokens, min_tokens=body.min_tokens, seed=body.seed, stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            logit_bias=_logit_bias(body), **optional)
+            skip_special_tokens=body.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(body),
+            **optional,
+        )
     except SamplingParamsError as err:
         raise _field_error(body, err) from None
 
@@ -104,10 +133,19 @@ def _field_error(body, err: SamplingParamsError) -> RequestError:
     return RequestError(400, f"{param}: {str(err).removeprefix(err.param + ' ')}", param=param)
 
 
-def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[int]],
-              requested_max_tokens: int | None, default_max_tokens: int | None,
-              logprobs: int | None, echo_texts: list[str] | None = None, prompt_logprobs: int | None = None,
-              echo_logprobs: bool = False, structured_output: StructuredOutput | None = None) -> Job:
+def build_job(
+    engine: EngineClient,
+    body,
+    request_id: str,
+    prompts: list[list[int]],
+    requested_max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    echo_texts: list[str] | None = None,
+    prompt_logprobs: int | None = None,
+    echo_logprobs: bool = False,
+    structured_output: StructuredOutput | None = None,
+) -> Job:
     """Fan the prompts out into engine requests, each validated by the engine (400 on a bad field).
 
     Without `max_tokens` a request generates `default_max_tokens` (None: up to the context limit).
@@ -130,20 +168,38 @@ def build_job(engine: EngineClient, body, request_id: str, prompts: list[list[in
             raise _field_error(body, err) from None
         for i, params in enumerate(fan_out(checked.params, body.n)):
             index = prompt_index * body.n + i
-            requests.append(EngineRequest(f"{request_id}-{index}", checked.prompt_token_ids, params,
-                                          priority=body.priority, arrival_time=time.time(),
-                                          kv_transfer_params=_kv_transfer_params(body, index)))
+            requests.append(
+                EngineRequest(
+                    f"{request_id}-{index}",
+                    checked.prompt_token_ids,
+                    params,
+                    priority=body.priority,
+                    arrival_time=time.time(),
+                    kv_transfer_params=_kv_transfer_params(body, index),
+                )
+            )
             prefix = echo_texts[prompt_index] if echo_texts else ""
             choices.append(Choice(index=index, prompt_index=prompt_index, prefix=prefix))
     options = body.stream_options
     include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
-    return Job(request_id, engine.model_name, prompts, requests, choices, body.stream, include_usage, logprobs,
-               echo_logprobs=echo_logprobs, prompt_logprobs=prompt_logprobs,
-               continuous_usage=bool(options and options.continuous_usage_stats))
+    return Job(
+        request_id,
+        engine.model_name,
+        prompts,
+        requests,
+        choices,
+        body.stream,
+        include_usage,
+        logprobs,
+        echo_logprobs=echo_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        continuous_usage=bool(options and options.continuous_usage_stats),
+    )
 
 
-async def merged_outputs(engine: EngineClient, requests: list[EngineRequest], client_request_id: str = "",
-                         cut: asyncio.Event | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_outputs(
+    engine: EngineClient, requests: list[EngineRequest], client_request_id: str = "", cut: asyncio.Event | None = None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the output streams of several engine requests as `(request index, output)`.
 
     Use it under `contextlib.aclosing`: closing it early aborts the unfinished requests.
@@ -166,7 +222,7 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest], cl
                 queue.put_nowait((index, output))
                 if output.finished:
                     break
-        except Exception as err:  # noqa: BLE001 - reported to the consumer
+        except Exception as err:
             queue.put_nowait((index, err))
         finally:
             with contextlib.suppress(Exception):
@@ -182,8 +238,12 @@ async def merged_outputs(engine: EngineClient, requests: list[EngineRequest], cl
                 remaining -= 1
                 continue
             if item is cut_marker:
-                raise RequestError(503, "The server is shutting down; this request was cut off", code="draining",
-                                   error_type="service_unavailable")
+                raise RequestError(
+                    503,
+                    "The server is shutting down; this request was cut off",
+                    code="draining",
+                    error_type="service_unavailable",
+                )
             if isinstance(item, ValueError):  # the engine refused the request (e.g. it can never fit)
                 raise RequestError(400, str(item), error_type="invalid_request_error") from item
             if isinstance(item, EngineBusy):  # a capacity is full for now
@@ -219,10 +279,10 @@ def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | No
     text = completion.text
     if not completion.finished:
         text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
-    new_text = text[len(choice.text):] if text.startswith(choice.text) else ""
+    new_text = text[len(choice.text) :] if text.startswith(choice.text) else ""
     if new_text:
         choice.text = text
-    new_logprobs = (completion.logprobs or [])[choice.tokens_sent:]
+    new_logprobs = (completion.logprobs or [])[choice.tokens_sent :]
     new_tokens = len(completion.token_ids) - choice.tokens_sent
     choice.tokens_sent = len(completion.token_ids)
     if choice.timer is not None:
@@ -246,13 +306,15 @@ class Formatter:
     def final_choice(self, job: Job, choice: Choice) -> dict:
         completion = choice.output
         if job.echo_logprobs:  # the prompt's tokens first (the first has no logprob), then the completion's
-            logprobs = formats.completion_logprobs(self._echoed(job, choice) + (completion.logprobs or []),
-                                                   self.texts, 0)
+            logprobs = formats.completion_logprobs(
+                self._echoed(job, choice) + (completion.logprobs or []), self.texts, 0
+            )
         else:
             logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
         make = formats.chat_choice if self.chat else formats.completion_choice
-        made = make(choice.index, choice.prefix + completion.text, logprobs,
-                    completion.finish_reason, completion.stop_reason)
+        made = make(
+            choice.index, choice.prefix + completion.text, logprobs, completion.finish_reason, completion.stop_reason
+        )
         if choice.parser is not None:  # reasoning_content / tool_calls split out of the text
             made["message"].update(choice.parser.message(completion.text))
             made["finish_reason"] = choice.parser.finish_reason(completion.text, completion.finish_reason)
@@ -262,8 +324,7 @@ class Formatter:
         """Streaming (completions): the chunk that opens a choice whose prompt is scored: the
         echoed prompt with its logprobs, and/or vLLM's prompt_logprobs."""
         logprobs = formats.completion_logprobs(self._echoed(job, choice), self.texts, 0) if job.echo_logprobs else None
-        made = formats.completion_choice(choice.index, choice.prefix if job.echo_logprobs else "", logprobs, None,
-                                         None)
+        made = formats.completion_choice(choice.index, choice.prefix if job.echo_logprobs else "", logprobs, None, None)
         return self._with_prompt_logprobs(job, choice, made)
 
     def _echoed(self, job: Job, choice: Choice) -> list:
@@ -271,8 +332,9 @@ class Formatter:
 
     def _with_prompt_logprobs(self, job: Job, choice: Choice, made: dict) -> dict:
         if job.prompt_logprobs is not None:
-            made["prompt_logprobs"] = formats.vllm_prompt_logprobs(choice.prompt_logprobs or [], self.texts,
-                                                                   job.prompt_logprobs)
+            made["prompt_logprobs"] = formats.vllm_prompt_logprobs(
+                choice.prompt_logprobs or [], self.texts, job.prompt_logprobs
+            )
         return made
 
     def body(self, job: Job, created: int, choices: list[dict], usage: dict) -> dict:
@@ -286,8 +348,9 @@ class Formatter:
             chunk["usage"] = _usage(job)
         return chunk
 
-    def chunk_choices(self, job: Job, choice: Choice, text: str, entries: list, finish: str | None,
-                      new_tokens: int = 0) -> list[dict]:
+    def chunk_choices(
+        self, job: Job, choice: Choice, text: str, entries: list, finish: str | None, new_tokens: int = 0
+    ) -> list[dict]:
         offset = len(choice.prefix) + len(choice.text) - len(text)
         logprobs = self.logprobs(entries, job, choice, offset) if entries else None
         stop_reason = choice.output.stop_reason if finish else None
@@ -305,17 +368,23 @@ class Formatter:
         return out
 
 
-def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | None,
-                          stop_reason) -> list[dict]:
+def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | None, stop_reason) -> list[dict]:
     """Chunks of a choice whose text is split by its ChatOutputParser (reasoning, tool calls);
     a step whose tokens are held back (a possible tag) sends an empty delta."""
     deltas = choice.parser.deltas(choice.text, finish is not None) or [{}]
     if finish is not None:
         finish = choice.parser.finish_reason(choice.text, finish)
     last = len(deltas) - 1
-    return [formats.chat_chunk_choice(choice.index, delta, logprobs if i == last else None,
-                                      finish if i == last else None, stop_reason if i == last else None)
-            for i, delta in enumerate(deltas)]
+    return [
+        formats.chat_chunk_choice(
+            choice.index,
+            delta,
+            logprobs if i == last else None,
+            finish if i == last else None,
+            stop_reason if i == last else None,
+        )
+        for i, delta in enumerate(deltas)
+    ]
 
 
 def _kv_transfer_params(body, index: int) -> dict | None:
@@ -336,8 +405,14 @@ def _usage(job: Job) -> dict:
     return formats.usage(sum(len(p) for p in job.prompts), completion_tokens, sum(cached.values()))
 
 
-async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMetrics, job: Job,
-                  formatter: Formatter, cut: asyncio.Event | None = None) -> web.StreamResponse:
+async def run_job(
+    request: web.Request,
+    engine: EngineClient,
+    metrics: ServerMetrics,
+    job: Job,
+    formatter: Formatter,
+    cut: asyncio.Event | None = None,
+) -> web.StreamResponse:
     """Send the job to the engine and answer with JSON or SSE; `cut` set: the server stops
     (drain timeout), so end now with an error (in-band for a stream, then `[DONE]`)."""
     for choice, engine_request in zip(job.choices, job.requests):
@@ -349,8 +424,9 @@ async def run_job(request: web.Request, engine: EngineClient, metrics: ServerMet
             choice.timer.on_abandoned()
 
 
-async def _answer(request: web.Request, engine: EngineClient, job: Job, formatter: Formatter,
-                  cut: asyncio.Event) -> web.StreamResponse:
+async def _answer(
+    request: web.Request, engine: EngineClient, job: Job, formatter: Formatter, cut: asyncio.Event
+) -> web.StreamResponse:
     created = formats.now()
     headers = {"X-Request-ID": job.client_request_id or job.request_id}
     if not job.stream:
@@ -365,15 +441,20 @@ async def _answer(request: web.Request, engine: EngineClient, job: Job, formatte
             body["kv_transfer_params"] = kv_transfer_params
         return web.json_response(body, headers=headers)
 
-    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
         async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id, cut)) as outputs:
             for choice in job.choices:  # chat: the role first; completions: the echoed prompt
-                opening = formatter.chunk_choices(job, choice, "", [], None) if formatter.chat else (
-                    [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
-                    if choice.prefix and not job.echo_logprobs else [])
+                opening = (
+                    formatter.chunk_choices(job, choice, "", [], None)
+                    if formatter.chat
+                    else (
+                        [formats.completion_choice(choice.index, choice.prefix, None, None, None)]
+                        if choice.prefix and not job.echo_logprobs
+                        else []
+                    )
+                )
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
             async for index, output in outputs:

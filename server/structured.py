@@ -35,8 +35,12 @@ from server.tool_parser import HermesToolParser, ToolCallParser
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUT_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
-STRUCTURED_OUTPUT_OPTIONS = ("json_object", "disable_any_whitespace", "disable_additional_properties",
-                             "whitespace_pattern")
+STRUCTURED_OUTPUT_OPTIONS = (
+    "json_object",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
 TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -82,8 +86,10 @@ def vllm_structured_outputs_grammar(options: dict[str, Any] | None) -> Structure
         return None
     unknown = sorted(set(options) - set(STRUCTURED_OUTPUT_KINDS) - set(STRUCTURED_OUTPUT_OPTIONS))
     if unknown:
-        raise _bad(f"structured_outputs.{unknown[0]}",
-                   f"unknown field; use one of {', '.join(STRUCTURED_OUTPUT_KINDS)} or json_object")
+        raise _bad(
+            f"structured_outputs.{unknown[0]}",
+            f"unknown field; use one of {', '.join(STRUCTURED_OUTPUT_KINDS)} or json_object",
+        )
     given = [k for k in STRUCTURED_OUTPUT_KINDS if options.get(k) is not None]
     if options.get("json_object"):
         given.append("json_object")
@@ -128,8 +134,14 @@ class ToolPlan:
         return self.mode in ("auto", "forced")
 
 
-def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool, *, max_tool_calls: int = 8,
-              auto_tool_choice: bool = True) -> ToolPlan:
+def tool_plan(
+    tools: list[dict] | None,
+    tool_choice,
+    parallel_tool_calls: bool,
+    *,
+    max_tool_calls: int = 8,
+    auto_tool_choice: bool = True,
+) -> ToolPlan:
     """`auto_tool_choice` off (vLLM without `--enable-auto-tool-choice`): tools without a
     tool_choice are only rendered, and an explicit `"auto"` is a 400."""
     functions = [_check_tool(i, tool) for i, tool in enumerate(tools or [])]
@@ -141,15 +153,20 @@ def tool_plan(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool, 
         tool_choice = "auto" if functions and auto_tool_choice else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in TOOL_CHOICES:
-            raise _bad("tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {tool_choice!r}")
+            raise _bad(
+                "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {tool_choice!r}"
+            )
         if tool_choice != "none" and not functions:
             raise _bad("tool_choice", f"{tool_choice!r} needs a non-empty tools list")
         if tool_choice == "auto" and not auto_tool_choice:
             raise _bad("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice')
         mode = {"none": "none", "auto": "auto", "required": "forced"}[tool_choice]
         return ToolPlan(mode, functions, tuple(names) if mode == "forced" else (), max_calls)
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
-            or not isinstance(tool_choice.get("function"), dict):
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type") != "function"
+        or not isinstance(tool_choice.get("function"), dict)
+    ):
         raise _bad("tool_choice", 'a named choice must be {"type": "function", "function": {"name": ...}}')
     name = tool_choice["function"].get("name")
     if name not in names:
@@ -180,8 +197,11 @@ def forced_tool_call_grammar(plan: ToolPlan, parser: ToolCallParser) -> Structur
     return StructuredOutput("lark", parser.grammar(functions, plan.max_calls))
 
 
-def request_grammar(body, plan: ToolPlan | None = None, parser: ToolCallParser | None = None,
-                    ) -> tuple[StructuredOutput | None, str | None]:
+def request_grammar(
+    body,
+    plan: ToolPlan | None = None,
+    parser: ToolCallParser | None = None,
+) -> tuple[StructuredOutput | None, str | None]:
     """The one grammar a request asks for, and the field it came from (for error messages)."""
     found = []
     grammar = response_format_grammar(body.response_format)
@@ -204,17 +224,25 @@ async def compile_or_400(compiler, grammar: StructuredOutput, param: str) -> Non
     future = compiler.submit(grammar)
     try:
         await asyncio.wait_for(asyncio.wrap_future(future), compiler.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise _bad(param, f"the grammar did not compile within {compiler.timeout_s:g} s") from None
     except GrammarError as err:
         raise _bad(param, str(err)) from None
-    except Exception as err:  # noqa: BLE001 - whatever the back-end says about this input
+    except Exception as err:
         raise _bad(param, f"the grammar failed to compile: {type(err).__name__}: {err}") from None
 
 
-async def chat_grammar(body, tools: ToolPlan, tool_parser: ToolCallParser, template_kwargs: dict, prompt: list[int], tokenizer,
-                       reasoning_parser: str | None, compiler, model_may_think) -> tuple[
-                           StructuredOutput | None, Qwen3ReasoningParser | None]:
+async def chat_grammar(
+    body,
+    tools: ToolPlan,
+    tool_parser: ToolCallParser,
+    template_kwargs: dict,
+    prompt: list[int],
+    tokenizer,
+    reasoning_parser: str | None,
+    compiler,
+    model_may_think,
+) -> tuple[StructuredOutput | None, Qwen3ReasoningParser | None]:
     """A chat request's grammar (compiled, or a 400) and its reasoning parser. `compiler()` is
     called for the compiler only when there is a grammar; `model_may_think(parser)` says
     whether the model may open a reasoning block by itself (asked only when it matters)."""

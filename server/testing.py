@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import json
 import textwrap
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
@@ -62,8 +62,15 @@ def build_test_tokenizer(vocab_size: int = 400):
 class FakeEngine:
     """An `EngineClient` with hand-computable outputs, per-token delay and observable slots."""
 
-    def __init__(self, tokenizer, *, model_name: str = "fake-model", max_model_len: int = 256,
-                 num_slots: int = 8, token_delay_s: float = 0.0):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        model_name: str = "fake-model",
+        max_model_len: int = 256,
+        num_slots: int = 8,
+        token_delay_s: float = 0.0,
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -98,7 +105,8 @@ class FakeEngine:
             try:
                 async with self._slot_released:
                     await self._slot_released.wait_for(
-                        lambda: self.slots_free > 0 or request.request_id in self.aborted)
+                        lambda: self.slots_free > 0 or request.request_id in self.aborted
+                    )
                     if request.request_id not in self.aborted:
                         self.slots_free -= 1
                         holds_slot = True
@@ -136,7 +144,9 @@ class FakeEngine:
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            token = next_token(token, params.seed, self.vocab_size) if script is None else script[len(completion.token_ids)]
+            token = (
+                next_token(token, params.seed, self.vocab_size) if script is None else script[len(completion.token_ids)]
+            )
             completion.token_ids.append(token)
             if completion.logprobs is not None:
                 top = [((token + j) % self.vocab_size, sampled_logprob(j)) for j in range(params.logprobs)]
@@ -162,11 +172,14 @@ class FakeEngine:
     @staticmethod
     def _output(request: EngineRequest, completion: CompletionOutput) -> RequestOutput:
         snapshot = CompletionOutput(
-            index=0, token_ids=list(completion.token_ids), text=completion.text,
+            index=0,
+            token_ids=list(completion.token_ids),
+            text=completion.text,
             logprobs=None if completion.logprobs is None else list(completion.logprobs),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
-        return RequestOutput(request.request_id, list(request.prompt_token_ids), [snapshot],
-                             finished=snapshot.finished)
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        return RequestOutput(request.request_id, list(request.prompt_token_ids), [snapshot], finished=snapshot.finished)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
@@ -177,10 +190,16 @@ class FakeEngine:
     def stats(self) -> dict:
         running = self.num_slots - self.slots_free
         return {
-            "pages_total": 64, "pages_free": 64 - 2 * running, "pages_cached": 0,
-            "slots_total": self.num_slots, "slots_free": self.slots_free, "slots_cached": 0,
-            "prefix_cache_hit_rate": 0.0, "num_preemptions": 0,
-            "num_running": running, "num_waiting": self.num_waiting,
+            "pages_total": 64,
+            "pages_free": 64 - 2 * running,
+            "pages_cached": 0,
+            "slots_total": self.num_slots,
+            "slots_free": self.slots_free,
+            "slots_cached": 0,
+            "prefix_cache_hit_rate": 0.0,
+            "num_preemptions": 0,
+            "num_running": running,
+            "num_waiting": self.num_waiting,
         }
 
     async def shutdown(self) -> None:
@@ -224,7 +243,7 @@ class LiveServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="jaxserve-test-server", daemon=True)
         self._thread.start()
         self.app = self.call(self._create(create_app, engine, server_config, kv_transfer_token))
-        self.runner, host, self.port = self.call(start_app(self.app, "127.0.0.1", 0))
+        self.runner, _host, self.port = self.call(start_app(self.app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.port}"
 
     @staticmethod
@@ -242,7 +261,7 @@ class LiveServer:
             self._thread.join(timeout=10)
             self.loop.close()
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         return self
 
     def __exit__(self, *exc) -> None:

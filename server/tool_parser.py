@@ -40,7 +40,7 @@ def _arguments_text(raw: str, obj: dict, key: str) -> str:
         try:
             parsed, length = _decoder.raw_decode(raw, match.end())
             if parsed == value:
-                return raw[match.end():length]
+                return raw[match.end() : length]
         except ValueError:
             pass
     return json.dumps(value, ensure_ascii=False)
@@ -55,9 +55,12 @@ def _call_from(raw: str, obj) -> ParsedToolCall | None:
 
 
 def _call_schema(function: dict, arguments_key: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             arguments_key: function["parameters"]},
-            "required": ["name", arguments_key], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, arguments_key: function["parameters"]},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
 
 
 def _calls_schema(functions: list[dict], arguments_key: str) -> dict:
@@ -94,13 +97,13 @@ class HermesToolParser:
             end = text.find(self.end, start + len(self.start))
             if end < 0:
                 break  # an unfinished call: held back while generating, dropped at the end
-            body = text[start + len(self.start):end].strip()
+            body = text[start + len(self.start) : end].strip()
             try:
                 call = _call_from(body, json.loads(body))
             except ValueError:
                 call = None
             if call is None:  # a closed block that is not a call: plain text
-                content.append(text[start:end + len(self.end)])
+                content.append(text[start : end + len(self.end)])
             elif max_calls is None or len(calls) < max_calls:
                 calls.append(call)
             position = end + len(self.end)
@@ -108,20 +111,26 @@ class HermesToolParser:
 
     def grammar(self, functions: list[dict], max_calls: int) -> str:
         """Lark: 1..max_calls blocks, each naming one of `functions` with schema-valid arguments."""
-        return (f"start: {_repeat('call', chr(10), max_calls)}\n"
-                f'call: "{self.start}\\n" body "\\n{self.end}"\n'
-                f"body: %json {json.dumps(_calls_schema(functions, 'arguments'))}\n")
+        return (
+            f"start: {_repeat('call', chr(10), max_calls)}\n"
+            f'call: "{self.start}\\n" body "\\n{self.end}"\n'
+            f"body: %json {json.dumps(_calls_schema(functions, 'arguments'))}\n"
+        )
 
     def render_calls(self, calls: list[tuple[str, object]]) -> str:
-        return "\n".join(f"{self.start}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{self.end}"
-                         for name, args in calls)
+        return "\n".join(
+            f"{self.start}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{self.end}"
+            for name, args in calls
+        )
 
     def tools_prompt(self, functions: list[dict]) -> str:
-        return ("# Tools\n\nYou can call these functions (signatures inside <tools></tools>):\n"
-                f"<tools>\n{_tools_json(functions)}\n</tools>\n\n"
-                "To call one, answer with a JSON object holding its name and arguments inside "
-                "<tool_call></tool_call> tags:\n"
-                '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>')
+        return (
+            "# Tools\n\nYou can call these functions (signatures inside <tools></tools>):\n"
+            f"<tools>\n{_tools_json(functions)}\n</tools>\n\n"
+            "To call one, answer with a JSON object holding its name and arguments inside "
+            "<tool_call></tool_call> tags:\n"
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+        )
 
 
 class Llama3JsonToolParser:
@@ -135,7 +144,7 @@ class Llama3JsonToolParser:
     def parse(self, text: str, final: bool, max_calls: int | None = None) -> tuple[str, list[ParsedToolCall]]:
         body = text.lstrip()
         if body.startswith(self.python_tag):
-            body = body[len(self.python_tag):].lstrip()
+            body = body[len(self.python_tag) :].lstrip()
         elif not final and body and self.python_tag.startswith(body):
             return "", []  # may still become the tag
         if not body:
@@ -167,17 +176,22 @@ class Llama3JsonToolParser:
 
     def grammar(self, functions: list[dict], max_calls: int) -> str:
         """Lark: 1..max_calls JSON objects joined by `; `, each naming one of `functions`."""
-        return (f"start: {_repeat('call', self.separator, max_calls)}\n"
-                f"call: %json {json.dumps(_calls_schema(functions, 'parameters'))}\n")
+        return (
+            f"start: {_repeat('call', self.separator, max_calls)}\n"
+            f"call: %json {json.dumps(_calls_schema(functions, 'parameters'))}\n"
+        )
 
     def render_calls(self, calls: list[tuple[str, object]]) -> str:
-        return self.separator.join(json.dumps({"name": name, "parameters": args}, ensure_ascii=False)
-                                   for name, args in calls)
+        return self.separator.join(
+            json.dumps({"name": name, "parameters": args}, ensure_ascii=False) for name, args in calls
+        )
 
     def tools_prompt(self, functions: list[dict]) -> str:
-        return ("You can call these functions:\n\n" + _tools_json(functions) + "\n\n"
-                "To call one, answer with only a JSON object "
-                '{"name": <function name>, "parameters": <arguments object>}; join several with "; ".')
+        return (
+            "You can call these functions:\n\n" + _tools_json(functions) + "\n\n"
+            "To call one, answer with only a JSON object "
+            '{"name": <function name>, "parameters": <arguments object>}; join several with "; ".'
+        )
 
 
 ToolCallParser = HermesToolParser | Llama3JsonToolParser

@@ -54,7 +54,8 @@ QWEN_STYLE = """\
 QWEN_THINKING_STYLE = QWEN_STYLE.replace(
     "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
     "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}")
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}",
+)
 
 LLAMA3_STYLE = """\
 {%- if tools %}

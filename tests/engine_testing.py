@@ -49,11 +49,13 @@ def launch_config(path, num_pages: int = 120):
     """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps)."""
     from configs.schema import LaunchConfig
 
-    return LaunchConfig.model_validate({
-        "model": {"path": str(path), "dtype": "float32", "max_model_len": 512},
-        "cache": {"num_pages": num_pages},
-        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
-    })
+    return LaunchConfig.model_validate(
+        {
+            "model": {"path": str(path), "dtype": "float32", "max_model_len": 512},
+            "cache": {"num_pages": num_pages},
+            "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+        }
+    )
 
 
 class RecordingEngine:
@@ -84,8 +86,10 @@ def live_engine_server(engine, model_name: str, max_waiting_requests: int, recor
 
     async_engine = AsyncEngine(engine, model_name)
     try:
-        live = LiveServer(RecordingEngine(async_engine) if record else async_engine,
-                          ServerConfig(max_waiting_requests=max_waiting_requests, **server_options))
+        live = LiveServer(
+            RecordingEngine(async_engine) if record else async_engine,
+            ServerConfig(max_waiting_requests=max_waiting_requests, **server_options),
+        )
         try:
             yield live
         finally:

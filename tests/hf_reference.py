@@ -7,9 +7,16 @@ import torch
 def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """HF `generate` greedy continuation (EOS ignored) and its per-step scores [n, vocab]."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
+        out = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
     scores = torch.stack(out.scores)[:, 0].float().numpy()
     return tokens, scores
 

@@ -26,21 +26,48 @@ ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"ready at (http://[\d.]+:\d+)")
 # Small and fast: no AOT compile (buckets compile on first use), a few sequences.
 TOKEN = "pd-test-kv-transfer-token-0123456789"
-BASE_FLAGS = ["--set", "model.dtype=float32", "--set", "compile.aot=false", "--set", "compile.cache_dir=null",
-              "--set", "scheduler.max_num_seqs=4", "--set", "scheduler.max_num_batched_tokens=64",
-              "--set", "cache.num_pages=96", "--set", "model.max_model_len=512", "--set", "server.port=0",
-              "--log-level", "INFO"]
+BASE_FLAGS = [
+    "--set",
+    "model.dtype=float32",
+    "--set",
+    "compile.aot=false",
+    "--set",
+    "compile.cache_dir=null",
+    "--set",
+    "scheduler.max_num_seqs=4",
+    "--set",
+    "scheduler.max_num_batched_tokens=64",
+    "--set",
+    "cache.num_pages=96",
+    "--set",
+    "model.max_model_len=512",
+    "--set",
+    "server.port=0",
+    "--log-level",
+    "INFO",
+]
 
 
 class Process:
-    def __init__(self, name: str, argv: list[str], env: dict | None = None, timeout_s: float = 240.0,
-                 launcher: list[str] = (), root: Path = ROOT):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict | None = None,
+        timeout_s: float = 240.0,
+        launcher: list[str] = (),
+        root: Path = ROOT,
+    ):
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.proc = subprocess.Popen([*launcher, sys.executable, "-m", "server.cli", *argv], cwd=root, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(root), "JAXSERVE_KV_TRANSFER_TOKEN": TOKEN,
-                                          **(env or {})})
+        self.proc = subprocess.Popen(
+            [*launcher, sys.executable, "-m", "server.cli", *argv],
+            cwd=root,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(root), "JAXSERVE_KV_TRANSFER_TOKEN": TOKEN, **(env or {})},
+        )
         self._url: str | None = None
         self.num_lines = 0  # output lines read so far
         self._numbered: collections.deque[tuple[int, str]] = collections.deque(maxlen=400)
@@ -97,11 +124,14 @@ def scrape(url: str) -> dict[str, float]:
 def all_free(metrics: dict[str, float]) -> bool:
     """No running/waiting request, no page or slot in use, nothing held for a pull."""
     m = metrics
-    return (m.get("jaxserve_num_requests_running", 0) == 0 and m.get("jaxserve_num_requests_waiting", 0) == 0
-            and m["jaxserve_kv_pages_free"] + m["jaxserve_kv_pages_cached"] == m["jaxserve_kv_pages_total"]
-            and m["jaxserve_state_slots_free"] + m["jaxserve_state_slots_cached"] == m["jaxserve_state_slots_total"]
-            and m.get("jaxserve_kv_transfer_leases_held", 0) == 0
-            and m.get("jaxserve_kv_transfer_requests_pulling", 0) == 0)
+    return (
+        m.get("jaxserve_num_requests_running", 0) == 0
+        and m.get("jaxserve_num_requests_waiting", 0) == 0
+        and m["jaxserve_kv_pages_free"] + m["jaxserve_kv_pages_cached"] == m["jaxserve_kv_pages_total"]
+        and m["jaxserve_state_slots_free"] + m["jaxserve_state_slots_cached"] == m["jaxserve_state_slots_total"]
+        and m.get("jaxserve_kv_transfer_leases_held", 0) == 0
+        and m.get("jaxserve_kv_transfer_requests_pulling", 0) == 0
+    )
 
 
 def wait_all_free(url: str, timeout_s: float = 30.0) -> dict[str, float]:
@@ -114,18 +144,42 @@ def wait_all_free(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 
 class PDCluster:
-    def __init__(self, checkpoint: Path, prefill: list[str] = (), decode: list[str] = (), proxy: list[str] = (),
-                 prefill_env: dict | None = None, decode_env: dict | None = None, root: Path = ROOT):
+    def __init__(
+        self,
+        checkpoint: Path,
+        prefill: list[str] = (),
+        decode: list[str] = (),
+        proxy: list[str] = (),
+        prefill_env: dict | None = None,
+        decode_env: dict | None = None,
+        root: Path = ROOT,
+    ):
         """`root`: the source tree the three processes run (benchmarks compare two trees)."""
         self.processes: list[Process] = []
         self.root = root
         try:
-            self.prefill = self._start("prefill", ["serve", str(checkpoint), "--role", "prefill", *BASE_FLAGS,
-                                                   *prefill], prefill_env)
-            self.decode = self._start("decode", ["serve", str(checkpoint), "--role", "decode", *BASE_FLAGS,
-                                                 *decode], decode_env)
-            self.proxy = self._start("proxy", ["proxy", "--prefill", self.prefill.url, "--decode", self.decode.url,
-                                               "--port", "0", "--log-level", "INFO", *proxy], None)
+            self.prefill = self._start(
+                "prefill", ["serve", str(checkpoint), "--role", "prefill", *BASE_FLAGS, *prefill], prefill_env
+            )
+            self.decode = self._start(
+                "decode", ["serve", str(checkpoint), "--role", "decode", *BASE_FLAGS, *decode], decode_env
+            )
+            self.proxy = self._start(
+                "proxy",
+                [
+                    "proxy",
+                    "--prefill",
+                    self.prefill.url,
+                    "--decode",
+                    self.decode.url,
+                    "--port",
+                    "0",
+                    "--log-level",
+                    "INFO",
+                    *proxy,
+                ],
+                None,
+            )
         except BaseException:
             self.close()
             raise

@@ -34,19 +34,35 @@ def server():
     gguf = ensure_default_model(Path(cache_dir))  # DefaultModelUnavailable fails the test
     # dequantized at load: on a CPU the Q4_1 blocks would be converted in every step
     model = load_model(gguf, dtype="float32", keep_gguf_quantized=False)
-    config = EngineConfig(model=str(gguf), dtype="float32", keep_gguf_quantized=False, max_num_seqs=4,
-                          max_num_batched_tokens=256, token_buckets=(8, 256), num_pages=160, max_model_len=1024,
-                          fuse_greedy=False, seed=0)
-    with live_engine_server(LLMEngine(config, model=model), DEFAULT_MODEL_NAME, max_waiting_requests=16,
-                            record=True) as live:
+    config = EngineConfig(
+        model=str(gguf),
+        dtype="float32",
+        keep_gguf_quantized=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        token_buckets=(8, 256),
+        num_pages=160,
+        max_model_len=1024,
+        fuse_greedy=False,
+        seed=0,
+    )
+    with live_engine_server(
+        LLMEngine(config, model=model), DEFAULT_MODEL_NAME, max_waiting_requests=16, record=True
+    ) as live:
         yield live
 
 
 def _message(client, messages, tool_choice, stream: bool, max_tokens: int = 60) -> tuple[dict, str]:
     """One turn; returns the assistant message as the SDK gives it (content null next to
     calls) and the finish reason."""
-    request = dict(model=DEFAULT_MODEL_NAME, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-                   temperature=0, max_tokens=max_tokens)
+    request = dict(
+        model=DEFAULT_MODEL_NAME,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=max_tokens,
+    )
     if not stream:
         choice = client.chat.completions.create(**request).choices[0]
         return choice.message.model_dump(include={"role", "content", "tool_calls"}), choice.finish_reason
@@ -55,8 +71,9 @@ def _message(client, messages, tool_choice, stream: bool, max_tokens: int = 60) 
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": call.id, "type": "function",
-                                                      "function": {"name": "", "arguments": ""}})
+                entry = calls.setdefault(
+                    call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 entry["function"]["name"] += call.function.name or ""
                 entry["function"]["arguments"] += call.function.arguments or ""
             finish = choice.finish_reason or finish

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import re
 import shutil
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import jsonschema
 import openai
@@ -58,8 +58,9 @@ def _check_call(call) -> dict:
 
 def _gather(live, make_calls):
     async def main():
-        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=300) as client:
+        async with openai.AsyncOpenAI(
+            base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=300
+        ) as client:
             return await asyncio.gather(*make_calls(client))
 
     return asyncio.run(main())
@@ -71,29 +72,50 @@ def _gather(live, make_calls):
 @pytest.fixture(scope="module")
 def llama_server(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama"), dtype="float32")
-    config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=16, max_num_batched_tokens=256,
-                          token_buckets=(16, 256), max_model_len=1024, fuse_greedy=False, seed=0)
-    with live_engine_server(LLMEngine(config, model=model), MODEL, max_waiting_requests=256, record=True,
-                            reasoning_parser="qwen3", max_tool_calls=2) as live:
+    config = EngineConfig(
+        model=str(model.path),
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        token_buckets=(16, 256),
+        max_model_len=1024,
+        fuse_greedy=False,
+        seed=0,
+    )
+    with live_engine_server(
+        LLMEngine(config, model=model),
+        MODEL,
+        max_waiting_requests=256,
+        record=True,
+        reasoning_parser="qwen3",
+        max_tool_calls=2,
+    ) as live:
         yield live
 
 
 def _chat(client, seed: int, **kwargs):
     kwargs.setdefault("max_tokens", 120)
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"case {seed}"}],
-                                          temperature=1.0, seed=seed, **kwargs)
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"case {seed}"}], temperature=1.0, seed=seed, **kwargs
+    )
 
 
 def test_reasoning_parser_keeps_the_grammar_of_a_model_that_does_not_think(llama_server):
     """Regression (issue 31.2): with --reasoning-parser qwen3, json_object returned prose, a
     regex was ignored and tool_choice "required" returned no calls, all with a 200."""
     schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMAS["get_weather"]}}
-    responses = _gather(llama_server, lambda c: [
-        *[_chat(c, i, response_format={"type": "json_object"}, max_tokens=24) for i in range(4)],
-        *[_chat(c, i, response_format=schema) for i in range(4)],
-        *[_chat(c, i, max_tokens=20, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
-          for i in range(4)],
-        *[_chat(c, i, tools=TOOLS, tool_choice="required", parallel_tool_calls=False) for i in range(4)]])
+    responses = _gather(
+        llama_server,
+        lambda c: [
+            *[_chat(c, i, response_format={"type": "json_object"}, max_tokens=24) for i in range(4)],
+            *[_chat(c, i, response_format=schema) for i in range(4)],
+            *[
+                _chat(c, i, max_tokens=20, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+                for i in range(4)
+            ],
+            *[_chat(c, i, tools=TOOLS, tool_choice="required", parallel_tool_calls=False) for i in range(4)],
+        ],
+    )
     for response in responses[:4]:  # an unbounded object: a random model may run to max_tokens
         message = response.choices[0].message
         assert message.content.startswith("{") and message.model_extra["reasoning_content"] is None
@@ -115,10 +137,16 @@ def test_reasoning_parser_keeps_the_grammar_of_a_model_that_does_not_think(llama
 def test_forced_calls_are_bounded_by_the_grammar(llama_server):
     """Regression (issue 31.3): parallel calls were unbounded. Here 1..2 calls (max_tool_calls 2),
     exactly one without parallel_tool_calls; streaming and non-streaming read alike."""
-    responses = _gather(llama_server, lambda c: [
-        *[_chat(c, i, tools=[ADD_TOOL], tool_choice="required", max_tokens=200) for i in range(12)],
-        *[_chat(c, i, tools=[ADD_TOOL], tool_choice="required", max_tokens=200, parallel_tool_calls=False)
-          for i in range(4)]])
+    responses = _gather(
+        llama_server,
+        lambda c: [
+            *[_chat(c, i, tools=[ADD_TOOL], tool_choice="required", max_tokens=200) for i in range(12)],
+            *[
+                _chat(c, i, tools=[ADD_TOOL], tool_choice="required", max_tokens=200, parallel_tool_calls=False)
+                for i in range(4)
+            ],
+        ],
+    )
     counts = [len(r.choices[0].message.tool_calls) for r in responses]
     assert all(r.choices[0].finish_reason == "tool_calls" for r in responses)
     assert set(counts[:12]) <= {1, 2} and 2 in counts[:12], counts  # the random model does use the room
@@ -130,22 +158,25 @@ def test_forced_calls_are_bounded_by_the_grammar(llama_server):
     seed = counts.index(2)
     whole = _chat(_client(llama_server), seed, tools=[ADD_TOOL], tool_choice="required", max_tokens=200)
     streamed = {}
-    for chunk in _chat(_client(llama_server), seed, tools=[ADD_TOOL], tool_choice="required", max_tokens=200,
-                       stream=True):
+    for chunk in _chat(
+        _client(llama_server), seed, tools=[ADD_TOOL], tool_choice="required", max_tokens=200, stream=True
+    ):
         for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
             entry = streamed.setdefault(call.index, ["", ""])
             entry[0] += call.function.name or ""
             entry[1] += call.function.arguments or ""
-    assert list(streamed.values()) == [[c.function.name, c.function.arguments]
-                                       for c in whole.choices[0].message.tool_calls]
+    assert list(streamed.values()) == [
+        [c.function.name, c.function.arguments] for c in whole.choices[0].message.tool_calls
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_call_cut_by_max_tokens_is_dropped(llama_server, stream):
     """Regression (issue 31.3): a forced call cut by max_tokens leaked `<tool_call>` markup into
     content next to a call with empty arguments."""
-    response = _chat(_client(llama_server), 3, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=12,
-                     stream=stream)
+    response = _chat(
+        _client(llama_server), 3, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=12, stream=stream
+    )
     if stream:
         chunks = list(response)
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -160,8 +191,7 @@ def test_call_cut_by_max_tokens_is_dropped(llama_server, stream):
 def test_bfcl_style_script_every_emitted_call_validates(llama_server):
     from benchmarks.bfcl_style import CATEGORIES, build_cases, run
 
-    report = asyncio.run(run(llama_server.url, MODEL, build_cases(per_category=3), max_tokens=120,
-                             temperature=1.0))
+    report = asyncio.run(run(llama_server.url, MODEL, build_cases(per_category=3), max_tokens=120, temperature=1.0))
     assert set(report["categories"]) == set(CATEGORIES)
     overall = report["overall"]
     assert overall["requests"] == 12 and overall["calls"] > 0
@@ -192,17 +222,39 @@ def hybrid_checkpoint(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_server(hybrid_checkpoint):
     model = load_model(hybrid_checkpoint, dtype="float32")
-    config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=128,
-                          num_pages=200, max_model_len=1024, seed=0)
-    with live_engine_server(LLMEngine(config, model=model), MODEL, max_waiting_requests=64, record=True,
-                            chat_template=QWEN_STYLE, reasoning_parser="qwen3",
-                            trust_request_chat_template=True) as live:
+    config = EngineConfig(
+        model=str(model.path),
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        num_pages=200,
+        max_model_len=1024,
+        seed=0,
+    )
+    with live_engine_server(
+        LLMEngine(config, model=model),
+        MODEL,
+        max_waiting_requests=64,
+        record=True,
+        chat_template=QWEN_STYLE,
+        reasoning_parser="qwen3",
+        trust_request_chat_template=True,
+    ) as live:
         yield live
 
 
 def _turn_request(messages, tool_choice, **kwargs) -> dict:
-    return dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice, temperature=0, seed=1,
-                max_tokens=kwargs.pop("max_tokens", 80), extra_body=NO_THINKING, **kwargs)
+    return dict(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=0,
+        seed=1,
+        max_tokens=kwargs.pop("max_tokens", 80),
+        extra_body=NO_THINKING,
+        **kwargs,
+    )
 
 
 def _streamed_message(stream) -> tuple[dict, str]:
@@ -212,8 +264,9 @@ def _streamed_message(stream) -> tuple[dict, str]:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": None, "type": "function",
-                                                      "function": {"name": "", "arguments": ""}})
+                entry = calls.setdefault(
+                    call.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 entry["id"] = call.id or entry["id"]
                 entry["function"]["name"] += call.function.name or ""
                 entry["function"]["arguments"] += call.function.arguments or ""
@@ -226,14 +279,17 @@ def test_openai_client_three_turn_tool_loop_on_the_hybrid(hybrid_server, stream)
     """Turn 1 forces get_weather, turn 2 (its result sent back as the SDK returns the assistant
     message: content null + tool_calls) forces add, turn 3 answers in text."""
     client = _client(hybrid_server)
-    messages = [{"role": "system", "content": "You are a helpful agent."},
-                {"role": "user", "content": "Weather in Oslo, then add 2 and 3."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful agent."},
+        {"role": "user", "content": "Weather in Oslo, then add 2 and 3."},
+    ]
     prompt_tokens = []
     for tool in ("get_weather", "add"):
         request = _turn_request(messages, {"type": "function", "function": {"name": tool}})
         if stream:
-            message, finish = _streamed_message(client.chat.completions.create(
-                stream=True, stream_options={"include_usage": True}, **request))
+            message, finish = _streamed_message(
+                client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request)
+            )
         else:
             choice = client.chat.completions.create(**request).choices[0]
             message, finish = choice.message.model_dump(include={"role", "content", "tool_calls"}), choice.finish_reason
@@ -250,8 +306,10 @@ def test_openai_client_three_turn_tool_loop_on_the_hybrid(hybrid_server, stream)
     rendered = _prompt(hybrid_server)
     for message in messages:
         for call in message.get("tool_calls") or []:  # the calls come back as they were written
-            assert f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": ' \
-                   f'{call["function"]["arguments"]}}}\n</tool_call>' in rendered
+            assert (
+                f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": '
+                f"{call['function']['arguments']}}}\n</tool_call>" in rendered
+            )
     assert "<tool_response>\nresult of get_weather: 42\n</tool_response><|im_end|>" in rendered
     assert "<tool_response>\nresult of add: 42\n</tool_response><|im_end|>" in rendered
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -272,14 +330,24 @@ def test_langchain_bind_tools_and_tool_message_round_trip(hybrid_server):
         """Add two integers."""
         return a + b
 
-    llm = langchain_openai.ChatOpenAI(base_url=hybrid_server.url + "/v1", api_key="unused", model=MODEL,
-                                      temperature=0, max_tokens=80, max_retries=0, extra_body=NO_THINKING)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=hybrid_server.url + "/v1",
+        api_key="unused",
+        model=MODEL,
+        temperature=0,
+        max_tokens=80,
+        max_retries=0,
+        extra_body=NO_THINKING,
+    )
     bound = llm.bind_tools([get_weather, add], tool_choice="add")
     history = [HumanMessage("What is 2 + 3?")]
     reply = bound.invoke(history)
     (call,) = reply.tool_calls  # langchain parsed the arguments JSON into a dict
-    assert call["name"] == "add" and set(call["args"]) == {"a", "b"} and all(
-        isinstance(v, int) for v in call["args"].values())
+    assert (
+        call["name"] == "add"
+        and set(call["args"]) == {"a", "b"}
+        and all(isinstance(v, int) for v in call["args"].values())
+    )
     streamed = None
     for chunk in bound.stream(history):
         streamed = chunk if streamed is None else streamed + chunk
@@ -289,7 +357,7 @@ def test_langchain_bind_tools_and_tool_message_round_trip(hybrid_server):
     assert isinstance(answer.content, str) and not answer.tool_calls
     rendered = _prompt(hybrid_server)
     assert f"<tool_response>\n{add.invoke(call['args'])}\n</tool_response>" in rendered
-    assert f'"name": "add", "arguments": ' in rendered
+    assert '"name": "add", "arguments": ' in rendered
 
 
 def test_openai_agents_runner_two_tools_three_turns(hybrid_server):
@@ -314,7 +382,7 @@ def test_openai_agents_runner_two_tools_three_turns(hybrid_server):
         """The chat-completions model, its tool_choice set per turn (a random model's answers
         must be forced to make a deterministic loop): get_weather, then add, then text."""
 
-        plan = ["get_weather", "add", "none"]
+        plan: ClassVar[list[str]] = ["get_weather", "add", "none"]
 
         async def get_response(self, system_instructions, input, model_settings, *args, **kwargs):
             choice = self.plan.pop(0)
@@ -322,15 +390,23 @@ def test_openai_agents_runner_two_tools_three_turns(hybrid_server):
             return await super().get_response(system_instructions, input, settings, *args, **kwargs)
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=hybrid_server.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=hybrid_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
             model = ScriptedChoice(model=MODEL, openai_client=client)
-            agent = Agent(name="helper", instructions="Use the tools.", tools=[get_weather, add], model=model,
-                          model_settings=ModelSettings(temperature=0, max_tokens=60, parallel_tool_calls=False,
-                                                       extra_body=NO_THINKING),
-                          reset_tool_choice=False)
-            return await Runner.run(agent, "Weather in Oslo, and 2 + 3?", max_turns=3,
-                                    run_config=RunConfig(tracing_disabled=True))
+            agent = Agent(
+                name="helper",
+                instructions="Use the tools.",
+                tools=[get_weather, add],
+                model=model,
+                model_settings=ModelSettings(
+                    temperature=0, max_tokens=60, parallel_tool_calls=False, extra_body=NO_THINKING
+                ),
+                reset_tool_choice=False,
+            )
+            return await Runner.run(
+                agent, "Weather in Oslo, and 2 + 3?", max_turns=3, run_config=RunConfig(tracing_disabled=True)
+            )
 
     first = len(hybrid_server.engine.requests)
     result = asyncio.run(run())
@@ -357,16 +433,25 @@ def test_thinking_model_grammar_starts_after_its_reasoning(hybrid_server):
     token, </think> would have been masked and everything would be reasoning, with no call."""
     client = _client(hybrid_server)
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "2 + 3?"}], tools=[ADD_TOOL], tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=80, logit_bias={str(_token(hybrid_server, "</think>")): 100}, logprobs=True,
-        extra_body={"chat_template": QWEN_THINKING_STYLE})
+        model=MODEL,
+        messages=[{"role": "user", "content": "2 + 3?"}],
+        tools=[ADD_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+        logit_bias={str(_token(hybrid_server, "</think>")): 100},
+        logprobs=True,
+        extra_body={"chat_template": QWEN_THINKING_STYLE},
+    )
     choice = response.choices[0]
     assert choice.logprobs.content[0].token == "</think>"
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.model_extra["reasoning_content"] is None  # empty: closed at once
     _check_call(choice.message.tool_calls[0])
     assert hybrid_server.engine.requests[-1].params.structured_output.start_after == (
-        _token(hybrid_server, "</think>"),)
+        _token(hybrid_server, "</think>"),
+    )
 
 
 def test_model_that_may_think_gets_an_optional_reasoning_block(hybrid_server):
@@ -376,17 +461,32 @@ def test_model_that_may_think_gets_an_optional_reasoning_block(hybrid_server):
     bias = {str(_token(hybrid_server, "<think>")): 50, str(_token(hybrid_server, "</think>")): 100}
     client = _client(hybrid_server)
     thinking = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "2 + 3?"}], tools=[ADD_TOOL], tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=80, logit_bias=bias, logprobs=True).choices[0]
+        model=MODEL,
+        messages=[{"role": "user", "content": "2 + 3?"}],
+        tools=[ADD_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+        logit_bias=bias,
+        logprobs=True,
+    ).choices[0]
     assert [t.token for t in thinking.logprobs.content[:2]] == ["<think>", "</think>"]
     assert thinking.finish_reason == "tool_calls" and thinking.message.content is None
     _check_call(thinking.message.tool_calls[0])
     generated = hybrid_server.engine.requests[-1]
     assert generated.params.structured_output.optional_block == ("<think>", "</think>")
     plain = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "2 + 3?"}], tools=[ADD_TOOL], tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=80, logprobs=True,
-        logit_bias={str(_token(hybrid_server, "<think>")): -100}).choices[0]
+        model=MODEL,
+        messages=[{"role": "user", "content": "2 + 3?"}],
+        tools=[ADD_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+        logprobs=True,
+        logit_bias={str(_token(hybrid_server, "<think>")): -100},
+    ).choices[0]
     assert plain.logprobs.content[0].token == "<"  # the block is optional: straight to the call
     assert plain.finish_reason == "tool_calls"
     _check_call(plain.message.tool_calls[0])

@@ -37,7 +37,7 @@ def _stop_string_cases(tokens, texts):
             start = end + 1 - span
             if start < 0:
                 continue
-            stop = texts[end + 1][len(texts[start]) + trim: len(texts[end + 1]) - trim or None]
+            stop = texts[end + 1][len(texts[start]) + trim : len(texts[end + 1]) - trim or None]
             if not stop.strip() or "\ufffd" in texts[end + 1]:
                 continue
             k = next(k for k in range(NUM_TOKENS + 1) if stop in texts[k])  # the token completing it
@@ -48,20 +48,41 @@ def _stop_string_cases(tokens, texts):
 def _requests(tokens, texts, prompt_ids):
     """-> [(EngineRequest, expected token ids, expected text or None, finish_reason, stop_reason)]"""
     cases = []
-    for i, (stop, ids, text) in enumerate(_stop_string_cases(tokens, texts)):
-        cases.append((SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop]),
-                      ids, text, "stop", stop))
+    for _i, (stop, ids, text) in enumerate(_stop_string_cases(tokens, texts)):
+        cases.append(
+            (
+                SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop]),
+                ids,
+                text,
+                "stop",
+                stop,
+            )
+        )
     for m in range(1, NUM_TOKENS + 1):
-        cases.append((SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), tokens[:m], texts[m],
-                      "length", None))
+        cases.append(
+            (SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), tokens[:m], texts[m], "length", None)
+        )
     for j, token in enumerate(tokens):
         first = tokens.index(token)
-        cases.append((SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True,
-                                     stop_token_ids=[token]),
-                      tokens[: first + 1], None, "stop", token))
+        cases.append(
+            (
+                SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[token]),
+                tokens[: first + 1],
+                None,
+                "stop",
+                token,
+            )
+        )
         if first == j:  # a stop token that is also the last token max_tokens allows
-            cases.append((SamplingParams(max_tokens=j + 1, temperature=0.0, ignore_eos=True, stop_token_ids=[token]),
-                          tokens[: j + 1], None, "stop", token))
+            cases.append(
+                (
+                    SamplingParams(max_tokens=j + 1, temperature=0.0, ignore_eos=True, stop_token_ids=[token]),
+                    tokens[: j + 1],
+                    None,
+                    "stop",
+                    token,
+                )
+            )
     return [(EngineRequest(f"r{i}", prompt_ids, params), *expected) for i, (params, *expected) in enumerate(cases)]
 
 
@@ -87,9 +108,18 @@ def _serve(engine, requests):
 
 @pytest.mark.parametrize("family", ["llama"])
 def test_stops_with_a_step_in_flight_equal_sync_and_hf(family, tiny_checkpoint, hf_model):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), dtype="float32", page_size=4, num_pages=96,
-                                    max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                                    token_buckets=(8, 16, 32, 64)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(family)),
+            dtype="float32",
+            page_size=4,
+            num_pages=96,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+            token_buckets=(8, 16, 32, 64),
+        )
+    )
     assert engine.async_scheduling  # the default
     tokenizer = engine.tokenizer
     prompt_ids = tokenizer.encode(PROMPT)
@@ -107,7 +137,11 @@ def test_stops_with_a_step_in_flight_equal_sync_and_hf(family, tiny_checkpoint, 
         got, sync = results[True][request.request_id].outputs[0], results[False][request.request_id].outputs[0]
         what = f"{request.request_id} {request.params}"
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
-            sync.token_ids, sync.text, sync.finish_reason, sync.stop_reason), what
+            sync.token_ids,
+            sync.text,
+            sync.finish_reason,
+            sync.stop_reason,
+        ), what
         assert got.token_ids == ids, what
         assert (got.finish_reason, got.stop_reason) == (reason, stop_reason), what
         if text is not None:

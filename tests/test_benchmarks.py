@@ -61,8 +61,7 @@ def test_poisson_arrivals_have_the_requested_rate():
 
 def test_metrics_definitions_by_hand():
     results = [
-        RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1, latency=0.5,
-                      itl=[0.1, 0.1, 0.1, 0.1]),
+        RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1]),
         RequestResult(prompt_len=20, success=True, output_tokens=1, ttft=0.3, latency=0.3),
         RequestResult(prompt_len=30, success=False, error="boom"),
     ]
@@ -88,6 +87,7 @@ TTFT_S, ITL_S, USAGE_DELAY_S = 0.15, 0.05, 0.2
 def _stub_app() -> web.Application:
     """Streams one chunk per token: the first after TTFT_S, the rest every ITL_S, then (after a
     long pause that must not count as latency) a usage chunk and [DONE]."""
+
     async def completions(request: web.Request):
         body = await request.json()
         assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
@@ -145,8 +145,15 @@ def test_jaxserve_command_is_a_valid_launch_config():
     from benchmarks.peers import jaxserve_serve_command
     from configs.schema import load_config, parse_override
 
-    cmd = jaxserve_serve_command("/ckpt", 8201, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
-                                 enable_prefix_caching=False, compile_cache_dir="/tmp/cc")
+    cmd = jaxserve_serve_command(
+        "/ckpt",
+        8201,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=False,
+        compile_cache_dir="/tmp/cc",
+    )
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
     config = load_config(None, dict(parse_override(s) for s in sets))
     assert config.model.path == "/ckpt" and config.server.port == 8201
@@ -162,8 +169,9 @@ def test_saturation_variant_is_a_valid_launch_config():
 
     label, kind, dtype, sets = parse_variant("gil5ms:server.gil_switch_interval_ms=5,scheduler.max_num_seqs=4")
     assert (label, kind, dtype) == ("ours-bf16-gil5ms", "ours", "bfloat16")
-    cmd = jaxserve_serve_command("/ckpt", 8201, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128,
-                                 dtype=dtype, extra_sets=sets)
+    cmd = jaxserve_serve_command(
+        "/ckpt", 8201, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=128, dtype=dtype, extra_sets=sets
+    )
     config = load_config(None, dict(parse_override(cmd[i + 1]) for i, a in enumerate(cmd) if a == "--set"))
     assert config.server.gil_switch_interval_ms == 5.0 and config.scheduler.max_num_seqs == 4
     assert config.model.dtype == "bfloat16"
@@ -177,8 +185,17 @@ def test_saturation_variant_is_a_valid_launch_config():
 
 def _throughput_args(tmp_path, **overrides):
     """The argparse fields throughput.py's vLLM helpers read."""
-    fields = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, repeats=3,
-                  threads=1, vllm_venv=str(tmp_path / "no-such-venv"), vllm_timeout=60, prefix_caching=False)
+    fields = dict(
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        repeats=3,
+        threads=1,
+        vllm_venv=str(tmp_path / "no-such-venv"),
+        vllm_timeout=60,
+        prefix_caching=False,
+    )
     fields.update(overrides)
     return type("Args", (), fields)()
 
@@ -194,8 +211,14 @@ def test_vllm_spec_round_trips_the_workload(tmp_path):
     spec = read_spec(write_vllm_spec(tmp_path / "spec.json", "/ckpt", args, requests))
     assert [BenchRequest(tuple(ids), n) for ids, n in spec["requests"]] == requests
     assert summarize([BenchRequest(tuple(ids), n) for ids, n in spec["requests"]]) == summarize(requests)
-    assert (spec["checkpoint"], spec["dtype"], spec["max_num_seqs"], spec["max_num_batched_tokens"],
-            spec["max_model_len"], spec["repeats"]) == ("/ckpt", "float32", 4, 64, 256, 3)
+    assert (
+        spec["checkpoint"],
+        spec["dtype"],
+        spec["max_num_seqs"],
+        spec["max_num_batched_tokens"],
+        spec["max_model_len"],
+        spec["repeats"],
+    ) == ("/ckpt", "float32", 4, 64, 256, 3)
     assert spec["enable_prefix_caching"] is False and spec["warmup"] == 2
     (tmp_path / "bad.json").write_text(json.dumps({"checkpoint": "/ckpt", "requests": []}))
     with pytest.raises(ValueError, match="missing keys"):
@@ -265,16 +288,34 @@ def test_benchmark_server_sends_fresh_prompts_per_run(monkeypatch):
     monkeypatch.setattr(serve, "compute_metrics", lambda results, duration, slo=None: {})
     sets = [make_workload("mixed", vocab_size=500, seed=s, num_requests=3, scale=0.05) for s in (1, 2)]
     warm = make_workload("mixed", vocab_size=500, seed=9, num_requests=2, scale=0.05)
-    out = serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, math.inf], concurrencies=[None],
-                                 model="m", warmup_requests=warm, request_sets=sets, verbose=False)
+    out = serve.benchmark_server(
+        "http://x",
+        "stub",
+        sets[0],
+        rates=[1.0, math.inf],
+        concurrencies=[None],
+        model="m",
+        warmup_requests=warm,
+        request_sets=sets,
+        verbose=False,
+    )
     assert sent == [warm, sets[0], sets[1]] and len(out["runs"]) == 2
     sent.clear()
-    serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, 2.0], concurrencies=[None], model="m",
-                           warmup=1, verbose=False)  # the old scheme: warm up on the first request
+    serve.benchmark_server(
+        "http://x", "stub", sets[0], rates=[1.0, 2.0], concurrencies=[None], model="m", warmup=1, verbose=False
+    )  # the old scheme: warm up on the first request
     assert sent == [sets[0][:1], sets[0], sets[0]]
     with pytest.raises(ValueError, match="request sets"):
-        serve.benchmark_server("http://x", "stub", sets[0], rates=[1.0, 2.0, 3.0], concurrencies=[None],
-                               model="m", request_sets=sets, verbose=False)
+        serve.benchmark_server(
+            "http://x",
+            "stub",
+            sets[0],
+            rates=[1.0, 2.0, 3.0],
+            concurrencies=[None],
+            model="m",
+            request_sets=sets,
+            verbose=False,
+        )
 
 
 def test_server_cpu_groups_threads():
@@ -284,8 +325,14 @@ def test_server_cpu_groups_threads():
     from benchmarks.server_cpu import _classify
 
     before = {100: ("python", 1.0), 101: ("python", 0.5), 102: ("tf_XLAEigen", 2.0), 103: ("python", 0.1)}
-    after = {100: ("python", 1.5), 101: ("python", 1.7), 102: ("tf_XLAEigen", 4.0), 103: ("python", 0.3),
-             104: ("tf_XLAEigen", 0.25), 105: ("python", 0.05)}
+    after = {
+        100: ("python", 1.5),
+        101: ("python", 1.7),
+        102: ("tf_XLAEigen", 4.0),
+        103: ("python", 0.3),
+        104: ("tf_XLAEigen", 0.25),
+        105: ("python", 0.05),
+    }
     groups = _classify(100, before, after)
     assert groups == pytest.approx({"http": 0.5, "engine": 1.2, "xla": 2.25, "other": 0.25})
 
@@ -296,7 +343,7 @@ def test_server_cpu_reads_the_engine_process_threads():
     import subprocess
     import sys
 
-    from benchmarks.server_cpu import process_tree, _thread_cpu
+    from benchmarks.server_cpu import _thread_cpu, process_tree
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -328,7 +375,8 @@ def test_roofline_times_every_linear_layer_hf_has(family, tiny_checkpoint, hf_mo
     weights, lm_head = _matmul_weights(model.params)
     assert len(weights) == len(layers)
     assert sorted((w.shape[-2], w.shape[-1]) for w in weights) == sorted(
-        (m.in_features, m.out_features) for m in layers)
+        (m.in_features, m.out_features) for m in layers
+    )
     assert (lm_head.shape[-2], lm_head.shape[-1]) == (hf.lm_head.in_features, hf.lm_head.out_features)
     ms, gflop = matmul_ms(model.params, model.dtype, tokens=8, sample_rows=4, reps=1)
     assert ms > 0 and gflop == pytest.approx(2 * (8 * per_token + 4 * head) / 1e9)

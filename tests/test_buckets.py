@@ -52,12 +52,15 @@ def test_rounding_table(rule, n, expected):
     assert rule(n) == expected
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: B.bucket_for(601, (16, 512, 600)), "size 601 exceeds the largest compiled bucket 600"),
-    (lambda: B.bucket_for(9, (4, 8), what="token count"), "token count 9 exceeds the largest compiled bucket 8"),
-    (lambda: B.seq_bucket(65, (8, 16, 32, 64)), "sequence count 65 exceeds the largest compiled bucket 64"),
-    (lambda: B.pow2_bucket(33, 16, limit=32), "size 33 needs the power-of-two bucket 64, above the limit 32"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: B.bucket_for(601, (16, 512, 600)), "size 601 exceeds the largest compiled bucket 600"),
+        (lambda: B.bucket_for(9, (4, 8), what="token count"), "token count 9 exceeds the largest compiled bucket 8"),
+        (lambda: B.seq_bucket(65, (8, 16, 32, 64)), "sequence count 65 exceeds the largest compiled bucket 64"),
+        (lambda: B.pow2_bucket(33, 16, limit=32), "size 33 needs the power-of-two bucket 64, above the limit 32"),
+    ],
+)
 def test_every_entry_point_misses_with_bucket_miss(call, message):
     with pytest.raises(BucketMiss, match=message):
         call()

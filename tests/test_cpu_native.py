@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_ragged_paged_attention import make_batch, oracle, run
 
 from pallas_kernels import cpu_native
-from test_ragged_paged_attention import make_batch, oracle, run
 
 
 def test_kernels_build_here():
@@ -51,11 +51,20 @@ def test_unavailable_means_the_jnp_decode_pass(reason, monkeypatch):
         monkeypatch.setenv("JAXSERVE_NATIVE", "0")
     assert not cpu_native.available()
     rng = np.random.default_rng(3)
-    batch = make_batch(rng, [(1, 40), (1, 130), (1, 7)], num_q_heads=6, num_kv_heads=2, head_dim=64,
-                       page_size=16, kv_dtype="bf16", q_dtype=np.float32)
+    batch = make_batch(
+        rng,
+        [(1, 40), (1, 130), (1, 7)],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        kv_dtype="bf16",
+        q_dtype=np.float32,
+    )
     # a distinct sm_scale: a trace cached from the kernel path must not be reused
-    np.testing.assert_allclose(run(batch, sm_scale=0.1234, impl="native"), oracle(batch, sm_scale=0.1234),
-                               atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        run(batch, sm_scale=0.1234, impl="native"), oracle(batch, sm_scale=0.1234), atol=2e-4, rtol=1e-4
+    )
 
 
 # ---- jaxserve_bf16_matmul: x [M, K] bf16 @ a packed bf16 weight ---------------------------------
@@ -82,7 +91,7 @@ def _check_matmul(call, m, k, n, seed=0):
     assert got32.shape == (m, n)
     assert (np.abs(got32 - ref) <= 1e-5 * bound + 1e-30).all()
     got16 = np.asarray(call(jnp.asarray(x), wp, n, jnp.bfloat16).astype(jnp.float32), np.float64)
-    assert (np.abs(got16 - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-5 * bound).all()
+    assert (np.abs(got16 - ref) <= 2.0**-8 * np.abs(ref) + 1e-5 * bound).all()
     return got16
 
 
@@ -104,13 +113,22 @@ def test_bf16_matmul_scalar_loop_matches_float64(tmp_path):
 
     import jax
 
-    cmd = [cpu_native._compiler(), *cpu_native.FLAGS, "-mno-avx512bf16", "-I", jax.ffi.include_dir(),
-           str(cpu_native.SOURCE), "-o", str(tmp_path / "scalar.so")]
+    cmd = [
+        cpu_native._compiler(),
+        *cpu_native.FLAGS,
+        "-mno-avx512bf16",
+        "-I",
+        jax.ffi.include_dir(),
+        str(cpu_native.SOURCE),
+        "-o",
+        str(tmp_path / "scalar.so"),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     lib = ctypes.cdll.LoadLibrary(str(tmp_path / "scalar.so"))
     assert lib.JaxserveBf16MatmulSimd() == 0
-    jax.ffi.register_ffi_target("jaxserve_bf16_matmul_scalar_test", jax.ffi.pycapsule(lib.JaxserveBf16Matmul),
-                                platform="cpu")
+    jax.ffi.register_ffi_target(
+        "jaxserve_bf16_matmul_scalar_test", jax.ffi.pycapsule(lib.JaxserveBf16Matmul), platform="cpu"
+    )
 
     def call(x, wp, n, out_dtype):
         ffi = jax.ffi.ffi_call("jaxserve_bf16_matmul_scalar_test", jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
@@ -196,4 +214,4 @@ def test_qdot_packed_weight_matches_xla_dot():
     for x in (jnp.asarray(_bf16(rng, (6, 96))), jnp.asarray(rng.standard_normal((6, 96)), jnp.float32)):
         got = np.asarray(jax.jit(qdot)(x, p).astype(jnp.float32))
         want = np.asarray(qdot(x, w).astype(jnp.float32))
-        np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=1e-6)

@@ -45,10 +45,34 @@ CLAIMED = r"kv transfer \d+ claimed; test delay"
 def _prompts(vocab: int) -> list[list[int]]:
     """30 prompts: the issue's edge lengths first (indices 0-4 are used by the fault tests)."""
     rng = np.random.default_rng(12)
-    ids = lambda n: [int(t) for t in rng.integers(3, vocab, n)]  # noqa: E731
+    ids = lambda n: [int(t) for t in rng.integers(3, vocab, n)]
     shared = ids(40)
-    lengths = [1, PAGE - 1, PAGE, PAGE + 1, 203, 250, 2, 3, 5, 8, 11, 23, 31, 32, 33, 47, 57, 64, 65, 77, 90, 120,
-               150, 211]
+    lengths = [
+        1,
+        PAGE - 1,
+        PAGE,
+        PAGE + 1,
+        203,
+        250,
+        2,
+        3,
+        5,
+        8,
+        11,
+        23,
+        31,
+        32,
+        33,
+        47,
+        57,
+        64,
+        65,
+        77,
+        90,
+        120,
+        150,
+        211,
+    ]
     return [ids(n) for n in lengths] + [shared + ids(k) for k in (1, 3, 5, 9, 17, 30)]
 
 
@@ -76,12 +100,27 @@ LAYOUTS = {
     "llama-fp8": Layout("llama", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
     # the hybrid bridged: prefill TP 2 on two simulated CPU devices with 16-token pages -> decode
     # on one device with 32-token pages (its faults use the pull delay)
-    "qwen3_5-tp2-page32": Layout("qwen3_5", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
-                                 decode_env=tuple(PULL_DELAY.items()), decode_page=32),
+    "qwen3_5-tp2-page32": Layout(
+        "qwen3_5",
+        prefill=TP2[0],
+        decode=PAGE32,
+        prefill_env=TP2[1],
+        decode_env=tuple(PULL_DELAY.items()),
+        decode_page=32,
+    ),
     # faults only: a decode instance short of pages that answers errors instead of recomputing
-    "llama-faults": Layout("llama", decode=("--set", "cache.num_pages=14", "--set", "model.max_model_len=200",
-                                            "--set", "kv_transfer.on_pull_failure=error"),
-                           decode_env=tuple(PULL_DELAY.items())),
+    "llama-faults": Layout(
+        "llama",
+        decode=(
+            "--set",
+            "cache.num_pages=14",
+            "--set",
+            "model.max_model_len=200",
+            "--set",
+            "kv_transfer.on_pull_failure=error",
+        ),
+        decode_env=tuple(PULL_DELAY.items()),
+    ),
     # slow (pytest -m slow): FP8 above, the dense checkpoint page 16 -> 32, the other hybrids with
     # equal and bridged layouts, and the hybrid with FP8 on both sides (the adopt rule: the
     # prefill side ships the state after all N tokens and its first token, which decode emits)
@@ -89,31 +128,53 @@ LAYOUTS = {
     "qwen3_5": Layout("qwen3_5"),
     "qwen3_5-fp8": Layout("qwen3_5", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
     "qwen3_5_moe": Layout("qwen3_5_moe"),
-    "qwen3_5_moe-tp2-page32": Layout("qwen3_5_moe", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
-                                     decode_page=32),
+    "qwen3_5_moe-tp2-page32": Layout("qwen3_5_moe", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1], decode_page=32),
     "qwen3_next": Layout("qwen3_next"),
-    "qwen3_next-tp2-page32": Layout("qwen3_next", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1],
-                                    decode_page=32),
+    "qwen3_next-tp2-page32": Layout("qwen3_next", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1], decode_page=32),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
-SLOW_LAYOUTS = {"llama-fp8", "llama-page32", "qwen3_5", "qwen3_5-fp8", "qwen3_5_moe", "qwen3_5_moe-tp2-page32",
-                "qwen3_next", "qwen3_next-tp2-page32"}
-EXACTNESS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
-             for name in LAYOUTS if name != "llama-faults"]
+SLOW_LAYOUTS = {
+    "llama-fp8",
+    "llama-page32",
+    "qwen3_5",
+    "qwen3_5-fp8",
+    "qwen3_5_moe",
+    "qwen3_5_moe-tp2-page32",
+    "qwen3_next",
+    "qwen3_next-tp2-page32",
+}
+EXACTNESS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+    for name in LAYOUTS
+    if name != "llama-faults"
+]
 
 
 def _colocated(cluster, prompts, ignore_eos: bool = False) -> list:
     """The decode side's configuration as one colocated engine (built once per cluster)."""
     if cluster.colocated is None:
         layout = cluster.layout
-        cluster.colocated = LLMEngine(EngineConfig(
-            model=str(cluster.path), dtype="float32", page_size=layout.decode_page, num_pages=96, max_num_seqs=4,
-            max_num_batched_tokens=64, max_model_len=512, aot_compile=False, kv_cache_dtype=layout.kv_cache_dtype))
+        cluster.colocated = LLMEngine(
+            EngineConfig(
+                model=str(cluster.path),
+                dtype="float32",
+                page_size=layout.decode_page,
+                num_pages=96,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_model_len=512,
+                aot_compile=False,
+                kv_cache_dtype=layout.kv_cache_dtype,
+            )
+        )
     engine, base = cluster.colocated, cluster.colocated.num_steps
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{base}-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                               ignore_eos=ignore_eos)))
+        engine.add_request(
+            EngineRequest(
+                f"r{base}-{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=ignore_eos)
+            )
+        )
     done = drain(engine)
     return [done[f"r{base}-{i}"].outputs[0] for i in range(len(prompts))]
 
@@ -133,8 +194,13 @@ def _post(url: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
 def cluster(request, tiny_checkpoint):
     layout = LAYOUTS[request.param]
     path = tiny_checkpoint(layout.family)
-    with PDCluster(path, prefill=list(layout.prefill), decode=list(layout.decode),
-                   prefill_env=dict(layout.prefill_env), decode_env=dict(layout.decode_env)) as pd:
+    with PDCluster(
+        path,
+        prefill=list(layout.prefill),
+        decode=list(layout.decode),
+        prefill_env=dict(layout.prefill_env),
+        decode_env=dict(layout.decode_env),
+    ) as pd:
         pd.layout, pd.family, pd.path, pd.colocated = layout, layout.family, path, None
         pd.client = openai.OpenAI(base_url=pd.proxy_url + "/v1", api_key="x", max_retries=0, timeout=120)
         pd.model = pd.client.models.list().data[0].id
@@ -146,13 +212,19 @@ def cluster(request, tiny_checkpoint):
 def _through_proxy(cluster, prompts) -> list[tuple]:
     """Each prompt non-streaming and streaming, `layout.in_flight` at a time -> [(text, finish reason,
     streamed text, streamed usage.completion_tokens)]."""
+
     def one(prompt):
-        kw = dict(model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"ignore_eos": True})  # HF generates MAX_TOKENS whatever the tokens
+        kw = dict(
+            model=cluster.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )  # HF generates MAX_TOKENS whatever the tokens
         got = cluster.client.completions.create(**kw)
         chunks = list(cluster.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-        return (got.choices[0].text, got.choices[0].finish_reason, "".join(c.choices[0].text for c in chunks if c.choices),
-                chunks[-1].usage.completion_tokens)
+        return (
+            got.choices[0].text,
+            got.choices[0].finish_reason,
+            "".join(c.choices[0].text for c in chunks if c.choices),
+            chunks[-1].usage.completion_tokens,
+        )
 
     with ThreadPoolExecutor(cluster.layout.in_flight) as pool:
         return list(pool.map(one, prompts))
@@ -191,7 +263,7 @@ def test_proxy_greedy_equals_colocated_and_hf(cluster, hf_model):
         assert finish == want.finish_reason and streamed == want.text, f"stream prompt {i}"
         assert usage == len(want.token_ids)
     decode, prefill = _settled(cluster.decode.url), _settled(cluster.prefill.url)
-    delta = lambda m, b, k: m[f"jaxserve_kv_transfer_{k}"] - b[f"jaxserve_kv_transfer_{k}"]  # noqa: E731
+    delta = lambda m, b, k: m[f"jaxserve_kv_transfer_{k}"] - b[f"jaxserve_kv_transfer_{k}"]
     pulled = 2 * sum(len(p) > 1 for p in prompts)
     assert delta(decode, before_d, "transfers_started") == pulled, decode
     assert delta(decode, before_d, "fallbacks") == 0
@@ -207,23 +279,28 @@ def test_chat_through_proxy_equals_prefill_instance_alone(cluster):
     messages = [{"role": "user", "content": "Name three colours and a fruit."}]
     direct = openai.OpenAI(base_url=cluster.prefill.url + "/v1", api_key="x", max_retries=0, timeout=120)
     want = direct.chat.completions.create(model=cluster.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-    got = cluster.client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=MAX_TOKENS,
-                                                 temperature=0, logprobs=True, top_logprobs=2)
+    got = cluster.client.chat.completions.create(
+        model=cluster.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert got.choices[0].message.content == want.choices[0].message.content
     assert len(got.choices[0].logprobs.content) == got.usage.completion_tokens
 
 
 def _prefill_leg(cluster, prompt, **params) -> dict:
     """The proxy's first leg by hand (`lease_s=2`: this request's state is held for 2 s only)."""
-    status, body = _post(cluster.prefill.url + "/v1/completions",
-                         {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, **params}})
+    status, body = _post(
+        cluster.prefill.url + "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, **params}},
+    )
     assert status == 200, body
     return body["kv_transfer_params"]
 
 
 def _decode_leg(cluster, prompt, params) -> str:
-    status, body = _post(cluster.decode.url + "/v1/completions",
-                         {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params})
+    status, body = _post(
+        cluster.decode.url + "/v1/completions",
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params},
+    )
     assert status == 200, body
     return body["choices"][0]["text"]
 
@@ -242,8 +319,9 @@ def test_hybrid_fp8_adopted_first_token_once_or_local_prefill(cluster):
     kw = dict(model=cluster.model, prompt=prompt, temperature=0)
     got = cluster.client.completions.create(**kw, max_tokens=1)
     assert (got.choices[0].text, got.choices[0].finish_reason, got.usage.completion_tokens) == (want_one, "length", 1)
-    chunks = list(cluster.client.completions.create(**kw, max_tokens=1, stream=True,
-                                                    stream_options={"include_usage": True}))
+    chunks = list(
+        cluster.client.completions.create(**kw, max_tokens=1, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_one
     assert chunks[-1].usage.completion_tokens == 1
     got = cluster.client.completions.create(**kw, max_tokens=MAX_TOKENS, logprobs=1)
@@ -295,20 +373,31 @@ def test_pd_ports_fail_closed_over_http(cluster):
         lure = {**params, "control_url": f"http://127.0.0.1:{port}"}
         for url, transfer in ((cluster.decode.url, lure), (cluster.prefill.url, {"do_remote_decode": True})):
             for token in (None, "a-wrong-token-0123456789"):
-                status, body = _post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 2,
-                                                               "kv_transfer_params": transfer}, token=token)
+                status, body = _post(
+                    url + "/v1/completions",
+                    {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": transfer},
+                    token=token,
+                )
                 assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
         listener.close()
-    claim = {"transfer_id": params["transfer_id"], "token_digest": params["descriptor"]["token_digest"],
-             "model_fingerprint": params["descriptor"]["model"]["fingerprint"]}
+    claim = {
+        "transfer_id": params["transfer_id"],
+        "token_digest": params["descriptor"]["token_digest"],
+        "model_fingerprint": params["descriptor"]["model"]["fingerprint"],
+    }
     assert _post(params["control_url"] + "/kv_transfer/claim", claim, token=None)[0] == 401
     assert _decode_leg(cluster, prompt, params) == want  # the genuine offer is still there, pulled
     desc = params["descriptor"]
-    for bad in ({**desc, "kv_dtype": None}, {k: v for k, v in desc.items() if k != "kv_dtype"},
-                {**desc, "kv_dtype": "float64"}, {**desc, "num_pages": 3}, {**desc, "page_size": 3}):
+    for bad in (
+        {**desc, "kv_dtype": None},
+        {k: v for k, v in desc.items() if k != "kv_dtype"},
+        {**desc, "kv_dtype": "float64"},
+        {**desc, "num_pages": 3},
+        {**desc, "page_size": 3},
+    ):
         assert _decode_leg(cluster, prompt, {**params, "descriptor": bad}) == want
         with urllib.request.urlopen(cluster.decode.url + "/health", timeout=10) as response:
             assert response.status == 200
@@ -319,23 +408,29 @@ def test_pd_ports_fail_closed_over_http(cluster):
 
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_client_disconnects_free_both_sides(cluster):
-    import aiohttp
     import asyncio
 
+    import aiohttp
+
     async def leave_early(i):
-        body = {"model": cluster.model, "prompt": _prompts(500)[4][:100 + i], "max_tokens": 200, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": cluster.model,
+            "prompt": _prompts(500)[4][: 100 + i],
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
         async with aiohttp.ClientSession() as session:
             async with session.post(cluster.proxy_url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.content.readline()  # the first event: the decode leg is running
 
     async def leave_before(i):  # gone during the prefill leg
-        body = {"model": cluster.model, "prompt": _prompts(500)[4][:150 + i], "max_tokens": 5}
+        body = {"model": cluster.model, "prompt": _prompts(500)[4][: 150 + i], "max_tokens": 5}
         async with aiohttp.ClientSession() as session:
             try:
                 await asyncio.wait_for(session.post(cluster.proxy_url + "/v1/completions", json=body), 0.05)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def run():
@@ -345,7 +440,10 @@ def test_client_disconnects_free_both_sides(cluster):
     for url in (cluster.decode.url, cluster.prefill.url):
         metrics = wait_all_free(url, timeout_s=60)
         assert metrics["jaxserve_kv_transfer_leases_held"] == 0 and metrics["jaxserve_num_requests_running"] == 0, url
-        assert metrics["jaxserve_kv_pages_free"] + metrics["jaxserve_kv_pages_cached"] == metrics["jaxserve_kv_pages_total"]
+        assert (
+            metrics["jaxserve_kv_pages_free"] + metrics["jaxserve_kv_pages_cached"]
+            == metrics["jaxserve_kv_pages_total"]
+        )
 
 
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)
@@ -367,7 +465,7 @@ def _in_thread(fn, *args) -> tuple[threading.Thread, dict]:
     def run():
         try:
             result["value"] = fn(*args)
-        except Exception as err:  # noqa: BLE001 - handed to the test
+        except Exception as err:
             result["error"] = err
 
     thread = threading.Thread(target=run, daemon=True)
@@ -386,9 +484,12 @@ def _leave_during_pull(cluster, prompt) -> None:
     address = urllib.parse.urlsplit(cluster.proxy_url)
     conn = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"model": cluster.model, "prompt": prompt,
-                                                            "max_tokens": MAX_TOKENS}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS}),
+            {"Content-Type": "application/json"},
+        )
         cluster.decode.wait_for_line(CLAIMED, since=mark)
     finally:
         conn.close()

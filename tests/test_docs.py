@@ -19,8 +19,10 @@ PAGE = REPO_ROOT / "docs" / "architecture.md"
 PACKAGES = ("configs", "models", "paged_kv", "pallas_kernels", "runtime", "server")
 
 _CODE_SPAN = re.compile(r"`([^`\n]+)`")
-_PATH = re.compile(r"(?<![\w./])((?:" + "|".join(PACKAGES + ("tests", "benchmarks", "docs")) + r")/[\w./-]*)"
-                   r"(?::([A-Za-z_][\w.]*))?")
+_PATH = re.compile(
+    r"(?<![\w./])((?:" + "|".join(PACKAGES + ("tests", "benchmarks", "docs")) + r")/[\w./-]*)"
+    r"(?::([A-Za-z_][\w.]*))?"
+)
 _DOTTED = re.compile(r"(?<![\w./])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)(?::([A-Za-z_][\w.]*))?")
 
 
@@ -98,8 +100,12 @@ def test_every_name_on_the_architecture_page_exists():
 
 def test_the_architecture_page_names_every_module():
     named = {match.group(1) for span in _spans(PAGE.read_text()) for match in _PATH.finditer(span)}
-    missing = sorted(str(p.relative_to(REPO_ROOT)) for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")
-                     if p.name != "__init__.py" and str(p.relative_to(REPO_ROOT)) not in named)
+    missing = sorted(
+        str(p.relative_to(REPO_ROOT))
+        for package in PACKAGES
+        for p in (REPO_ROOT / package).rglob("*.py")
+        if p.name != "__init__.py" and str(p.relative_to(REPO_ROOT)) not in named
+    )
     assert not missing, "docs/architecture.md has no line for:\n" + "\n".join(missing)
 
 
@@ -111,9 +117,11 @@ def test_the_request_path_counts_its_hops():
 
 
 def test_the_checker_catches_what_rots():
-    page = ("`runtime/steps/sampler.py:sample` `runtime/nowhere.py` `runtime/steps/sampler.py:nothing` "
-            "`runtime.steps.table_host.RequestTableHost.plan` `runtime.step.TokenFeed` "
-            "`runtime.types.NoSuchThing` `server/app.py:_chat_completions` `runtime/steps/`")
+    page = (
+        "`runtime/steps/sampler.py:sample` `runtime/nowhere.py` `runtime/steps/sampler.py:nothing` "
+        "`runtime.steps.table_host.RequestTableHost.plan` `runtime.step.TokenFeed` "
+        "`runtime.types.NoSuchThing` `server/app.py:_chat_completions` `runtime/steps/`"
+    )
     assert broken_references(page) == [
         "`runtime/nowhere.py`: runtime/nowhere.py does not exist",
         "`runtime/steps/sampler.py:nothing`: runtime/steps/sampler.py defines no nothing",

@@ -12,8 +12,16 @@ from runtime.types import EngineRequest, SamplingParams, SamplingParamsError
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoint("qwen3_5")), dtype="float32", max_num_seqs=8,
-                                  max_num_batched_tokens=64, num_pages=80, max_model_len=256))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint("qwen3_5")),
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_pages=80,
+            max_model_len=256,
+        )
+    )
 
 
 def assert_nothing_held(engine):
@@ -54,21 +62,33 @@ def test_failed_step_fails_only_its_requests_then_50_succeed(engine, fail):
 
 
 def test_failure_after_the_caches_were_donated_is_fatal(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", max_num_seqs=4,
-                                    max_num_batched_tokens=32, num_pages=20, max_model_len=64, fuse_greedy=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint("llama")),
+            dtype="float32",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_pages=20,
+            max_model_len=64,
+            fuse_greedy=False,
+        )
+    )
     engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=2)))
     engine.executables = FailingStep(engine.executables, "run_table_backbone", after_real_call=True)
     with pytest.raises(EngineDeadError):
         engine.step()
 
 
-@pytest.mark.parametrize("params,param", [
-    (dict(min_tokens=2, stop_token_ids=[1099511627776]), "stop_token_ids"),
-    (dict(stop_token_ids=list(range(3, 36))), "stop_token_ids"),  # 33 > MAX_STOP_TOKEN_IDS (sampler width)
-    (dict(min_tokens=100), "min_tokens"),  # default max_tokens 16
-    (dict(logit_bias={2**40: 1.0}), "logit_bias"),
-    (dict(max_tokens=300), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "params,param",
+    [
+        (dict(min_tokens=2, stop_token_ids=[1099511627776]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(3, 36))), "stop_token_ids"),  # 33 > MAX_STOP_TOKEN_IDS (sampler width)
+        (dict(min_tokens=100), "min_tokens"),  # default max_tokens 16
+        (dict(logit_bias={2**40: 1.0}), "logit_bias"),
+        (dict(max_tokens=300), "max_tokens"),
+    ],
+)
 def test_out_of_range_values_are_refused_naming_the_field(engine, params, param):
     with pytest.raises(SamplingParamsError) as err:
         engine.add_request(EngineRequest("bad", [1, 2, 3], SamplingParams(**params)))

@@ -68,9 +68,19 @@ def test_batch_invariance_vs_hf(family, step, tiny_checkpoint, hf_model):
     path = tiny_checkpoint(family)
     # the fused greedy backbone is forced on in `auto` (the CPU plan leaves it off) so it stays checked
     variant = {"fuse_greedy": True} if step == "auto" else {"layer_loop": "scan", "fuse_greedy": False}
-    engine = LLMEngine(EngineConfig(
-        model=str(path), dtype="float32", page_size=16, num_pages=70, max_num_seqs=16,
-        max_num_batched_tokens=128, enable_prefix_caching=True, max_model_len=512, **variant))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            page_size=16,
+            num_pages=70,
+            max_num_seqs=16,
+            max_num_batched_tokens=128,
+            enable_prefix_caching=True,
+            max_model_len=512,
+            **variant,
+        )
+    )
     if step == "auto" and jax.default_backend() == "cpu":  # the CPU plan (accelerators: scan)
         assert engine.layer_loop == "unroll" and engine.model.unrolled and engine.executables.fuse_greedy
         assert engine.token_buckets[0] == 4

@@ -27,13 +27,23 @@ MAX_TOKENS = 10
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_hybrid_prefix_hits_at_request_ends_and_divergence_points_match_hf(family, tiny_checkpoint, hf_model):
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_checkpoint(family)), dtype="float32", page_size=8, num_pages=80, max_num_seqs=4,
-        max_num_batched_tokens=32, max_model_len=256, enable_prefix_caching=True, load_tokenizer=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(family)),
+            dtype="float32",
+            page_size=8,
+            num_pages=80,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=256,
+            enable_prefix_caching=True,
+            load_tokenizer=False,
+        )
+    )
     assert engine.cache_config.checkpoint_policy == "auto" and engine.cache_config.num_checkpoint_slots > 0
     rng = np.random.default_rng(17)
     vocab = engine.model.cfg.vocab_size
-    draw = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731
+    draw = lambda n: rng.integers(3, vocab, size=n).tolist()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompt = draw(45)
     prompts, done = {}, {}

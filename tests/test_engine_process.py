@@ -17,8 +17,8 @@ import time
 import aiohttp
 import pytest
 
-from runtime.engine.process_client import EngineProcessClient, _DeltaEncoder, _Stream
 from runtime.engine.llm import LLM
+from runtime.engine.process_client import EngineProcessClient, _DeltaEncoder, _Stream
 from runtime.types import CompletionOutput, EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from server.testing import LiveServer
 from tests.engine_testing import launch_config
@@ -27,8 +27,9 @@ from tests.engine_testing import launch_config
 # ---- the codec: cumulative outputs -> deltas -> the same cumulative outputs -------------------
 def _output(rid, tokens, text, logprobs=None, finished=False, prompt_logprobs=None, reason=None):
     completion = CompletionOutput(0, list(tokens), text, logprobs, "stop" if finished else None, reason)
-    return RequestOutput(rid, [1, 2, 3], [completion], finished=finished, num_cached_tokens=16,
-                         prompt_logprobs=prompt_logprobs)
+    return RequestOutput(
+        rid, [1, 2, 3], [completion], finished=finished, num_cached_tokens=16, prompt_logprobs=prompt_logprobs
+    )
 
 
 def test_deltas_rebuild_every_cumulative_output():
@@ -41,8 +42,7 @@ def test_deltas_rebuild_every_cumulative_output():
         _output("a", [7, 8, 9], "hello", logprobs=lp[:3], prompt_logprobs=prompt_lp),  # nothing new
         _output("a", [7, 8, 9, 10], "help", logprobs=lp[:4], prompt_logprobs=prompt_lp),  # text not a prefix
         _output("a", [7, 8], "he", logprobs=lp[:2], prompt_logprobs=prompt_lp),  # shorter: resent whole
-        _output("a", [7, 8, 11, 12], "he said", logprobs=lp[:4], prompt_logprobs=prompt_lp, finished=True,
-                reason="."),
+        _output("a", [7, 8, 11, 12], "he said", logprobs=lp[:4], prompt_logprobs=prompt_lp, finished=True, reason="."),
     ]
     encoder = _DeltaEncoder()
     stream = _Stream(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8)))
@@ -144,13 +144,19 @@ def test_the_parent_starts_no_jax_backend_and_gets_the_engines_tokens(tiny_check
     """On a GPU or TPU host the server process must hold no device memory: only the child does."""
     path = tiny_checkpoint("llama")
     config = launch_config(path)
-    proc = subprocess.run([sys.executable, "-c", _PARENT_SCRIPT, config.model_dump_json()], capture_output=True,
-                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARENT_SCRIPT, config.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] is False
-    offline = LLM(str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=120,
-                  max_model_len=512)
+    offline = LLM(
+        str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=120, max_model_len=512
+    )
     ref = offline.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert result["tokens"] == ref.token_ids
     assert result["stats"]["pages_free"] + result["stats"]["pages_cached"] == result["stats"]["pages_total"]
@@ -169,17 +175,31 @@ def test_grammars_compile_off_the_loop_and_outputs_follow_them(tiny_checkpoint):
     live = LiveServer(client)
     schemas, patterns = json_schemas(12), regexes(8)
     try:
+
         async def main():
-            async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
-                                          timeout=300) as c:
-                calls = [c.chat.completions.create(
-                    model="tiny-model", messages=[{"role": "user", "content": f"case {i}"}], temperature=1.0,
-                    seed=i, max_tokens=200,
-                    response_format={"type": "json_schema", "json_schema": {"name": f"c{i}", "schema": schema}})
-                    for i, schema in enumerate(schemas)]
-                calls += [c.completions.create(model="tiny-model", prompt=f"regex {i}", temperature=1.0, seed=i,
-                                               max_tokens=60, extra_body={"structured_outputs": {"regex": pattern}})
-                          for i, pattern in enumerate(patterns)]
+            async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                calls = [
+                    c.chat.completions.create(
+                        model="tiny-model",
+                        messages=[{"role": "user", "content": f"case {i}"}],
+                        temperature=1.0,
+                        seed=i,
+                        max_tokens=200,
+                        response_format={"type": "json_schema", "json_schema": {"name": f"c{i}", "schema": schema}},
+                    )
+                    for i, schema in enumerate(schemas)
+                ]
+                calls += [
+                    c.completions.create(
+                        model="tiny-model",
+                        prompt=f"regex {i}",
+                        temperature=1.0,
+                        seed=i,
+                        max_tokens=60,
+                        extra_body={"structured_outputs": {"regex": pattern}},
+                    )
+                    for i, pattern in enumerate(patterns)
+                ]
                 return await asyncio.gather(*calls)
 
         responses = asyncio.run(main())
@@ -195,7 +215,7 @@ def test_grammars_compile_off_the_loop_and_outputs_follow_them(tiny_checkpoint):
         for schema, response in zip(schemas, responses):
             assert response.choices[0].finish_reason == "stop", response
             jsonschema.validate(json.loads(response.choices[0].message.content), schema)
-        for pattern, response in zip(patterns, responses[len(schemas):]):
+        for pattern, response in zip(patterns, responses[len(schemas) :]):
             assert re.fullmatch(pattern, response.choices[0].text), (pattern, response.choices[0].text)
         deadline = time.time() + 10
         while client.stats()["num_running"] and time.time() < deadline:

@@ -13,8 +13,16 @@ from runtime.types import EngineRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoint("qwen3_5")), dtype="float32", max_num_seqs=8,
-                                  max_num_batched_tokens=64, num_pages=80, max_model_len=256))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint("qwen3_5")),
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_pages=80,
+            max_model_len=256,
+        )
+    )
 
 
 def _run(engine, requests):
@@ -26,8 +34,10 @@ def _run(engine, requests):
 def test_seeded_sampling_independent_of_batch(engine):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(1, 90, size=6)]
-    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i, ignore_eos=True)
-              for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i, ignore_eos=True)
+        for i in range(6)
+    ]
     together = _run(engine, [EngineRequest(f"a{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
     alone = _run(engine, [EngineRequest("b3", prompts[3], params[3])])
     reversed_order = _run(engine, [EngineRequest(f"c{i}", prompts[i], params[i]) for i in reversed(range(6))])
@@ -45,9 +55,17 @@ def test_max_tokens_and_stop_token(engine):
     assert len(tokens) == 8 and greedy["g"].finish_reason == "length"
     stop_at = tokens[4]
     first = tokens.index(stop_at)
-    out = _run(engine, [EngineRequest("s", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                                    stop_token_ids=(stop_at,)))])["s"]
-    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    out = _run(
+        engine,
+        [
+            EngineRequest(
+                "s", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,))
+            )
+        ],
+    )["s"]
+    assert (
+        out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    )
 
 
 def test_bad_requests_rejected_cleanly(engine):
@@ -67,8 +85,9 @@ def test_min_tokens_bans_stop_tokens_until_reached(engine, hf_model):
     import torch
 
     prompt = list(range(40, 70))
-    greedy = _run(engine, [EngineRequest("m0", prompt, SamplingParams(max_tokens=6, temperature=0.0,
-                                                                       ignore_eos=True))])["m0"].token_ids
+    greedy = _run(
+        engine, [EngineRequest("m0", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))]
+    )["m0"].token_ids
     banned = greedy[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=(banned,), min_tokens=2)
     out = _run(engine, [EngineRequest("m1", prompt, params)])["m1"]

@@ -21,9 +21,18 @@ TOP = 5
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoint(FAMILY)), dtype="float32", max_num_seqs=4,
-                                  max_num_batched_tokens=32, num_pages=40, page_size=16, max_model_len=256,
-                                  enable_prefix_caching=True))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(FAMILY)),
+            dtype="float32",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_pages=40,
+            page_size=16,
+            max_model_len=256,
+            enable_prefix_caching=True,
+        )
+    )
 
 
 def hf_log_softmax(hf_model, prompt: list[int]) -> np.ndarray:
@@ -39,8 +48,10 @@ def assert_prompt_logprobs_match_hf(out, prompt, reference: np.ndarray, top: int
         entry, row = scored[i], reference[i - 1]
         assert entry.token_id == prompt[i]
         assert abs(entry.logprob - row[prompt[i]]) < 1e-4, (i, entry.logprob, row[prompt[i]])
-        assert entry.rank == 1 + int(np.sum(row > row[prompt[i]] + 1e-6)) or abs(
-            np.sort(row)[::-1][entry.rank - 1] - row[prompt[i]]) < 1e-4
+        assert (
+            entry.rank == 1 + int(np.sum(row > row[prompt[i]] + 1e-6))
+            or abs(np.sort(row)[::-1][entry.rank - 1] - row[prompt[i]]) < 1e-4
+        )
         top_ids = [t for t, _ in entry.top]
         assert len(top_ids) == top
         np.testing.assert_allclose([lp for _, lp in entry.top], np.sort(row)[::-1][:top], atol=1e-4)
@@ -80,9 +91,18 @@ def test_max_tokens_zero_scores_without_generating(engine, hf_model):
 
 def test_preempted_requests_keep_exact_prompt_logprobs(tiny_checkpoint, hf_model):
     """A pool too small for all four at full length: some are preempted and recomputed."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(FAMILY)), dtype="float32", max_num_seqs=4,
-                                    max_num_batched_tokens=32, num_pages=12, page_size=16, max_model_len=176,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(FAMILY)),
+            dtype="float32",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_pages=12,
+            page_size=16,
+            max_model_len=176,
+            enable_prefix_caching=False,
+        )
+    )
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 1000, size=int(n)).tolist() for n in (40, 33, 45, 20)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
@@ -104,6 +124,16 @@ def test_logit_bias_changes_greedy_tokens_like_numpy_on_hf_logits(engine, hf_mod
     out = _serve(engine, [EngineRequest("bias", prompt, params)])["bias"]
     assert out.token_ids == [int(np.argmax(expected))] == [int(order[4])]
     assert abs(out.outputs[0].logprobs[0].logprob - row[order[4]]) < 1e-4  # reported logprobs stay raw
-    forced = _serve(engine, [EngineRequest("force", prompt, SamplingParams(
-        max_tokens=4, temperature=0.7, seed=3, ignore_eos=True, logit_bias={int(order[-1]): 100.0}))])["force"]
+    forced = _serve(
+        engine,
+        [
+            EngineRequest(
+                "force",
+                prompt,
+                SamplingParams(
+                    max_tokens=4, temperature=0.7, seed=3, ignore_eos=True, logit_bias={int(order[-1]): 100.0}
+                ),
+            )
+        ],
+    )["force"]
     assert forced.token_ids == [int(order[-1])] * 4

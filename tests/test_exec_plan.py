@@ -19,22 +19,65 @@ TABLE = [
     ("cpu", SHALLOW, {}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),
     ("cpu", DEEP, {}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
     ("cpu", DEEP, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, True, "native", "native", True, "out_in")),  # any depth
-    ("cpu", DEEP, {"dtype": "bfloat16", "layer_loop": "scan"}, ("scan", CPU_TOKENS, True, "native", "native", True, "out_in")),
-    ("cpu", HYBRID, {"dtype": "bfloat16"}, ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in")),  # no fused greedy
-    ("cpu", HYBRID, {"dtype": "bfloat16", "fuse_greedy": True}, ("unroll", CPU_TOKENS, True, "native", "native", True, "out_in")),
+    (
+        "cpu",
+        DEEP,
+        {"dtype": "bfloat16", "layer_loop": "scan"},
+        ("scan", CPU_TOKENS, True, "native", "native", True, "out_in"),
+    ),
+    (
+        "cpu",
+        HYBRID,
+        {"dtype": "bfloat16"},
+        ("unroll", CPU_TOKENS, False, "native", "native", True, "out_in"),
+    ),  # no fused greedy
+    (
+        "cpu",
+        HYBRID,
+        {"dtype": "bfloat16", "fuse_greedy": True},
+        ("unroll", CPU_TOKENS, True, "native", "native", True, "out_in"),
+    ),
     ("tpu", DEEP, {"dtype": "bfloat16"}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
-    ("cpu", SHALLOW, {"layer_loop": "scan", "fuse_greedy": False}, ("scan", CPU_TOKENS, False, "native", "native", True, "out_in")),
-    ("cpu", SHALLOW, {"attention_backend": "reference", "fuse_greedy": True},
-     ("unroll", CPU_TOKENS, True, "reference", "native", True, "out_in")),
+    (
+        "cpu",
+        SHALLOW,
+        {"layer_loop": "scan", "fuse_greedy": False},
+        ("scan", CPU_TOKENS, False, "native", "native", True, "out_in"),
+    ),
+    (
+        "cpu",
+        SHALLOW,
+        {"attention_backend": "reference", "fuse_greedy": True},
+        ("unroll", CPU_TOKENS, True, "reference", "native", True, "out_in"),
+    ),
     ("cpu", SHALLOW, {"interpret": True}, ("unroll", CPU_TOKENS, False, "pallas", "pallas", False, "out_in")),
-    ("cpu", SHALLOW, {"attention_backend": "chunked", "gdn_backend": "chunked"}, ("unroll", CPU_TOKENS, False, "chunked", "chunked", True, "out_in")),
-    ("cpu", DEEP, {"mesh_shape": (1, 2)}, ("scan", CPU_TOKENS, False, "native", "native", True, "in_out")),  # sharding rules
+    (
+        "cpu",
+        SHALLOW,
+        {"attention_backend": "chunked", "gdn_backend": "chunked"},
+        ("unroll", CPU_TOKENS, False, "chunked", "chunked", True, "out_in"),
+    ),
+    (
+        "cpu",
+        DEEP,
+        {"mesh_shape": (1, 2)},
+        ("scan", CPU_TOKENS, False, "native", "native", True, "in_out"),
+    ),  # sharding rules
     ("cpu", SHALLOW, {"token_buckets": (64, 512)}, ("unroll", (64, 512), False, "native", "native", True, "out_in")),
     ("gpu", SHALLOW, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
     ("tpu", DEEP, {}, ("scan", ACC_TOKENS, False, "pallas", "pallas", False, "in_out")),
-    ("tpu", DEEP, {"layer_loop": "unroll", "fuse_greedy": True}, ("unroll", ACC_TOKENS, True, "pallas", "pallas", False, "in_out")),
-    ("gpu", DEEP, {"attention_backend": "reference", "gdn_backend": "reference"},
-     ("scan", ACC_TOKENS, False, "reference", "reference", True, "in_out")),
+    (
+        "tpu",
+        DEEP,
+        {"layer_loop": "unroll", "fuse_greedy": True},
+        ("unroll", ACC_TOKENS, True, "pallas", "pallas", False, "in_out"),
+    ),
+    (
+        "gpu",
+        DEEP,
+        {"attention_backend": "reference", "gdn_backend": "reference"},
+        ("scan", ACC_TOKENS, False, "reference", "reference", True, "in_out"),
+    ),
 ]
 
 
@@ -42,8 +85,15 @@ TABLE = [
 def test_plan_table(backend, model, knobs, expected):
     config = EngineConfig(model="m", max_num_seqs=16, max_num_batched_tokens=512, **knobs)
     plan = plan_execution(config, model, backend)
-    assert (plan.layer_loop, plan.token_buckets, plan.fuse_greedy, plan.attention_path, plan.gdn_path,
-            plan.kv_bit_storage, plan.weight_layout) == expected
+    assert (
+        plan.layer_loop,
+        plan.token_buckets,
+        plan.fuse_greedy,
+        plan.attention_path,
+        plan.gdn_path,
+        plan.kv_bit_storage,
+        plan.weight_layout,
+    ) == expected
     assert plan.seq_buckets == SEQS and plan.backend == backend
     assert plan.aot_compile and plan.grammar_samplers  # the EngineConfig defaults
     assert "execution plan (" in plan.describe() and str(list(plan.token_buckets)) in plan.describe()
@@ -68,7 +118,10 @@ def test_packed_weights_where_the_native_matmul_runs():
     assert plan_execution(bf16, DEEP, "cpu", native_matmul=True).weight_layout == "packed"
     assert plan_execution(bf16, DEEP, "cpu", native_matmul=False).weight_layout == "out_in"
     assert plan_execution(EngineConfig(model="m"), DEEP, "cpu", native_matmul=True).weight_layout == "out_in"
-    assert plan_execution(EngineConfig(model="m"), DEEP, "cpu", dtype="bfloat16", native_matmul=True).weight_layout == "packed"
+    assert (
+        plan_execution(EngineConfig(model="m"), DEEP, "cpu", dtype="bfloat16", native_matmul=True).weight_layout
+        == "packed"
+    )
     meshed = EngineConfig(model="m", dtype="bfloat16", mesh_shape=(1, 2))
     assert plan_execution(meshed, DEEP, "cpu", native_matmul=True).weight_layout == "in_out"
     assert plan_execution(bf16, DEEP, "tpu", native_matmul=True).weight_layout == "in_out"
@@ -96,15 +149,29 @@ def test_engine_carries_out_the_plan(tiny_checkpoint, caplog):
 
     from runtime.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_num_seqs=4, max_num_batched_tokens=32,
-                          num_pages=40, max_model_len=256, aot_compile=False, load_tokenizer=False)
+    config = EngineConfig(
+        model=str(tiny_checkpoint("llama")),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_pages=40,
+        max_model_len=256,
+        aot_compile=False,
+        load_tokenizer=False,
+    )
     with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
         engine = LLMEngine(config)
     assert engine.plan == plan_execution(config, engine.model.cfg, jax.default_backend(), dtype="float32")
     assert [r.getMessage() for r in caplog.records].count(engine.plan.describe()) == 1
     assert engine.token_buckets == engine.plan.token_buckets and engine.opts.attention == engine.plan.attention_path
-    given = dataclasses.replace(engine.plan, layer_loop="scan", token_buckets=(8, 32), fuse_greedy=False,
-                                attention_path="reference", kv_bit_storage=True, weight_layout="in_out")
+    given = dataclasses.replace(
+        engine.plan,
+        layer_loop="scan",
+        token_buckets=(8, 32),
+        fuse_greedy=False,
+        attention_path="reference",
+        kv_bit_storage=True,
+        weight_layout="in_out",
+    )
     assert engine.model.out_in and engine.plan.weight_layout == "out_in"  # CPU: projections held [out, in]
     engine = LLMEngine(dataclasses.replace(config, kv_cache_dtype="bfloat16"), plan=given)
     assert not engine.model.out_in
@@ -118,14 +185,21 @@ def test_start_up_warm_up_writes_nothing(tiny_checkpoint, hf_model):
     pools were created with, and the first real request still matches HF's greedy tokens."""
     import jax
     import numpy as np
-
     from hf_reference import assert_greedy_match, hf_greedy
+
     from runtime.engine.llm_engine import LLMEngine
     from runtime.types import EngineRequest, SamplingParams
 
     path = tiny_checkpoint("qwen3_5")
-    config = EngineConfig(model=str(path), max_num_seqs=4, max_num_batched_tokens=32, num_pages=40,
-                          max_model_len=256, token_buckets=(8, 32), load_tokenizer=False)
+    config = EngineConfig(
+        model=str(path),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_pages=40,
+        max_model_len=256,
+        token_buckets=(8, 32),
+        load_tokenizer=False,
+    )
     engine = LLMEngine(config)
     leaves = [x for x in jax.tree.leaves(engine.caches) if x is not None]
     assert leaves and all(not np.asarray(x).any() for x in leaves)

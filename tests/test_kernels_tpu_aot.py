@@ -36,75 +36,87 @@ DEVICE_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
 
 @pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
 def tpu(request):
-  """(chip name, replicated sharding on a 1-chip mesh of that TPU generation)."""
-  topology = topologies.get_topology_desc(TOPOLOGIES[request.param], platform="tpu",
-                                          chips_per_host_bounds=(1, 1, 1))
-  assert topology.devices[0].device_kind == DEVICE_KINDS[request.param]
-  mesh = topologies.make_mesh(topology, (1,), ("x",))
-  return request.param, NamedSharding(mesh, PartitionSpec())
+    """(chip name, replicated sharding on a 1-chip mesh of that TPU generation)."""
+    topology = topologies.get_topology_desc(TOPOLOGIES[request.param], platform="tpu", chips_per_host_bounds=(1, 1, 1))
+    assert topology.devices[0].device_kind == DEVICE_KINDS[request.param]
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return request.param, NamedSharding(mesh, PartitionSpec())
 
 
 def _spec(shape, dtype, sharding):
-  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
 
-def _attention_args(sharding, kv_dtype, head_dim, page_size, tokens, *, q_heads=8, kv_heads=2,
-                    seqs=8, max_blocks=32):
-  spec = lambda shape, dtype: _spec(shape, dtype, sharding)
-  page_shape = (seqs * max_blocks + 1, kv_heads, page_size, head_dim)
-  scale = spec(page_shape[:2], jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
-  kv = KVPages(k=spec(page_shape, kv_dtype), v=spec(page_shape, kv_dtype), k_scale=scale,
-               v_scale=scale)
-  return (spec((tokens, q_heads, head_dim), jnp.bfloat16), kv, spec((seqs,), jnp.int32),
-          spec((seqs, max_blocks), jnp.int32), spec((seqs + 1,), jnp.int32),
-          spec((), jnp.int32))
+def _attention_args(sharding, kv_dtype, head_dim, page_size, tokens, *, q_heads=8, kv_heads=2, seqs=8, max_blocks=32):
+    spec = lambda shape, dtype: _spec(shape, dtype, sharding)
+    page_shape = (seqs * max_blocks + 1, kv_heads, page_size, head_dim)
+    scale = spec(page_shape[:2], jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
+    kv = KVPages(k=spec(page_shape, kv_dtype), v=spec(page_shape, kv_dtype), k_scale=scale, v_scale=scale)
+    return (
+        spec((tokens, q_heads, head_dim), jnp.bfloat16),
+        kv,
+        spec((seqs,), jnp.int32),
+        spec((seqs, max_blocks), jnp.int32),
+        spec((seqs + 1,), jnp.int32),
+        spec((), jnp.int32),
+    )
 
 
 # (kv dtype, head dim, page size, tokens): decode-sized T=8 and prefill-sized T=512 batches.
 # (A wider sweep, 3 dtypes x D 64/128/256 x ps 16/32/64 x T 8/512 on both chips, all compiled;
 # this subset keeps the file fast.)
 ATTENTION_CASES = [
-    ("bfloat16", 128, 16, 8), ("bfloat16", 64, 64, 512), ("bfloat16", 256, 32, 8),
-    ("float8_e4m3fn", 128, 16, 512), ("float8_e4m3fn", 64, 32, 8),
-    ("float8_e5m2", 128, 16, 8), ("float8_e5m2", 256, 64, 512),
+    ("bfloat16", 128, 16, 8),
+    ("bfloat16", 64, 64, 512),
+    ("bfloat16", 256, 32, 8),
+    ("float8_e4m3fn", 128, 16, 512),
+    ("float8_e4m3fn", 64, 32, 8),
+    ("float8_e5m2", 128, 16, 8),
+    ("float8_e5m2", 256, 64, 512),
 ]
 
 
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,tokens", ATTENTION_CASES)
 def test_ragged_paged_attention_compiles(tpu, kv_dtype, head_dim, page_size, tokens):
-  _, sharding = tpu
+    _, sharding = tpu
 
-  def attention(*args):
-    return ragged_paged_attention(*args, sm_scale=head_dim ** -0.5, impl="pallas_tpu")
+    def attention(*args):
+        return ragged_paged_attention(*args, sm_scale=head_dim**-0.5, impl="pallas_tpu")
 
-  args = _attention_args(sharding, kv_dtype, head_dim, page_size, tokens)
-  compiled = jax.jit(attention).trace(*args).lower().compile()
-  assert compiled.out_info.shape == (tokens, 8, head_dim)
+    args = _attention_args(sharding, kv_dtype, head_dim, page_size, tokens)
+    compiled = jax.jit(attention).trace(*args).lower().compile()
+    assert compiled.out_info.shape == (tokens, 8, head_dim)
 
 
 def test_ragged_paged_attention_options_compile(tpu):
-  """Sliding window, soft cap and MHA (group 1) together, with FP8 pages."""
-  _, sharding = tpu
+    """Sliding window, soft cap and MHA (group 1) together, with FP8 pages."""
+    _, sharding = tpu
 
-  def attention(*args):
-    return ragged_paged_attention(*args, sm_scale=0.1, sliding_window=100, soft_cap=30.0,
-                                  impl="pallas_tpu")
+    def attention(*args):
+        return ragged_paged_attention(*args, sm_scale=0.1, sliding_window=100, soft_cap=30.0, impl="pallas_tpu")
 
-  args = _attention_args(sharding, "float8_e4m3fn", 128, 32, 64, q_heads=4, kv_heads=4)
-  jax.jit(attention).trace(*args).lower().compile()
+    args = _attention_args(sharding, "float8_e4m3fn", 128, 32, 64, q_heads=4, kv_heads=4)
+    jax.jit(attention).trace(*args).lower().compile()
 
 
 def test_gdn_compiles(tpu, dtype="bfloat16"):
-  """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch."""
-  _, sharding = tpu
-  spec = lambda shape, dt: _spec(shape, dt, sharding)
-  tokens, seqs, slots = 200, 8, 9
-  args = (spec((tokens, 2, 128), dtype), spec((tokens, 2, 128), dtype),
-          spec((tokens, 4, 128), dtype), spec((tokens, 4), jnp.float32),
-          spec((tokens, 4), jnp.float32), spec((slots, 4, 128, 128), jnp.float32),
-          spec((seqs + 1,), jnp.int32), spec((seqs,), jnp.int32), spec((seqs,), jnp.bool_),
-          spec((), jnp.int32))
-  gdn = lambda *a: gated_delta_rule(*a, impl="pallas_tpu", chunk_size=64)
-  compiled = jax.jit(gdn).trace(*args).lower().compile()
-  out, state = compiled.out_info
-  assert out.shape == (tokens, 4, 128) and state.shape == (slots, 4, 128, 128)
+    """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch."""
+    _, sharding = tpu
+    spec = lambda shape, dt: _spec(shape, dt, sharding)
+    tokens, seqs, slots = 200, 8, 9
+    args = (
+        spec((tokens, 2, 128), dtype),
+        spec((tokens, 2, 128), dtype),
+        spec((tokens, 4, 128), dtype),
+        spec((tokens, 4), jnp.float32),
+        spec((tokens, 4), jnp.float32),
+        spec((slots, 4, 128, 128), jnp.float32),
+        spec((seqs + 1,), jnp.int32),
+        spec((seqs,), jnp.int32),
+        spec((seqs,), jnp.bool_),
+        spec((), jnp.int32),
+    )
+    gdn = lambda *a: gated_delta_rule(*a, impl="pallas_tpu", chunk_size=64)
+    compiled = jax.jit(gdn).trace(*args).lower().compile()
+    out, state = compiled.out_info
+    assert out.shape == (tokens, 4, 128) and state.shape == (slots, 4, 128, 128)

@@ -84,11 +84,13 @@ def plugin(tmp_path_factory):
     info = root / "jaxserve_test_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: jaxserve-test-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent("""\
         [jaxserve.plugins]
         kv_connector.inproc = jaxserve_test_plugin:InProcessConnector
         attention_backend.spy = jaxserve_test_plugin:spy_attention
-        """))
+        """)
+    )
     sys.path.insert(0, str(root))
     importlib.invalidate_caches()
     yield "inproc"
@@ -141,31 +143,55 @@ def test_plugin_attention_backend_from_yaml_and_from_llm(plugin, tiny_checkpoint
     import jaxserve_test_plugin
 
     from configs.schema import ConfigError, load_config
-    from runtime.engine.loading import engine_config_from_launch
     from runtime.engine.llm import LLM
+    from runtime.engine.loading import engine_config_from_launch
 
     path, prompt = tiny_checkpoint("llama"), _prompts()[4]
     want = _run(LLMEngine(_config(path, attention_backend="reference")), prompt).outputs[0].token_ids
     yaml_file = tmp_path / "spy.yaml"
     yaml_file.write_text("kernels:\n  attention_backend: spy\n")
-    launch = load_config(yaml_file, {"model.dtype": "float32", "compile.aot": False, "cache.num_pages": 64,
-                                     "scheduler.max_num_seqs": 4, "scheduler.max_num_batched_tokens": 64,
-                                     "model.max_model_len": 256})
+    launch = load_config(
+        yaml_file,
+        {
+            "model.dtype": "float32",
+            "compile.aot": False,
+            "cache.num_pages": 64,
+            "scheduler.max_num_seqs": 4,
+            "scheduler.max_num_batched_tokens": 64,
+            "model.max_model_len": 256,
+        },
+    )
     assert launch.kernels.attention_backend == "spy"
     jaxserve_test_plugin.CALLS.clear()
     assert _run(LLMEngine(engine_config_from_launch(launch, str(path))), prompt).outputs[0].token_ids == want
     assert jaxserve_test_plugin.CALLS
     jaxserve_test_plugin.CALLS.clear()
-    llm = LLM(str(path), dtype="float32", attention_backend="spy", num_pages=64, max_num_seqs=4,
-              max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        attention_backend="spy",
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        aot_compile=False,
+    )
     assert llm.generate([prompt], GREEDY)[0].token_ids == want and jaxserve_test_plugin.CALLS
     with pytest.raises(ConfigError, match=r"unknown attention_backend 'nope'.*'spy'"):
         load_config(None, {"kernels.attention_backend": "nope"})
 
 
 def _config(path, **kw) -> EngineConfig:
-    base = dict(model=str(path), dtype="float32", page_size=16, num_pages=64, max_num_seqs=4,
-                max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
+    base = dict(
+        model=str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        aot_compile=False,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -214,8 +240,14 @@ def test_fp8_decode_side_quantizes_with_its_own_scales(plugin, tiny_checkpoint):
     with a colocated FP8 engine needs FP8 on the prefill side too (docs/disaggregation.md)."""
     path = tiny_checkpoint("llama")
     prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", max_num_seqs=1,
-                               kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    decode = LLMEngine(
+        _config(
+            path,
+            kv_cache_dtype="fp8_e4m3",
+            max_num_seqs=1,
+            kv_transfer=KVTransferConfig(role="decode", connector=plugin),
+        )
+    )
     colocated = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", max_num_seqs=1))
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 33)]
     params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
@@ -227,8 +259,9 @@ def test_fp8_decode_side_quantizes_with_its_own_scales(plugin, tiny_checkpoint):
     pages = 64  # num_pages per layer: layer 0 owns pages [0, 64) of the stacked pool
     got, want = decode.caches["kv"][0], colocated.caches["kv"][0]
     for name in ("k_scale", "v_scale"):
-        np.testing.assert_allclose(np.asarray(getattr(got, name)[:pages]), np.asarray(getattr(want, name)[:pages]),
-                                   rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(getattr(got, name)[:pages]), np.asarray(getattr(want, name)[:pages]), rtol=1e-6, err_msg=name
+        )
     for name in ("k", "v"):
         a, b = (np.asarray(x.load(getattr(x, name)[:pages]).astype(np.float32)) for x in (got, want))
         assert np.abs(b).max() > 0 and np.mean(a != b) < 0.01, name
@@ -281,16 +314,22 @@ def test_bf16_prefill_to_fp8_decode_agreement_with_colocated_fp8(plugin, tiny_ch
     FP8 on both sides is exact (test_disagg.py, layout llama-fp8)."""
     path = tiny_checkpoint("llama")
     big = dict(num_pages=96, max_model_len=512)
-    prefill = LLMEngine(_config(path, kv_cache_dtype="bfloat16", **big,
-                                kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", **big,
-                               kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    prefill = LLMEngine(
+        _config(path, kv_cache_dtype="bfloat16", **big, kv_transfer=KVTransferConfig(role="prefill", connector=plugin))
+    )
+    decode = LLMEngine(
+        _config(path, kv_cache_dtype="fp8_e4m3", **big, kv_transfer=KVTransferConfig(role="decode", connector=plugin))
+    )
     colocated = LLMEngine(_config(path, kv_cache_dtype="fp8_e4m3", **big))
     rng = np.random.default_rng(7)
-    ids = lambda n: [int(t) for t in rng.integers(3, 500, n)]  # noqa: E731
+    ids = lambda n: [int(t) for t in rng.integers(3, 500, n)]
     shared = ids(40)
     lengths = (1, 15, 16, 17, 203, 2, 3, 5, 8, 31, 32, 33, 47, 64, 65, 90, 120, 150, 211, 250)
-    prompts = [ids(n) for n in lengths] + [shared + ids(k) for k in (1, 3, 7, 12, 20, 33)] + [ids(n) for n in (11, 23, 57, 77)]
+    prompts = (
+        [ids(n) for n in lengths]
+        + [shared + ids(k) for k in (1, 3, 7, 12, 20, 33)]
+        + [ids(n) for n in (11, 23, 57, 77)]
+    )
     eight = SamplingParams(max_tokens=8, temperature=0.0)
     equal = 0
     for i, prompt in enumerate(prompts):
@@ -309,8 +348,9 @@ def test_bf16_prefill_to_fp8_decode_agreement_with_colocated_fp8(plugin, tiny_ch
 def test_on_pull_failure_error_answers_with_an_error(plugin, tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="decode", connector=plugin,
-                                                                  on_pull_failure="error")))
+    decode = LLMEngine(
+        _config(path, kv_transfer=KVTransferConfig(role="decode", connector=plugin, on_pull_failure="error"))
+    )
     prompt = _prompts()[3]
     params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
     assert _run(decode, prompt, params).error is None
@@ -327,11 +367,14 @@ def test_on_pull_failure_error_answers_with_an_error(plugin, tiny_checkpoint):
 def test_decode_short_of_pages_queues_pulled_requests(plugin, tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
-    decode = LLMEngine(_config(path, num_pages=9, max_model_len=128, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))
+    decode = LLMEngine(
+        _config(path, num_pages=9, max_model_len=128, kv_transfer=KVTransferConfig(role="decode", connector=plugin))
+    )
     colocated = LLMEngine(_config(path))
     prompts = [p for p in _prompts() if len(p) >= 40] * 2
-    params = [_run(prefill, p, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params
-              for i, p in enumerate(prompts)]
+    params = [
+        _run(prefill, p, {"do_remote_decode": True}, rid=f"p{i}").kv_transfer_params for i, p in enumerate(prompts)
+    ]
     for i, (p, t) in enumerate(zip(prompts, params)):
         decode.add_request(EngineRequest(f"d{i}", p, GREEDY, kv_transfer_params=t))
     done = drain(decode)
@@ -366,14 +409,17 @@ def test_lease_table_is_one_shot_and_expires():
 
 
 def test_prefill_role_refusal_leaves_nothing_behind(plugin, tiny_checkpoint):
-    prefill = LLMEngine(_config(tiny_checkpoint("llama"), kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
+    prefill = LLMEngine(
+        _config(tiny_checkpoint("llama"), kv_transfer=KVTransferConfig(role="prefill", connector=plugin))
+    )
     with pytest.raises(ValueError, match="maximum context length"):
         prefill.add_request(EngineRequest("long", [5] * 300, GREEDY, kv_transfer_params={"do_remote_decode": True}))
     with pytest.raises(ValueError, match="do_remote_decode"):
         prefill.add_request(EngineRequest("forged", [5] * 8, GREEDY, kv_transfer_params={"_offer": True}))
     with pytest.raises(ValueError, match="lease_s must be a positive number"):
-        prefill.add_request(EngineRequest("lease", [5] * 8, GREEDY,
-                                          kv_transfer_params={"do_remote_decode": True, "lease_s": -1}))
+        prefill.add_request(
+            EngineRequest("lease", [5] * 8, GREEDY, kv_transfer_params={"do_remote_decode": True, "lease_s": -1})
+        )
     assert not prefill.kv_transfer._offering and not prefill.has_unfinished()
 
 
@@ -382,19 +428,32 @@ def test_descriptor_last_token_rules_are_checked():
     token id of the model (else the decode side refuses the descriptor and falls back)."""
     from runtime.kv_transfer.base import TransferError
     from runtime.kv_transfer.descriptor import build_descriptor, check_descriptor
+
     prompt, sig = [7, 8, 9, 10], {"vocab_size": 100}
 
     def desc(num_tokens, rule, **extra):
-        d = build_descriptor(prompt_token_ids=prompt, num_tokens=num_tokens, rule=rule, page_size=16, num_pages=1,
-                             kv_dtype="float32", kv_wire="values", signature=sig, arrays=[])
+        d = build_descriptor(
+            prompt_token_ids=prompt,
+            num_tokens=num_tokens,
+            rule=rule,
+            page_size=16,
+            num_pages=1,
+            kv_dtype="float32",
+            kv_wire="values",
+            signature=sig,
+            arrays=[],
+        )
         return {**d, **extra}
 
     assert check_descriptor(desc(3, "prefill_n_minus_1"), prompt_token_ids=prompt, signature=sig) == 3
     assert check_descriptor(desc(4, "prefill_n_adopt", first_token=5), prompt_token_ids=prompt, signature=sig) == 4
-    for bad, match in [(desc(4, "prefill_n_minus_1"), "expected N-1"), (desc(3, "prefill_n_adopt", first_token=5),
-                       "expected N"), (desc(4, "prefill_n_adopt"), "first_token None"),
-                       (desc(4, "prefill_n_adopt", first_token=100), "first_token 100"),
-                       (desc(4, "prefill_n_adopt", first_token=True), "first_token True"),
-                       (desc(4, "decode_recomputes"), "last-token rule")]:
+    for bad, match in [
+        (desc(4, "prefill_n_minus_1"), "expected N-1"),
+        (desc(3, "prefill_n_adopt", first_token=5), "expected N"),
+        (desc(4, "prefill_n_adopt"), "first_token None"),
+        (desc(4, "prefill_n_adopt", first_token=100), "first_token 100"),
+        (desc(4, "prefill_n_adopt", first_token=True), "first_token True"),
+        (desc(4, "decode_recomputes"), "last-token rule"),
+    ]:
         with pytest.raises(TransferError, match=match):
             check_descriptor(bad, prompt_token_ids=prompt, signature=sig)

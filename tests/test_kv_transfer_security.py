@@ -15,7 +15,6 @@ import shutil
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -36,8 +35,16 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 
 
 def _config(path, **kw) -> EngineConfig:
-    base = dict(model=str(path), dtype="float32", page_size=16, num_pages=64, max_num_seqs=4,
-                max_num_batched_tokens=64, max_model_len=256, aot_compile=False)
+    base = dict(
+        model=str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        aot_compile=False,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -75,8 +82,12 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    engines = Pair(LLMEngine(_config(path, kv_transfer=_kv("prefill"))), LLMEngine(_config(path, kv_transfer=_kv("decode"))),
-                   LLMEngine(_config(path)), path)
+    engines = Pair(
+        LLMEngine(_config(path, kv_transfer=_kv("prefill"))),
+        LLMEngine(_config(path, kv_transfer=_kv("decode"))),
+        LLMEngine(_config(path)),
+        path,
+    )
     yield engines
     engines.prefill.kv_transfer.close()
     engines.decode.kv_transfer.close()
@@ -98,8 +109,10 @@ def _assert_all_free(engine):
 def test_transfer_between_instances_is_exact_with_the_token(pair):
     prompt = _ids(1, 37)
     assert pair.tokens(pair.decode, prompt, pair.offer(prompt)) == pair.tokens(pair.colocated, prompt)
-    assert pair.decode.stats()["kv_transfer_transfers_completed"] + pair.prefill.stats()[
-        "kv_transfer_transfers_completed"] >= 1
+    assert (
+        pair.decode.stats()["kv_transfer_transfers_completed"] + pair.prefill.stats()["kv_transfer_transfers_completed"]
+        >= 1
+    )
     _assert_all_free(pair.decode)
 
 
@@ -147,8 +160,12 @@ def sample(pair):
 
 
 def _abort(pair, params):
-    post_json(_control_url(pair) + "/kv_transfer/release", {"transfer_id": params["transfer_id"], "status": "abort"},
-              2.0, token=TOKEN)
+    post_json(
+        _control_url(pair) + "/kv_transfer/release",
+        {"transfer_id": params["transfer_id"], "status": "abort"},
+        2.0,
+        token=TOKEN,
+    )
     _wait(lambda: pair.prefill.stats()["kv_transfer_bytes_held"] == 0)
 
 
@@ -245,8 +262,12 @@ def test_decode_side_dials_only_its_peers_without_a_token():
     listener = _Recorder()
     connector = _decode_connector(peers=("127.0.0.1:1",))
     try:
-        for url in (f"http://127.0.0.1:{listener.port}", f"http://localhost:{listener.port}/x",
-                    f"http://user:pw@127.0.0.1:{listener.port}", f"ftp://127.0.0.1:{listener.port}"):
+        for url in (
+            f"http://127.0.0.1:{listener.port}",
+            f"http://localhost:{listener.port}/x",
+            f"http://user:pw@127.0.0.1:{listener.port}",
+            f"ftp://127.0.0.1:{listener.port}",
+        ):
             with pytest.raises(TransferError, match="may dial"):
                 connector.start_pull("k", {"transfer_id": "1", "control_url": url}, DESC, [])
         time.sleep(0.3)
@@ -259,8 +280,10 @@ def test_decode_side_dials_only_its_peers_without_a_token():
 def test_no_redirect_is_followed():
     """Finding 3: an allowed peer answering with a redirect to another address is not followed."""
     target = _Recorder()
-    redirect = (f"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{target.port}/kv_transfer/claim\r\n"
-                "Content-Length: 0\r\nConnection: close\r\n\r\n").encode()
+    redirect = (
+        f"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{target.port}/kv_transfer/claim\r\n"
+        "Content-Length: 0\r\nConnection: close\r\n\r\n"
+    ).encode()
     peer = _Recorder(reply=redirect)
     connector = _decode_connector(peers=(f"127.0.0.1:{peer.port}",))
     try:
@@ -318,8 +341,11 @@ def test_control_port_requires_the_token_and_the_claim_its_prompt(pair):
     """Finding 4: the control port was unauthenticated (any client could claim and never pull)."""
     prompt = _ids(8, 30)
     params = pair.offer(prompt)
-    claim = {"transfer_id": params["transfer_id"], "token_digest": params["descriptor"]["token_digest"],
-             "model_fingerprint": params["descriptor"]["model"]["fingerprint"]}
+    claim = {
+        "transfer_id": params["transfer_id"],
+        "token_digest": params["descriptor"]["token_digest"],
+        "model_fingerprint": params["descriptor"]["model"]["fingerprint"],
+    }
     url = _control_url(pair) + "/kv_transfer/claim"
     assert post_json(url, claim, 2.0)[0] == 401
     assert post_json(url, claim, 2.0, token="wrong-token-0123456789")[0] == 401
@@ -336,8 +362,11 @@ def test_claimed_but_unpulled_offer_frees_its_bytes(pair):
     params = pair.offer(prompt, lease_s=1)
     held = pair.prefill.stats()["kv_transfer_bytes_held"]
     assert held > 0
-    claim = {"transfer_id": params["transfer_id"], "token_digest": params["descriptor"]["token_digest"],
-             "model_fingerprint": params["descriptor"]["model"]["fingerprint"]}
+    claim = {
+        "transfer_id": params["transfer_id"],
+        "token_digest": params["descriptor"]["token_digest"],
+        "model_fingerprint": params["descriptor"]["model"]["fingerprint"],
+    }
     status, reply = post_json(_control_url(pair) + "/kv_transfer/claim", claim, 2.0, token=TOKEN)
     assert status == 200 and reply["transfer_address"]
     time.sleep(0.5)
@@ -356,8 +385,9 @@ def test_offers_past_the_byte_cap_are_refused_then_served_again(pair):
         params = pair.offer(prompt)
         connector.config = dataclasses.replace(original, max_held_bytes=connector.bytes_held())
         with pytest.raises(EngineBusy, match="max_held_bytes"):
-            pair.prefill.add_request(EngineRequest("busy", prompt, GREEDY,
-                                                   kv_transfer_params={"do_remote_decode": True}))
+            pair.prefill.add_request(
+                EngineRequest("busy", prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
+            )
         assert pair.tokens(pair.decode, prompt, params) == pair.tokens(pair.colocated, prompt)  # pulled: freed
         _wait(lambda: connector.bytes_held() == 0)
         again = pair.offer(prompt)  # room again

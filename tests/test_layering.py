@@ -62,12 +62,16 @@ RUNTIME_MAY_IMPORT = {
 # Edges that break a rule on purpose, each with its reason (docs/architecture.md lists them too).
 # An entry here is a design decision, not a way to make this test pass.
 LAYERING_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("runtime.config", "runtime.scheduling.policies"):
-        "SchedulerConfig checks its policy name against the policy registry, which lives with the policies "
-        "(inside a function); goes when config.py folds into engine_config.py (issue 30: one config object)",
-    ("runtime.engine_config", "runtime.kv_transfer"):
-        "EngineConfig builds the KV-transfer settings (KVTransferConfig) of a P/D role (inside a function); "
-        "same fate as the entry above",
+    (
+        "runtime.config",
+        "runtime.scheduling.policies",
+    ): "SchedulerConfig checks its policy name against the policy registry, which lives with the policies "
+    "(inside a function); goes when config.py folds into engine_config.py (issue 30: one config object)",
+    (
+        "runtime.engine_config",
+        "runtime.kv_transfer",
+    ): "EngineConfig builds the KV-transfer settings (KVTransferConfig) of a P/D role (inside a function); "
+    "same fate as the entry above",
 }
 
 _REGISTRY_TARGET = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_][\w.]*$")
@@ -108,7 +112,8 @@ def _resolve(name: str, modules: set[str]) -> str | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(name: str, path: Path, modules: set[str]) -> list[Edge]:
@@ -147,8 +152,12 @@ def imports_of(name: str, path: Path, modules: set[str]) -> list[Edge]:
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if called in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, str):
+            if (
+                called in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 add(node.args[0].value, node.lineno, "dynamic")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             match = _REGISTRY_TARGET.match(node.value)
@@ -183,15 +192,24 @@ def layering_violations(edges: list[Edge]) -> list[str]:
         src, dst = e.source.split(".")[0], e.target.split(".")[0]
         if src == dst or dst in MAY_IMPORT[src] or (e.source, e.target) in LAYERING_EXCEPTIONS:
             continue
-        bad.append(f"{e.source} -> {e.target} ({e.kind} import, line {e.line}): {src}/ may import only "
-                   f"{sorted(MAY_IMPORT[src]) or 'nothing of ours'}")
+        bad.append(
+            f"{e.source} -> {e.target} ({e.kind} import, line {e.line}): {src}/ may import only "
+            f"{sorted(MAY_IMPORT[src]) or 'nothing of ours'}"
+        )
     for e in edges:
         src, dst = runtime_group(e.source), runtime_group(e.target)
-        if src is None or dst is None or src == dst or dst in RUNTIME_MAY_IMPORT[src] \
-                or (e.source, e.target) in LAYERING_EXCEPTIONS:
+        if (
+            src is None
+            or dst is None
+            or src == dst
+            or dst in RUNTIME_MAY_IMPORT[src]
+            or (e.source, e.target) in LAYERING_EXCEPTIONS
+        ):
             continue
-        bad.append(f"{e.source} -> {e.target} ({e.kind} import, line {e.line}): runtime/{src} may import only "
-                   f"runtime/{sorted(RUNTIME_MAY_IMPORT[src])} and runtime/'s top-level modules")
+        bad.append(
+            f"{e.source} -> {e.target} ({e.kind} import, line {e.line}): runtime/{src} may import only "
+            f"runtime/{sorted(RUNTIME_MAY_IMPORT[src])} and runtime/'s top-level modules"
+        )
     return bad
 
 
@@ -247,8 +265,13 @@ def import_cycles(edges: list[Edge]) -> list[list[str]]:
 
 def _describe(component: list[str], edges: list[Edge]) -> str:
     members = set(component)
-    inner = sorted({f"{e.source} -> {e.target} ({e.kind}, line {e.line})" for e in edges
-                    if e.source in members and e.target in members and e.kind != "type_checking"})
+    inner = sorted(
+        {
+            f"{e.source} -> {e.target} ({e.kind}, line {e.line})"
+            for e in edges
+            if e.source in members and e.target in members and e.kind != "type_checking"
+        }
+    )
     return "cycle between " + ", ".join(component) + ":\n    " + "\n    ".join(inner)
 
 
@@ -272,8 +295,13 @@ def test_the_server_imports_no_jax():
     offenders = []
     for name, path in files.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             offenders += [f"{name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in ("jax", "jaxlib")]
     assert not offenders, "\n".join(offenders)
 
@@ -289,7 +317,9 @@ def test_every_import_of_ours_names_a_module(edges):
     """A moved or renamed module leaves no stale name behind: not in an import, nor in an
     `import_module` string or a registry target (those fail only when they run)."""
     modules = set(source_files())
-    stale = sorted({f"{e.source}:{e.line} names {e.named}, which is no module" for e in edges if e.named not in modules})
+    stale = sorted(
+        {f"{e.source}:{e.line} names {e.named}, which is no module" for e in edges if e.named not in modules}
+    )
     assert not stale, "\n".join(stale)
 
 
@@ -307,6 +337,7 @@ def test_layering_exceptions_are_still_needed(edges):
 
 # ---- the checker checks: each rule fails on a bad import ---------------------------------------
 
+
 def _edges_of(tmp_path: Path, name: str, source: str, modules: set[str]) -> list[Edge]:
     path = tmp_path / (name.rpartition(".")[2] + ".py")
     path.write_text(source)
@@ -314,7 +345,15 @@ def _edges_of(tmp_path: Path, name: str, source: str, modules: set[str]) -> list
 
 
 def test_the_checker_sees_every_kind_of_import(tmp_path):
-    modules = {"runtime", "runtime.engine", "runtime.engine.llm_engine", "server", "server.app", "models", "models.model"}
+    modules = {
+        "runtime",
+        "runtime.engine",
+        "runtime.engine.llm_engine",
+        "server",
+        "server.app",
+        "models",
+        "models.model",
+    }
     source = (
         "import importlib\n"
         "from typing import TYPE_CHECKING\n"
@@ -329,8 +368,14 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
         "'''server.app:documented only'''\n"
     )
     found = {(e.target, e.kind) for e in _edges_of(tmp_path, "runtime.engine.x", source, modules)}
-    assert found == {("runtime.engine.llm_engine", "module"), ("runtime", "module"), ("models.model", "type_checking"),
-                     ("server.app", "lazy"), ("models.model", "dynamic"), ("server.app", "registry")}
+    assert found == {
+        ("runtime.engine.llm_engine", "module"),
+        ("runtime", "module"),
+        ("models.model", "type_checking"),
+        ("server.app", "lazy"),
+        ("models.model", "dynamic"),
+        ("server.app", "registry"),
+    }
 
 
 def test_the_checker_fails_an_upward_import_and_a_cycle(tmp_path):
@@ -342,9 +387,11 @@ def test_the_checker_fails_an_upward_import_and_a_cycle(tmp_path):
     assert layering_violations(_edges_of(tmp_path, "runtime.steps.d", "import runtime.scheduling.e\n", modules)) == []
     stale = _edges_of(tmp_path, "models.b", "import importlib\nimportlib.import_module('runtime.gone')\n", modules)
     assert [e.named for e in stale] == ["runtime.gone"]
-    loop = _edges_of(tmp_path, "models.a", "import models.b\n", modules) + \
-        _edges_of(tmp_path, "models.b", "def g():\n    from models import a\n", modules)
+    loop = _edges_of(tmp_path, "models.a", "import models.b\n", modules) + _edges_of(
+        tmp_path, "models.b", "def g():\n    from models import a\n", modules
+    )
     assert import_cycles(loop) == [["models.a", "models.b"]]
-    typed = _edges_of(tmp_path, "models.b", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import models.a\n",
-                      modules)
+    typed = _edges_of(
+        tmp_path, "models.b", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import models.a\n", modules
+    )
     assert import_cycles(_edges_of(tmp_path, "models.a", "import models.b\n", modules) + typed) == []

@@ -63,7 +63,7 @@ def _assert_as_close_as_hf_bf16(ours, path, hf_fp32, what: str) -> None:
         reference = _hf_logits(hf_fp32, ids)
         ours_err = np.abs(np.asarray(ours.logits(ids), np.float32) - reference).max()
         hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
-        assert 0 < hf_err and ours_err <= 2 * hf_err, f"{what} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+        assert hf_err > 0 and ours_err <= 2 * hf_err, f"{what} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -90,20 +90,32 @@ def test_packed_bf16_logits_as_close_to_fp32_as_hf_bf16(family, tiny_checkpoint,
     ours.unstack_layers()
     ours.hold_packed()
     layer = ours.params["layers"][0]
-    assert any(isinstance(w, PackedWeight) for w in jax.tree.leaves(layer, is_leaf=lambda w: isinstance(w, PackedWeight)))
+    assert any(
+        isinstance(w, PackedWeight) for w in jax.tree.leaves(layer, is_leaf=lambda w: isinstance(w, PackedWeight))
+    )
     assert ("head_packed" in ours.params) == ("lm_head" not in ours.params)
     _assert_as_close_as_hf_bf16(ours, path, hf_model(family), family)
 
 
 def _serve_bf16_packed(path, prompts: dict) -> dict:
     from engine_testing import drain
+
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
     from runtime.types import EngineRequest, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=32,
-                                    num_pages=64, max_model_len=256, load_tokenizer=False,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            num_pages=64,
+            max_model_len=256,
+            load_tokenizer=False,
+            enable_prefix_caching=False,
+        )
+    )
     assert engine.plan.weight_layout == "packed" and len(engine.token_buckets) > 2
     for rid, ids in prompts.items():
         engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
@@ -138,7 +150,7 @@ def test_engine_bf16_packed_skips_padding_rows_exactly(family, tiny_checkpoint, 
             for i, (a, b) in enumerate(zip(got[rid], expected)):
                 if a != b:
                     gap = np.diff(np.sort(scores[i])[-2:])[0]
-                    assert gap < 2 ** -5, f"{rid}: token {i} is {a}, HF bf16 gives {b} (top-2 gap {gap:.2e})"
+                    assert gap < 2**-5, f"{rid}: token {i} is {a}, HF bf16 gives {b} (top-2 gap {gap:.2e})"
                     break
             else:
                 assert len(got[rid]) == len(expected) == 8

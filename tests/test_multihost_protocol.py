@@ -25,9 +25,16 @@ from runtime.parallel.multihost_channel import Session, decode_frame, encode_fra
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import SamplingParams
 
-MULTIHOST = SimpleNamespace(process_id=1, num_processes=2, coordinator_address="127.0.0.1:1", step_port=2,
-                            heartbeat_timeout_s=30.0, step_timeout_s=30.0, secret=None,
-                            coordinator_bind_address=None)
+MULTIHOST = SimpleNamespace(
+    process_id=1,
+    num_processes=2,
+    coordinator_address="127.0.0.1:1",
+    step_port=2,
+    heartbeat_timeout_s=30.0,
+    step_timeout_s=30.0,
+    secret=None,
+    coordinator_bind_address=None,
+)
 KEY = bytes(range(32))  # the session key both ends derived in the handshake
 
 
@@ -38,8 +45,18 @@ class RecordingExecutables:
         self.calls, self.offset = [], offset
 
     def _record(self, name, **host):
-        self.calls.append((name, json.dumps({k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else
-                                             repr(v) for k, v in sorted(host.items())}, sort_keys=True)))
+        self.calls.append(
+            (
+                name,
+                json.dumps(
+                    {
+                        k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else repr(v)
+                        for k, v in sorted(host.items())
+                    },
+                    sort_keys=True,
+                ),
+            )
+        )
 
     def run_backbone(self, params, caches, batch):
         self._record("run_backbone", ids=batch.input_ids, tables=batch.block_tables, n=batch.num_seqs)
@@ -50,8 +67,15 @@ class RecordingExecutables:
         return caches + 1, batch.input_ids[:2] + self.offset
 
     def run_sampler(self, params, hidden, meta, num_logprobs, all_greedy=False, bitmask=None, table=None):
-        self._record("run_sampler", hidden=hidden, t=meta.temperature, seeds=meta.seeds, lp=num_logprobs,
-                     greedy=all_greedy, mask=bitmask)
+        self._record(
+            "run_sampler",
+            hidden=hidden,
+            t=meta.temperature,
+            seeds=meta.seeds,
+            lp=num_logprobs,
+            greedy=all_greedy,
+            mask=bitmask,
+        )
         return SimpleNamespace(tokens=hidden[:2].astype(np.int32) + self.offset)
 
     def copy_states(self, caches, pairs):
@@ -61,8 +85,9 @@ class RecordingExecutables:
 
 def _meta():
     params = [SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0)]
-    return SamplingMetadata.from_params(params, [0, 2], [[], [4, 5]], [[1], [2]], pad_to=4,
-                                        rng=np.random.default_rng(0))
+    return SamplingMetadata.from_params(
+        params, [0, 2], [[], [4, 5]], [[1], [2]], pad_to=4, rng=np.random.default_rng(0)
+    )
 
 
 def _drive(leader_ex):
@@ -81,12 +106,14 @@ def _pair(follower_offset: int = 0):
     leader = MultihostLeader({1: Session(ours, 1, KEY)}, MULTIHOST)
     lost = []
     leader._on_lost.append(lost.append)
-    engine = SimpleNamespace(executables=RecordingExecutables(follower_offset), model=SimpleNamespace(params="p"),
-                             caches=0)
+    engine = SimpleNamespace(
+        executables=RecordingExecutables(follower_offset), model=SimpleNamespace(params="p"), caches=0
+    )
     follower = Follower(engine, MULTIHOST)
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", follower.replay(Session(theirs, 1, KEY))),
-                              daemon=True)
+    thread = threading.Thread(
+        target=lambda: result.setdefault("code", follower.replay(Session(theirs, 1, KEY))), daemon=True
+    )
     thread.start()
     return leader, follower, thread, result, lost
 
@@ -112,7 +139,7 @@ def test_follower_replays_exactly_the_leaders_calls():
 
 
 def test_follower_with_other_tokens_is_a_divergence():
-    leader, follower, thread, result, lost = _pair(follower_offset=1)
+    leader, _follower, thread, _result, lost = _pair(follower_offset=1)
     LeaderExecutables(RecordingExecutables(), leader).run_greedy_backbone("p", 0, single_sequence_batch([7, 8], 16))
     deadline = time.monotonic() + 5
     while not lost and time.monotonic() < deadline:
@@ -125,7 +152,7 @@ def test_follower_with_other_tokens_is_a_divergence():
 
 def _split(frame: bytes):
     n = struct.unpack(">I", frame[:4])[0]
-    return json.loads(frame[4:4 + n]), frame[4 + n:]
+    return json.loads(frame[4 : 4 + n]), frame[4 + n :]
 
 
 def test_frames_round_trip_and_refuse_reordering_or_tampering():

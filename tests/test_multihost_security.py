@@ -26,10 +26,23 @@ from pydantic import SecretStr
 
 from configs import CONFIG_DIR, ConfigError, load_config
 from configs.schema import MultihostConfig
-from runtime.parallel.multihost import (EXIT_DIVERGED, EXIT_LEADER_LOST, Follower, FollowerLost, LeaderExecutables,
-                               MultihostLeader)
-from runtime.parallel.multihost_channel import (HEARTBEAT, HandshakeError, InsecureLaunchError, Session, accept_followers,
-                                       check_secret, encode_frame)
+from runtime.parallel.multihost import (
+    EXIT_DIVERGED,
+    EXIT_LEADER_LOST,
+    Follower,
+    FollowerLost,
+    LeaderExecutables,
+    MultihostLeader,
+)
+from runtime.parallel.multihost_channel import (
+    HEARTBEAT,
+    HandshakeError,
+    InsecureLaunchError,
+    Session,
+    accept_followers,
+    check_secret,
+    encode_frame,
+)
 
 SECRET = "correct horse battery staple 42"
 WRONG = "another launch's secret, 0123456"
@@ -48,8 +61,14 @@ def port() -> int:
 
 
 def _multihost(port: int, process_id: int = 0, secret: str | None = SECRET, **kw) -> MultihostConfig:
-    return MultihostConfig(coordinator_address=f"127.0.0.1:{_free_port()}", num_processes=2, process_id=process_id,
-                           step_port=port, secret=secret, **kw)
+    return MultihostConfig(
+        coordinator_address=f"127.0.0.1:{_free_port()}",
+        num_processes=2,
+        process_id=process_id,
+        step_port=port,
+        secret=secret,
+        **kw,
+    )
 
 
 class Recorder:
@@ -74,14 +93,15 @@ class Listening:
     def __init__(self, multihost, timeout_s: float = 20.0, handshake_timeout_s: float = 10.0):
         self.outcome: dict = {}
         self.started = time.monotonic()
-        self.thread = threading.Thread(target=self._listen, args=(multihost, timeout_s, handshake_timeout_s),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._listen, args=(multihost, timeout_s, handshake_timeout_s), daemon=True
+        )
         self.thread.start()
 
     def _listen(self, multihost, timeout_s, handshake_timeout_s):
         try:
             self.outcome["leader"] = MultihostLeader.listen(multihost, timeout_s, handshake_timeout_s)
-        except Exception as err:  # noqa: BLE001 - handed to the test
+        except Exception as err:
             self.outcome["error"] = err
         self.outcome["elapsed"] = time.monotonic() - self.started
 
@@ -121,8 +141,8 @@ def _received(sock: socket.socket, within_s: float) -> list[dict]:
     messages = []
     while data:
         length = struct.unpack(">I", data[:4])[0]
-        messages.append(json.loads(data[4:4 + length]))
-        del data[:4 + length]
+        messages.append(json.loads(data[4 : 4 + length]))
+        del data[: 4 + length]
     return messages
 
 
@@ -287,8 +307,9 @@ def test_a_wrong_secret_follower_is_refused_and_start_up_fails_cleanly(port):
 def test_a_tampered_or_injected_frame_is_a_divergence(port, attack):
     server = socket.create_server(("127.0.0.1", port))
     accepted = {}
-    thread = threading.Thread(target=lambda: accepted.update(accept_followers(server, SECRET.encode(), 2, 10)),
-                              daemon=True)
+    thread = threading.Thread(
+        target=lambda: accepted.update(accept_followers(server, SECRET.encode(), 2, 10)), daemon=True
+    )
     thread.start()
     follower = _follower(port)
     session = follower.connect(timeout_s=10)
@@ -325,8 +346,13 @@ def _fake_leader(server: socket.socket, secret: str, seen: list) -> None:
         sock.settimeout(10)
         hello = _received_one(sock)
         ours = os.urandom(32)
-        _send(sock, {"nonce": ours.hex(), "proof": _proof(secret, b"leader", ours, bytes.fromhex(hello["nonce"]),
-                                                          hello["process_id"])})
+        _send(
+            sock,
+            {
+                "nonce": ours.hex(),
+                "proof": _proof(secret, b"leader", ours, bytes.fromhex(hello["nonce"]), hello["process_id"]),
+            },
+        )
         try:
             seen.append(_received_one(sock))  # the follower's proof: it must never come
         except (AssertionError, OSError):
@@ -342,17 +368,21 @@ def test_a_follower_refuses_a_fake_leader(port, fake):
         if fake == "another secret":
             target = _fake_leader
         else:  # a validly framed step at once
+
             def target(server, secret, seen):
                 sock, _ = server.accept()
                 with sock:
                     sock.sendall(encode_frame(1, "copy_states", {"pairs": [[6, 6]]}).packed(bytes(32)))
                     time.sleep(1)
+
         faking = threading.Thread(target=target, args=(server, WRONG, seen), daemon=True)
         faking.start()
         follower = _follower(port)
         started = time.monotonic()
-        with pytest.raises(HandshakeError, match="the process on the step channel did not prove" if fake ==
-                           "another secret" else "malformed nonce"):
+        with pytest.raises(
+            HandshakeError,
+            match="the process on the step channel did not prove" if fake == "another secret" else "malformed nonce",
+        ):
             follower.connect(timeout_s=10)
         assert time.monotonic() - started < 5
         faking.join(15)
@@ -431,8 +461,11 @@ def test_an_idle_leader_keeps_its_followers():
 def test_a_follower_that_stops_reading_is_lost():
     """It still sends heartbeats but reads nothing: the leader's sends time out and mark it lost."""
     leader_end, follower_end = socket.socketpair()
-    leader = MultihostLeader({1: Session(leader_end, 1, bytes(32))},
-                             SimpleNamespace(heartbeat_timeout_s=2.0, step_timeout_s=600), send_timeout_s=1.0)
+    leader = MultihostLeader(
+        {1: Session(leader_end, 1, bytes(32))},
+        SimpleNamespace(heartbeat_timeout_s=2.0, step_timeout_s=600),
+        send_timeout_s=1.0,
+    )
     beating = _send_heartbeats(follower_end)
     raised = []
 
@@ -489,8 +522,10 @@ def test_a_launch_other_machines_reach_refuses_to_start_without_a_secret(monkeyp
     with pytest.raises(InsecureLaunchError, match="10.0.0.2:8476 .*JAXSERVE_MULTIHOST_SECRET"):
         initialize_multihost(tpu.parallel)  # before jax.distributed binds anything
     assert not jax.distributed.is_initialized()
-    for where in (lambda: MultihostLeader.listen(tpu.parallel.multihost),
-                  lambda: Follower(SimpleNamespace(caches=0), tpu.parallel.multihost).connect()):
+    for where in (
+        lambda: MultihostLeader.listen(tpu.parallel.multihost),
+        lambda: Follower(SimpleNamespace(caches=0), tpu.parallel.multihost).connect(),
+    ):
         with pytest.raises(InsecureLaunchError):
             where()
     assert check_secret(tpu.parallel.multihost.model_copy(update={"secret": SecretStr(SECRET)})) is True

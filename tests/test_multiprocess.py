@@ -102,9 +102,16 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
     try:  # output to files, not pipes: gloo chatters on stdout, and a full pipe would stall a worker
         for pid, (out, err) in enumerate(logs):
             with open(out, "w") as fout, open(err, "w") as ferr:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", WORKER, str(src), str(port), str(pid), json.dumps(IDS)],
-                    cwd=REPO_ROOT, env=env, stdout=fout, stderr=ferr, text=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", WORKER, str(src), str(port), str(pid), json.dumps(IDS)],
+                        cwd=REPO_ROOT,
+                        env=env,
+                        stdout=fout,
+                        stderr=ferr,
+                        text=True,
+                    )
+                )
         for p in procs:
             p.wait(timeout=420)
     finally:
@@ -115,7 +122,7 @@ def test_two_processes_serve_one_sharded_model(tiny_checkpoint, tmp_path):
     for p, (out, err) in zip(procs, logs):
         line = next((l for l in out.read_text().splitlines() if l.startswith("REPORT ")), None)
         assert p.returncode == 0 and line is not None, err.read_text()[-3000:]
-        reports.append(json.loads(line[len("REPORT "):]))
+        reports.append(json.loads(line[len("REPORT ") :]))
     expected_logits = ref.logits(IDS)
     expected_tokens = ref.greedy(IDS, 4)
     for i, r in enumerate(reports):
@@ -159,10 +166,24 @@ class _TwoProcessServer:
         self.procs: list[subprocess.Popen] = []
         for pid, log_path in enumerate(self.logs):
             with open(log_path, "w") as log_file:  # a file, not a pipe: a full pipe would stall the process
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "server.cli", "serve", "--config", str(config),
-                     "--process-id", str(pid)],
-                    cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "server.cli",
+                            "serve",
+                            "--config",
+                            str(config),
+                            "--process-id",
+                            str(pid),
+                        ],
+                        cwd=REPO_ROOT,
+                        env=env,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def health(self) -> int | None:
@@ -217,8 +238,8 @@ def test_two_processes_serve_openai_clients_and_stop_on_sigterm(tiny_checkpoint,
     import openai
     from transformers import AutoTokenizer
 
-    from models.model import load_model
     from models.convert import convert_checkpoint
+    from models.model import load_model
 
     src = tiny_checkpoint(family)
     ref = load_model(src)
@@ -260,8 +281,14 @@ def test_follower_death_turns_health_503_and_ends_the_leader(tiny_checkpoint, tm
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         client.completions.create(model=model, prompt=SERVE_PROMPTS[0], max_tokens=2, temperature=0)  # steps flow
-        stream = client.completions.create(model=model, prompt=SERVE_PROMPTS[1], max_tokens=400, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=model,
+            prompt=SERVE_PROMPTS[1],
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         chunks = iter(stream)
         for chunk in chunks:  # until the request in flight is decoding: steps that all-reduce with process 1
             if chunk.choices and chunk.choices[0].text:

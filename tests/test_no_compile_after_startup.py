@@ -32,31 +32,55 @@ class CompileCounter(logging.Handler):
 
 def mixed_requests(vocab: int) -> list[EngineRequest]:
     rng = np.random.default_rng(0)
-    prompt = lambda n: rng.integers(3, vocab, size=n).tolist()  # noqa: E731
+    prompt = lambda n: rng.integers(3, vocab, size=n).tolist()
     shared = prompt(40)
     sampled = dict(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=6, ignore_eos=True)
     return [
         EngineRequest("greedy", prompt(70), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
-        EngineRequest("penalties", prompt(9), SamplingParams(presence_penalty=0.5, frequency_penalty=0.3,
-                                                             repetition_penalty=1.2, **sampled)),
-        EngineRequest("bias+min_tokens", prompt(12), SamplingParams(
-            max_tokens=5, temperature=0.0, min_tokens=3, logit_bias={5: 3.0, 9: -100.0})),
-        EngineRequest("logprobs", prompt(20), SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
-                                                             ignore_eos=True)),
+        EngineRequest(
+            "penalties",
+            prompt(9),
+            SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, **sampled),
+        ),
+        EngineRequest(
+            "bias+min_tokens",
+            prompt(12),
+            SamplingParams(max_tokens=5, temperature=0.0, min_tokens=3, logit_bias={5: 3.0, 9: -100.0}),
+        ),
+        EngineRequest(
+            "logprobs", prompt(20), SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+        ),
         EngineRequest("prompt_logprobs", prompt(30), SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True)),
-        EngineRequest("stop_string", prompt(5), SamplingParams(max_tokens=10, stop=("a", "the"), **{
-            k: v for k, v in sampled.items() if k != "max_tokens"})),
-        EngineRequest("grammar", prompt(6), SamplingParams(max_tokens=6, temperature=0.0,
-                                                           structured_output=StructuredOutput("regex", "[ab]+"))),
+        EngineRequest(
+            "stop_string",
+            prompt(5),
+            SamplingParams(max_tokens=10, stop=("a", "the"), **{k: v for k, v in sampled.items() if k != "max_tokens"}),
+        ),
+        EngineRequest(
+            "grammar",
+            prompt(6),
+            SamplingParams(max_tokens=6, temperature=0.0, structured_output=StructuredOutput("regex", "[ab]+")),
+        ),
     ] + [EngineRequest(f"n{i}", shared, SamplingParams(**dict(sampled, seed=i))) for i in range(3)]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_mixed_workload_compiles_nothing_after_startup(family, tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_checkpoint(family)), dtype="float32", page_size=16, num_pages=64, max_num_seqs=8,
-        max_num_batched_tokens=64, token_buckets=(8, 64), max_model_len=256, aot_compile=True,
-        aot_compile_all=True), progress=False)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint(family)),
+            dtype="float32",
+            page_size=16,
+            num_pages=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            token_buckets=(8, 64),
+            max_model_len=256,
+            aot_compile=True,
+            aot_compile_all=True,
+        ),
+        progress=False,
+    )
     ex = engine.executables
     assert ex.sealed
     counter = CompileCounter()
@@ -83,8 +107,9 @@ def test_mixed_workload_compiles_nothing_after_startup(family, tiny_checkpoint):
     assert engine.stats()["prefix_cache_hit_rate"] > 0
     # anything outside the sealed set is refused, not compiled: a bitmask width never compiled
     S = ex.seq_buckets[0]
-    meta = SamplingMetadata.from_params([SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S,
-                                        row_params=not ex.row_params_in_table)
+    meta = SamplingMetadata.from_params(
+        [SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S, row_params=not ex.row_params_in_table
+    )
     hidden = np.zeros((engine.config.max_num_seqs, engine.model.cfg.hidden_size), np.float32)
     with pytest.raises(CompileAfterStartup, match="not compiled at start-up"):
         ex.run_sampler(engine.model.params, hidden, meta, 0, bitmask=np.zeros((S, 1), np.int32), table=engine.table)

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.model import load_model
 from models.convert import convert_checkpoint
+from models.model import load_model
 from models.orbax_io import is_orbax_checkpoint
 from models.safetensors_io import CheckpointError
 from server.cli import main
@@ -81,15 +81,28 @@ SCRIPT = textwrap.dedent("""
 def test_sharded_restore_on_8_simulated_devices(tmp_path):
     from models.random_checkpoint import write_random_checkpoint
 
-    src = write_random_checkpoint("qwen3_5", tmp_path / "hybrid", num_attention_heads=4, num_key_value_heads=4,
-                                  linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=1032)
+    src = write_random_checkpoint(
+        "qwen3_5",
+        tmp_path / "hybrid",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        vocab_size=1032,
+    )
     out = convert_checkpoint(src, tmp_path / "orbax", dtype="float32")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(out)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(src), str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
     assert report["tp"]
     assert report["logits_err"] < 1e-4 and report["tokens_equal"], report
     for name in ("in_qkv", "q_proj"):

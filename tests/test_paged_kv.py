@@ -14,8 +14,9 @@ PS = 4
 
 
 def manager(num_pages=9, num_state_slots=0, prefix=True):
-    return CacheManager(page_size=PS, num_pages=num_pages, num_state_slots=num_state_slots,
-                        enable_prefix_caching=prefix)
+    return CacheManager(
+        page_size=PS, num_pages=num_pages, num_state_slots=num_state_slots, enable_prefix_caching=prefix
+    )
 
 
 def run_request(cache, request_id, tokens, checkpoint_at=()):
@@ -66,8 +67,16 @@ def test_block_hash_is_stable_across_processes():
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.add(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                                check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout)
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+                cwd=os.path.dirname(os.path.dirname(__file__)),
+            ).stdout
+        )
     assert len(outs) == 1
 
 
@@ -257,8 +266,13 @@ def test_checkpoint_policy_parsing_and_errors():
     assert keep.is_rolling(8, **where) and not keep.is_rolling(8, divergence=8, **where)  # chunk end / divergence
     page = CheckpointPolicy.parse("page")
     assert page.chunk_ends and not page.decode and not page.divergence
-    for bad, match in [("align", "block size"), ("lru", "unknown"), ("auto:16", "only align"),
-                       ("auto,interval=x", "bad option"), ("auto,speed=3", "bad option")]:
+    for bad, match in [
+        ("align", "block size"),
+        ("lru", "unknown"),
+        ("auto:16", "only align"),
+        ("auto,interval=x", "bad option"),
+        ("auto,speed=3", "bad option"),
+    ]:
         with pytest.raises(ValueError, match=match):
             CheckpointPolicy.parse(bad)
     with pytest.raises(ValueError, match="multiple of the page size"):
@@ -277,15 +291,17 @@ def test_policy_cuts_chunks_at_the_boundaries_it_saves():
     assert page.chunk_end(0, 10, 30, 4) == 8 and page.chunk_end(0, 30, 30, 4) == 28
     align = CheckpointPolicy.parse("align:8")
     assert align.chunk_end(0, 30, 30, 4) == 8 and align.chunk_end(24, 30, 30, 4) == 30
-    assert align.saves(16, prefill=False, num_tokens=40, page_size=4) and not align.saves(12, prefill=False,
-                                                                                          num_tokens=40, page_size=4)
+    assert align.saves(16, prefill=False, num_tokens=40, page_size=4) and not align.saves(
+        12, prefill=False, num_tokens=40, page_size=4
+    )
     assert auto.saves(12, prefill=False, num_tokens=40, page_size=4)  # decode: every page
     assert not page.saves(12, prefill=False, num_tokens=40, page_size=4)
 
 
 def test_checkpoint_budget_evicts_lru_and_is_never_exceeded():
-    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto",
-                         num_checkpoint_slots=2)
+    cache = CacheManager(
+        page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto", num_checkpoint_slots=2
+    )
     for i in range(4):
         run_request(cache, f"r{i}", [100 + i] * 9, checkpoint_at=(4,))
         cache.free(f"r{i}")
@@ -325,8 +341,9 @@ def test_rolling_decode_checkpoint_supersedes_the_previous_one():
 
 
 def test_rolling_checkpoint_at_the_budget_replaces_its_own_and_evicts_nobody():
-    cache = CacheManager(page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto",
-                         num_checkpoint_slots=2)
+    cache = CacheManager(
+        page_size=PS, num_pages=40, num_state_slots=8, checkpoint_policy="auto", num_checkpoint_slots=2
+    )
     run_request(cache, "other", [50] * 9, checkpoint_at=(4,))
     cache.free("other")
     tokens = roll_checkpoints(cache, "a", list(range(1, 14)), (4, 8, 12))

@@ -28,10 +28,13 @@ def test_data_parallelism_with_a_pd_role_is_refused():
         _config("--data-parallel-size", "2", "--set", "parallel.role=prefill")
 
 
-@pytest.mark.parametrize("argv,match", [
-    (("--data-parallel-size", "0"), "--data-parallel-size must be >= 1"),
-    (("--tensor-parallel-size", "0"), "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (("--data-parallel-size", "0"), "--data-parallel-size must be >= 1"),
+        (("--tensor-parallel-size", "0"), "must be >= 1"),
+    ],
+)
 def test_invalid_parallelism_is_refused(argv, match):
     with pytest.raises(ConfigError, match=match):
         _config(*argv)
@@ -42,9 +45,12 @@ def test_cli_exits_2_on_refused_flag(capsys):
     assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"data_parallel_size": 0}, "data_parallel_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"data_parallel_size": 0}, "data_parallel_size must be >= 1"),
+    ],
+)
 def test_llm_refuses_invalid_parallelism_before_loading(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM("/nonexistent/checkpoint", **kwargs)  # refused before any file is read

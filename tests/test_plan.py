@@ -20,11 +20,11 @@ import jax
 import pytest
 
 from configs import CONFIG_DIR, load_config
-from models.weights import abstract_params
 from models.config import parse_config
 from models.model import load_model
 from models.random_checkpoint import FAMILIES
 from models.safetensors_io import read_json
+from models.weights import abstract_params
 from runtime.aot.chip_report import PlanError, model_config_json, plan_config
 
 # Parameter counts the model cards publish (language model incl. embeddings; 9B / 27B / 80B).
@@ -54,9 +54,14 @@ def _decode_bucket(launch):
     return next(b for b in buckets if b >= launch.scheduler.max_num_seqs)
 
 
-@pytest.mark.parametrize("name,cost", [("gpu-h200-qwen3_5-9b.yaml", True), ("tpu-v5e-8-qwen3_5-27b.yaml", False),
-                                       pytest.param("tpu-v5p-16-qwen3-next-80b-multihost.yaml", True,
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,cost",
+    [
+        ("gpu-h200-qwen3_5-9b.yaml", True),
+        ("tpu-v5e-8-qwen3_5-27b.yaml", False),
+        pytest.param("tpu-v5p-16-qwen3-next-80b-multihost.yaml", True, marks=pytest.mark.slow),
+    ],
+)
 def test_shipped_config_fits_its_chip(name, cost):
     launch = load_config(CONFIG_DIR / name)
     assert model_config_json(launch).parent == CONFIG_DIR / "models"  # no checkpoint on this machine
@@ -92,24 +97,28 @@ def test_cost_extrapolation_matches_the_unrolled_model(tiny_checkpoint):
 
     base = parse_config(read_json(tiny_checkpoint("qwen3_5") / "config.json"))
     p = base.layer_period()
-    cfg = dataclasses.replace(base, num_layers=3 * p, layer_types=base.layer_types[:p] * 3,
-                              mlp_types=base.mlp_types[:p] * 3)
+    cfg = dataclasses.replace(
+        base, num_layers=3 * p, layer_types=base.layer_types[:p] * 3, mlp_types=base.mlp_types[:p] * 3
+    )
     sizes = dict(num_pages=9, page_size=16, num_slots=3, kv_dtype="auto", max_num_seqs=4, blocks_per_seq=4)
     opts = KernelOptions(attention="reference", gdn="reference")
     flops, moved = extrapolated_cost(cfg, "float32", None, opts, 16, **sizes)
     model = abstract_model(cfg, "float32")
     caches = abstract_caches(model, 9, 16, 3)
     model.params = unstack_abstract(model.params)
-    exes = StepExecutables(model, caches, opts, token_buckets=(16,), seq_buckets=(8,), max_num_seqs=4,
-                           max_blocks_per_seq=4)
+    exes = StepExecutables(
+        model, caches, opts, token_buckets=(16,), seq_buckets=(8,), max_num_seqs=4, max_blocks_per_seq=4
+    )
     direct = _cost(exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(16)).lower().compile())
     assert flops == pytest.approx(direct[0], rel=1e-3)
     assert moved > 0  # bytes are not linear in depth (each cache update counts the whole pool): not used
 
 
 def test_a_config_that_does_not_fit_names_the_numbers():
-    launch = load_config(CONFIG_DIR / "tpu-v5e-8-qwen3_5-27b.yaml",
-                         {"parallel.mesh": {"data": 2, "model": 4}, "scheduler.max_num_seqs": 128})
+    launch = load_config(
+        CONFIG_DIR / "tpu-v5e-8-qwen3_5-27b.yaml",
+        {"parallel.mesh": {"data": 2, "model": 4}, "scheduler.max_num_seqs": 128},
+    )
     report = plan_config(launch, "too-big", token_buckets=(128,), compile_sampler=False)
     assert not report.steps  # the weights alone overflow: nothing compiled
     assert not report.fits

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+from import_testing import imports_jax
 from test_scheduler import VOCAB, FakeDevice, add, reference_generation, step
 
 from benchmarks.model_shapes import load_shape, plan_memory
@@ -20,7 +21,6 @@ from benchmarks.prefix_traces import Session, Turn, make_trace
 from paged_kv import CacheManager
 from runtime.config import SchedulerConfig
 from runtime.scheduling.scheduler import Scheduler
-from import_testing import imports_jax
 
 PS = 16
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -28,8 +28,10 @@ MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 def serial(sessions):
     """One request at a time: sessions far apart in time, each finishing before the next."""
-    return [Session(s.session_id, s.turns, start_step=i * 100_000, think_steps=s.think_steps)
-            for i, s in enumerate(sessions)]
+    return [
+        Session(s.session_id, s.turns, start_step=i * 100_000, think_steps=s.think_steps)
+        for i, s in enumerate(sessions)
+    ]
 
 
 def brute_force_hit_tokens(sessions, page_size=PS):
@@ -72,8 +74,10 @@ def test_hit_counts_match_a_brute_force_longest_common_prefix():
 
 
 def test_block_aligned_checkpoints_never_hit_chat_prompts_shorter_than_the_block():
-    turns = lambda i: (Turn(tuple(range(1, 301)) + (1000 + i,), tuple(range(2000, 2100))),  # noqa: E731
-                       Turn((7, 8, 9), (5, 6)))
+    turns = lambda i: (
+        Turn(tuple(range(1, 301)) + (1000 + i,), tuple(range(2000, 2100))),
+        Turn((7, 8, 9), (5, 6)),
+    )
     sessions = serial([Session(f"s{i}", turns(i)) for i in range(4)])  # prompts of 301 and 404 tokens
     align = unbounded_hybrid("align:528", sessions)
     assert align["prefix_cache_hit_tokens"] == 0
@@ -90,7 +94,8 @@ def test_simulation_is_deterministic_and_reports_memory_by_use():
     plan = plan_memory(shape, max_num_seqs=8, budget_fraction=0.1)
     assert plan.num_checkpoint_slots == 16  # 2 per sequence, within 10% of the cache
     assert plan_memory(shape, max_num_seqs=256, budget_fraction=0.05).num_checkpoint_slots == int(
-        0.05 * plan.cache_bytes // shape.state_bytes_per_slot)  # the fraction binds
+        0.05 * plan.cache_bytes // shape.state_bytes_per_slot
+    )  # the fraction binds
     sessions = make_trace("chat", vocab_size=shape.vocab_size, seed=1, num_sessions=6, spread_steps=50)
     config = SimConfig(max_num_seqs=8, max_num_batched_tokens=1024)
     first, second = simulate(sessions, plan, "auto", config), simulate(sessions, plan, "auto", config)
@@ -115,8 +120,7 @@ def test_model_shapes_from_config_json():
 @pytest.mark.parametrize("seed", range(2))
 def test_policies_restore_exact_states_under_a_random_workload(policy, seed):
     rng = random.Random(seed)
-    cache = CacheManager(page_size=4, num_pages=12, num_state_slots=7, checkpoint_policy=policy,
-                         num_checkpoint_slots=3)
+    cache = CacheManager(page_size=4, num_pages=12, num_state_slots=7, checkpoint_policy=policy, num_checkpoint_slots=3)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=3, max_model_len=40), cache)
     device = FakeDevice(cache)
     prefixes = [[rng.randrange(1, VOCAB + 1) for _ in range(rng.randrange(4, 20))] for _ in range(3)]

@@ -29,7 +29,7 @@ def _nibble(words: torch.Tensor, i: int) -> torch.Tensor:
 def _awq_unpack(words: torch.Tensor) -> torch.Tensor:  # [R, C/8] -> [R, C]
     out = torch.zeros(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
     for i in range(8):
-        out[:, AWQ_COLUMN_OF_NIBBLE[i]::8] = _nibble(words.long(), i)
+        out[:, AWQ_COLUMN_OF_NIBBLE[i] :: 8] = _nibble(words.long(), i)
     return out
 
 
@@ -105,8 +105,11 @@ def fresh_hf_model(tiny_checkpoint):
 def _quantized_leaves(params) -> list[QuantizedWeight]:
     import jax
 
-    return [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
-            if isinstance(leaf, QuantizedWeight)]
+    return [
+        leaf
+        for leaf in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+        if isinstance(leaf, QuantizedWeight)
+    ]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -133,18 +136,24 @@ def test_fp8_dynamic_activations_load_as_w8a8(quantized_dir):
     assert np.isfinite(ours.logits([5, 6, 7])).all()
 
 
-@pytest.mark.parametrize("method,change,field", [
-    ("awq", {"quant_method": "bnb"}, "quantization_config.quant_method"),
-    ("awq", {"bits": 3}, "quantization_config.bits"),
-    ("awq", {"version": "gemv"}, "quantization_config.version"),
-    ("gptq", {"group_size": "32"}, "quantization_config.group_size"),
-    ("gptq", {"desc_act": "yes"}, "quantization_config.desc_act"),
-    ("gptq", {"checkpoint_format": "gptq_v2"}, "quantization_config.checkpoint_format"),
-    ("gptq", {"group_size": 48}, "q_proj.scales. has shape"),  # tensors that do not fit the config
-    ("fp8", {"format": "pack-quantized"}, "quantization_config.format"),
-    ("fp8", {"config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
-     "config_groups.group_0.weights.strategy"),
-])
+@pytest.mark.parametrize(
+    "method,change,field",
+    [
+        ("awq", {"quant_method": "bnb"}, "quantization_config.quant_method"),
+        ("awq", {"bits": 3}, "quantization_config.bits"),
+        ("awq", {"version": "gemv"}, "quantization_config.version"),
+        ("gptq", {"group_size": "32"}, "quantization_config.group_size"),
+        ("gptq", {"desc_act": "yes"}, "quantization_config.desc_act"),
+        ("gptq", {"checkpoint_format": "gptq_v2"}, "quantization_config.checkpoint_format"),
+        ("gptq", {"group_size": 48}, "q_proj.scales. has shape"),  # tensors that do not fit the config
+        ("fp8", {"format": "pack-quantized"}, "quantization_config.format"),
+        (
+            "fp8",
+            {"config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+            "config_groups.group_0.weights.strategy",
+        ),
+    ],
+)
 def test_malformed_quantization_config_names_the_field(method, change, field, quantized_dir, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(quantized_dir("llama", method), bad)

@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
 from import_testing import imports_jax
+
 from server.proxy import TOKEN_HEADER, Proxy, main, same_secret
 from server.proxy_config import ProxyConfig, ProxyConfigError, build_config, is_loopback
 
@@ -117,9 +117,11 @@ class Deployment:
     async def __aenter__(self) -> Deployment:
         for instance in self.prefill + self.decode:
             await instance.start()
-        config = ProxyConfig(prefill=tuple(i.url for i in self.prefill), decode=tuple(i.url for i in self.decode),
-                             **{"health_interval_s": 0.1, "health_timeout_s": 0.5, "health_failures": 2,
-                                **self.config})
+        config = ProxyConfig(
+            prefill=tuple(i.url for i in self.prefill),
+            decode=tuple(i.url for i in self.decode),
+            **{"health_interval_s": 0.1, "health_timeout_s": 0.5, "health_failures": 2, **self.config},
+        )
         self.proxy = Proxy(config, **({"insecure_warning_interval_s": 0.05} if config.insecure_kv_transfer else {}))
         self.proxy_runner, port = await _serve(self.proxy.app())
         self.url = f"http://127.0.0.1:{port}"
@@ -151,7 +153,7 @@ class Deployment:
 
 
 def _events(raw: bytes) -> list[str]:
-    return [line[len("data: "):] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
 
 
 # ---- (a) idle timeouts, not a total one -----------------------------------------------------------
@@ -313,8 +315,13 @@ def test_no_decode_in_service_is_a_503_and_no_prefill_goes_straight_to_decode():
 def test_api_key_checked_as_a_bearer_token():
     async def scenario():
         async with Deployment(api_key="right-key-123") as pd:
-            for headers in ({}, {"Authorization": "Bearer wrong-key-123"}, {"Authorization": "Basic right-key-123"},
-                            {"Authorization": "right-key-123"}, {"Authorization": "Bearer right-key-1234"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong-key-123"},
+                {"Authorization": "Basic right-key-123"},
+                {"Authorization": "right-key-123"},
+                {"Authorization": "Bearer right-key-1234"},
+            ):
                 status, raw = await pd.complete(headers=headers)
                 assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error", headers
             async with pd.session.get(pd.url + "/v1/models") as resp:
@@ -338,8 +345,11 @@ def test_health_and_metrics_name_no_backend_address():
                 metrics = await resp.text()
             for instance in pd.prefill + pd.decode:
                 assert str(instance.port) not in text and str(instance.port) not in metrics
-            assert json.loads(text) == {"status": "ok", "prefill": {"in_service": 2, "total": 2},
-                                        "decode": {"in_service": 1, "total": 1}}
+            assert json.loads(text) == {
+                "status": "ok",
+                "prefill": {"in_service": 2, "total": 2},
+                "decode": {"in_service": 1, "total": 1},
+            }
 
     run(scenario())
 
@@ -381,9 +391,21 @@ def test_proxy_process_reads_the_token_from_the_environment():
     async def scenario():
         prefill, decode = await FakeInstance("prefill").start(), await FakeInstance("decode").start()
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.cli", "proxy", "--prefill", prefill.url, "--decode", decode.url,
-            "--port", "0", cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "JAXSERVE_KV_TRANSFER_TOKEN": TOKEN})
+            sys.executable,
+            "-m",
+            "server.cli",
+            "proxy",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--port",
+            "0",
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "JAXSERVE_KV_TRANSFER_TOKEN": TOKEN},
+        )
         try:
             lines = []
             while b"ready at" not in (line := await asyncio.wait_for(process.stdout.readline(), 20)):
@@ -417,17 +439,30 @@ def test_non_loopback_bind_without_token_refuses_to_start(monkeypatch, capsys):
     assert "at least 16 characters" in capsys.readouterr().err
 
     assert build_config([*backends, "--host", "0.0.0.0", "--insecure-kv-transfer"], environ={}).insecure_kv_transfer
-    assert build_config([*backends, "--host", "0.0.0.0"], environ={"JAXSERVE_KV_TRANSFER_TOKEN": TOKEN}
-                        ).kv_transfer_token == TOKEN
-    flag_wins = build_config([*backends, "--host", "10.0.0.5", "--kv-transfer-token", "f" * 16],
-                             environ={"JAXSERVE_KV_TRANSFER_TOKEN": TOKEN})
+    assert (
+        build_config([*backends, "--host", "0.0.0.0"], environ={"JAXSERVE_KV_TRANSFER_TOKEN": TOKEN}).kv_transfer_token
+        == TOKEN
+    )
+    flag_wins = build_config(
+        [*backends, "--host", "10.0.0.5", "--kv-transfer-token", "f" * 16],
+        environ={"JAXSERVE_KV_TRANSFER_TOKEN": TOKEN},
+    )
     assert flag_wins.kv_transfer_token == "f" * 16 and TOKEN not in repr(flag_wins) and "f" * 16 not in repr(flag_wins)
     assert build_config(backends, environ={}).host == "127.0.0.1"  # loopback: no token needed
     with pytest.raises(ProxyConfigError):
         build_config([*backends, "--host", "proxy.example.com"], environ={})
-    for host, loopback in (("127.0.0.1", True), ("127.9.8.7", True), ("::1", True), ("[::1]", True),
-                           ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False),
-                           ("proxy.example.com", False), ("", False)):
+    for host, loopback in (
+        ("127.0.0.1", True),
+        ("127.9.8.7", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("proxy.example.com", False),
+        ("", False),
+    ):
         assert is_loopback(host) == loopback, host
 
 
@@ -444,7 +479,6 @@ def test_insecure_mode_warns_repeatedly(caplog):
 
 def test_proxy_imports_no_jax():
     assert not imports_jax("server.proxy", "server.proxy_config", "server.proxy_health")
-
 
 
 def test_through_jaxserve_servers_with_fake_engines():

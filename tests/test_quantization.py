@@ -29,8 +29,11 @@ def np_dequantize(w: QuantizedWeight) -> np.ndarray:
         codes[..., 1::2, :] = q >> 4
         g = w.group_size or codes.shape[-2]
         scale_rows = np.repeat(scale, g, axis=-2)
-        deq = (codes * scale_rows + np.repeat(np.asarray(w.offset, np.float64), g, axis=-2)
-               if w.offset is not None else (codes - 8) * scale_rows)
+        deq = (
+            codes * scale_rows + np.repeat(np.asarray(w.offset, np.float64), g, axis=-2)
+            if w.offset is not None
+            else (codes - 8) * scale_rows
+        )
     else:
         deq = q.astype(np.float64) * scale
     if w.perm is not None:
@@ -55,8 +58,16 @@ def _weights(seed=0, shape=(K, N)):
     return np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 0.1
 
 
-SCHEMES = [("int8", 0), ("fp8", 0), ("w8a8-int8", 0), ("w8a8-fp8", 0), ("int4", 32), ("int4", 96),
-           ("int4-zp", 32), ("int4-zp", 48)]
+SCHEMES = [
+    ("int8", 0),
+    ("fp8", 0),
+    ("w8a8-int8", 0),
+    ("w8a8-fp8", 0),
+    ("int4", 32),
+    ("int4", 96),
+    ("int4-zp", 32),
+    ("int4-zp", 48),
+]
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)
@@ -80,7 +91,7 @@ def test_round_to_nearest_error_is_within_half_a_step(scheme, group):
     else:
         rel = 2**-4 if "fp8" in scheme else 1 / 254  # e4m3: 3 mantissa bits
         assert np.all(err <= rel * np.abs(w).max(0) + 1e-7)
-    assert q.bits == 8 or q.q.shape == (K // 2, N) and q.q.dtype == np.uint8  # two codes per byte
+    assert q.bits == 8 or (q.q.shape == (K // 2, N) and q.q.dtype == np.uint8)  # two codes per byte
 
 
 def test_act_order_permutation_and_stacked_experts():
@@ -117,6 +128,7 @@ def test_rules_match_trailing_components():
 
 def _dequantized_params(params):
     """Our float parameter tree with every QuantizedWeight replaced by its hand dequantization."""
+
     def undo(leaf, name):
         if not isinstance(leaf, QuantizedWeight):
             return leaf
@@ -128,13 +140,16 @@ def _dequantized_params(params):
     return out
 
 
-@pytest.mark.parametrize("family,scheme", [("llama", "int4-zp"), ("qwen3", "int8"), ("qwen3_5", "fp8"),
-                                           ("qwen3_5_moe", "int4")])
+@pytest.mark.parametrize(
+    "family,scheme", [("llama", "int4-zp"), ("qwen3", "int8"), ("qwen3_5", "fp8"), ("qwen3_5_moe", "int4")]
+)
 def test_online_quantized_model_equals_float_model_of_dequantized_weights(family, scheme, tiny_checkpoint):
     path = tiny_checkpoint(family)
     model = load_model(path, quantization=QuantizationConfig(scheme, group_size=32))
-    assert any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(
-        model.params, is_leaf=lambda a: isinstance(a, QuantizedWeight)))
+    assert any(
+        isinstance(leaf, QuantizedWeight)
+        for leaf in jax.tree.leaves(model.params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    )
     reference = load_model(path)
     reference.params = _dequantized_params(model.params)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, size=37).tolist()
@@ -143,8 +158,10 @@ def test_online_quantized_model_equals_float_model_of_dequantized_weights(family
 
 
 def test_keep_float_rules_and_report(tiny_checkpoint):
-    model = load_model(tiny_checkpoint("qwen3_5"),
-                       quantization=QuantizationConfig("int8", keep_float=("lm_head", "in_proj_a", "in_proj_b")))
+    model = load_model(
+        tiny_checkpoint("qwen3_5"),
+        quantization=QuantizationConfig("int8", keep_float=("lm_head", "in_proj_a", "in_proj_b")),
+    )
     assert not isinstance(model.params["lm_head"], QuantizedWeight)
     assert isinstance(model.params["embed"], QuantizedWeight)
     gdn = next(g for g in model.params["groups"] if "in_a" in g)
@@ -242,9 +259,14 @@ def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint)
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("qwen3_5")), scheme],
-                         capture_output=True, text=True, cwd=repo, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(repo)})
+    out = subprocess.run(
+        [sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("qwen3_5")), scheme],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["error"] <= 1e-4

@@ -36,8 +36,13 @@ def _tensor_names(checkpoint_dir):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reloads_with_auto_class_and_runs(family, tiny_checkpoint, hf_model):
     checkpoint_dir = tiny_checkpoint(family)
-    expected_files = {"config.json", "model.safetensors", "generation_config.json",
-                      "tokenizer.json", "tokenizer_config.json"}
+    expected_files = {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert expected_files <= {path.name for path in checkpoint_dir.iterdir()}
     model = hf_model(family)
     assert type(model).__name__ == describe(family)["model_class"]
@@ -172,12 +177,25 @@ def test_same_seed_builds_are_byte_identical(tmp_path):
 
 def test_cli_overrides_and_bfloat16(tmp_path):
     out_dir = tmp_path / "bigger"
-    random_checkpoint.main(["qwen3_5", str(out_dir), "--hidden-size", "128", "--num-hidden-layers", "8",
-                            "--dtype", "bfloat16", "--set", "tie_word_embeddings=true"])
+    random_checkpoint.main(
+        [
+            "qwen3_5",
+            str(out_dir),
+            "--hidden-size",
+            "128",
+            "--num-hidden-layers",
+            "8",
+            "--dtype",
+            "bfloat16",
+            "--set",
+            "tie_word_embeddings=true",
+        ]
+    )
     config = _config(out_dir)
     assert config.hidden_size == 128 and config.tie_word_embeddings
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
-        "full_attention"]
+        "full_attention"
+    ]
     with safe_open(str(out_dir / "model.safetensors"), "pt") as file:
         assert file.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
 

@@ -21,12 +21,12 @@ import pytest
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.steps.inputs import build_batch
 from runtime.scheduling.request import PLACEHOLDER_TOKEN
-from runtime.steps.table_host import ROW_PARAMS, RequestTableHost
-from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.steps.inputs import build_batch
+from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_device import apply_write, init_table, prepare, row_sampling
+from runtime.steps.table_host import ROW_PARAMS, RequestTableHost
 from runtime.types import SamplingParams
 
 S, PAGE, MB, BUCKETS = 4, 4, 24, (8, 16, 32)
@@ -59,10 +59,16 @@ class Simulation:
     def _place(self) -> FakeRequest:
         self.next_id += 1
         rng = self.rng
-        params = SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
-                                top_k=int(rng.choice([0, 5])), min_p=float(rng.choice([0.0, 0.05])),
-                                presence_penalty=float(rng.choice([0.0, 0.5])), frequency_penalty=float(rng.choice([0.0, -0.25])),
-                                repetition_penalty=float(rng.choice([1.0, 1.2])), seed=int(rng.integers(0, 2**40)))
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            top_k=int(rng.choice([0, 5])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            presence_penalty=float(rng.choice([0.0, 0.5])),
+            frequency_penalty=float(rng.choice([0.0, -0.25])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+            seed=int(rng.integers(0, 2**40)),
+        )
         req = FakeRequest(f"r{self.next_id}", allocation=object(), slot=self.free_slots.pop(0), params=params)
         req.computed = int(self.rng.choice([0, 0, PAGE * self.rng.integers(1, 14)]))  # a prefix hit
         req.pages = self._pages(-(-req.computed // PAGE))
@@ -97,8 +103,9 @@ class Simulation:
             need = -(-(req.computed + n) // PAGE) + int(self.rng.random() < 0.3)  # sometimes a page ahead
             req.pages += self._pages(max(0, need - len(req.pages)))
             for o, ids in ((out, shown), (true, tokens)):
-                o.sequences.append(ScheduledSequence(req, ids, req.computed, list(req.pages), req.slot,
-                                                     req.computed > 0, sample=True))
+                o.sequences.append(
+                    ScheduledSequence(req, ids, req.computed, list(req.pages), req.slot, req.computed > 0, sample=True)
+                )
             req.computed += n
             budget -= n
         prev_tokens[:] = self.rng.integers(0, 1000, S)
@@ -130,11 +137,11 @@ def test_prepare_matches_the_host_batch_builder(seed):
         table, batch = run_prepare(table, step, sampled)
         expected = build_batch(true, token_buckets=BUCKETS, max_num_seqs=S, max_blocks_per_seq=MB, page_size=PAGE)
         for f in dataclasses.fields(ForwardBatch):
-            np.testing.assert_array_equal(np.asarray(getattr(batch, f.name)), getattr(expected, f.name),
-                                          err_msg=f.name)
+            np.testing.assert_array_equal(np.asarray(getattr(batch, f.name)), getattr(expected, f.name), err_msg=f.name)
         n = len(true.sequences)
-        host_meta = SamplingMetadata.from_params([q.request.params for q in true.sequences], [0] * n, [[]] * n,
-                                                 [[]] * n, pad_to=S)
+        host_meta = SamplingMetadata.from_params(
+            [q.request.params for q in true.sequences], [0] * n, [[]] * n, [[]] * n, pad_to=S
+        )
         on_device = row_sampling(table, S)
         for name in ROW_PARAMS:
             np.testing.assert_array_equal(np.asarray(on_device[name]), getattr(host_meta, name), err_msg=name)
@@ -149,7 +156,7 @@ def test_a_request_without_a_seed_keeps_the_one_drawn_at_its_placement():
     """Unseeded rows get a seed from the table's rng when placed and keep it every step (the
     sampler folds in the token index); a new placement draws anew."""
     host = RequestTableHost(S, PAGE, BUCKETS[-1], rng=np.random.default_rng(3))
-    table, write = init_table(S, MB), jax.jit(apply_write)
+    table, _write = init_table(S, MB), jax.jit(apply_write)
     req = FakeRequest("r", allocation=object(), pages=[1], params=SamplingParams(temperature=1.0))
     seeds = []
     for start, placement in ((0, req.allocation), (4, req.allocation), (0, object())):
@@ -184,8 +191,18 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
     from runtime.types import EngineRequest, SamplingParams
 
     path = tiny_checkpoint("llama")
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", page_size=16, num_pages=40, max_num_seqs=64,
-                                    max_num_batched_tokens=128, max_model_len=128, enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            page_size=16,
+            num_pages=40,
+            max_num_seqs=64,
+            max_num_batched_tokens=128,
+            max_model_len=128,
+            enable_prefix_caching=False,
+        )
+    )
     hf = hf_model("llama")
     rng = np.random.default_rng(5)
     vocab, n = engine.model.cfg.vocab_size, 8
@@ -194,8 +211,11 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
     expected = [hf_greedy(hf, p, n) for p in prompts]
     for i, (p, (tokens, _)) in enumerate(zip(prompts, expected)):
         stop = [tokens[i % n]] if i % 3 == 0 else []  # a stop token at position i % 8
-        engine.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                                                                    stop_token_ids=stop)))
+        engine.add_request(
+            EngineRequest(
+                f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=stop)
+            )
+        )
     aborted = {"r1", "r2", "r40", "r63"}
     done = {}
     for _ in range(3):

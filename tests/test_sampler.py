@@ -39,10 +39,18 @@ def np_log_softmax(x):
 
 
 def test_builder_pads_greedy_and_buckets_penalty_widths():
-    params = [SamplingParams(temperature=0.8, seed=2**32 + 5), SamplingParams(temperature=1.0),
-              SamplingParams(repetition_penalty=1.3, seed=1)]
-    meta = build(params, pad_to=8, steps=[3, 0, 7],
-                 output_ids=[[1, 2], [9] * 40, list(range(17))], prompt_ids=[[4] * 100, [5], [6] * 33])
+    params = [
+        SamplingParams(temperature=0.8, seed=2**32 + 5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(repetition_penalty=1.3, seed=1),
+    ]
+    meta = build(
+        params,
+        pad_to=8,
+        steps=[3, 0, 7],
+        output_ids=[[1, 2], [9] * 40, list(range(17))],
+        prompt_ids=[[4] * 100, [5], [6] * 33],
+    )
     assert meta.temperature.shape == (8,)
     np.testing.assert_array_equal(meta.temperature[3:], 0.0)  # padded rows are greedy
     np.testing.assert_array_equal(meta.repetition_penalty[3:], 1.0)
@@ -72,8 +80,10 @@ def test_builder_without_penalties_is_zero_width_and_fresh_seeds_differ():
 def test_greedy_is_argmax_and_logprobs_match_numpy(all_greedy):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 1000)).astype(np.float32) * 3
-    params = [SamplingParams(temperature=0.0, top_k=k, top_p=p, seed=s)
-              for k, p, s in [(0, 1.0, None), (5, 0.5, 1), (1, 1.0, 2), (50, 0.9, None)]]
+    params = [
+        SamplingParams(temperature=0.0, top_k=k, top_p=p, seed=s)
+        for k, p, s in [(0, 1.0, None), (5, 0.5, 1), (1, 1.0, 2), (50, 0.9, None)]
+    ]
     meta = build(params, pad_to=6)
     out = sample(jnp.asarray(logits), meta, max_top_k=64, num_logprobs=4, all_greedy=all_greedy)
     np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(axis=1))
@@ -89,8 +99,11 @@ def test_sampled_logprob_is_raw_distribution_and_padded_rows_finite():
     logits = rng.normal(size=(8, 300)).astype(np.float32)
     logits[3:] = 0.0  # padded rows
     logits[0, :10] = -np.inf  # masked vocabulary entries in a real row
-    params = [SamplingParams(temperature=1.5, seed=1, repetition_penalty=1.5, frequency_penalty=1.0),
-              SamplingParams(temperature=0.7, top_p=0.8, seed=2), SamplingParams(temperature=1.0, seed=3)]
+    params = [
+        SamplingParams(temperature=1.5, seed=1, repetition_penalty=1.5, frequency_penalty=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=2),
+        SamplingParams(temperature=1.0, seed=3),
+    ]
     meta = build(params, pad_to=8, output_ids=[[11, 12], [], [1]], prompt_ids=[[13], [], []])
     out = sample(jnp.asarray(logits), meta, max_top_k=32, num_logprobs=3)
     tokens = np.asarray(out.tokens)
@@ -124,9 +137,13 @@ def test_seeded_tokens_independent_of_batch_order_padding_and_composition():
         logits[: len(order)] = base[list(order)]
         for j, (_, row) in enumerate(extra):
             logits[len(order) + j] = row
-        meta = build(params, pad_to, steps=[steps[i] for i in order] + [0] * len(extra),
-                     output_ids=[outputs[i] for i in order] + [[]] * len(extra),
-                     prompt_ids=[[] for _ in params])
+        meta = build(
+            params,
+            pad_to,
+            steps=[steps[i] for i in order] + [0] * len(extra),
+            output_ids=[outputs[i] for i in order] + [[]] * len(extra),
+            prompt_ids=[[] for _ in params],
+        )
         tokens = sample(jnp.asarray(logits), meta, max_top_k=64, top_k_impl=top_k_impl).tokens
         return {i: np.asarray(tokens)[j] for j, i in enumerate(order)}
 
@@ -227,10 +244,11 @@ def test_penalties_match_hf_repetition_and_openai_presence_frequency(all_greedy,
     prompts = [[1, 2, 3, 3], [7], [], [30, 31], [5], [0]]
     outputs = [[3, 4, 4, 4], [7, 8, 9], [10, 10], [], [6], [1]]
     logits[2, 10] = logits[2].max() - 1.0  # the negative presence penalty makes it the argmax
-    knobs = [(1.3, 0.5, 0.2), (0.7, 0.0, 1.0), (1.0, -2.0, 0.0), (2.0, 0.0, 0.0), (1.0, 0.0, 0.0),
-             (1.5, 0.0, 0.0)]
-    params = [SamplingParams(temperature=0.0, repetition_penalty=r, presence_penalty=pp, frequency_penalty=fp)
-              for r, pp, fp in knobs]
+    knobs = [(1.3, 0.5, 0.2), (0.7, 0.0, 1.0), (1.0, -2.0, 0.0), (2.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.5, 0.0, 0.0)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=r, presence_penalty=pp, frequency_penalty=fp)
+        for r, pp, fp in knobs
+    ]
     meta = build(params, pad_to=8, output_ids=outputs, prompt_ids=prompts)
     if full_widths:  # the bounded "full" sampler variant: every matrix padded to a fixed width
         meta = meta.with_widths(output=64, prompt=64, banned=8, bias=512)
@@ -269,24 +287,29 @@ def test_threshold_top_k_matches_numpy_with_ties_and_infinities(k):
     ref_ids = np.argsort(-x.astype(np.float64), axis=1, kind="stable")[:, :k]  # ties: lower id first
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, ref_ids, axis=1))
-    lax_values, lax_ids = top_k(jnp.asarray(x), k, "lax")
+    _lax_values, lax_ids = top_k(jnp.asarray(x), k, "lax")
     np.testing.assert_array_equal(np.asarray(lax_ids), ref_ids)
     with pytest.raises(ValueError):
         top_k(jnp.asarray(x), k, "sorted")
 
 
-
 def test_compiled_hlo_has_no_full_vocabulary_sort():
     vocab = 32_000
     logits = jax.ShapeDtypeStruct((4, vocab), jnp.float32)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
-              SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.02)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.02),
+    ]
     plain = build(params, pad_to=4)
-    penalized = build(params + [SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)],
-                      pad_to=4, output_ids=[[], [], [], [5, 6]], prompt_ids=[[], [], [], [1, 2, 3]])
+    penalized = build(
+        params + [SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)],
+        pad_to=4,
+        output_ids=[[], [], [], [5, 6]],
+        prompt_ids=[[], [], [], [1, 2, 3]],
+    )
     for meta, num_logprobs, impl in [(plain, 0, "lax"), (penalized, 5, "lax"), (penalized, 5, "threshold")]:
-        hlo = sample.lower(logits, meta, max_top_k=256, num_logprobs=num_logprobs,
-                           top_k_impl=impl).compile().as_text()
+        hlo = sample.lower(logits, meta, max_top_k=256, num_logprobs=num_logprobs, top_k_impl=impl).compile().as_text()
         assert impl != "lax" or "TopK" in hlo
         assert not hlo_has_full_sort(hlo, vocab), f"full sort with num_logprobs={num_logprobs}, {impl}"
     # The detector itself must see a full sort when there is one.
@@ -299,8 +322,12 @@ def test_banned_ids_are_never_sampled():
     rows never draw a banned one, whatever the temperature."""
     vocab = 16
     logits = np.tile(np.linspace(3.0, 0.0, vocab, dtype=np.float32), (4, 1))  # token 0 is the argmax
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0, seed=1),
-              SamplingParams(temperature=5.0, seed=2, top_k=3), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=5.0, seed=1),
+        SamplingParams(temperature=5.0, seed=2, top_k=3),
+        SamplingParams(temperature=0.0),
+    ]
     banned = [[0], [0, 1, 2], [0, 5], []]
     meta = SamplingMetadata.from_params(params, [0] * 4, [[]] * 4, [[]] * 4, pad_to=4, banned_ids=banned)
     assert meta.banned_ids.shape == (4, 4)
@@ -358,8 +385,7 @@ def test_logit_bias_matches_numpy_and_reported_logprobs_stay_raw(all_greedy, ful
     np.testing.assert_array_equal(np.asarray(out.tokens)[:3], np.argmax(expected, axis=1))
     assert np.asarray(out.tokens)[0] == 7
     raw = np_log_softmax(logits)
-    np.testing.assert_allclose(np.asarray(out.logprobs)[:3], raw[np.arange(3), np.argmax(expected, axis=1)],
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.logprobs)[:3], raw[np.arange(3), np.argmax(expected, axis=1)], atol=1e-5)
     assert build([SamplingParams()], pad_to=2).logit_bias_ids.shape == (2, 0)  # nobody biased: free
 
 
@@ -369,8 +395,9 @@ def test_logit_bias_minus_100_is_never_sampled():
     params = [SamplingParams(temperature=3.0, seed=s, logit_bias={0: -100.0, 1: -100.0}) for s in (1, 2)]
     meta = build(params, pad_to=2)
     for step in range(100):
-        toks = np.asarray(sample(jnp.asarray(logits), dataclasses.replace(meta, steps=np.full(2, step, np.int32)),
-                                 max_top_k=8).tokens)
+        toks = np.asarray(
+            sample(jnp.asarray(logits), dataclasses.replace(meta, steps=np.full(2, step, np.int32)), max_top_k=8).tokens
+        )
         assert not set(toks.tolist()) & {0, 1}
 
 

@@ -12,6 +12,7 @@ the context differ from that record.
 import random
 
 import pytest
+from import_testing import imports_jax
 
 from paged_kv import CacheManager
 from runtime.config import CacheConfig, SchedulerConfig
@@ -19,7 +20,6 @@ from runtime.scheduling.policies import get_policy
 from runtime.scheduling.request import Request, RequestStatus
 from runtime.scheduling.scheduler import Scheduler
 from runtime.types import SamplingParams
-from import_testing import imports_jax
 
 VOCAB = 50
 
@@ -64,7 +64,7 @@ class FakeDevice:
         for seq in out.sequences:
             end = seq.start_position + seq.num_new_tokens
             truth = self.truth[seq.request_id]
-            assert seq.token_ids == truth[seq.start_position:end]
+            assert seq.token_ids == truth[seq.start_position : end]
             context = [self.kv[seq.block_table[p // ps]][p % ps] for p in range(end)]
             assert context == truth[:end], f"{seq.request_id}: paged context differs from the record"
             if self.hybrid:
@@ -136,7 +136,8 @@ def test_chunked_prefill_mixes_with_decodes_under_the_token_budget():
     run_to_completion(scheduler, device)
     for request in (a, b):
         assert (request.output_token_ids, request.finish_reason) == reference_generation(
-            request.prompt_token_ids, request.params)
+            request.prompt_token_ids, request.params
+        )
 
 
 def test_long_prefill_threshold_caps_each_chunk():
@@ -163,8 +164,9 @@ def test_stop_tokens_eos_and_min_tokens():
     stop = add(scheduler, device, "stop", prompt, max_tokens=8, params={"stop_token_ids": (free_run[1],)})
     eos = add(scheduler, device, "eos", prompt, max_tokens=8, eos_token_ids=(free_run[0],))
     late = add(scheduler, device, "late", prompt, max_tokens=8, eos_token_ids=(free_run[0],), params={"min_tokens": 3})
-    ignore = add(scheduler, device, "ignore", prompt, max_tokens=8, eos_token_ids=(free_run[0],),
-                 params={"ignore_eos": True})
+    ignore = add(
+        scheduler, device, "ignore", prompt, max_tokens=8, eos_token_ids=(free_run[0],), params={"ignore_eos": True}
+    )
     run_to_completion(scheduler, device)
     assert (stop.output_token_ids, stop.finish_reason, stop.stop_reason) == (free_run[:2], "stop", free_run[1])
     assert (eos.output_token_ids, eos.finish_reason) == (free_run[:1], "stop")
@@ -184,12 +186,14 @@ def test_preemption_by_recompute_when_pages_run_out():
     preempted = [rid for o in outs for rid in o.preempted_request_ids]
     assert preempted and set(preempted) == {"b"}  # the newer one
     assert b.num_preemptions == len(preempted) and scheduler.stats()["num_preemptions"] == len(preempted)
-    recompute = next(s for o in outs[1:] for s in o.sequences if s.request_id == "b" and s.start_position == 0
-                     and o is not outs[0])
+    recompute = next(
+        s for o in outs[1:] for s in o.sequences if s.request_id == "b" and s.start_position == 0 and o is not outs[0]
+    )
     assert len(recompute.token_ids) > 8  # prompt + the outputs it had before preemption
     for request in (a, b):
         assert (request.output_token_ids, request.finish_reason) == reference_generation(
-            request.prompt_token_ids, request.params)
+            request.prompt_token_ids, request.params
+        )
     assert scheduler.stats()["pages_used"] == 0
 
 
@@ -204,8 +208,7 @@ def test_preempted_request_reuses_its_own_cached_pages():
 
 
 def test_priority_policy_orders_admission_and_preempts_the_lowest_priority():
-    scheduler, device = make(num_pages=7, max_num_batched_tokens=16, max_num_seqs=2, policy="priority",
-                             prefix=False)
+    scheduler, device = make(num_pages=7, max_num_batched_tokens=16, max_num_seqs=2, policy="priority", prefix=False)
     low = add(scheduler, device, "low", range(1, 9), max_tokens=12, priority=5, arrival_time=0.0)
     high = add(scheduler, device, "high", range(11, 19), max_tokens=12, priority=0, arrival_time=1.0)
     outs = run_to_completion(scheduler, device)
@@ -330,19 +333,34 @@ def test_random_workload_keeps_invariants_and_outputs(seed, prefix, hybrid):
     rng = random.Random(seed * 4 + prefix * 2 + hybrid)
     page_size = rng.choice([2, 4])
     scheduler, device = make(  # a pool barely larger than one request at max_model_len
-        page_size=page_size, num_pages=-(-21 // page_size) + 1 + rng.randrange(3), num_state_slots=5 if hybrid else 0,
-        prefix=prefix, max_num_batched_tokens=rng.choice([8, 12, 16]), max_num_seqs=rng.choice([2, 3, 4]),
-        max_model_len=22, long_prefill_token_threshold=rng.choice([0, 6]), policy=rng.choice(["fcfs", "priority"]),
+        page_size=page_size,
+        num_pages=-(-21 // page_size) + 1 + rng.randrange(3),
+        num_state_slots=5 if hybrid else 0,
+        prefix=prefix,
+        max_num_batched_tokens=rng.choice([8, 12, 16]),
+        max_num_seqs=rng.choice([2, 3, 4]),
+        max_model_len=22,
+        long_prefill_token_threshold=rng.choice([0, 6]),
+        policy=rng.choice(["fcfs", "priority"]),
     )
     prefixes = [[rng.randrange(1, VOCAB + 1) for _ in range(rng.randrange(0, 10))] for _ in range(3)]
     pending = 30
     requests, aborted = [], set()
-    for step_index in range(2000):
+    for _step_index in range(2000):
         if pending and rng.random() < 0.7:
             pending -= 1
             prompt = rng.choice(prefixes) + [rng.randrange(1, VOCAB + 1) for _ in range(rng.randrange(1, 6))]
-            requests.append(add(scheduler, device, f"r{len(requests)}", prompt, max_tokens=rng.randrange(1, 9),
-                                priority=rng.randrange(3), params={"stop_token_ids": (7,)}))
+            requests.append(
+                add(
+                    scheduler,
+                    device,
+                    f"r{len(requests)}",
+                    prompt,
+                    max_tokens=rng.randrange(1, 9),
+                    priority=rng.randrange(3),
+                    params={"stop_token_ids": (7,)},
+                )
+            )
         if scheduler.requests and rng.random() < 0.05:
             victim = rng.choice(sorted(scheduler.requests))
             scheduler.abort(victim)
@@ -377,4 +395,10 @@ def test_random_workload_keeps_invariants_and_outputs(seed, prefix, hybrid):
 
 
 def test_scheduling_modules_do_not_import_jax():
-    assert not imports_jax("paged_kv", "runtime.scheduling.scheduler", "runtime.config", "runtime.scheduling.request", "runtime.scheduling.policies")
+    assert not imports_jax(
+        "paged_kv",
+        "runtime.scheduling.scheduler",
+        "runtime.config",
+        "runtime.scheduling.request",
+        "runtime.scheduling.policies",
+    )

@@ -16,11 +16,11 @@ import torch
 
 from configs.schema import ServerConfig
 from models import load_model
+from runtime.engine.llm import LLM
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.process_client import EngineProcessClient
 from runtime.engine.thread_client import AsyncEngine
 from runtime.engine_config import EngineConfig
-from runtime.engine.process_client import EngineProcessClient
-from runtime.engine.llm import LLM
 from runtime.types import SamplingParams
 from server.testing import LiveServer
 from tests.engine_testing import launch_config
@@ -30,8 +30,9 @@ FAMILY = "qwen3_5"  # a GDN hybrid: requests hold KV pages *and* a state slot
 
 
 def _config(path) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                        num_pages=120, max_model_len=512)
+    return EngineConfig(
+        model=str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=120, max_model_len=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +70,21 @@ def client(server):
 
 def test_greedy_completion_equals_offline(client, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=20, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == ref.text
     assert r.usage.completion_tokens == len(ref.token_ids) == 20
     assert r.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
-    stream = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=20, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True},
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny-model",
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == 20
@@ -90,8 +98,9 @@ def test_chat_equals_offline(client, offline):
     r = client.chat.completions.create(model="tiny-model", messages=messages, max_tokens=16, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
-    stream = client.chat.completions.create(model="tiny-model", messages=messages, max_tokens=16,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny-model", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
 
 
@@ -109,19 +118,23 @@ def test_stop_string(client, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].text
     stop = ref[len(ref) // 2 : len(ref) // 2 + 3]
     assert stop.strip(), ref
-    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[: ref.index(stop)]
 
 
 def test_logprobs_match_hf(client, model, offline, hf_model):
-    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(len(t) >= 3 for t in lp.top_logprobs)
     prompt_ids = model.tokenizer.encode(PROMPT)
-    gen_ids = offline.generate([prompt_ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    gen_ids = offline.generate([prompt_ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
     hf = hf_model(FAMILY)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt_ids + gen_ids])).logits[0].float()
@@ -134,15 +147,17 @@ def test_logprobs_match_hf(client, model, offline, hf_model):
 
 
 def _all_free(stats) -> bool:
-    return (stats["num_running"] == 0 and stats["num_waiting"] == 0
-            and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
-            and stats["slots_free"] + stats["slots_cached"] == stats["slots_total"])
+    return (
+        stats["num_running"] == 0
+        and stats["num_waiting"] == 0
+        and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+        and stats["slots_free"] + stats["slots_cached"] == stats["slots_total"]
+    )
 
 
 def test_disconnect_burst_frees_everything(server):
     async def one(session, i):
-        body = {"model": "tiny-model", "prompt": f"{PROMPT}{i}", "max_tokens": 200, "stream": True,
-                "ignore_eos": True}
+        body = {"model": "tiny-model", "prompt": f"{PROMPT}{i}", "max_tokens": 200, "stream": True, "ignore_eos": True}
         async with session.post(server.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readline()  # first chunk arrives, then the client goes away
@@ -164,8 +179,9 @@ def test_prompt_token_ids_are_checked_against_the_model_vocabulary(client, model
     vocab = model.cfg.vocab_size
     prompt = [vocab - 1, 5, vocab - 2]
     ref = offline.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=4, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model", prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 4 and r.choices[0].text == ref.text
     with pytest.raises(openai.BadRequestError, match=rf"token id {vocab} is out of vocabulary \(size {vocab}\)"):
         client.completions.create(model="tiny-model", prompt=[5, vocab], max_tokens=4)
@@ -186,15 +202,26 @@ def test_cached_tokens_come_from_prefix_cache_hits(client):
 def test_stop_reason_is_the_stop_token_id(client, offline):
     ref = offline.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     stop_id = ref.token_ids[1]
-    r = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=8, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "stop" and r.model_extra is not None
     assert r.choices[0].model_extra["stop_reason"] == stop_id
     assert r.usage.completion_tokens == 2
 
 
 def test_start_up_refuses_a_kv_pool_smaller_than_one_sequence(model):
-    config = EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
-                          num_pages=9, max_model_len=512)
+    config = EngineConfig(
+        model=str(model.path),
+        dtype="float32",
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        num_pages=9,
+        max_model_len=512,
+    )
     with pytest.raises(ValueError, match=r"holds 128 tokens \(8 usable pages x 16\).*max_model_len=512.*32 pages"):
         LLMEngine(config, model=model)

@@ -98,8 +98,10 @@ BAD_CHATS = [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content",
+    ),
     ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ({**CHAT, "logprobs": 3}, "logprobs"),
     ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
@@ -140,8 +142,9 @@ def test_routes_methods_and_bodies(server):
                 for _ in range(13):
                     yield b" " * (1024 * 1024)
 
-            async with session.post(server.url + "/v1/completions", data=chunks(),
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                server.url + "/v1/completions", data=chunks(), headers={"Content-Type": "application/json"}
+            ) as r:
                 too_large_chunked = (r.status, await r.read())
         return not_found, wrong_method, too_large, too_large_chunked
 
@@ -189,10 +192,18 @@ def test_metrics_openapi_health_version(server):
     pages = run(go())
     assert all(status == 200 for status, _ in pages.values())
     families = {f.name: f for f in text_string_to_metric_families(pages["/metrics"][1])}
-    for name in ("jaxserve_num_requests_running", "jaxserve_num_requests_waiting", "jaxserve_kv_cache_usage_ratio",
-                 "jaxserve_state_slots_free", "jaxserve_prefix_cache_hit_rate", "jaxserve_time_to_first_token_seconds",
-                 "jaxserve_inter_token_latency_seconds", "jaxserve_e2e_request_latency_seconds",
-                 "jaxserve_prompt_tokens", "jaxserve_generation_tokens"):
+    for name in (
+        "jaxserve_num_requests_running",
+        "jaxserve_num_requests_waiting",
+        "jaxserve_kv_cache_usage_ratio",
+        "jaxserve_state_slots_free",
+        "jaxserve_prefix_cache_hit_rate",
+        "jaxserve_time_to_first_token_seconds",
+        "jaxserve_inter_token_latency_seconds",
+        "jaxserve_e2e_request_latency_seconds",
+        "jaxserve_prompt_tokens",
+        "jaxserve_generation_tokens",
+    ):
         assert name in families, name
     samples = {s.name: s.value for f in families.values() for s in f.samples}
     assert samples["jaxserve_generation_tokens_total"] >= 3
@@ -200,8 +211,15 @@ def test_metrics_openapi_health_version(server):
     assert samples["jaxserve_state_slots_total"] == 8
     spec = json.loads(pages["/openapi.json"][1])
     assert spec["openapi"].startswith("3.")
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-            "/tokenize", "/detokenize"} <= set(spec["paths"])
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+    } <= set(spec["paths"])
     ref = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schema = spec["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert "messages" in schema["properties"] and "messages" in schema["required"]
@@ -213,8 +231,9 @@ def test_disconnect_burst_frees_every_slot(server):
 
     async def one(session, index):
         body = {**CHAT, "max_tokens": 200, "stream": True}
-        response = await session.post(server.url + "/v1/chat/completions", json=body,
-                                      headers={"X-Request-ID": f"burst-{index}"})
+        response = await session.post(
+            server.url + "/v1/chat/completions", json=body, headers={"X-Request-ID": f"burst-{index}"}
+        )
         assert response.status == 200
         data_lines = 0
         while data_lines < 2:  # the role chunk, then a first token: the engine is generating
@@ -246,15 +265,21 @@ def test_non_streaming_disconnect_aborts(server):
 
     async def go():
         async with aiohttp.ClientSession() as session:
-            task = asyncio.create_task(session.post(
-                server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 200},
-                headers={"X-Request-ID": "gone"}))
+            task = asyncio.create_task(
+                session.post(
+                    server.url + "/v1/completions",
+                    json={"prompt": "slow", "max_tokens": 200},
+                    headers={"X-Request-ID": "gone"},
+                )
+            )
             await asyncio.sleep(0.3)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         deadline = time.monotonic() + 10
-        while not (engine.requests[already:] and engine.requests[already].request_id in engine.aborted) \
-                and time.monotonic() < deadline:
+        while (
+            not (engine.requests[already:] and engine.requests[already].request_id in engine.aborted)
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.05)
 
     run(go())
@@ -274,8 +299,14 @@ def test_full_queue_is_429_and_auth_is_401(tokenizer):
 
         async def go():
             async with aiohttp.ClientSession() as session:
-                streams = [await session.post(live.url + "/v1/chat/completions", headers=auth,
-                                              json={**CHAT, "max_tokens": 100, "stream": True}) for _ in range(3)]
+                streams = [
+                    await session.post(
+                        live.url + "/v1/chat/completions",
+                        headers=auth,
+                        json={**CHAT, "max_tokens": 100, "stream": True},
+                    )
+                    for _ in range(3)
+                ]
                 while engine.num_waiting < 2:
                     await asyncio.sleep(0.01)
                 async with session.post(live.url + "/v1/completions", json={"prompt": "x"}, headers=auth) as r:
@@ -292,13 +323,16 @@ def test_drain_finishes_in_flight_and_refuses_new(tokenizer):
     engine = FakeEngine(tokenizer, token_delay_s=0.02)
     live = LiveServer(engine, ServerConfig(drain_timeout_s=10))
     try:
+
         async def go():
             async with aiohttp.ClientSession() as session:
-                in_flight = await session.post(live.url + "/v1/completions",
-                                               json={"prompt": "x", "max_tokens": 20, "stream": True})
+                in_flight = await session.post(
+                    live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True}
+                )
                 await in_flight.content.readline()
-                drain = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                    drain_and_stop(live.runner, engine, 10.0), live.loop))
+                drain = asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(drain_and_stop(live.runner, engine, 10.0), live.loop)
+                )
                 await asyncio.sleep(0.05)
                 async with session.post(live.url + "/v1/completions", json={"prompt": "x"}) as r:
                     refused = (r.status, await r.read())
@@ -319,8 +353,19 @@ def test_drain_finishes_in_flight_and_refuses_new(tokenizer):
 def test_cli_serve_sigterm_drains_and_exits_zero():
     """`jaxserve serve --fake-engine` end to end: ready line, a request, SIGTERM, exit code 0."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = [sys.executable, "-m", "server.cli", "serve", "--fake-engine", "--set", "server.port=0",
-               "--set", "model.served_model_name=sig-model", "--set", "server.drain_timeout_s=5"]
+    command = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--fake-engine",
+        "--set",
+        "server.port=0",
+        "--set",
+        "model.served_model_name=sig-model",
+        "--set",
+        "server.drain_timeout_s=5",
+    ]
     proc = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -330,7 +375,7 @@ def test_cli_serve_sigterm_drains_and_exits_zero():
             assert line, "server exited before it was ready"
         assert "(model sig-model)" in line
         url = line.split("jaxserve ready at ")[1].split()[0]
-        status, raw, _ = run(post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))
+        status, _raw, _ = run(post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))
         assert status == 200
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
@@ -343,9 +388,19 @@ def test_cli_serve_sigterm_drains_and_exits_zero():
 
 def test_cli_config_command_reports_field_errors():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ok = subprocess.run([sys.executable, "-m", "server.cli", "config", "--set", "cache.page_size=32"],
-                        cwd=root, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "server.cli", "config", "--set", "cache.page_size=32"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0 and json.loads(ok.stdout)["cache"]["page_size"] == 32
-    bad = subprocess.run([sys.executable, "-m", "server.cli", "config", "--set", "cache.page_size=24"],
-                         cwd=root, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "server.cli", "config", "--set", "cache.page_size=24"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "cache.page_size: must be a power of two" in bad.stderr

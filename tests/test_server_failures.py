@@ -28,8 +28,17 @@ FAMILY = "llama"
 
 
 def _engine(model) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model.path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                                  num_pages=60, max_model_len=256), model=model)
+    return LLMEngine(
+        EngineConfig(
+            model=str(model.path),
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_pages=60,
+            max_model_len=256,
+        ),
+        model=model,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +60,22 @@ def client(server):
 def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     async def go():
         async with aiohttp.ClientSession() as session:
+
             async def one(body):
                 async with session.post(url + "/v1/completions", json=body) as r:
                     return r.status, await r.json()
+
             return await asyncio.gather(*(one(b) for b in bodies))
+
     return asyncio.run(go())
 
 
 def _all_free(stats) -> bool:
-    return (stats["num_running"] == 0 and stats["num_waiting"] == 0
-            and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"])
+    return (
+        stats["num_running"] == 0
+        and stats["num_waiting"] == 0
+        and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    )
 
 
 def _wait_all_free(engine) -> None:
@@ -76,7 +91,7 @@ def test_failing_step_fails_its_requests_then_50_succeed(server):
     async_engine.engine.executables = FailingStep(real, "run_sampler", times=1)
     try:
         body = {"prompt": "Hi there", "max_tokens": 4, "temperature": 0.5, "seed": 1}
-        (status, answer), = _post_all(server.url, [body])
+        ((status, answer),) = _post_all(server.url, [body])
     finally:
         async_engine.engine.executables = real
     assert async_engine.engine.executables is real
@@ -90,18 +105,21 @@ def test_failing_step_fails_its_requests_then_50_succeed(server):
     async_engine.engine.scheduler.check_invariants()
 
 
-@pytest.mark.parametrize("body,status,param", [
-    ({"prompt": "Hi", "max_tokens": 2, "top_k": 2147483648}, 200, None),  # clipped to the vocabulary (vLLM)
-    ({"prompt": "Hi", "min_tokens": 2, "stop_token_ids": [1099511627776]}, 400, "stop_token_ids"),
-    ({"prompt": "Hi", "min_tokens": 100}, 400, "min_tokens"),  # default max_tokens 16
-    ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"1099511627776": 5}}, 400, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"prompt": "Hi", "max_tokens": 2, "top_k": 2147483648}, 200, None),  # clipped to the vocabulary (vLLM)
+        ({"prompt": "Hi", "min_tokens": 2, "stop_token_ids": [1099511627776]}, 400, "stop_token_ids"),
+        ({"prompt": "Hi", "min_tokens": 100}, 400, "min_tokens"),  # default max_tokens 16
+        ({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"1099511627776": 5}}, 400, "logit_bias"),
+    ],
+)
 def test_reproducers_get_their_status_and_never_wedge(server, body, status, param):
-    (got, answer), = _post_all(server.url, [body])
+    ((got, answer),) = _post_all(server.url, [body])
     assert got == status, answer
     if param is not None:
         assert answer["error"]["param"] == param
-    (after, answer), = _post_all(server.url, [{"prompt": "still serving?", "max_tokens": 2}])
+    ((after, answer),) = _post_all(server.url, [{"prompt": "still serving?", "max_tokens": 2}])
     assert after == 200, answer
     _wait_all_free(server.engine)
 
@@ -117,16 +135,23 @@ def test_lm_eval_local_completions_requests_match_hf(server, model, hf_model, ma
     """lm-eval 0.4's `local-completions` loglikelihood request, verbatim (the prompt as one list of
     token ids), with max_tokens 1 and 0."""
     ids = np.random.default_rng(5).integers(3, model.cfg.vocab_size, size=37).tolist()
-    body = {"model": "tiny-model", "prompt": [ids], "max_tokens": max_tokens, "logprobs": 1, "echo": True,
-            "temperature": 0, "seed": 1234}
-    (status, answer), = _post_all(server.url, [body])
+    body = {
+        "model": "tiny-model",
+        "prompt": [ids],
+        "max_tokens": max_tokens,
+        "logprobs": 1,
+        "echo": True,
+        "temperature": 0,
+        "seed": 1234,
+    }
+    ((status, answer),) = _post_all(server.url, [body])
     assert status == 200, answer
     choice = answer["choices"][0]
     lp = choice["logprobs"]
     ref = _hf_log_softmax(hf_model, ids)
     assert len(lp["token_logprobs"]) == len(ids) + max_tokens
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    got = np.array(lp["token_logprobs"][1:len(ids)])
+    got = np.array(lp["token_logprobs"][1 : len(ids)])
     np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
     for i in range(1, len(ids)):  # lm-eval's is_greedy: the token's logprob against max(top_logprobs)
         assert max(lp["top_logprobs"][i].values()) == pytest.approx(ref[i - 1].max(), abs=1e-4)
@@ -139,8 +164,9 @@ def test_lm_eval_local_completions_requests_match_hf(server, model, hf_model, ma
 
 def test_vllm_prompt_logprobs_field(client, model, hf_model):
     ids = list(range(40, 60))
-    r = client.completions.create(model="tiny-model", prompt=ids, max_tokens=1, temperature=0,
-                                  extra_body={"prompt_logprobs": 2})
+    r = client.completions.create(
+        model="tiny-model", prompt=ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     scored = r.choices[0].model_extra["prompt_logprobs"]
     ref = _hf_log_softmax(hf_model, ids)
     assert len(scored) == len(ids) and scored[0] is None
@@ -155,9 +181,10 @@ def test_dead_engine_loop_makes_health_503_within_a_second(model):
     async_engine = AsyncEngine(_engine(model), "tiny-model")
     live = LiveServer(async_engine)
     try:
-        async_engine.engine.executables = FailingStep(async_engine.engine.executables, "run_table_backbone",
-                                                      after_real_call=True)  # the caches are lost
-        (status, _), = _post_all(live.url, [{"prompt": "Hi", "max_tokens": 2}])
+        async_engine.engine.executables = FailingStep(
+            async_engine.engine.executables, "run_table_backbone", after_real_call=True
+        )  # the caches are lost
+        ((status, _),) = _post_all(live.url, [{"prompt": "Hi", "max_tokens": 2}])
         assert status == 500
         t0 = time.time()
 
@@ -165,11 +192,12 @@ def test_dead_engine_loop_makes_health_503_within_a_second(model):
             async with aiohttp.ClientSession() as session:
                 async with session.get(live.url + "/health") as r:
                     return r.status
+
         while asyncio.run(health()) != 503:
             assert time.time() - t0 < 1.0, "/health still 200 a second after the engine died"
             time.sleep(0.05)
         assert not async_engine.is_healthy()
-        (status, _), = _post_all(live.url, [{"prompt": "Hi", "max_tokens": 2}])
+        ((status, _),) = _post_all(live.url, [{"prompt": "Hi", "max_tokens": 2}])
         assert status >= 500
     finally:
         live.close()
@@ -193,9 +221,15 @@ def test_server_drains_and_exits_1_when_the_engine_dies():
 def test_streamed_prompt_logprobs_equal_the_non_streamed_answer(server):
     """The scored prompt leads each streamed choice (echoed text + its logprobs, and vLLM's
     prompt_logprobs); the concatenation equals the non-streamed answer."""
-    body = {"prompt": [list(range(50, 70))], "max_tokens": 3, "logprobs": 2, "echo": True, "temperature": 0,
-            "prompt_logprobs": 1}
-    (status, whole), = _post_all(server.url, [body])
+    body = {
+        "prompt": [list(range(50, 70))],
+        "max_tokens": 3,
+        "logprobs": 2,
+        "echo": True,
+        "temperature": 0,
+        "prompt_logprobs": 1,
+    }
+    ((status, whole),) = _post_all(server.url, [body])
     assert status == 200, whole
 
     async def stream():
@@ -205,6 +239,7 @@ def test_streamed_prompt_logprobs_equal_the_non_streamed_answer(server):
                 events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         import json
+
         return [json.loads(e)["choices"][0] for e in events[:-1] if json.loads(e)["choices"]]
 
     chunks = asyncio.run(stream())
@@ -216,6 +251,13 @@ def test_streamed_prompt_logprobs_equal_the_non_streamed_answer(server):
 
 
 def test_logit_bias_over_http_forces_a_token(client, model):
-    r = client.completions.create(model="tiny-model", prompt="Hello", max_tokens=3, temperature=0, logprobs=0,
-                                  logit_bias={"17": 100}, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny-model",
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logprobs=0,
+        logit_bias={"17": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].logprobs.tokens == [model.tokenizer.decode([17])] * 3

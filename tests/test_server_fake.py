@@ -66,14 +66,22 @@ def test_completion(server, tokenizer):
     assert choice.finish_reason == "length"
     assert result.object == "text_completion" and result.model == "fake-model"
     assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (
-        len(prompt_ids), 7, len(prompt_ids) + 7)
+        len(prompt_ids),
+        7,
+        len(prompt_ids) + 7,
+    )
 
 
 def test_completion_stream_with_usage(server, tokenizer):
     async def go():
         async with client(server) as c:
-            stream = await c.completions.create(model="fake-model", prompt="Return the value", max_tokens=9,
-                                                stream=True, stream_options={"include_usage": True})
+            stream = await c.completions.create(
+                model="fake-model",
+                prompt="Return the value",
+                max_tokens=9,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             return [chunk async for chunk in stream]
 
     chunks = run(go())
@@ -92,7 +100,8 @@ def test_chat(server, tokenizer):
     async def go():
         async with client(server) as c:
             return await c.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6)
+                model="fake-model", messages=[{"role": "user", "content": "Say hi"}], max_tokens=6
+            )
 
     result = run(go())
     prompt_ids = chat_prompt_ids(tokenizer, "Say hi")
@@ -108,8 +117,13 @@ def test_chat_stream_content_parts_and_default_max_tokens(server, tokenizer):
     async def go():
         async with client(server) as c:
             stream = await c.chat.completions.create(
-                model="fake-model", stream=True, stream_options={"include_usage": True},
-                messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}])
+                model="fake-model",
+                stream=True,
+                stream_options={"include_usage": True},
+                messages=[
+                    {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}
+                ],
+            )
             return [chunk async for chunk in stream]
 
     chunks = run(go())
@@ -126,8 +140,13 @@ def test_n2_seed_and_request_id(server, tokenizer):
     async def go():
         async with client(server) as c:
             return await c.completions.with_raw_response.create(
-                model="fake-model", prompt="seeded", max_tokens=5, n=2, seed=11,
-                extra_headers={"X-Request-ID": "req-n2"})
+                model="fake-model",
+                prompt="seeded",
+                max_tokens=5,
+                n=2,
+                seed=11,
+                extra_headers={"X-Request-ID": "req-n2"},
+            )
 
     raw = run(go())
     result = raw.parse()
@@ -147,8 +166,13 @@ def test_chat_stream_n2(server, tokenizer):
     async def go():
         async with client(server) as c:
             stream = await c.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "two"}], max_tokens=4, n=2, seed=3,
-                stream=True)
+                model="fake-model",
+                messages=[{"role": "user", "content": "two"}],
+                max_tokens=4,
+                n=2,
+                seed=3,
+                stream=True,
+            )
             return [chunk async for chunk in stream]
 
     chunks = run(go())
@@ -175,7 +199,7 @@ def test_token_id_prompts_and_echo(server, tokenizer):
 
 def _printable_stop(text):
     for start in range(2, len(text) - 2):
-        window = text[start:start + 2]
+        window = text[start : start + 2]
         if window.isprintable() and "\ufffd" not in window and window.strip():
             return window
     raise AssertionError(f"no usable stop string in {text!r}")
@@ -189,13 +213,14 @@ def test_stop_string(server, tokenizer, stream):
 
     async def go():
         async with client(server) as c:
-            result = await c.completions.create(model="fake-model", prompt="stop here", max_tokens=40,
-                                                stop=[stop, "never-appears"], stream=stream)
+            result = await c.completions.create(
+                model="fake-model", prompt="stop here", max_tokens=40, stop=[stop, "never-appears"], stream=stream
+            )
             if not stream:
                 return result.choices[0].text, result.choices[0].finish_reason
             chunks = [chunk async for chunk in result]
             text = "".join(c.text for chunk in chunks for c in chunk.choices)
-            return text, [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason][0]
+            return text, next(c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason)
 
     text, finish = run(go())
     assert text == full[: full.index(stop)]
@@ -225,8 +250,12 @@ def test_chat_logprobs_shape(server, tokenizer):
     async def go():
         async with client(server) as c:
             return await c.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "lp"}], max_tokens=3,
-                logprobs=True, top_logprobs=2)
+                model="fake-model",
+                messages=[{"role": "user", "content": "lp"}],
+                max_tokens=3,
+                logprobs=True,
+                top_logprobs=2,
+            )
 
     choice = run(go()).choices[0]
     tokens = hand_tokens(chat_prompt_ids(tokenizer, "lp"), 3, None, len(tokenizer))
@@ -242,8 +271,12 @@ def test_chat_logprobs_stream(server, tokenizer):
     async def go():
         async with client(server) as c:
             stream = await c.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "lp"}], max_tokens=5,
-                logprobs=True, stream=True)
+                model="fake-model",
+                messages=[{"role": "user", "content": "lp"}],
+                max_tokens=5,
+                logprobs=True,
+                stream=True,
+            )
             return [chunk async for chunk in stream]
 
     chunks = run(go())
@@ -292,8 +325,9 @@ def test_stream_sends_a_chunk_for_every_token_even_without_text(server, tokenize
         async with client(server) as c:
             stream = await c.completions.create(model="fake-model", prompt=prompt, max_tokens=5, stream=True)
             completion = [chunk async for chunk in stream]
-            stream = await c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
-                                                     max_tokens=5, seed=377, stream=True)
+            stream = await c.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "x"}], max_tokens=5, seed=377, stream=True
+            )
             return completion, [chunk async for chunk in stream]
 
     completion, chat = run(go())

@@ -17,9 +17,11 @@ import pytest
 
 from server.testing import FakeEngine, LiveServer, build_test_tokenizer
 
-CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
-          "response_schema_conformance,negative_data_rejection,unsupported_method,allow_header_conformance,"
-          "missing_required_header")
+CHECKS = (
+    "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
+    "response_schema_conformance,negative_data_rejection,unsupported_method,allow_header_conformance,"
+    "missing_required_header"
+)
 
 
 def schemathesis_command() -> list[str]:
@@ -36,11 +38,33 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(tmp_path):
     engine = FakeEngine(build_test_tokenizer(), max_model_len=256, num_slots=8)
     with LiveServer(engine) as live:
         result = subprocess.run(
-            [*schemathesis_command(), "run", f"{live.url}/openapi.json", "--checks", CHECKS,
-             "--phases", "examples,fuzzing", "--max-examples", "25", "--seed", "11", "--workers", "2",
-             "--request-timeout", "30", "--generation-database", "none", "--no-color",
-             "--suppress-health-check", "all"],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+            [
+                *schemathesis_command(),
+                "run",
+                f"{live.url}/openapi.json",
+                "--checks",
+                CHECKS,
+                "--phases",
+                "examples,fuzzing",
+                "--max-examples",
+                "25",
+                "--seed",
+                "11",
+                "--workers",
+                "2",
+                "--request-timeout",
+                "30",
+                "--generation-database",
+                "none",
+                "--no-color",
+                "--suppress-health-check",
+                "all",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "No issues found" in output, output[-3000:]

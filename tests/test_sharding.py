@@ -16,11 +16,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 import numpy as np
 import pytest
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -104,18 +103,32 @@ def report(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp_checkpoints")
     paths = {
-        "dense": write_random_checkpoint("llama", root / "llama", num_attention_heads=8, num_key_value_heads=4,
-                                         vocab_size=1032),
-        "hybrid": write_random_checkpoint("qwen3_5", root / "qwen3_5", num_attention_heads=4, num_key_value_heads=4,
-                                          linear_num_key_heads=4, linear_num_value_heads=8, vocab_size=1032),
+        "dense": write_random_checkpoint(
+            "llama", root / "llama", num_attention_heads=8, num_key_value_heads=4, vocab_size=1032
+        ),
+        "hybrid": write_random_checkpoint(
+            "qwen3_5",
+            root / "qwen3_5",
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            vocab_size=1032,
+        ),
     }
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({k: str(v) for k, v in paths.items()})],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps({k: str(v) for k, v in paths.items()})],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
     sys.stderr.write(proc.stderr[-2000:])
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 def _assert_close(case):
@@ -148,10 +161,23 @@ def test_heads_that_do_not_divide_fall_back_to_replication(report):
     _assert_close(case)
 
 
-@pytest.mark.parametrize("name, split_dim", [
-    ("q_proj", 2), ("k_proj", 2), ("o_proj", 1), ("down_proj", 1), ("embed", 0),
-    ("in_qkv", 2), ("conv_w", 1), ("out_proj", 1), ("A_log", 1),
-    ("cache_kv_1", 1), ("cache_conv_0", 2), ("cache_rec_0", 1)])
+@pytest.mark.parametrize(
+    "name, split_dim",
+    [
+        ("q_proj", 2),
+        ("k_proj", 2),
+        ("o_proj", 1),
+        ("down_proj", 1),
+        ("embed", 0),
+        ("in_qkv", 2),
+        ("conv_w", 1),
+        ("out_proj", 1),
+        ("A_log", 1),
+        ("cache_kv_1", 1),
+        ("cache_conv_0", 2),
+        ("cache_rec_0", 1),
+    ],
+)
 def test_leaves_are_really_sharded(report, name, split_dim):
     leaf = report["hybrid_2x4"]["leaves"][name]
     expected = [n // 4 if d == split_dim else n for d, n in enumerate(leaf["shape"])]

@@ -13,29 +13,31 @@ import random
 import numpy as np
 import openai
 import pytest
+from import_testing import imports_jax
 
 from configs.schema import ServerConfig
 from server.chat_output import ChatOutputParser
 from server.reasoning import Qwen3ReasoningParser
-from server.tool_parser import HermesToolParser
 from server.testing import FakeEngine, LiveServer, build_test_tokenizer
+from server.tool_parser import HermesToolParser
 from tests.structured_cases import ADD_TOOL, TOOLS
-from import_testing import imports_jax
 
 TOOL_TEMPLATE = (
     "{%- if tools %}<|system|># Tools\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|end|>"
     "{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>{% for tc in m.tool_calls %}"
-    "<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments }}}\n</tool_call>"
+    '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}\n</tool_call>'
     "{% endfor %}<|end|>"
     "{%- elif m.role == 'tool' %}<|user|><tool_response id=\"{{ m.tool_call_id }}\">{{ m.content }}</tool_response><|end|>"
     "{%- else %}<|{{ m.role }}|>{{ m.content }}<|end|>{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
 )
-SCRIPT = ('<think>The user wants weather; {"not": "a call"}</think>\n\nLet me check.'
-          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-          '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": [3, {"c": "}"}]}}\n</tool_call>')
+SCRIPT = (
+    '<think>The user wants weather; {"not": "a call"}</think>\n\nLet me check.'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": [3, {"c": "}"}]}}\n</tool_call>'
+)
 USER = [{"role": "user", "content": "weather in Paris?"}]
 
 
@@ -78,17 +80,21 @@ def test_auto_tool_calls_and_reasoning_parse_identically_streaming_or_not(fake):
         fake.scripted_texts.append(SCRIPT)
         whole = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS).choices[0]
         fake.scripted_texts.append(SCRIPT)
-        streamed = _collect_stream(client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS,
-                                                                  stream=True))
+        streamed = _collect_stream(
+            client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS, stream=True)
+        )
     message = whole.message
     assert whole.finish_reason == streamed["finish"] == "tool_calls"
-    assert message.model_extra["reasoning_content"] == streamed["reasoning"] == \
-        'The user wants weather; {"not": "a call"}'
+    assert (
+        message.model_extra["reasoning_content"] == streamed["reasoning"] == 'The user wants weather; {"not": "a call"}'
+    )
     assert message.content == streamed["content"] == "Let me check."
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
     assert calls == [(c["name"], c["arguments"]) for c in streamed["calls"].values()]
     assert [(name, json.loads(args)) for name, args in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 2, "b": [3, {"c": "}"}]})]
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("add", {"a": 2, "b": [3, {"c": "}"}]}),
+    ]
     assert all(c.id.startswith("call_") for c in message.tool_calls)
 
 
@@ -96,8 +102,9 @@ def test_no_tools_or_tool_choice_none_leaves_the_text_alone(fake):
     with LiveServer(fake) as live:
         client = _client(live)
         fake.scripted_texts.append(SCRIPT)
-        choice = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS,
-                                                tool_choice="none").choices[0]
+        choice = client.chat.completions.create(
+            model="fake-model", messages=USER, tools=TOOLS, tool_choice="none"
+        ).choices[0]
     assert choice.message.content == SCRIPT and not choice.message.tool_calls and choice.finish_reason == "stop"
 
 
@@ -107,8 +114,10 @@ def test_tool_result_round_trip_renders_through_the_chat_template(fake, tokenize
         fake.scripted_texts.append(SCRIPT.split("</think>")[1])
         first = client.chat.completions.create(model="fake-model", messages=USER, tools=TOOLS).choices[0].message
         history = USER + [first.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})]
-        history += [{"role": "tool", "tool_call_id": call.id, "content": f"result of {call.function.name}"}
-                    for call in first.tool_calls]
+        history += [
+            {"role": "tool", "tool_call_id": call.id, "content": f"result of {call.function.name}"}
+            for call in first.tool_calls
+        ]
         client.chat.completions.create(model="fake-model", messages=history, tools=TOOLS, max_tokens=2)
     sent = fake.requests[-1].prompt_token_ids
     text = tokenizer.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True, tokenize=False)
@@ -137,7 +146,8 @@ def test_parser_deltas_add_up_to_the_message_for_any_chunking(seed):
             entry[0] += call["function"].get("name", "")
             entry[1] += call["function"]["arguments"]
     assert [tuple(v) for v in streamed.values()] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in reference["tool_calls"]]
+        (c["function"]["name"], c["function"]["arguments"]) for c in reference["tool_calls"]
+    ]
 
 
 def test_thinking_disabled_and_plain_text_are_content():
@@ -175,11 +185,14 @@ def test_forced_tool_choice_with_fake_engine_is_validated(fake):
             client.chat.completions.create(model="fake-model", messages=USER, tool_choice="required")
         assert err.value.body["param"] == "tool_choice"
         fake.scripted_texts.append('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
-        choice = client.chat.completions.create(model="fake-model", messages=USER, tools=[ADD_TOOL],
-                                                tool_choice="required").choices[0]
+        choice = client.chat.completions.create(
+            model="fake-model", messages=USER, tools=[ADD_TOOL], tool_choice="required"
+        ).choices[0]
     assert fake.requests[-1].params.structured_output.kind == "lark"
-    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == \
-        {"a": 1, "b": 2}
+    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == {
+        "a": 1,
+        "b": 2,
+    }
 
 
 def test_reasoning_parser_from_cli_flag_and_yaml(tmp_path):
@@ -203,14 +216,15 @@ def test_mask_allows_eos_when_the_grammar_accepts_and_never_ids_past_the_tokeniz
 
     def allowed() -> np.ndarray:
         bits = np.unpackbits(manager.fill(["r"], 8)[0].view(np.uint8), bitorder="little")
-        assert bits.shape[0] >= vocab and not bits[len(tokenizer):].any()
+        assert bits.shape[0] >= vocab and not bits[len(tokenizer) :].any()
         return np.flatnonzero(bits)
 
     assert tokenizer.eos_token_id not in allowed()  # nothing matched yet: the end is not allowed
     assert not manager.advance("r", tokenizer.convert_tokens_to_ids("7"))
     after = allowed()
-    assert tokenizer.eos_token_id in after and all(tokenizer.decode([t]).isdigit() for t in after
-                                                   if t != tokenizer.eos_token_id)
+    assert tokenizer.eos_token_id in after and all(
+        tokenizer.decode([t]).isdigit() for t in after if t != tokenizer.eos_token_id
+    )
 
 
 def test_structured_output_benchmark_sections_without_a_model(tokenizer):
@@ -274,25 +288,31 @@ def test_compiler_caches_results_and_errors_and_bounds_compile_time():
     slow.shutdown()
 
 
-THINKING_TEMPLATE = TOOL_TEMPLATE.replace("<|assistant|>{%- endif %}",
-                                          "<|assistant|><think>\n{%- endif %}")  # opens the block (Qwen3.5)
+THINKING_TEMPLATE = TOOL_TEMPLATE.replace(
+    "<|assistant|>{%- endif %}", "<|assistant|><think>\n{%- endif %}"
+)  # opens the block (Qwen3.5)
 MAY_THINK_TEMPLATE = TOOL_TEMPLATE.replace(  # renders past reasoning; the model writes <think> itself
     "{%- else %}<|{{ m.role }}|>",
-    "{%- else %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}")
+    "{%- else %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}",
+)
 
 
-@pytest.mark.parametrize("template, kwargs, rule", [
-    (THINKING_TEMPLATE, {}, "after"),  # the prompt opens <think>: the grammar starts after </think>
-    (THINKING_TEMPLATE, {"chat_template_kwargs": {"enable_thinking": False}}, "first"),
-    (MAY_THINK_TEMPLATE, {}, "optional"),  # the model may open <think> itself
-    (TOOL_TEMPLATE, {}, "first"),  # a model that never thinks: the grammar is never switched off
-])
+@pytest.mark.parametrize(
+    "template, kwargs, rule",
+    [
+        (THINKING_TEMPLATE, {}, "after"),  # the prompt opens <think>: the grammar starts after </think>
+        (THINKING_TEMPLATE, {"chat_template_kwargs": {"enable_thinking": False}}, "first"),
+        (MAY_THINK_TEMPLATE, {}, "optional"),  # the model may open <think> itself
+        (TOOL_TEMPLATE, {}, "first"),  # a model that never thinks: the grammar is never switched off
+    ],
+)
 def test_with_reasoning_the_grammar_starts_after_thinking_or_at_once(tokenizer, template, kwargs, rule):
     fake = FakeEngine(tokenizer, max_model_len=2048)
     with LiveServer(fake, ServerConfig(reasoning_parser="qwen3", chat_template=template)) as live:
         client = _client(live)
-        client.chat.completions.create(model="fake-model", messages=USER, max_tokens=2,
-                                       response_format={"type": "json_object"}, extra_body=kwargs)
+        client.chat.completions.create(
+            model="fake-model", messages=USER, max_tokens=2, response_format={"type": "json_object"}, extra_body=kwargs
+        )
     grammar = fake.requests[-1].params.structured_output
     assert grammar.kind == "json"
     end = tuple(tokenizer.encode("</think>", add_special_tokens=False))

@@ -44,9 +44,9 @@ from models.abstract import abstract_caches, abstract_model, shard_abstract_mode
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
-from runtime.steps.execution_plan import plan_buckets
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
 from runtime.steps.executables import StepExecutables
+from runtime.steps.execution_plan import plan_buckets
 
 log = logging.getLogger("jaxserve.plan")
 
@@ -116,7 +116,7 @@ class PlanReport:
             raise PlanError(f"{self.config_name}: does not fit {self.chip.name}: " + "; ".join(self.problems))
 
     def step(self, kind: str) -> StepFigures:
-        """"decode": the smallest token bucket holding max_num_seqs; "prefill": the largest bucket."""
+        """ "decode": the smallest token bucket holding max_num_seqs; "prefill": the largest bucket."""
         backbones = [s for s in self.steps if s.name.startswith("backbone")]
         if kind == "prefill":
             return backbones[-1]
@@ -143,8 +143,14 @@ class PlanReport:
         bound = "memory" if moved / self.chip.hbm_bytes_per_s >= s.flops / self.chip.peak_bf16_flops else "compute"
         # each of the mesh's data ranks runs its own batch of `tokens` in the same step (attention DP)
         per_chip = tokens * self.mesh[0] / seconds / self.num_devices if seconds else float("inf")
-        return {"tokens": tokens, "seconds": seconds, "tokens_per_s_per_chip": per_chip, "bound": bound,
-                "bytes": moved, "flops": s.flops}
+        return {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s_per_chip": per_chip,
+            "bound": bound,
+            "bytes": moved,
+            "flops": s.flops,
+        }
 
 
 # ---- the model and the target ----------------------------------------------------------------------
@@ -158,8 +164,10 @@ def model_config_json(launch: LaunchConfig) -> Path:
         return local
     shipped = SHIPPED_MODEL_CONFIGS.get(Path(path).name)
     if shipped is None:
-        raise PlanError(f"{path}: no config.json there and no shipped copy in {MODELS_DIR} "
-                        f"(known: {', '.join(sorted(SHIPPED_MODEL_CONFIGS))})")
+        raise PlanError(
+            f"{path}: no config.json there and no shipped copy in {MODELS_DIR} "
+            f"(known: {', '.join(sorted(SHIPPED_MODEL_CONFIGS))})"
+        )
     return MODELS_DIR / shipped
 
 
@@ -188,8 +196,10 @@ def target_mesh(launch: LaunchConfig) -> Mesh:
         raise PlanError(f"{chip.name}:{par.topology} spans {hosts} hosts, parallel.multihost says {want_hosts}")
     mesh = par.mesh
     if len(devices) != mesh.num_devices:
-        raise PlanError(f"parallel.mesh data={mesh.data} x model={mesh.model} needs {mesh.num_devices} devices; "
-                        f"{chip.name}:{par.topology} has {len(devices)}")
+        raise PlanError(
+            f"parallel.mesh data={mesh.data} x model={mesh.model} needs {mesh.num_devices} devices; "
+            f"{chip.name}:{par.topology} has {len(devices)}"
+        )
     grid = np.array(devices, dtype=object).reshape(mesh.data, mesh.model)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -219,8 +229,10 @@ def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
     if budget < 2 * per_page:
-        problems.append(f"weights {_gib(weight_bytes)} + state slots {_gib(state_bytes)} per device exceed "
-                        f"memory_fraction {fraction} x HBM {_gib(chip.hbm_bytes)} = {_gib(int(chip.hbm_bytes * fraction))}")
+        problems.append(
+            f"weights {_gib(weight_bytes)} + state slots {_gib(state_bytes)} per device exceed "
+            f"memory_fraction {fraction} x HBM {_gib(chip.hbm_bytes)} = {_gib(int(chip.hbm_bytes * fraction))}"
+        )
     return int(max(2, min(want, budget // per_page))), problems
 
 
@@ -240,8 +252,16 @@ def _cost(stage) -> tuple[float, float]:
 def _figures(name: str, tokens: int, compiled) -> StepFigures:
     """Memory of a compiled executable; its cost is filled in by `extrapolated_cost` (see there)."""
     mem = compiled.memory_analysis()
-    return StepFigures(name, tokens, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                       mem.alias_size_in_bytes, mem.temp_size_in_bytes, 0.0, 0.0)
+    return StepFigures(
+        name,
+        tokens,
+        mem.argument_size_in_bytes,
+        mem.output_size_in_bytes,
+        mem.alias_size_in_bytes,
+        mem.temp_size_in_bytes,
+        0.0,
+        0.0,
+    )
 
 
 def truncated_config(cfg, groups: int):
@@ -250,9 +270,22 @@ def truncated_config(cfg, groups: int):
     return dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
 
 
-def extrapolated_cost(cfg, dtype: str, mesh, opts: KernelOptions, T: int, *, num_pages: int, page_size: int,
-                      num_slots: int, kv_dtype: str, max_num_seqs: int, blocks_per_seq: int,
-                      gpu: bool = False, expert_parallel: bool = False) -> tuple[float, float]:
+def extrapolated_cost(
+    cfg,
+    dtype: str,
+    mesh,
+    opts: KernelOptions,
+    T: int,
+    *,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    kv_dtype: str,
+    max_num_seqs: int,
+    blocks_per_seq: int,
+    gpu: bool = False,
+    expert_parallel: bool = False,
+) -> tuple[float, float]:
     """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
     `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
     per-group difference is scaled to the real depth: cost(G) = cost(1) + (G - 1) * (cost(2) - cost(1))."""
@@ -264,16 +297,29 @@ def extrapolated_cost(cfg, dtype: str, mesh, opts: KernelOptions, T: int, *, num
         caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype)
         model.params = unstack_abstract(model.params)
         opts_g = dataclasses.replace(opts, tp=model.tp)
-        exes = StepExecutables(model, caches, opts_g, token_buckets=(T,), seq_buckets=(8,),
-                               max_num_seqs=max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+        exes = StepExecutables(
+            model,
+            caches,
+            opts_g,
+            token_buckets=(T,),
+            seq_buckets=(8,),
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=blocks_per_seq,
+        )
         traced = exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(T))
         costs.append(_cost(traced.lower(lowering_platforms=("cuda",)) if gpu else traced.lower().compile()))
     G = cfg.num_layers // cfg.layer_period()
     return tuple(c1 + (G - 1) * (c2 - c1) for c1, c2 in zip(*costs))
 
 
-def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_buckets: tuple[int, ...] | None = None,
-                compile_sampler: bool = True, compile_cost: bool = True) -> PlanReport:
+def plan_config(
+    launch: LaunchConfig,
+    config_name: str = "<config>",
+    *,
+    token_buckets: tuple[int, ...] | None = None,
+    compile_sampler: bool = True,
+    compile_cost: bool = True,
+) -> PlanReport:
     """Compile `launch` for its chip and report per-device memory and cost (see module docstring).
 
     `token_buckets`: compile only these (a subset, for quick checks); default every bucket.
@@ -281,8 +327,9 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     (`extrapolated_cost`). Nothing is compiled when the weights and state slots alone overflow."""
     par, cache, sched = launch.parallel, launch.cache, launch.scheduler
     if par.chip is None:
-        raise PlanError(f"{config_name}: parallel.chip is not set; plan needs a target chip "
-                        f"({', '.join(sorted(CHIPS))})")
+        raise PlanError(
+            f"{config_name}: parallel.chip is not set; plan needs a target chip ({', '.join(sorted(CHIPS))})"
+        )
     chip = CHIPS[par.chip]
     cfg = parse_config(read_json(model_config_json(launch)))
     dtype = launch.model.dtype
@@ -301,17 +348,26 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
     state_device = slots * model.state_bytes_per_slot() // (tp_size if model.tp is not None and model.tp.gdn else 1)
     weights_device = per_device_bytes(model.params)
-    num_pages, problems = _pool_size(launch, chip, weights_device, per_token_device * page_size, state_device,
-                                     sched.max_num_seqs * blocks_per_seq + 1)
+    num_pages, problems = _pool_size(
+        launch,
+        chip,
+        weights_device,
+        per_token_device * page_size,
+        state_device,
+        sched.max_num_seqs * blocks_per_seq + 1,
+    )
     caches = abstract_caches(model, num_pages, page_size, max(slots, 2), kv_dtype)
     kv_device = per_device_bytes(caches["kv"])
     if (num_pages - 1) * page_size < max_model_len:
-        problems.append(f"the KV pool ({num_pages - 1} pages x {page_size} = {(num_pages - 1) * page_size} tokens, "
-                        f"{_gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence")
+        problems.append(
+            f"the KV pool ({num_pages - 1} pages x {page_size} = {(num_pages - 1) * page_size} tokens, "
+            f"{_gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence"
+        )
     impl = f"pallas_{chip.platform}"
     opts = KernelOptions(attention=impl, gdn=impl, tp=model.tp)
-    buckets, seq_buckets = plan_buckets(sched.max_num_batched_tokens, sched.max_num_seqs, sched.token_buckets,
-                                        chip.platform)
+    buckets, seq_buckets = plan_buckets(
+        sched.max_num_batched_tokens, sched.max_num_seqs, sched.token_buckets, chip.platform
+    )
     buckets = tuple(b for b in buckets if token_buckets is None or b in token_buckets)
     steps: list[StepFigures] = []
     if problems:
@@ -319,8 +375,15 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
     elif gpu:
         steps = _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq)
     else:
-        exes = StepExecutables(model, caches, opts, token_buckets=buckets, seq_buckets=seq_buckets,
-                               max_num_seqs=sched.max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+        exes = StepExecutables(
+            model,
+            caches,
+            opts,
+            token_buckets=buckets,
+            seq_buckets=seq_buckets,
+            max_num_seqs=sched.max_num_seqs,
+            max_blocks_per_seq=blocks_per_seq,
+        )
         try:
             for T in buckets:
                 log.info("compiling backbone T=%d for %s", T, chip.name)
@@ -331,35 +394,76 @@ def plan_config(launch: LaunchConfig, config_name: str = "<config>", *, token_bu
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
-            problems.append(f"the {chip.name} compiler: {str(err).splitlines()[0]} (weights {_gib(weights_device)}, "
-                            f"KV {_gib(kv_device)}, GDN state {_gib(state_device)} per device)")
+            problems.append(
+                f"the {chip.name} compiler: {str(err).splitlines()[0]} (weights {_gib(weights_device)}, "
+                f"KV {_gib(kv_device)}, GDN state {_gib(state_device)} per device)"
+            )
     if steps and compile_cost:
-        decode_T = next((T for T in buckets if T >= sched.max_num_seqs), buckets[-1])
+        decode_T = next((T for T in buckets if sched.max_num_seqs <= T), buckets[-1])
         for T in sorted({decode_T, buckets[-1]}):
             flops, moved = extrapolated_cost(
-                cfg, dtype, mesh, opts, T, num_pages=num_pages, page_size=page_size, num_slots=max(slots, 2),
-                kv_dtype=kv_dtype, max_num_seqs=sched.max_num_seqs, blocks_per_seq=blocks_per_seq, gpu=gpu,
-                expert_parallel=par.expert)
-            steps = [dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
-                     for s in steps]
+                cfg,
+                dtype,
+                mesh,
+                opts,
+                T,
+                num_pages=num_pages,
+                page_size=page_size,
+                num_slots=max(slots, 2),
+                kv_dtype=kv_dtype,
+                max_num_seqs=sched.max_num_seqs,
+                blocks_per_seq=blocks_per_seq,
+                gpu=gpu,
+                expert_parallel=par.expert,
+            )
+            steps = [
+                dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
+                for s in steps
+            ]
     worst = max(steps, key=lambda s: s.peak_bytes, default=None)
     if worst is not None and worst.peak_bytes > chip.hbm_bytes:
-        problems.append(f"{worst.name} needs {_gib(worst.peak_bytes)} per device (arguments "
-                        f"{_gib(worst.argument_bytes)} + outputs {_gib(worst.output_bytes)} - aliased "
-                        f"{_gib(worst.alias_bytes)} + temp {_gib(worst.temp_bytes)}) > HBM {_gib(chip.hbm_bytes)}")
+        problems.append(
+            f"{worst.name} needs {_gib(worst.peak_bytes)} per device (arguments "
+            f"{_gib(worst.argument_bytes)} + outputs {_gib(worst.output_bytes)} - aliased "
+            f"{_gib(worst.alias_bytes)} + temp {_gib(worst.temp_bytes)}) > HBM {_gib(chip.hbm_bytes)}"
+        )
     processes = 1 if par.multihost is None else par.multihost.num_processes
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
-    return PlanReport(config_name, Path(launch.model.path).name, chip, par.mesh.num_devices, processes,
-                      (par.mesh.data, par.mesh.model), param_count, weights_device, kv_device, num_pages, page_size,
-                      per_token_device, state_device, slots, sched.max_num_seqs, max_model_len,
-                      0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9, steps, problems,
-                      expert_parallel=model.tp is not None and model.tp.expert)
+    return PlanReport(
+        config_name,
+        Path(launch.model.path).name,
+        chip,
+        par.mesh.num_devices,
+        processes,
+        (par.mesh.data, par.mesh.model),
+        param_count,
+        weights_device,
+        kv_device,
+        num_pages,
+        page_size,
+        per_token_device,
+        state_device,
+        slots,
+        sched.max_num_seqs,
+        max_model_len,
+        0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9,
+        steps,
+        problems,
+        expert_parallel=model.tp is not None and model.tp.expert,
+    )
 
 
 def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
     """Lower every backbone bucket for CUDA (no compile: no CUDA device); memory = the arrays' sizes."""
-    exes = StepExecutables(model, caches, opts, token_buckets=buckets, seq_buckets=(8,),
-                           max_num_seqs=sched.max_num_seqs, max_blocks_per_seq=blocks_per_seq)
+    exes = StepExecutables(
+        model,
+        caches,
+        opts,
+        token_buckets=buckets,
+        seq_buckets=(8,),
+        max_num_seqs=sched.max_num_seqs,
+        max_blocks_per_seq=blocks_per_seq,
+    )
     cache_bytes = per_device_bytes(caches)
     args_bytes = per_device_bytes(model.params) + cache_bytes
     hidden_bytes = sched.max_num_seqs * model.cfg.hidden_size * jnp.dtype(model.dtype).itemsize
@@ -368,8 +472,19 @@ def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[St
         batch = exes._batch_spec(T)
         lowered = exes._backbone_jit.trace(model.params, exes._cache_specs, batch).lower(lowering_platforms=("cuda",))
         assert lowered.as_text()  # the CUDA lowering (Triton kernels included) succeeded
-        steps.append(StepFigures(f"backbone[T={T}]", T, args_bytes + per_device_bytes(batch), cache_bytes + hidden_bytes,
-                                 cache_bytes, 0, 0.0, 0.0, analytic=True))
+        steps.append(
+            StepFigures(
+                f"backbone[T={T}]",
+                T,
+                args_bytes + per_device_bytes(batch),
+                cache_bytes + hidden_bytes,
+                cache_bytes,
+                0,
+                0.0,
+                0.0,
+                analytic=True,
+            )
+        )
     return steps
 
 
@@ -387,19 +502,25 @@ def format_report(r: PlanReport) -> str:
         f"{'GFLOP':>12}{'GB (XLA)':>11}",
     ]
     for s in r.steps:
-        lines.append(f"  {s.name:<22}{_gib(s.argument_bytes):>12}{_gib(s.output_bytes):>12}{_gib(s.alias_bytes):>12}"
-                     f"{(_gib(s.temp_bytes) if not s.analytic else 'n/a'):>12}{_gib(s.peak_bytes):>12}"
-                     + (f"{s.flops / 1e9:>12.1f}{s.bytes_accessed / 1e9:>11.2f}" if s.flops else f"{'-':>12}{'-':>11}"))
+        lines.append(
+            f"  {s.name:<22}{_gib(s.argument_bytes):>12}{_gib(s.output_bytes):>12}{_gib(s.alias_bytes):>12}"
+            f"{(_gib(s.temp_bytes) if not s.analytic else 'n/a'):>12}{_gib(s.peak_bytes):>12}"
+            + (f"{s.flops / 1e9:>12.1f}{s.bytes_accessed / 1e9:>11.2f}" if s.flops else f"{'-':>12}{'-':>11}")
+        )
     if any(s.analytic for s in r.steps):
-        lines.append("  (GPU: lowered for CUDA, not compiled -- jax cannot compile for CUDA without a CUDA device; "
-                     "memory = array sizes, no temp)")
+        lines.append(
+            "  (GPU: lowered for CUDA, not compiled -- jax cannot compile for CUDA without a CUDA device; "
+            "memory = array sizes, no temp)"
+        )
     for kind in ("decode", "prefill"):
         if r.steps and (r.step(kind).flops or r.step(kind).bytes_accessed):
             f = r.roofline(kind)
             ctx = f" at mean context {ROOFLINE_CONTEXT}" if kind == "decode" else ""
             ranks = f" per DP rank x {r.mesh[0]}" if r.mesh[0] > 1 else ""
-            lines.append(f"  roofline {kind} ({f['tokens']} tokens{ranks}{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
-                         f"{f['seconds'] * 1e3:.2f} ms/step, "
-                         f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)")
+            lines.append(
+                f"  roofline {kind} ({f['tokens']} tokens{ranks}{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
+                f"{f['seconds'] * 1e3:.2f} ms/step, "
+                f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)"
+            )
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
     return "\n".join(lines)

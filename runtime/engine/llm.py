@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from configs.schema import BUILTIN_NAMES, apply_overrides, config_from_dict
 from models.model import Model
 from runtime.engine.llm_engine import LLMEngine
-from configs.schema import BUILTIN_NAMES, apply_overrides, config_from_dict
 from runtime.engine_config import ENGINE_FIELD_KEYS, build_engine_config
 from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out
 
@@ -37,25 +37,45 @@ def _gdn_following(attention_backend: str | None) -> str | None:
 
 
 class LLM:
-    def __init__(self, model: "str | Model", *, dtype: str | None = None, page_size: int | None = None,
-                 num_pages: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
-                 kv_cache_dtype: str | None = None, attention_backend: str | None = None,
-                 gdn_backend: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 **engine_kwargs):
+    def __init__(
+        self,
+        model: str | Model,
+        *,
+        dtype: str | None = None,
+        page_size: int | None = None,
+        num_pages: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        kv_cache_dtype: str | None = None,
+        attention_backend: str | None = None,
+        gdn_backend: str | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        **engine_kwargs,
+    ):
         loaded = model if isinstance(model, Model) else None
         mesh_shape = _mesh_shape(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if mesh_shape is not None:
             engine_kwargs.setdefault("mesh_shape", mesh_shape)
         if enable_expert_parallel:  # MoE experts split by expert index over tensor_parallel_size devices
             engine_kwargs.setdefault("expert_parallel", True)
-        named = dict(dtype=dtype, page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                     kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-                     gdn_backend=gdn_backend or _gdn_following(attention_backend))
-        fields = {**{k: v for k, v in named.items() if v is not None},  # None: the default
-                  **{k: v for k, v in engine_kwargs.items() if k in ENGINE_FIELD_KEYS}}  # None may mean something
+        named = dict(
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_backend=attention_backend,
+            gdn_backend=gdn_backend or _gdn_following(attention_backend),
+        )
+        fields = {
+            **{k: v for k, v in named.items() if v is not None},  # None: the default
+            **{k: v for k, v in engine_kwargs.items() if k in ENGINE_FIELD_KEYS},
+        }  # None may mean something
         engine_only = {k: v for k, v in engine_kwargs.items() if k not in ENGINE_FIELD_KEYS}
         overrides = {ENGINE_FIELD_KEYS[k]: v for k, v in fields.items()}
         launch = config_from_dict(apply_overrides({}, overrides))  # ConfigError (a ValueError) naming the key
@@ -71,9 +91,12 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

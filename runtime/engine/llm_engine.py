@@ -56,24 +56,24 @@ import numpy as np
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
-from pallas_kernels import cpu_native
 from paged_kv.checkpoint_policy import plan_state_slots
-from runtime.steps.async_step import InFlightStep, no_feed_rows
+from pallas_kernels import cpu_native
 from runtime.buckets import bucket_for, pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
-from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
 from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.engine_config import EngineConfig
-from runtime.steps.execution_plan import ExecutionPlan, plan_execution
-from runtime.kv_transfer.hooks import build_kv_transfer
-from runtime.parallel.mesh import make_mesh
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
+from runtime.engine_config import EngineConfig
+from runtime.kv_transfer.hooks import build_kv_transfer
+from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
+from runtime.parallel.mesh import make_mesh
 from runtime.scheduling.request import Request
-from runtime.steps.table_host import RequestTableHost
+from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
+from runtime.steps.async_step import InFlightStep, no_feed_rows
+from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
+from runtime.steps.execution_plan import ExecutionPlan, plan_execution
 from runtime.steps.sampler import SamplerOutput
 from runtime.steps.sampling_metadata import SamplingMetadata
-from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
-from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
+from runtime.steps.table_host import RequestTableHost
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
 from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
@@ -93,8 +93,13 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Model | None = None, progress: bool = False,
-                 plan: ExecutionPlan | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: Model | None = None,
+        progress: bool = False,
+        plan: ExecutionPlan | None = None,
+    ):
         """Carry out `plan` (default: `plan_execution(config, model config, backend)`): every
         execution choice is made there, none here."""
         self.config = config
@@ -103,17 +108,24 @@ class LLMEngine:
         mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
         qcfg = config.quantization_config()
         # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
-        self.model = model or load_model(config.model, dtype=config.dtype, progress=progress, mesh=mesh,
-                                         quantization=qcfg, keep_gguf_quantized=config.keep_gguf_quantized,
-                                         expert_parallel=config.expert_parallel)
+        self.model = model or load_model(
+            config.model,
+            dtype=config.dtype,
+            progress=progress,
+            mesh=mesh,
+            quantization=qcfg,
+            keep_gguf_quantized=config.keep_gguf_quantized,
+            expert_parallel=config.expert_parallel,
+        )
         if model is not None and qcfg is not None and not model.quantization:
             model.quantize(qcfg)
         if mesh is not None and self.model.tp is None:
             shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
         cfg = self.model.cfg
         backend = jax.default_backend()
-        self.plan = plan or plan_execution(config, cfg, backend, dtype=self.model.dtype,
-                                           native_matmul=backend == "cpu" and cpu_native.matmul_simd())
+        self.plan = plan or plan_execution(
+            config, cfg, backend, dtype=self.model.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
+        )
         for warning in self.plan.warnings:
             log.warning("%s", warning)
         log.info("%s", self.plan.describe())
@@ -133,9 +145,12 @@ class LLMEngine:
         num_slots, num_checkpoint_slots = 0, None
         if cfg.is_hybrid:  # one slot per running sequence + the checkpoint budget (docs/prefix_caching.md)
             num_slots, num_checkpoint_slots = plan_state_slots(
-                max_num_seqs=config.max_num_seqs, prefix_caching=config.enable_prefix_caching,
-                budget_fraction=config.hybrid_checkpoint_budget, cache_bytes=self._cache_budget_bytes(),
-                state_bytes_per_slot=self.model.state_bytes_per_slot())
+                max_num_seqs=config.max_num_seqs,
+                prefix_caching=config.enable_prefix_caching,
+                budget_fraction=config.hybrid_checkpoint_budget,
+                cache_bytes=self._cache_budget_bytes(),
+                state_bytes_per_slot=self.model.state_bytes_per_slot(),
+            )
             if config.num_state_slots:
                 num_slots, num_checkpoint_slots = config.num_state_slots, None
         dp_size = data_parallel_size(config)
@@ -143,24 +158,42 @@ class LLMEngine:
             num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
         num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
         check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
-        self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, num_state_slots=num_slots,
-                                        enable_prefix_caching=config.enable_prefix_caching,
-                                        checkpoint_policy=config.hybrid_checkpoint_policy,
-                                        num_checkpoint_slots=num_checkpoint_slots)
+        self.cache_config = CacheConfig(
+            page_size=page_size,
+            num_pages=num_pages,
+            num_state_slots=num_slots,
+            enable_prefix_caching=config.enable_prefix_caching,
+            checkpoint_policy=config.hybrid_checkpoint_policy,
+            num_checkpoint_slots=num_checkpoint_slots,
+        )
         self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, policy=config.policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold)
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
-        self.opts = KernelOptions(attention=self.plan.attention_path, gdn=self.plan.gdn_path,
-                                  interpret=config.interpret, tp=self.model.tp)
-        self.caches = self.model.init_caches(num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype,
-                                             bit_storage=self.plan.kv_bit_storage)
+        self.opts = KernelOptions(
+            attention=self.plan.attention_path, gdn=self.plan.gdn_path, interpret=config.interpret, tp=self.model.tp
+        )
+        self.caches = self.model.init_caches(
+            num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype, bit_storage=self.plan.kv_bit_storage
+        )
         self.token_buckets, self.seq_buckets = self.plan.token_buckets, self.plan.seq_buckets
         self.executables = StepExecutables(
-            self.model, self.caches, self.opts, token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
-            max_num_seqs=config.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq, max_top_k=config.max_top_k,
-            fuse_greedy=self.plan.fuse_greedy, max_model_len=self.max_model_len, page_size=page_size)
+            self.model,
+            self.caches,
+            self.opts,
+            token_buckets=self.token_buckets,
+            seq_buckets=self.seq_buckets,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            max_top_k=config.max_top_k,
+            fuse_greedy=self.plan.fuse_greedy,
+            max_model_len=self.max_model_len,
+            page_size=page_size,
+        )
         self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
         # the device-resident request table (runtime/steps/table_host.py); attention DP builds host batches
         self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
@@ -238,8 +271,14 @@ class LLMEngine:
             request = self.kv_transfer.prepare(request)
         request = self.validate_request(request)
         params = request.params
-        req = Request(request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
-                      arrival_time=request.arrival_time or time.monotonic(), eos_token_ids=self._eos_token_ids)
+        req = Request(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            priority=request.priority,
+            arrival_time=request.arrival_time or time.monotonic(),
+            eos_token_ids=self._eos_token_ids,
+        )
         if params.structured_output is not None:  # GrammarError (a ValueError) when invalid
             self.structured_output.add(req.request_id, params.structured_output)
         try:
@@ -252,8 +291,11 @@ class LLMEngine:
         self._requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output)
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
         if params.logprobs is not None:
             self._logprobs[req.request_id] = []
         if params.prompt_logprobs is not None:
@@ -268,8 +310,11 @@ class LLMEngine:
         return self._output(req, finished=True)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or self._prev is not None
-                or (self.kv_transfer is not None and self.kv_transfer.has_pending()))
+        return (
+            self.scheduler.has_unfinished()
+            or self._prev is not None
+            or (self.kv_transfer is not None and self.kv_transfer.has_pending())
+        )
 
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
@@ -292,7 +337,7 @@ class LLMEngine:
         pending = failure = None
         try:
             pending = None if out.is_empty else self._dispatch(out)
-        except Exception as err:  # noqa: BLE001 - fail this step's requests, keep serving
+        except Exception as err:
             failure = err
         if self._prev is not None:
             settled, prev_failure = self._settle_prev()
@@ -302,7 +347,7 @@ class LLMEngine:
         if pending is not None and failure is None:
             try:
                 self._prev = self._record(out, pending)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 failure = err
         if failure is not None:
             outputs += self._fail_step(out, failure)
@@ -320,8 +365,12 @@ class LLMEngine:
             if index is None or req.is_finished:
                 continue
             p = req.params
-            if (p.structured_output is not None or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                    or p.repetition_penalty != 1.0):
+            if (
+                p.structured_output is not None
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+                or p.repetition_penalty != 1.0
+            ):
                 return True
         return False
 
@@ -340,15 +389,21 @@ class LLMEngine:
         prev, self._prev = self._prev, None
         try:
             self._resolve(prev)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             return self._fail_step(prev.out, err), err
         return self._emit(prev), None
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
         """End the requests of a failed step with an error output each; raise EngineDeadError
         if the failure took the device caches with it."""
-        log.error("engine step %d failed (%s: %s); failing its %d requests", self.num_steps, type(err).__name__,
-                  err, len(out.sequences), exc_info=err)
+        log.error(
+            "engine step %d failed (%s: %s); failing its %d requests",
+            self.num_steps,
+            type(err).__name__,
+            err,
+            len(out.sequences),
+            exc_info=err,
+        )
         outputs = []
         for req in self.scheduler.abandon(out):
             self.scheduler.finish(req.request_id, "error")
@@ -397,7 +452,7 @@ class LLMEngine:
             T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])
         else:
             T, table_args, targets = self._table_inputs(out)
-        plain_greedy = (targets is None and T in ex.greedy_buckets and all(self._plain_greedy(r) for r in reqs))
+        plain_greedy = targets is None and T in ex.greedy_buckets and all(self._plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         if self.kv_transfer is not None:
@@ -427,9 +482,15 @@ class LLMEngine:
         if self._structured is not None and len(self._structured):
             bitmask = self._structured.fill([s.request_id if s.sample else None for s in out.sequences], S)
         meta = SamplingMetadata.from_params(
-            [r.params for r in reqs], [r.num_output_tokens for r in reqs], [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs], pad_to=S, rng=self._rng,
-            banned_ids=[r.banned_token_ids() for r in reqs], row_params=not ex.row_params_in_table)
+            [r.params for r in reqs],
+            [r.num_output_tokens for r in reqs],
+            [r.output_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            pad_to=S,
+            rng=self._rng,
+            banned_ids=[r.banned_token_ids() for r in reqs],
+            row_params=not ex.row_params_in_table,
+        )
         all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
         return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask, self.table), scores
 
@@ -437,9 +498,16 @@ class LLMEngine:
     def _plain_greedy(req: Request) -> bool:
         """Argmax of the raw logits is this request's next token: the fused greedy backbone applies."""
         p = req.params
-        return (p.temperature <= 0.0 and p.logprobs is None and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
-                and p.structured_output is None and not req.banned_token_ids())
+        return (
+            p.temperature <= 0.0
+            and p.logprobs is None
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0
+            and not p.logit_bias
+            and p.structured_output is None
+            and not req.banned_token_ids()
+        )
 
     def _resolve(self, step: InFlightStep) -> None:
         """Wait for the step's tokens; write them over its placeholders and apply the token stops
@@ -451,8 +519,11 @@ class LLMEngine:
             self._prompt_logprobs.record(step.out, step.scores)
         grammar_done = []
         if self._structured is not None and len(self._structured):
-            grammar_done = [req.request_id for row, req, index in step.placed
-                            if index is not None and self._structured.advance(req.request_id, int(step.tokens[row]))]
+            grammar_done = [
+                req.request_id
+                for row, req, index in step.placed
+                if index is not None and self._structured.advance(req.request_id, int(step.tokens[row]))
+            ]
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
@@ -471,8 +542,11 @@ class LLMEngine:
             if req.request_id in self._logprobs:
                 lp, top_ids, top_lp = step.logprobs
                 n = req.params.logprobs
-                self._logprobs[req.request_id].append(TokenLogprob(
-                    token, float(lp[row]), [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]))
+                self._logprobs[req.request_id].append(
+                    TokenLogprob(
+                        token, float(lp[row]), [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
+                    )
+                )
             detok = self._detok.get(req.request_id)
             if detok is not None:
                 hit = detok.add([token])
@@ -486,12 +560,21 @@ class LLMEngine:
         if finished and detok is not None:
             detok.flush()
         completion = CompletionOutput(
-            index=0, token_ids=req.resolved_output_token_ids, text=detok.visible_text(finished) if detok else "",
+            index=0,
+            token_ids=req.resolved_output_token_ids,
+            text=detok.visible_text(finished) if detok else "",
             logprobs=list(self._logprobs[req.request_id]) if req.request_id in self._logprobs else None,
-            finish_reason=req.finish_reason if finished else None, stop_reason=req.stop_reason if finished else None)
-        output = RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished=finished,
-                               num_cached_tokens=req.num_cached_tokens,
-                               prompt_logprobs=self._prompt_logprobs.finished(req.request_id))
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+        output = RequestOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            [completion],
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs.finished(req.request_id),
+        )
         if finished and self.kv_transfer is not None:
             output.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:

@@ -30,8 +30,10 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     `mesh_shape` when it spans more than one device."""
     parallel = config.parallel
     if parallel.multihost is not None and parallel.multihost.num_processes > 1 and parallel.role != "both":
-        raise ValueError("multi-process serving (parallel.multihost) runs role: both only; "
-                         "P/D disaggregation across processes of one mesh is not built")
+        raise ValueError(
+            "multi-process serving (parallel.multihost) runs role: both only; "
+            "P/D disaggregation across processes of one mesh is not built"
+        )
     initialize_multihost(parallel)
     # serving compiles every executable a step can ask for at start-up (compile.aot), then seals
     return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
@@ -42,7 +44,12 @@ def load_engine(config, model_path: str) -> LLMEngine:
     thread, in the engine process otherwise), logging what it got."""
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True)
-    log.info("engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s", time.perf_counter() - t0,
-             Path(model_path).name, engine.cache_config.num_pages, engine.config.page_size,
-             list(engine.token_buckets))
+    log.info(
+        "engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s",
+        time.perf_counter() - t0,
+        Path(model_path).name,
+        engine.cache_config.num_pages,
+        engine.config.page_size,
+        list(engine.token_buckets),
+    )
     return engine

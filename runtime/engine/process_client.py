@@ -85,15 +85,30 @@ class _DeltaEncoder:
         keep_logprobs = n_logprobs if logprobs is not None and len(logprobs) >= n_logprobs else 0
         send_prompt_lp = out.prompt_logprobs is not None and not prompt_sent
         delta = _OutputDelta(
-            out.request_id, keep_tokens, tokens[keep_tokens:], keep_text, completion.text[keep_text:],
-            keep_logprobs, None if logprobs is None else logprobs[keep_logprobs:],
-            completion.finish_reason, completion.stop_reason, out.finished, out.num_cached_tokens, out.error,
-            out.prompt_logprobs if send_prompt_lp else None, out.kv_transfer_params)
+            out.request_id,
+            keep_tokens,
+            tokens[keep_tokens:],
+            keep_text,
+            completion.text[keep_text:],
+            keep_logprobs,
+            None if logprobs is None else logprobs[keep_logprobs:],
+            completion.finish_reason,
+            completion.stop_reason,
+            out.finished,
+            out.num_cached_tokens,
+            out.error,
+            out.prompt_logprobs if send_prompt_lp else None,
+            out.kv_transfer_params,
+        )
         if out.finished:
             self._sent.pop(out.request_id, None)
         else:
-            self._sent[out.request_id] = (len(tokens), completion.text, 0 if logprobs is None else len(logprobs),
-                                          prompt_sent or send_prompt_lp)
+            self._sent[out.request_id] = (
+                len(tokens),
+                completion.text,
+                0 if logprobs is None else len(logprobs),
+                prompt_sent or send_prompt_lp,
+            )
         return delta
 
     def forget(self, request_id: str) -> None:
@@ -103,7 +118,7 @@ class _DeltaEncoder:
 class _Stream:
     """Parent side: one request's queue and the cumulative output rebuilt from deltas."""
 
-    __slots__ = ("request", "queue", "tokens", "text", "logprobs", "prompt_logprobs")
+    __slots__ = ("logprobs", "prompt_logprobs", "queue", "request", "text", "tokens")
 
     def __init__(self, request: EngineRequest) -> None:
         self.request = request
@@ -114,18 +129,31 @@ class _Stream:
         self.prompt_logprobs = None
 
     def apply(self, d: _OutputDelta) -> RequestOutput:
-        self.tokens = self.tokens[:d.keep_tokens] + d.new_tokens
-        self.text = self.text[:d.keep_text] + d.new_text
+        self.tokens = self.tokens[: d.keep_tokens] + d.new_tokens
+        self.text = self.text[: d.keep_text] + d.new_text
         if d.new_logprobs is not None:
-            self.logprobs = (self.logprobs or [])[:d.keep_logprobs] + d.new_logprobs
+            self.logprobs = (self.logprobs or [])[: d.keep_logprobs] + d.new_logprobs
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
         # fresh lists each step (rebound above, never mutated): earlier outputs stay as they were
-        completion = CompletionOutput(0, self.tokens, self.text, self.logprobs,
-                                      d.finish_reason if d.finished else None, d.stop_reason if d.finished else None)
-        return RequestOutput(d.request_id, self.request.prompt_token_ids, [completion], finished=d.finished,
-                             num_cached_tokens=d.num_cached_tokens, error=d.error,
-                             prompt_logprobs=self.prompt_logprobs, kv_transfer_params=d.kv_transfer_params)
+        completion = CompletionOutput(
+            0,
+            self.tokens,
+            self.text,
+            self.logprobs,
+            d.finish_reason if d.finished else None,
+            d.stop_reason if d.finished else None,
+        )
+        return RequestOutput(
+            d.request_id,
+            self.request.prompt_token_ids,
+            [completion],
+            finished=d.finished,
+            num_cached_tokens=d.num_cached_tokens,
+            error=d.error,
+            prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=d.kv_transfer_params,
+        )
 
 
 class EngineProcessClient:
@@ -161,13 +189,17 @@ class EngineProcessClient:
         return build_compiler(self.tokenizer, self.vocab_size, self._eos_token_ids)
 
     @classmethod
-    def start(cls, config, model_path: str, model_name: str) -> "EngineProcessClient":
+    def start(cls, config, model_path: str, model_name: str) -> EngineProcessClient:
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
         root = logging.getLogger()
-        process = ctx.Process(target=_child_main, name="jaxserve-engine",
-                              args=(cmd_recv, out_send, config, model_path, root.level), daemon=True)
+        process = ctx.Process(
+            target=_child_main,
+            name="jaxserve-engine",
+            args=(cmd_recv, out_send, config, model_path, root.level),
+            daemon=True,
+        )
         process.start()
         cmd_recv.close()
         out_send.close()
@@ -192,8 +224,9 @@ class EngineProcessClient:
 
     async def generate(self, request: EngineRequest):
         if not self.is_healthy():
-            raise EngineDeadError(f"the engine process has died: "
-                                  f"{self._death or f'exit code {self._process.exitcode}'}")
+            raise EngineDeadError(
+                f"the engine process has died: {self._death or f'exit code {self._process.exitcode}'}"
+            )
         self._bind_loop()
         rid = request.request_id
         if rid in self._streams:
@@ -282,16 +315,18 @@ def _wait_ready(process, outputs) -> dict:
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while not outputs.poll(1.0):
         if not process.is_alive():
-            raise RuntimeError(f"the engine process exited during start-up (code {process.exitcode}); "
-                               "its log above says why")
+            raise RuntimeError(
+                f"the engine process exited during start-up (code {process.exitcode}); its log above says why"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"the engine process was not ready after {_READY_TIMEOUT_S:.0f} s")
     try:
         message = outputs.recv()
     except EOFError:
         process.join(5.0)
-        raise RuntimeError(f"the engine process exited during start-up (code {process.exitcode}); "
-                           "its log above says why") from None
+        raise RuntimeError(
+            f"the engine process exited during start-up (code {process.exitcode}); its log above says why"
+        ) from None
     if message[0] == "failed":
         raise RuntimeError(f"the engine failed to start: {message[1]}")
     return message[1]
@@ -317,11 +352,15 @@ def _child_main(commands, outputs, config, model_path: str, log_level: int) -> N
     sys.setswitchinterval(config.server.gil_switch_interval_ms / 1e3)  # the command reader thread
     try:
         engine = load_engine(config, model_path)
-        ready = {"max_model_len": engine.max_model_len, "vocab_size": engine.model.cfg.vocab_size,
-                 "tokenizer": engine.tokenizer, "eos_token_ids": tuple(engine.model.cfg.eos_token_ids),
-                 "stats": engine.stats()}
+        ready = {
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model.cfg.vocab_size,
+            "tokenizer": engine.tokenizer,
+            "eos_token_ids": tuple(engine.model.cfg.eos_token_ids),
+            "stats": engine.stats(),
+        }
         outputs.send(("ready", ready))
-    except BaseException as err:  # noqa: BLE001 - tell the parent, then exit non-zero
+    except BaseException as err:
         log.critical("the engine failed to start", exc_info=err)
         try:
             outputs.send(("failed", f"{type(err).__name__}: {err}"))
@@ -352,7 +391,7 @@ class _ChildLoop:
     def run(self) -> None:
         try:
             self._loop()
-        except BaseException as err:  # noqa: BLE001 - the loop is gone: say so, exit non-zero
+        except BaseException as err:
             log.critical("the engine loop died; failing %d requests", len(self.live), exc_info=err)
             try:
                 self.outputs.send(("dead", f"the engine loop died: {type(err).__name__}: {err}"))

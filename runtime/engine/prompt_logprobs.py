@@ -52,13 +52,18 @@ class PromptLogprobRecords:
     def record(self, out: SchedulerOutput, scores) -> None:
         """Fill each scored request's record from the step's TokenScores."""
         logprobs, ranks, top_ids, top_lp = (
-            np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs))
+            np.asarray(a) for a in (scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)
+        )
         for row, request, predicted in scored_rows(out):
             record = self._records.get(request.request_id)
             if record is not None and record[predicted] is None:
                 n = request.params.prompt_logprobs
-                record[predicted] = TokenLogprob(request.prompt_token_ids[predicted], float(logprobs[row]), [
-                    (int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])], int(ranks[row]))
+                record[predicted] = TokenLogprob(
+                    request.prompt_token_ids[predicted],
+                    float(logprobs[row]),
+                    [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])],
+                    int(ranks[row]),
+                )
 
     def finished(self, request_id: str) -> list[TokenLogprob | None] | None:
         """The prompt logprobs once every prompt position is scored (the first is always None)."""

@@ -14,8 +14,8 @@ import contextlib
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from runtime.engine.llm_engine import EngineDeadError, LLMEngine
 from runtime.types import EngineBusy, EngineRequest, RequestOutput
@@ -26,7 +26,7 @@ log = logging.getLogger("jaxserve.engine")
 @dataclass
 class _Add:
     request: EngineRequest
-    sink: "_Sink"
+    sink: _Sink
 
 
 @dataclass
@@ -149,7 +149,7 @@ class AsyncEngine:
             except (ValueError, EngineBusy) as err:
                 cmd.sink.put(err)
                 return
-            except Exception as err:  # noqa: BLE001 - one request's failure never ends the loop
+            except Exception as err:
                 log.exception("request %s: refused by an unexpected error", rid)
                 cmd.sink.put(err)
                 return
@@ -163,7 +163,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as err:  # noqa: BLE001 - the loop is gone: say so, fail everyone
+        except BaseException as err:
             self._death = err
             log.critical("the engine loop died; failing %d requests", len(self._sinks), exc_info=err)
             for sink in self._sinks.values():

@@ -65,7 +65,7 @@ class KVTransferConfig:
 
 
 def normalize_peer(peer: str) -> str:
-    """"host:port" (an http:// URL's netloc is accepted) -> "host:port" lowercased; ValueError if not."""
+    """ "host:port" (an http:// URL's netloc is accepted) -> "host:port" lowercased; ValueError if not."""
     text = str(peer).strip().lower().removeprefix("http://").rstrip("/")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or "@" in host:
@@ -117,5 +117,5 @@ class KVConnector(abc.ABC):
     def stats(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most connectors hold nothing to close
         pass

@@ -53,7 +53,7 @@ class ControlServer:
         class _Handler(BaseHTTPRequestHandler):
             timeout = READ_TIMEOUT_S  # per socket read: a silent or trickling peer frees its thread
 
-            def do_POST(self):  # noqa: N802 - http.server's naming
+            def do_POST(self):
                 if not slots.acquire(blocking=False):
                     return self._reply(503, {"error": "too many control connections"})
                 try:

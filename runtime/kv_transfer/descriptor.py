@@ -36,8 +36,21 @@ LAST_TOKEN_RULES = {LAST_TOKEN_RULE: 1, ADOPT_RULE: 0}  # rule -> prompt tokens 
 # Logical KV dtypes a descriptor may name (jnp.dtype(name).name of the cache dtypes we build).
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 MAX_PAGE_SIZE = 4096
-DESCRIPTOR_KEYS = frozenset({"version", "rule", "num_tokens", "token_digest", "first_token", "page_size",
-                             "num_pages", "kv_dtype", "kv_wire", "model", "arrays"})
+DESCRIPTOR_KEYS = frozenset(
+    {
+        "version",
+        "rule",
+        "num_tokens",
+        "token_digest",
+        "first_token",
+        "page_size",
+        "num_pages",
+        "kv_dtype",
+        "kv_wire",
+        "model",
+        "arrays",
+    }
+)
 
 
 def token_digest(token_ids) -> str:
@@ -48,21 +61,44 @@ def token_digest(token_ids) -> str:
 def model_signature(cfg, num_groups: int, fingerprint: str = "") -> dict:
     """What both sides must agree on: the checkpoint (architecture and identity), not the
     serving layout."""
-    sig = {"layer_types": list(cfg.layer_types[:cfg.layer_period()]), "num_groups": num_groups,
-           "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-           "fingerprint": fingerprint}
+    sig = {
+        "layer_types": list(cfg.layer_types[: cfg.layer_period()]),
+        "num_groups": num_groups,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "fingerprint": fingerprint,
+    }
     if cfg.is_hybrid:
         sig["conv"] = [cfg.linear_conv_kernel_dim - 1, cfg.conv_dim]
         sig["rec"] = [cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim]
     return sig
 
 
-def build_descriptor(*, prompt_token_ids, num_tokens: int, rule: str = LAST_TOKEN_RULE, page_size: int,
-                     num_pages: int, kv_dtype: str, kv_wire: str, signature: dict, arrays: list[list]) -> dict:
-    return {"version": DESCRIPTOR_VERSION, "rule": rule, "num_tokens": num_tokens,
-            "token_digest": token_digest(prompt_token_ids[:num_tokens]), "page_size": page_size,
-            "num_pages": num_pages, "kv_dtype": kv_dtype, "kv_wire": kv_wire, "model": signature,
-            "arrays": arrays}
+def build_descriptor(
+    *,
+    prompt_token_ids,
+    num_tokens: int,
+    rule: str = LAST_TOKEN_RULE,
+    page_size: int,
+    num_pages: int,
+    kv_dtype: str,
+    kv_wire: str,
+    signature: dict,
+    arrays: list[list],
+) -> dict:
+    return {
+        "version": DESCRIPTOR_VERSION,
+        "rule": rule,
+        "num_tokens": num_tokens,
+        "token_digest": token_digest(prompt_token_ids[:num_tokens]),
+        "page_size": page_size,
+        "num_pages": num_pages,
+        "kv_dtype": kv_dtype,
+        "kv_wire": kv_wire,
+        "model": signature,
+        "arrays": arrays,
+    }
 
 
 def _is_int(value) -> bool:
@@ -89,8 +125,10 @@ def check_descriptor(desc, *, prompt_token_ids, signature: dict) -> int:
         raise TransferError(f"last-token rule {rule!r}, this instance reads {sorted(LAST_TOKEN_RULES)}")
     num_tokens, unshipped = desc.get("num_tokens"), LAST_TOKEN_RULES[rule]
     if not _is_int(num_tokens) or num_tokens < 1 or num_tokens != len(prompt_token_ids) - unshipped:
-        raise TransferError(f"descriptor covers {num_tokens!r} tokens; the prompt has {len(prompt_token_ids)} "
-                            f"(rule {rule}: expected N{'-1' if unshipped else ''})")
+        raise TransferError(
+            f"descriptor covers {num_tokens!r} tokens; the prompt has {len(prompt_token_ids)} "
+            f"(rule {rule}: expected N{'-1' if unshipped else ''})"
+        )
     if rule == ADOPT_RULE:
         first = desc.get("first_token")
         if not _is_int(first) or not 0 <= first < signature["vocab_size"]:
@@ -101,19 +139,26 @@ def check_descriptor(desc, *, prompt_token_ids, signature: dict) -> int:
         raise TransferError("descriptor's token digest does not match this request's prompt")
     if desc.get("model") != signature:
         model = desc.get("model")
-        if isinstance(model, dict) and model.get("fingerprint") != signature.get("fingerprint") and \
-                {k: v for k, v in model.items() if k != "fingerprint"} == \
-                {k: v for k, v in signature.items() if k != "fingerprint"}:
-            raise TransferError("model mismatch: the prefill instance serves another checkpoint of the same "
-                                f"architecture (fingerprint {str(model.get('fingerprint'))[:16]!r} vs this "
-                                f"instance's {signature.get('fingerprint', '')[:16]!r})")
+        if (
+            isinstance(model, dict)
+            and model.get("fingerprint") != signature.get("fingerprint")
+            and {k: v for k, v in model.items() if k != "fingerprint"}
+            == {k: v for k, v in signature.items() if k != "fingerprint"}
+        ):
+            raise TransferError(
+                "model mismatch: the prefill instance serves another checkpoint of the same "
+                f"architecture (fingerprint {str(model.get('fingerprint'))[:16]!r} vs this "
+                f"instance's {signature.get('fingerprint', '')[:16]!r})"
+            )
         raise TransferError(f"model mismatch: prefill {str(model)[:400]} vs decode {signature}")
     page_size, num_pages = desc.get("page_size"), desc.get("num_pages")
     if not _is_int(page_size) or not 0 < page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
         raise TransferError(f"descriptor page_size {page_size!r} must be a power of two <= {MAX_PAGE_SIZE}")
     if not _is_int(num_pages) or num_pages != _pow2(-(-num_tokens // page_size)):
-        raise TransferError(f"descriptor num_pages {num_pages!r}: {num_tokens} tokens in {page_size}-token pages "
-                            f"take {_pow2(-(-num_tokens // page_size))} (padded to a power of two)")
+        raise TransferError(
+            f"descriptor num_pages {num_pages!r}: {num_tokens} tokens in {page_size}-token pages "
+            f"take {_pow2(-(-num_tokens // page_size))} (padded to a power of two)"
+        )
     kv_dtype = desc.get("kv_dtype")
     if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise TransferError(f"descriptor kv_dtype {kv_dtype!r} is not one of {list(KV_DTYPES)}")
@@ -121,8 +166,14 @@ def check_descriptor(desc, *, prompt_token_ids, signature: dict) -> int:
         raise TransferError(f"kv_wire {desc.get('kv_wire')!r} does not fit kv_dtype {kv_dtype}")
     arrays = desc.get("arrays")
     if not isinstance(arrays, list) or not all(
-            isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], list)
-            and all(_is_int(d) and d >= 0 for d in a[1]) and isinstance(a[2], str) for a in arrays):
+        isinstance(a, list)
+        and len(a) == 3
+        and isinstance(a[0], str)
+        and isinstance(a[1], list)
+        and all(_is_int(d) and d >= 0 for d in a[1])
+        and isinstance(a[2], str)
+        for a in arrays
+    ):
         raise TransferError("descriptor arrays must be [name, [dims], dtype] triples")
     return num_tokens
 

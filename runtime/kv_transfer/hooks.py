@@ -29,10 +29,21 @@ import time
 from models.fingerprint import checkpoint_fingerprint
 from runtime.kv_transfer import KV_CONNECTORS
 from runtime.kv_transfer.base import KVTransferConfig, TransferCapacityError, TransferError
-from runtime.kv_transfer.descriptor import (ADOPT_RULE, LAST_TOKEN_RULE, check_descriptor, descriptor_nbytes,
-                                            model_signature)
-from runtime.kv_transfer.layout import (conv_permutation, expected_arrays, gather_request_state, model_groups,
-                                        pull_specs, write_request_state)
+from runtime.kv_transfer.descriptor import (
+    ADOPT_RULE,
+    LAST_TOKEN_RULE,
+    check_descriptor,
+    descriptor_nbytes,
+    model_signature,
+)
+from runtime.kv_transfer.layout import (
+    conv_permutation,
+    expected_arrays,
+    gather_request_state,
+    model_groups,
+    pull_specs,
+    write_request_state,
+)
 from runtime.scheduling.request import Request, RequestStatus
 from runtime.types import EngineBusy, EngineRequest, RequestOutput, SamplingParams
 
@@ -41,7 +52,7 @@ IDLE_WAIT_S = 0.002
 OFFER = "_offer"  # internal mark of a prepared prefill-role request (never accepted from clients)
 
 
-def build_kv_transfer(engine, config: KVTransferConfig | None) -> "KVTransferHooks | None":
+def build_kv_transfer(engine, config: KVTransferConfig | None) -> KVTransferHooks | None:
     if config is None or config.role == "both":
         return None
     return KVTransferHooks(engine, config)
@@ -55,8 +66,11 @@ class KVTransferHooks:
         self.num_pages = engine.cache_config.num_pages
         self.num_slots = max(engine.cache_config.num_state_slots, 2)
         self.conv_perm = conv_permutation(engine.model)
-        self.signature = model_signature(engine.model.cfg, model_groups(engine.caches, self.num_pages, self.num_slots),
-                                         fingerprint=checkpoint_fingerprint(engine.model.path))
+        self.signature = model_signature(
+            engine.model.cfg,
+            model_groups(engine.caches, self.num_pages, self.num_slots),
+            fingerprint=checkpoint_fingerprint(engine.model.path),
+        )
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
@@ -75,33 +89,50 @@ class KVTransferHooks:
             raise ValueError("kv_transfer_params must be an object")
         if params.get("do_remote_prefill"):
             if self.config.role != "decode":
-                raise ValueError("kv_transfer_params.do_remote_prefill: this instance's role is "
-                                 f"{self.config.role!r}, not decode")
+                raise ValueError(
+                    f"kv_transfer_params.do_remote_prefill: this instance's role is {self.config.role!r}, not decode"
+                )
             return request
         if not params.get("do_remote_decode"):
-            raise ValueError("kv_transfer_params must set do_remote_decode (to a prefill instance) or "
-                             "do_remote_prefill (to a decode instance)")
+            raise ValueError(
+                "kv_transfer_params must set do_remote_decode (to a prefill instance) or "
+                "do_remote_prefill (to a decode instance)"
+            )
         if self.config.role != "prefill":
-            raise ValueError(f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, "
-                             "not prefill")
+            raise ValueError(
+                f"kv_transfer_params.do_remote_decode: this instance's role is {self.config.role!r}, not prefill"
+            )
         if not self.connector.has_room():
-            raise EngineBusy("kv_transfer_params: this prefill instance holds its most offered state "
-                             "(kv_transfer.max_held_bytes); retry later")
+            raise EngineBusy(
+                "kv_transfer_params: this prefill instance holds its most offered state "
+                "(kv_transfer.max_held_bytes); retry later"
+            )
         lease_s = params.get("lease_s")  # a shorter hold than the instance's lease_s (never longer)
-        if lease_s is not None and (isinstance(lease_s, bool) or not isinstance(lease_s, (int, float))
-                                    or not lease_s > 0):
+        if lease_s is not None and (
+            isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0
+        ):
             raise ValueError(f"kv_transfer_params.lease_s must be a positive number of seconds, got {lease_s!r}")
         prompt = list(request.prompt_token_ids)
         if len(prompt) == 1:  # a one-token prompt has nothing to ship: decode computes it
-            return EngineRequest(request.request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                                 priority=request.priority, arrival_time=request.arrival_time)
+            return EngineRequest(
+                request.request_id,
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0.0),
+                priority=request.priority,
+                arrival_time=request.arrival_time,
+            )
         # FP8 pages: compute all N tokens (the page holding token N then has the scales a
         # colocated engine gives it); a dense model ships the first N-1, a hybrid all N plus the
         # sampled token (the adopt rule). Otherwise compute and ship N-1.
         computed = prompt if self._computes_last_token else prompt[:-1]
-        return EngineRequest(request.request_id, computed, SamplingParams(max_tokens=1, temperature=0.0),
-                             priority=request.priority, arrival_time=request.arrival_time,
-                             kv_transfer_params={OFFER: True, "lease_s": lease_s})
+        return EngineRequest(
+            request.request_id,
+            computed,
+            SamplingParams(max_tokens=1, temperature=0.0),
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            kv_transfer_params={OFFER: True, "lease_s": lease_s},
+        )
 
     @property
     def _computes_last_token(self) -> bool:
@@ -121,12 +152,21 @@ class KVTransferHooks:
             if seq.sample and seq.request_id in self._offering:
                 req = seq.request
                 self._offering[seq.request_id] = gather_request_state(
-                    caches, self.engine.model.cfg, prompt_token_ids=req.prompt_token_ids,
-                    num_tokens=seq.start_position + seq.num_new_tokens - int(self._computes_last_token
-                                                                             and self.rule == LAST_TOKEN_RULE),
+                    caches,
+                    self.engine.model.cfg,
+                    prompt_token_ids=req.prompt_token_ids,
+                    num_tokens=seq.start_position
+                    + seq.num_new_tokens
+                    - int(self._computes_last_token and self.rule == LAST_TOKEN_RULE),
                     block_table=seq.block_table,
-                    state_slot=seq.state_slot, page_size=self.engine.config.page_size, num_pages=self.num_pages,
-                    num_slots=self.num_slots, conv_perm=self.conv_perm, rule=self.rule, signature=self.signature)
+                    state_slot=seq.state_slot,
+                    page_size=self.engine.config.page_size,
+                    num_pages=self.num_pages,
+                    num_slots=self.num_slots,
+                    conv_perm=self.conv_perm,
+                    rule=self.rule,
+                    signature=self.signature,
+                )
 
     def finished(self, req: Request) -> dict | None:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
@@ -169,7 +209,7 @@ class KVTransferHooks:
             self.connector.start_pull(req.request_id, params, desc, pull_specs(desc))
         except TransferCapacityError as err:
             raise EngineBusy(f"kv_transfer_params: {err}; retry later") from None
-        except Exception as err:  # noqa: BLE001 - whatever a descriptor does, it fails this request only
+        except Exception as err:
             reason = str(err) if isinstance(err, TransferError) else f"unusable transfer parameters ({err!r:.200})"
             if self.config.on_pull_failure == "error":
                 self.num_errors += 1
@@ -192,9 +232,16 @@ class KVTransferHooks:
         """The prefill side's greedy first token is this request's first token (no logprobs: the
         prefill side does not ship them)."""
         p = req.params
-        return (p.temperature <= 0.0 and p.logprobs is None and p.prompt_logprobs is None
-                and p.repetition_penalty == 1.0 and not p.logit_bias and p.structured_output is None
-                and p.max_tokens != 0 and not req.banned_token_ids())
+        return (
+            p.temperature <= 0.0
+            and p.logprobs is None
+            and p.prompt_logprobs is None
+            and p.repetition_penalty == 1.0
+            and not p.logit_bias
+            and p.structured_output is None
+            and p.max_tokens != 0
+            and not req.banned_token_ids()
+        )
 
     def _adopt(self, req: Request, token: int) -> RequestOutput:
         """Emit the prefill side's first token as this request's first output (exactly once),
@@ -232,8 +279,12 @@ class KVTransferHooks:
         return errors
 
     def _failed(self, req: Request, reason: str, *, in_engine: bool) -> None:
-        log.warning("request %s: kv transfer failed (%s); %s", req.request_id, reason,
-                    "prefilling locally" if self.config.on_pull_failure == "recompute" else "failing it")
+        log.warning(
+            "request %s: kv transfer failed (%s); %s",
+            req.request_id,
+            reason,
+            "prefilling locally" if self.config.on_pull_failure == "recompute" else "failing it",
+        )
         if self.config.on_pull_failure == "recompute":
             self.num_fallbacks += 1
             if in_engine:
@@ -251,9 +302,17 @@ class KVTransferHooks:
             arrays, desc = self._staged[req.request_id]
             self._unstage(req.request_id)
             caches = write_request_state(
-                caches, arrays, desc, block_table=req.block_table, state_slot=req.state_slot,
-                page_size=self.engine.config.page_size, num_pages=self.num_pages, num_slots=self.num_slots,
-                opts=self.engine.opts, conv_perm=self.conv_perm)
+                caches,
+                arrays,
+                desc,
+                block_table=req.block_table,
+                state_slot=req.state_slot,
+                page_size=self.engine.config.page_size,
+                num_pages=self.num_pages,
+                num_slots=self.num_slots,
+                opts=self.engine.opts,
+                conv_perm=self.conv_perm,
+            )
         for seq in out.sequences:
             self._unstage(seq.request_id)  # admitted with a better local prefix hit
         return caches
@@ -279,10 +338,15 @@ class KVTransferHooks:
     def stats(self, engine_stats: dict) -> dict[str, float]:
         """The engine's stats with the transfer's added; requests still pulling count as waiting
         (the server's 429 check reads num_waiting)."""
-        return {**engine_stats, **self.connector.stats(), "kv_transfer_fallbacks": self.num_fallbacks,
-                "kv_transfer_errors": self.num_errors, "kv_transfer_requests_pulling": len(self._parked),
-                "kv_transfer_bytes_staged": sum(self._staged_bytes.values()),
-                "num_waiting": engine_stats.get("num_waiting", 0) + len(self._parked)}
+        return {
+            **engine_stats,
+            **self.connector.stats(),
+            "kv_transfer_fallbacks": self.num_fallbacks,
+            "kv_transfer_errors": self.num_errors,
+            "kv_transfer_requests_pulling": len(self._parked),
+            "kv_transfer_bytes_staged": sum(self._staged_bytes.values()),
+            "num_waiting": engine_stats.get("num_waiting", 0) + len(self._parked),
+        }
 
     def close(self) -> None:
         self.connector.close()

@@ -33,11 +33,17 @@ import time
 import urllib.parse
 
 import jax
-import jax.experimental.transfer  # noqa: F401 - registers jax.experimental.transfer
+import jax.experimental.transfer
 
 from configs import environment
-from runtime.kv_transfer.base import (KVConnector, KVTransferConfig, PullResult, TransferCapacityError, TransferError,
-                                      normalize_peer)
+from runtime.kv_transfer.base import (
+    KVConnector,
+    KVTransferConfig,
+    PullResult,
+    TransferCapacityError,
+    TransferError,
+    normalize_peer,
+)
 from runtime.kv_transfer.control import ControlServer, post_json
 from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable
 
@@ -52,7 +58,8 @@ class JaxTransferConnector(KVConnector):
         super().__init__(config)
         host = config.host
         self._server = jax.experimental.transfer.start_transfer_server(
-            jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
+            jax.devices()[0].client, f"{host}:0", [f"{host}:0"]
+        )
         self._advertise = config.advertise_host or host
         self._address = f"{self._advertise}:{self._server.address().rpartition(':')[2]}"
         self._lock = threading.Lock()
@@ -60,17 +67,31 @@ class JaxTransferConnector(KVConnector):
         self._pulls: dict[str, _Pull] = {}
         self._abandoned: set[_Pull] = set()  # past their deadline, thread still blocked in the pull
         self._draining: dict[str, int] = {}  # transfer id -> bytes the transfer server still holds
-        self.counters = {"transfers_offered": 0, "transfers_started": 0, "transfers_completed": 0,
-                         "transfers_failed": 0, "bytes_transferred": 0, "bytes_pulled": 0, "seconds_transferred": 0.0,
-                         "claims_refused": 0, "leases_drained": 0, "offers_refused": 0, "pulls_abandoned": 0,
-                         "peers_refused": 0}
+        self.counters = {
+            "transfers_offered": 0,
+            "transfers_started": 0,
+            "transfers_completed": 0,
+            "transfers_failed": 0,
+            "bytes_transferred": 0,
+            "bytes_pulled": 0,
+            "seconds_transferred": 0.0,
+            "claims_refused": 0,
+            "leases_drained": 0,
+            "offers_refused": 0,
+            "pulls_abandoned": 0,
+            "peers_refused": 0,
+        }
         self.leases = LeaseTable(config.lease_s)
         self._test_delay_s = environment.test_kv_pull_delay_s()
         self._control = None
         self._stop = threading.Event()
         if config.role == "prefill":
-            self._control = ControlServer(host, config.control_port, {
-                "/kv_transfer/claim": self._on_claim, "/kv_transfer/release": self._on_release}, token=config.token)
+            self._control = ControlServer(
+                host,
+                config.control_port,
+                {"/kv_transfer/claim": self._on_claim, "/kv_transfer/release": self._on_release},
+                token=config.token,
+            )
             threading.Thread(target=self._reap, name="jaxserve-kv-leases", daemon=True).start()
 
     # ---- prefill side ----------------------------------------------------------------------
@@ -87,21 +108,34 @@ class JaxTransferConnector(KVConnector):
         nbytes = sum(a.nbytes for a in arrays)
         if self.bytes_held() + nbytes > self.config.max_held_bytes:
             self._count("offers_refused")
-            raise TransferCapacityError(f"offered state would exceed kv_transfer.max_held_bytes "
-                                        f"({self.config.max_held_bytes} bytes)")
+            raise TransferCapacityError(
+                f"offered state would exceed kv_transfer.max_held_bytes ({self.config.max_held_bytes} bytes)"
+            )
         uuid = secrets.randbits(62)
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
         held = descriptor["num_pages"] if any(n.startswith("kv") for n, _, _ in descriptor["arrays"]) else 0
         slots = 1 if any(n.startswith("rec") for n, _, _ in descriptor["arrays"]) else 0
         self._server.await_pull(uuid, arrays)
-        self.leases.add(Lease(str(uuid), (arrays, specs), held, slots, nbytes, self.leases.new_deadline(lease_s),
-                              token_digest=descriptor["token_digest"],
-                              model_fingerprint=descriptor["model"]["fingerprint"]))
+        self.leases.add(
+            Lease(
+                str(uuid),
+                (arrays, specs),
+                held,
+                slots,
+                nbytes,
+                self.leases.new_deadline(lease_s),
+                token_digest=descriptor["token_digest"],
+                model_fingerprint=descriptor["model"]["fingerprint"],
+            )
+        )
         self._count("transfers_offered")
-        return {"transfer_id": str(uuid), "transfer_address": self._address,
-                "control_url": f"http://{self._advertise}:{self._control.port}",
-                "lease_s": min(self.config.lease_s, lease_s or self.config.lease_s),
-                "descriptor": descriptor}
+        return {
+            "transfer_id": str(uuid),
+            "transfer_address": self._address,
+            "control_url": f"http://{self._advertise}:{self._control.port}",
+            "lease_s": min(self.config.lease_s, lease_s or self.config.lease_s),
+            "descriptor": descriptor,
+        }
 
     def _on_claim(self, body: dict) -> tuple[int, dict]:
         fields = ("transfer_id", "token_digest", "model_fingerprint")
@@ -109,8 +143,12 @@ class JaxTransferConnector(KVConnector):
             self._count("claims_refused")
             return 400, {"error": f"a claim names {', '.join(fields)} (strings)"}
         try:
-            self.leases.claim(body["transfer_id"], self.config.pull_timeout_s, token_digest=body["token_digest"],
-                              model_fingerprint=body["model_fingerprint"])
+            self.leases.claim(
+                body["transfer_id"],
+                self.config.pull_timeout_s,
+                token_digest=body["token_digest"],
+                model_fingerprint=body["model_fingerprint"],
+            )
         except ClaimRefused as refused:
             self._count("claims_refused")
             log.warning("kv transfer %.20s: claim refused: %s", body["transfer_id"], refused)
@@ -150,14 +188,17 @@ class JaxTransferConnector(KVConnector):
         def pull_own():
             try:
                 jax.block_until_ready(self._connect(self._server.address()).pull(int(lease.transfer_id), specs))
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:
                 log.exception("draining transfer %s failed", lease.transfer_id)
             done.set()
 
         def watch():
             if not done.wait(DRAIN_TIMEOUT_S):
-                log.info("kv transfer %s: drain gave up after %.0f s (pulled by the decode side already)",
-                         lease.transfer_id, DRAIN_TIMEOUT_S)
+                log.info(
+                    "kv transfer %s: drain gave up after %.0f s (pulled by the decode side already)",
+                    lease.transfer_id,
+                    DRAIN_TIMEOUT_S,
+                )
             with self._lock:
                 self._draining.pop(lease.transfer_id, None)
 
@@ -186,36 +227,44 @@ class JaxTransferConnector(KVConnector):
             raise TransferError(f"malformed transfer_id {params['transfer_id'][:40]!r}")
         if not self.may_dial(params["control_url"]):
             self._count("peers_refused")
-            raise TransferError(f"control_url {params['control_url'][:200]!r} is not a prefill instance this "
-                                "decode instance may dial (kv_transfer.peers; or configure kv_transfer.token)")
+            raise TransferError(
+                f"control_url {params['control_url'][:200]!r} is not a prefill instance this "
+                "decode instance may dial (kv_transfer.peers; or configure kv_transfer.token)"
+            )
         with self._lock:
             if len(self._abandoned) >= MAX_ABANDONED_PULLS or len(self._pulls) >= self.config.max_pulls_in_flight:
                 raise TransferCapacityError(f"{len(self._pulls)} pulls in flight (kv_transfer.max_pulls_in_flight)")
-            pull = self._pulls[key] = _Pull(params, descriptor, specs,
-                                            time.monotonic() + self.config.control_timeout_s + self.config.pull_timeout_s)
+            pull = self._pulls[key] = _Pull(
+                params, descriptor, specs, time.monotonic() + self.config.control_timeout_s + self.config.pull_timeout_s
+            )
         self._count("transfers_started")
         threading.Thread(target=self._run_pull, args=(pull,), name="jaxserve-kv-pull", daemon=True).start()
 
-    def _run_pull(self, pull: "_Pull") -> None:
+    def _run_pull(self, pull: _Pull) -> None:
         try:
             if not pull.cancelled.is_set():
                 pull.result = self._pull(pull)
             else:
                 self._release(pull.params, "abort")
-        except Exception as err:  # noqa: BLE001 - reported through poll()
+        except Exception as err:
             pull.error = err
         finally:
             pull.done.set()
             with self._lock:
                 self._abandoned.discard(pull)
 
-    def _pull(self, pull: "_Pull") -> list:
+    def _pull(self, pull: _Pull) -> list:
         params, desc = pull.params, pull.descriptor
         base = params["control_url"].rstrip("/")
-        claim = {"transfer_id": params["transfer_id"], "token_digest": desc["token_digest"],
-                 "model_fingerprint": desc["model"]["fingerprint"]}
+        claim = {
+            "transfer_id": params["transfer_id"],
+            "token_digest": desc["token_digest"],
+            "model_fingerprint": desc["model"]["fingerprint"],
+        }
         try:
-            status, reply = post_json(base + "/kv_transfer/claim", claim, self.config.control_timeout_s, token=self.config.token)
+            status, reply = post_json(
+                base + "/kv_transfer/claim", claim, self.config.control_timeout_s, token=self.config.token
+            )
         except OSError as err:
             raise TransferError(f"prefill instance unreachable: {err}") from None
         if status != 200:
@@ -228,8 +277,9 @@ class JaxTransferConnector(KVConnector):
             self._release(params, "abort")
             raise TransferError("cancelled")
         if self._test_delay_s:
-            log.info("kv transfer %s claimed; test delay %.2fs before the pull", params["transfer_id"],
-                     self._test_delay_s)
+            log.info(
+                "kv transfer %s claimed; test delay %.2fs before the pull", params["transfer_id"], self._test_delay_s
+            )
             time.sleep(self._test_delay_s)
         arrays = self._connect(address).pull(int(params["transfer_id"]), pull.specs)
         arrays = jax.block_until_ready(arrays)
@@ -238,9 +288,12 @@ class JaxTransferConnector(KVConnector):
 
     def _release(self, params: dict, status: str) -> None:
         try:
-            post_json(params["control_url"].rstrip("/") + "/kv_transfer/release",
-                      {"transfer_id": params["transfer_id"], "status": status}, self.config.control_timeout_s,
-                      token=self.config.token)
+            post_json(
+                params["control_url"].rstrip("/") + "/kv_transfer/release",
+                {"transfer_id": params["transfer_id"], "status": status},
+                self.config.control_timeout_s,
+                token=self.config.token,
+            )
         except OSError as err:
             log.warning("kv transfer %s: release %s not delivered: %s", params["transfer_id"], status, err)
 
@@ -297,9 +350,15 @@ class JaxTransferConnector(KVConnector):
         with self._lock:
             out = {f"kv_transfer_{k}": v for k, v in self.counters.items()}
             abandoned = len(self._abandoned)
-        out.update(kv_transfer_leases_held=leases, kv_transfer_pages_held=pages, kv_transfer_slots_held=slots,
-                   kv_transfer_bytes_held=self.bytes_held(), kv_transfer_leases_expired=self.leases.num_expired,
-                   kv_transfer_pulls_in_flight=self.pending(), kv_transfer_pulls_stuck=abandoned)
+        out.update(
+            kv_transfer_leases_held=leases,
+            kv_transfer_pages_held=pages,
+            kv_transfer_slots_held=slots,
+            kv_transfer_bytes_held=self.bytes_held(),
+            kv_transfer_leases_expired=self.leases.num_expired,
+            kv_transfer_pulls_in_flight=self.pending(),
+            kv_transfer_pulls_stuck=abandoned,
+        )
         return out
 
     def close(self) -> None:

@@ -80,17 +80,28 @@ def _reorder_conv(arrays: list, names: list[str], order: np.ndarray | None) -> l
     return [a[..., order] if name.startswith("conv") else a for a, name in zip(arrays, names)]
 
 
-def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, block_table, state_slot: int,
-                         page_size: int, num_pages: int, num_slots: int,
-                         conv_perm: np.ndarray | None = None, rule: str = LAST_TOKEN_RULE,
-                         signature: dict | None = None) -> tuple[list, dict]:
+def gather_request_state(
+    caches,
+    cfg,
+    *,
+    prompt_token_ids,
+    num_tokens: int,
+    block_table,
+    state_slot: int,
+    page_size: int,
+    num_pages: int,
+    num_slots: int,
+    conv_perm: np.ndarray | None = None,
+    rule: str = LAST_TOKEN_RULE,
+    signature: dict | None = None,
+) -> tuple[list, dict]:
     """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
     The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
     undone)."""
     n = _pow2(-(-num_tokens // page_size))
     pages = np.zeros(n, np.int32)
-    used = list(block_table)[:-(-num_tokens // page_size)]
-    pages[:len(used)] = used
+    used = list(block_table)[: -(-num_tokens // page_size)]
+    pages[: len(used)] = used
     arrays = _gather(caches, jnp.asarray(pages), jnp.int32(state_slot), num_pages=num_pages, num_slots=num_slots)
     device = jax.devices()[0]  # TP bridging: the wire format is unsharded
     arrays = [jax.device_put(a, device) for a in arrays]
@@ -99,10 +110,17 @@ def gather_request_state(caches, cfg, *, prompt_token_ids, num_tokens: int, bloc
     kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
     G = model_groups(caches, num_pages, num_slots)
     entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
-    desc = build_descriptor(prompt_token_ids=prompt_token_ids, num_tokens=num_tokens, rule=rule,
-                            page_size=page_size, num_pages=n, kv_dtype=kv_dtype,
-                            kv_wire="values" if kv_dtype == "float32" else "bits",
-                            signature=signature or model_signature(cfg, G), arrays=entries)
+    desc = build_descriptor(
+        prompt_token_ids=prompt_token_ids,
+        num_tokens=num_tokens,
+        rule=rule,
+        page_size=page_size,
+        num_pages=n,
+        kv_dtype=kv_dtype,
+        kv_wire="values" if kv_dtype == "float32" else "bits",
+        signature=signature or model_signature(cfg, G),
+        arrays=entries,
+    )
     return arrays, desc
 
 
@@ -135,12 +153,15 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
 def pull_specs(desc: dict) -> list:
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    return [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding) for _, shape, dtype in desc["arrays"]]
+    return [
+        jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding) for _, shape, dtype in desc["arrays"]
+    ]
 
 
 def _copy_pages(kv, k, v, scales, page_mapping):
     """Verbatim: the prefill side's pages (and FP8 scales) land as they are in this side's pages
     `page_mapping` [G*n] (out of range: padding, dropped). Same KV dtype and page size only."""
+
     def stored(x):  # wire form (raw bits below float32) -> this pool's storage form
         return x if x.dtype == kv.k.dtype else jax.lax.bitcast_convert_type(x, kv.k.dtype)
 
@@ -148,14 +169,34 @@ def _copy_pages(kv, k, v, scales, page_mapping):
     v_pages = kv.v.at[page_mapping].set(stored(v), mode="drop")
     if kv.k_scale is None:
         return dataclasses.replace(kv, k=k_pages, v=v_pages)
-    return dataclasses.replace(kv, k=k_pages, v=v_pages, k_scale=kv.k_scale.at[page_mapping].set(scales[0], mode="drop"),
-                               v_scale=kv.v_scale.at[page_mapping].set(scales[1], mode="drop"))
+    return dataclasses.replace(
+        kv,
+        k=k_pages,
+        v=v_pages,
+        k_scale=kv.k_scale.at[page_mapping].set(scales[0], mode="drop"),
+        v_scale=kv.v_scale.at[page_mapping].set(scales[1], mode="drop"),
+    )
 
 
-@functools.partial(jax.jit, donate_argnums=(0,),
-                   static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"))
-def _write(caches, arrays, slot_mapping, page_mapping, slot, *, src_page_size: int, kv_dtype: str,
-           num_tokens_pad: int, num_slots: int, opts, verbatim: bool):
+@functools.partial(
+    jax.jit,
+    donate_argnums=(0,),
+    static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"),
+)
+def _write(
+    caches,
+    arrays,
+    slot_mapping,
+    page_mapping,
+    slot,
+    *,
+    src_page_size: int,
+    kv_dtype: str,
+    num_tokens_pad: int,
+    num_slots: int,
+    opts,
+    verbatim: bool,
+):
     arrays = list(arrays)
     kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     logical = jnp.dtype(kv_dtype)
@@ -187,8 +228,19 @@ def _write(caches, arrays, slot_mapping, page_mapping, slot, *, src_page_size: i
     return {"kv": tuple(kv_out), "conv": tuple(conv_out), "rec": tuple(rec_out)}
 
 
-def write_request_state(caches, arrays: list, desc: dict, *, block_table, state_slot: int, page_size: int,
-                        num_pages: int, num_slots: int, opts, conv_perm: np.ndarray | None = None) -> dict:
+def write_request_state(
+    caches,
+    arrays: list,
+    desc: dict,
+    *,
+    block_table,
+    state_slot: int,
+    page_size: int,
+    num_pages: int,
+    num_slots: int,
+    opts,
+    conv_perm: np.ndarray | None = None,
+) -> dict:
     """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches.
 
     Same KV dtype and page size on both sides: pages and FP8 scales are copied verbatim (an FP8
@@ -201,14 +253,27 @@ def write_request_state(caches, arrays: list, desc: dict, *, block_table, state_
     n, used = desc["num_pages"], -(-K // page_size)
     own = np.full(n, num_pages * G, np.int64)  # out of range: dropped
     own[:used] = np.asarray(list(block_table)[:used], np.int64)
-    page_mapping = np.where(own[None] < num_pages * G, (np.arange(G) * num_pages)[:, None] + own[None],
-                            num_pages * G).astype(np.int32).reshape(-1)                     # [G*n]
+    page_mapping = (
+        np.where(own[None] < num_pages * G, (np.arange(G) * num_pages)[:, None] + own[None], num_pages * G)
+        .astype(np.int32)
+        .reshape(-1)
+    )  # [G*n]
     T = _pow2(K)
     t = np.arange(T)
     bt = np.asarray(list(block_table) + [0], np.int64)
-    local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size          # [T]
-    group_offset = (np.arange(G) * num_pages * page_size)[:, None]                           # [G, 1]
+    local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size  # [T]
+    group_offset = (np.arange(G) * num_pages * page_size)[:, None]  # [G, 1]
     slots = np.where(t[None] < K, group_offset + local[None], -1).astype(np.int32).reshape(-1)
-    return _write(caches, tuple(arrays), jnp.asarray(slots), jnp.asarray(page_mapping), jnp.int32(state_slot),
-                  src_page_size=desc["page_size"], kv_dtype=desc["kv_dtype"], num_tokens_pad=T,
-                  num_slots=num_slots, opts=opts, verbatim=verbatim)
+    return _write(
+        caches,
+        tuple(arrays),
+        jnp.asarray(slots),
+        jnp.asarray(page_mapping),
+        jnp.int32(state_slot),
+        src_page_size=desc["page_size"],
+        kv_dtype=desc["kv_dtype"],
+        num_tokens_pad=T,
+        num_slots=num_slots,
+        opts=opts,
+        verbatim=verbatim,
+    )

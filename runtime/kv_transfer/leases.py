@@ -57,8 +57,13 @@ class LeaseTable:
         """Now + the table's lease, or a shorter `lease_s` asked for by one request."""
         return self._clock() + min(self.lease_s, lease_s or self.lease_s)
 
-    def claim(self, transfer_id: str, pull_timeout_s: float, token_digest: str | None = None,
-              model_fingerprint: str | None = None) -> Lease:
+    def claim(
+        self,
+        transfer_id: str,
+        pull_timeout_s: float,
+        token_digest: str | None = None,
+        model_fingerprint: str | None = None,
+    ) -> Lease:
         """The lease, now claimed, if it is live, unclaimed and (when given) for this prompt and
         model; else ClaimRefused. A mismatching claim also ends the lease: whoever sent it
         knows the id, so it is not offered again."""
@@ -96,5 +101,9 @@ class LeaseTable:
         """(leases, pages, slots, bytes) currently held."""
         with self._lock:
             leases = list(self._leases.values())
-        return (len(leases), sum(x.num_pages for x in leases), sum(x.num_slots for x in leases),
-                sum(x.nbytes for x in leases))
+        return (
+            len(leases),
+            sum(x.num_pages for x in leases),
+            sum(x.num_slots for x in leases),
+            sum(x.nbytes for x in leases),
+        )

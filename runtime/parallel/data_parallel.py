@@ -42,38 +42,54 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.batch import ForwardBatch
 from models.transformer import forward
 from runtime.buckets import bucket_for
-from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
-from runtime.steps.inputs import build_batch
 from runtime.parallel.mesh import DATA_AXIS
+from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
 from runtime.steps.executables import StepExecutables
+from runtime.steps.inputs import build_batch
 
 
 # ---- the step's inputs --------------------------------------------------------------------------
-def build_data_parallel_batch(out: DataParallelOutput, *, token_buckets: tuple[int, ...], max_num_seqs: int,
-                              max_blocks_per_seq: int, page_size: int) -> ForwardBatch:
+def build_data_parallel_batch(
+    out: DataParallelOutput,
+    *,
+    token_buckets: tuple[int, ...],
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    page_size: int,
+) -> ForwardBatch:
     """Every rank's slice padded to the same bucket T, concatenated rank-major (see module doc).
     logits_indices [D*S]: the global token row of each combined sequence, then zeros."""
     need = max(max(o.num_batched_tokens, len(o.sequences)) for o in out.ranks)
     T = bucket_for(need, token_buckets)
-    parts = [build_batch(o, token_buckets=(T,), max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                         page_size=page_size) for o in out.ranks]
+    parts = [
+        build_batch(
+            o, token_buckets=(T,), max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq, page_size=page_size
+        )
+        for o in out.ranks
+    ]
     logits_rows = np.zeros(len(parts) * max_num_seqs, np.int32)
     logits_rows[: len(out.sequences)] = np.concatenate(
-        [rank * T + part.logits_indices[: len(o.sequences)] for rank, (part, o) in enumerate(zip(parts, out.ranks))])
-    fields = {f.name: np.concatenate([np.atleast_1d(getattr(p, f.name)) for p in parts])
-              for f in dataclasses.fields(ForwardBatch)}
+        [rank * T + part.logits_indices[: len(o.sequences)] for rank, (part, o) in enumerate(zip(parts, out.ranks))]
+    )
+    fields = {
+        f.name: np.concatenate([np.atleast_1d(getattr(p, f.name)) for p in parts])
+        for f in dataclasses.fields(ForwardBatch)
+    }
     return ForwardBatch(**{**fields, "logits_indices": logits_rows})
 
 
 def split_ranks(batch: ForwardBatch, size: int) -> ForwardBatch:
     """The flat DP batch as [D, ...] per-rank arrays; each rank keeps the hidden state of all its rows."""
-    ranks = {f.name: getattr(batch, f.name).reshape(size, -1, *getattr(batch, f.name).shape[1:])
-             for f in dataclasses.fields(ForwardBatch)}
+    ranks = {
+        f.name: getattr(batch, f.name).reshape(size, -1, *getattr(batch, f.name).shape[1:])
+        for f in dataclasses.fields(ForwardBatch)
+    }
     T = ranks["input_ids"].shape[1]
     ranks["num_seqs"] = batch.num_seqs  # [D]
     ranks["logits_indices"] = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (size, T))
@@ -99,6 +115,7 @@ def data_parallel_forward(params, caches, batch: ForwardBatch, *, cfg, opts, siz
 # ---- caches and executables ---------------------------------------------------------------------
 def stack_rank_caches(caches: dict, size: int, mesh) -> dict:
     """One rank's caches (split over `model`) -> [D, ...] caches, rank axis split over `data`."""
+
     def stack(x):
         spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
         out = NamedSharding(mesh, P(DATA_AXIS, *spec))
@@ -114,15 +131,36 @@ class DataParallelExecutables(StepExecutables):
 
     token_feed = True
 
-    def __init__(self, model, caches, opts, *, size: int, token_buckets, seq_buckets, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        model,
+        caches,
+        opts,
+        *,
+        size: int,
+        token_buckets,
+        seq_buckets,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_top_k: int = 256,
+        fuse_greedy: bool = False,
+        max_model_len: int | None = None,
+    ):
         self.size, self.rank_max_num_seqs = size, max_num_seqs
         self.rank_token_buckets = tuple(token_buckets)
-        super().__init__(model, caches, opts, token_buckets=tuple(size * T for T in token_buckets),
-                         seq_buckets=seq_buckets, max_num_seqs=size * max_num_seqs,
-                         max_blocks_per_seq=max_blocks_per_seq, max_top_k=max_top_k, fuse_greedy=fuse_greedy,
-                         max_model_len=max_model_len, forward_fn=functools.partial(data_parallel_forward, size=size))
+        super().__init__(
+            model,
+            caches,
+            opts,
+            token_buckets=tuple(size * T for T in token_buckets),
+            seq_buckets=seq_buckets,
+            max_num_seqs=size * max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            max_top_k=max_top_k,
+            fuse_greedy=fuse_greedy,
+            max_model_len=max_model_len,
+            forward_fn=functools.partial(data_parallel_forward, size=size),
+        )
         groups = model.num_groups
 
         def copy_rank_states(caches, src, dst):  # src, dst [D, max_num_seqs] rank-local slots
@@ -133,8 +171,11 @@ class DataParallelExecutables(StepExecutables):
                 rank = jnp.arange(size)[:, None]
                 return per_layer.at[rank, :, dst].set(per_layer[rank, :, src]).reshape(a.shape)
 
-            return {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])),
-                    "rec": tuple(map(copy, caches["rec"]))}
+            return {
+                "kv": caches["kv"],
+                "conv": tuple(map(copy, caches["conv"])),
+                "rec": tuple(map(copy, caches["rec"])),
+            }
 
         cache_shardings = jax.tree.map(lambda x: x.sharding, caches)
         self._copy_jit = jax.jit(copy_rank_states, donate_argnums=0, out_shardings=cache_shardings)
@@ -142,8 +183,9 @@ class DataParallelExecutables(StepExecutables):
     def _batch_spec(self, T: int) -> ForwardBatch:
         D, S = self.size, self.rank_max_num_seqs
         spec = super()._batch_spec(T)
-        return dataclasses.replace(spec, cu_q_lens=self._host_spec((D * (S + 1),), jnp.int32),
-                                   num_seqs=self._host_spec((D,), jnp.int32))
+        return dataclasses.replace(
+            spec, cu_q_lens=self._host_spec((D * (S + 1),), jnp.int32), num_seqs=self._host_spec((D,), jnp.int32)
+        )
 
     def run_scoring_backbone(self, params, caches, batch, targets):
         raise ValueError("prompt logprobs are not supported with attention data parallelism")
@@ -171,8 +213,10 @@ def rank_share(total: int | None, size: int, what: str) -> int | None:
         return total
     share = total // size
     if share < 2:
-        raise ValueError(f"{what}={total} split over {size} data-parallel ranks leaves {share} per rank "
-                         f"(each rank needs its own null entry and at least one usable one)")
+        raise ValueError(
+            f"{what}={total} split over {size} data-parallel ranks leaves {share} per rank "
+            f"(each rank needs its own null entry and at least one usable one)"
+        )
     return share
 
 
@@ -187,8 +231,13 @@ class DataParallel:
     page_size: int
 
     def build_batch(self, out: DataParallelOutput) -> ForwardBatch:
-        return build_data_parallel_batch(out, token_buckets=self.token_buckets, max_num_seqs=self.max_num_seqs,
-                                         max_blocks_per_seq=self.max_blocks_per_seq, page_size=self.page_size)
+        return build_data_parallel_batch(
+            out,
+            token_buckets=self.token_buckets,
+            max_num_seqs=self.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            page_size=self.page_size,
+        )
 
 
 def enable_data_parallel(engine, size: int, fuse_greedy: bool):
@@ -198,17 +247,26 @@ def enable_data_parallel(engine, size: int, fuse_greedy: bool):
 
     config = engine.config
     if config.kv_transfer is not None and config.kv_transfer.role != "both":
-        raise ValueError("prefill/decode disaggregation (parallel.role) is not supported with attention data "
-                         "parallelism; use data: 1")
+        raise ValueError(
+            "prefill/decode disaggregation (parallel.role) is not supported with attention data "
+            "parallelism; use data: 1"
+        )
     if engine.model.tp is None:
         raise ValueError("attention data parallelism needs a device mesh")
     engine.scheduler = DataParallelScheduler(engine.scheduler_config, engine.cache_config, size)
     engine.caches = stack_rank_caches(engine.caches, size, engine.model.tp.mesh)
     engine.seq_buckets = pow2_buckets(size * config.max_num_seqs, minimum=8)
     engine.executables = DataParallelExecutables(
-        engine.model, engine.caches, engine.opts, size=size, token_buckets=engine.token_buckets,
-        seq_buckets=engine.seq_buckets, max_num_seqs=config.max_num_seqs,
-        max_blocks_per_seq=engine.max_blocks_per_seq, max_top_k=config.max_top_k, fuse_greedy=fuse_greedy,
-        max_model_len=engine.max_model_len)
-    return DataParallel(size, engine.token_buckets, config.max_num_seqs, engine.max_blocks_per_seq,
-                        config.page_size)
+        engine.model,
+        engine.caches,
+        engine.opts,
+        size=size,
+        token_buckets=engine.token_buckets,
+        seq_buckets=engine.seq_buckets,
+        max_num_seqs=config.max_num_seqs,
+        max_blocks_per_seq=engine.max_blocks_per_seq,
+        max_top_k=config.max_top_k,
+        fuse_greedy=fuse_greedy,
+        max_model_len=engine.max_model_len,
+    )
+    return DataParallel(size, engine.token_buckets, config.max_num_seqs, engine.max_blocks_per_seq, config.page_size)

@@ -34,7 +34,8 @@ def make_mesh(data: int, model: int, devices=None) -> Mesh:
         raise ValueError(
             f"parallel.mesh data={data} x model={model} needs {data * model} devices, but "
             f"{len(devices)} are visible ({devices[0].platform if devices else 'none'}); set the mesh "
-            f"to the device count, or limit the visible devices")
+            f"to the device count, or limit the visible devices"
+        )
     if devices == list(jax.devices()):
         return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
     grid = np.array(devices, dtype=object).reshape(data, model)
@@ -58,14 +59,23 @@ def initialize_multihost(cfg) -> bool:
     # Refused before anything listens: a launch that other machines can reach needs the secret.
     authenticated = check_secret(multihost)
     bind_address = coordinator_bind_address(multihost)
-    log.info("jax.distributed.initialize(%s, num_processes=%d, process_id=%d, coordinator_bind_address=%s)%s",
-             multihost.coordinator_address, multihost.num_processes, multihost.process_id, bind_address,
-             "" if authenticated or multihost.num_processes == 1 else "; no secret: loopback only")
+    log.info(
+        "jax.distributed.initialize(%s, num_processes=%d, process_id=%d, coordinator_bind_address=%s)%s",
+        multihost.coordinator_address,
+        multihost.num_processes,
+        multihost.process_id,
+        bind_address,
+        "" if authenticated or multihost.num_processes == 1 else "; no secret: loopback only",
+    )
     # Cross-process collectives on the CPU backend (ignored by TPU/GPU backends).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if getattr(multihost, "cpu_devices", None):
         jax.config.update("jax_num_cpu_devices", multihost.cpu_devices)
-    jax.distributed.initialize(coordinator_address=multihost.coordinator_address,
-                               num_processes=multihost.num_processes, process_id=multihost.process_id,
-                               coordinator_bind_address=bind_address, shutdown_timeout_seconds=SHUTDOWN_BARRIER_S)
+    jax.distributed.initialize(
+        coordinator_address=multihost.coordinator_address,
+        num_processes=multihost.num_processes,
+        process_id=multihost.process_id,
+        coordinator_bind_address=bind_address,
+        shutdown_timeout_seconds=SHUTDOWN_BARRIER_S,
+    )
     return True

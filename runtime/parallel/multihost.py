@@ -50,10 +50,24 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from models.batch import ForwardBatch
-from runtime.parallel.multihost_channel import (HANDSHAKE_TIMEOUT_S, HEARTBEAT, DivergenceError, Frame,
-                                                HandshakeError, Session, accept_followers, channel_secret, configure,
-                                                decode_frame, encode_frame, follower_handshake, read_frame,
-                                                step_address, step_bind_address, tokens_digest)
+from runtime.parallel.multihost_channel import (
+    HANDSHAKE_TIMEOUT_S,
+    HEARTBEAT,
+    DivergenceError,
+    Frame,
+    HandshakeError,
+    Session,
+    accept_followers,
+    channel_secret,
+    configure,
+    decode_frame,
+    encode_frame,
+    follower_handshake,
+    read_frame,
+    step_address,
+    step_bind_address,
+    tokens_digest,
+)
 from runtime.steps.executables import TokenFeed
 
 log = logging.getLogger("jaxserve.multihost")
@@ -109,7 +123,7 @@ def _on_host(value) -> bool:
 class LeaderExecutables:
     """The leader's `StepExecutables`, each step method first sent to every follower."""
 
-    def __init__(self, inner, leader: "MultihostLeader"):
+    def __init__(self, inner, leader: MultihostLeader):
         self._inner, self._leader = inner, leader
 
     def __getattr__(self, name):
@@ -157,14 +171,16 @@ class MultihostLeader:
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-token-check")
         for pid, session in sessions.items():
             session.sock.settimeout(max(send_timeout_s, 2 * self.heartbeat_timeout_s))  # reads see heartbeats
-            threading.Thread(target=self._read, args=(pid, session.sock.makefile("rb")),
-                             name=f"jaxserve-follower-{pid}", daemon=True).start()
+            threading.Thread(
+                target=self._read, args=(pid, session.sock.makefile("rb")), name=f"jaxserve-follower-{pid}", daemon=True
+            ).start()
         threading.Thread(target=self._watch, name="jaxserve-multihost-watchdog", daemon=True).start()
         threading.Thread(target=self._beat, name="jaxserve-leader-heartbeat", daemon=True).start()
 
     @classmethod
-    def listen(cls, multihost, timeout_s: float = CONNECT_TIMEOUT_S,
-               handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> "MultihostLeader":
+    def listen(
+        cls, multihost, timeout_s: float = CONNECT_TIMEOUT_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    ) -> MultihostLeader:
         """Bind the step channel and wait for all `num_processes - 1` followers to authenticate;
         TimeoutError after `timeout_s`. Other connections are refused and do not hold it up."""
         secret = channel_secret(multihost)
@@ -274,8 +290,12 @@ class MultihostLeader:
                     self._lose(FollowerLost(f"follower {pid} silent for {now - seen:.1f} s"))
             started = self._call_started
             if started is not None and now - started[1] > self.step_timeout_s:
-                self._lose(FollowerLost(f"step {started[0]} has run for {now - started[1]:.0f} s "
-                                        f"(step_timeout_s={self.step_timeout_s:g})"))
+                self._lose(
+                    FollowerLost(
+                        f"step {started[0]} has run for {now - started[1]:.0f} s "
+                        f"(step_timeout_s={self.step_timeout_s:g})"
+                    )
+                )
 
     def _lose(self, err: BaseException) -> None:
         with self._lock:
@@ -374,8 +394,13 @@ class Follower:
                 sock.close()
                 if time.monotonic() > deadline:
                     raise
-                log.warning("follower %d: handshake with %s:%d failed (%s); retrying", self.multihost.process_id,
-                            host, port, err)
+                log.warning(
+                    "follower %d: handshake with %s:%d failed (%s); retrying",
+                    self.multihost.process_id,
+                    host,
+                    port,
+                    err,
+                )
                 time.sleep(0.5)
         sock.settimeout(timeout_s)  # until the first frame: the leader may still wait for other followers
         log.info("follower %d joined the leader at %s:%d", self.multihost.process_id, host, port)
@@ -405,7 +430,7 @@ class Follower:
         except LeaderLost as err:
             log.critical("process %d lost the leader: %s", pid, err)
             return EXIT_LEADER_LOST
-        except Exception:  # noqa: BLE001 - this process can no longer follow: say so and leave
+        except Exception:
             log.critical("process %d: step %d failed", pid, self.steps, exc_info=True)
             return EXIT_FAILED
 

@@ -120,7 +120,8 @@ def check_secret(multihost) -> bool:
             "loopback) and no secret is set, so whoever reaches those ports could join this launch or read its "
             "steps. Generate a secret once (python -c 'import secrets; print(secrets.token_urlsafe(32))') and "
             "give every process the same value in JAXSERVE_MULTIHOST_SECRET (or parallel.multihost.secret); "
-            "docs/scaling.md, 'Deploying safely'")
+            "docs/scaling.md, 'Deploying safely'"
+        )
     return False
 
 
@@ -128,8 +129,10 @@ def channel_secret(multihost) -> bytes:
     """The handshake key: the secret, or the fixed public key of a loopback-only launch."""
     if check_secret(multihost):
         return multihost.secret.get_secret_value().encode()
-    log.warning("step channel: no parallel.multihost.secret, so it is UNAUTHENTICATED (allowed: every address "
-                "is loopback, but any local user can reach it); set JAXSERVE_MULTIHOST_SECRET")
+    log.warning(
+        "step channel: no parallel.multihost.secret, so it is UNAUTHENTICATED (allowed: every address "
+        "is loopback, but any local user can reach it); set JAXSERVE_MULTIHOST_SECRET"
+    )
     return NO_SECRET
 
 
@@ -194,8 +197,9 @@ def recv_message(sock: socket.socket, deadline: float) -> dict:
     return message
 
 
-def follower_handshake(sock: socket.socket, secret: bytes, process_id: int,
-                       timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+def follower_handshake(
+    sock: socket.socket, secret: bytes, process_id: int, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> Session:
     """Prove this follower to the leader and make the leader prove itself first."""
     deadline = time.monotonic() + timeout_s
     sock.settimeout(timeout_s)
@@ -204,16 +208,19 @@ def follower_handshake(sock: socket.socket, secret: bytes, process_id: int,
     challenge = recv_message(sock, deadline)
     theirs = _nonce(challenge.get("nonce"))
     if not _proof_holds(challenge.get("proof"), secret, b"leader", theirs, ours, process_id):
-        raise HandshakeError("the process on the step channel did not prove it holds the secret (another "
-                             "parallel.multihost.secret, or not this launch's process 0): none of its steps is run")
+        raise HandshakeError(
+            "the process on the step channel did not prove it holds the secret (another "
+            "parallel.multihost.secret, or not this launch's process 0): none of its steps is run"
+        )
     send_message(sock, {"proof": _proof(secret, b"follower", theirs, ours, process_id)})
     if recv_message(sock, deadline).get("accepted") is not True:
         raise HandshakeError("the leader did not accept this follower")
     return Session(sock, process_id, _session_key(secret, theirs, ours, process_id))
 
 
-def leader_handshake(sock: socket.socket, secret: bytes, num_processes: int,
-                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+def leader_handshake(
+    sock: socket.socket, secret: bytes, num_processes: int, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> Session:
     """Check one connection's hello and proof; the caller accepts it (or not) afterwards."""
     deadline = time.monotonic() + timeout_s
     sock.settimeout(timeout_s)
@@ -239,8 +246,13 @@ def _refuse(sock: socket.socket, reason: str) -> None:
     sock.close()
 
 
-def accept_followers(server: socket.socket, secret: bytes, num_processes: int, timeout_s: float,
-                     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> dict[int, Session]:
+def accept_followers(
+    server: socket.socket,
+    secret: bytes,
+    num_processes: int,
+    timeout_s: float,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> dict[int, Session]:
     """Accept connections on `server` until processes 1..num_processes-1 have each authenticated
     once, or raise TimeoutError after `timeout_s`. Each connection's handshake runs on its own
     thread under its own deadline: a silent, slow, garbled, wrong-secret or duplicate peer is
@@ -299,9 +311,11 @@ def accept_followers(server: socket.socket, secret: bytes, num_processes: int, t
     if not complete:
         host, port = server.getsockname()[:2]
         missing = sorted(set(range(1, num_processes)) - set(sessions))
-        raise TimeoutError(f"step channel {host}:{port}: {len(sessions)} of {wanted} followers authenticated within "
-                           f"{timeout_s:g} s (missing process ids {missing}); every process needs the same "
-                           "parallel.multihost.secret (JAXSERVE_MULTIHOST_SECRET)")
+        raise TimeoutError(
+            f"step channel {host}:{port}: {len(sessions)} of {wanted} followers authenticated within "
+            f"{timeout_s:g} s (missing process ids {missing}); every process needs the same "
+            "parallel.multihost.secret (JAXSERVE_MULTIHOST_SECRET)"
+        )
     return sessions
 
 
@@ -353,8 +367,15 @@ class Frame(NamedTuple):
     digest: bytes  # of everything above: one hash per step, one keyed MAC of it per follower
 
     def packed(self, key: bytes) -> bytes:
-        header = json.dumps({"seq": self.seq, "op": self.op, "args": self.args_json, "body": len(self.body),
-                             "mac": _mac(key, self.digest)}).encode()
+        header = json.dumps(
+            {
+                "seq": self.seq,
+                "op": self.op,
+                "args": self.args_json,
+                "body": len(self.body),
+                "mac": _mac(key, self.digest),
+            }
+        ).encode()
         return struct.pack(">I", len(header)) + header + self.body
 
 
@@ -371,10 +392,12 @@ def decode_frame(header: dict, body: bytes, expected_seq: int, key: bytes) -> tu
     """(op, host args) of a frame; DivergenceError unless its MAC holds and it is step `expected_seq`
     (a heartbeat: any step)."""
     seq, op, args_json, mac = (header.get(name) for name in ("seq", "op", "args", "mac"))
-    if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), _mac(key, _content_digest(
-            seq, op, args_json, body)).encode()):
-        raise DivergenceError(f"step {expected_seq}: the frame's MAC does not match (altered, injected, or sent "
-                              "with another key)")
+    if not isinstance(mac, str) or not hmac.compare_digest(
+        mac.encode(), _mac(key, _content_digest(seq, op, args_json, body)).encode()
+    ):
+        raise DivergenceError(
+            f"step {expected_seq}: the frame's MAC does not match (altered, injected, or sent with another key)"
+        )
     if op == HEARTBEAT:
         return op, {}
     if seq != expected_seq:

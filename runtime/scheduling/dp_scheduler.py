@@ -31,7 +31,7 @@ class DataParallelOutput(SchedulerOutput):
     ranks: list[SchedulerOutput] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def combine(cls, ranks: list[SchedulerOutput]) -> "DataParallelOutput":
+    def combine(cls, ranks: list[SchedulerOutput]) -> DataParallelOutput:
         out = cls(ranks=ranks)
         for rank, o in enumerate(ranks):
             out.sequences += o.sequences
@@ -72,6 +72,7 @@ class DataParallelScheduler:
     def place(self, request: Request) -> int:
         """The rank with the most prefix-cache hit tokens for `request`, then the fewest
         outstanding tokens, then the lowest index."""
+
         def load(rank: int) -> tuple[int, int, int]:
             scheduler = self.ranks[rank]
             hit = scheduler.cache.lookup_prefix(request.all_token_ids, request.cache_extra_keys).num_tokens
@@ -84,8 +85,10 @@ class DataParallelScheduler:
         """Queue `request` on its rank; ValueError if its id is taken, it can never fit one rank's
         pages, or it wants what DP does not serve (prompt logprobs)."""
         if request.params.prompt_logprobs is not None:
-            raise ValueError(f"request {request.request_id!r}: prompt_logprobs is not supported with attention "
-                             f"data parallelism (data parallel size {self.size}); serve it with data: 1")
+            raise ValueError(
+                f"request {request.request_id!r}: prompt_logprobs is not supported with attention "
+                f"data parallelism (data parallel size {self.size}); serve it with data: 1"
+            )
         self._drop_finished(request.request_id)
         if request.request_id in self.rank_of:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -167,9 +170,13 @@ class DataParallelScheduler:
         for rank, r in enumerate(per_rank):
             summed[f"dp_rank{rank}_num_running"] = r["num_running"]
             summed[f"dp_rank{rank}_pages_free"] = r["pages_free"]
-        return {**summed, "dp_size": self.size, "tokens_last_step": self.tokens_last_step,
-                "max_tokens_per_step": self.max_tokens_per_step,
-                "mean_tokens_per_step": self.num_scheduled_tokens / max(self.num_scheduled_steps, 1)}
+        return {
+            **summed,
+            "dp_size": self.size,
+            "tokens_last_step": self.tokens_last_step,
+            "max_tokens_per_step": self.max_tokens_per_step,
+            "mean_tokens_per_step": self.num_scheduled_tokens / max(self.num_scheduled_steps, 1),
+        }
 
     def check_invariants(self) -> None:
         for rank, scheduler in enumerate(self.ranks):

@@ -20,18 +20,18 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SchedulingPolicy:
     name: str
-    key: Callable[["Request"], tuple]
+    key: Callable[[Request], tuple]
 
-    def victim(self, candidates: list["Request"]) -> "Request":
+    def victim(self, candidates: list[Request]) -> Request:
         """The request to preempt among `candidates`: the last one in service order."""
         return max(candidates, key=self.key)
 
 
-def _fcfs_key(request: "Request") -> tuple:
+def _fcfs_key(request: Request) -> tuple:
     return (request.sequence_number,)
 
 
-def _priority_key(request: "Request") -> tuple:
+def _priority_key(request: Request) -> tuple:
     # Lower priority value is served first (vLLM semantics); ties by arrival, then by add order.
     return (request.priority, request.arrival_time, request.sequence_number)
 

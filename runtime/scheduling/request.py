@@ -22,7 +22,6 @@ from paged_kv.cache_manager import SequenceAllocation
 from paged_kv.state_slots import NULL_SLOT
 from runtime.types import FinishReason, SamplingParams
 
-
 PLACEHOLDER_TOKEN = -1  # an output token sampled on the device, not yet seen by the host
 
 

@@ -182,8 +182,11 @@ class Scheduler:
                 break
             request = self.waiting[0]
             tokens = request.all_token_ids
-            hit = (PrefixHit() if request.params.prompt_logprobs is not None
-                   else self.cache.lookup_prefix(tokens, request.cache_extra_keys))
+            hit = (
+                PrefixHit()
+                if request.params.prompt_logprobs is not None
+                else self.cache.lookup_prefix(tokens, request.cache_extra_keys)
+            )
             external = self._external_tokens(request, hit)
             if external:
                 hit = PrefixHit()
@@ -227,7 +230,8 @@ class Scheduler:
             if divergence is None:
                 divergence = request.allocation.divergence
             end = self.cache.checkpoint_policy.chunk_end(
-                num_computed, num_computed + num_new, request.num_tokens, self.cache.page_size, divergence)
+                num_computed, num_computed + num_new, request.num_tokens, self.cache.page_size, divergence
+            )
             num_new = end - num_computed
         return num_new
 
@@ -257,11 +261,20 @@ class Scheduler:
         end = start + num_new
         is_prefill = request.num_tokens - start > 1
         policy = self.cache.checkpoint_policy
-        where = dict(prefill=is_prefill, num_tokens=request.num_tokens, page_size=self.cache.page_size,
-                     divergence=request.allocation.divergence)
+        where = dict(
+            prefill=is_prefill,
+            num_tokens=request.num_tokens,
+            page_size=self.cache.page_size,
+            divergence=request.allocation.divergence,
+        )
         if self.cache.checkpoints_enabled and policy.saves(end, **where):
-            copy = self.cache.reserve_checkpoint(request.request_id, tokens, end, rolling=policy.is_rolling(end, **where),
-                                                 last_token_known=tokens[end - 1] != PLACEHOLDER_TOKEN)
+            copy = self.cache.reserve_checkpoint(
+                request.request_id,
+                tokens,
+                end,
+                rolling=policy.is_rolling(end, **where),
+                last_token_known=tokens[end - 1] != PLACEHOLDER_TOKEN,
+            )
             if copy is not None:
                 out.copy_after.append(copy)
         return ScheduledSequence(
@@ -351,8 +364,11 @@ class Scheduler:
         are still running are returned for the caller to end (`finish(..., "error")`)."""
         if self._in_flight is output:
             self._in_flight = None
-        return [s.request for s in output.sequences
-                if self.requests.get(s.request_id) is s.request and s.request.status is RequestStatus.RUNNING]
+        return [
+            s.request
+            for s in output.sequences
+            if self.requests.get(s.request_id) is s.request and s.request.status is RequestStatus.RUNNING
+        ]
 
     def _take_in_flight(self, output: SchedulerOutput) -> None:
         if output is not self._in_flight and output.sequences:

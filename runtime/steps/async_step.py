@@ -67,8 +67,9 @@ class InFlightStep:
             return
         self.tokens = np.asarray(self.sampled.tokens)
         if self.sampled.top_ids.shape[1]:
-            self.logprobs = tuple(np.asarray(a) for a in (
-                self.sampled.logprobs, self.sampled.top_ids, self.sampled.top_logprobs))
+            self.logprobs = tuple(
+                np.asarray(a) for a in (self.sampled.logprobs, self.sampled.top_ids, self.sampled.top_logprobs)
+            )
 
 
 def no_feed_rows(num_token_rows: int) -> np.ndarray:

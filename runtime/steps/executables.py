@@ -77,10 +77,10 @@ from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import compute_logits, forward
 from runtime.buckets import BucketMiss
-from runtime.steps.table_host import TableStep, page_write_width, write_width
-from runtime.steps.table_device import RequestTable, apply_write, init_table, prepare, row_sampling
 from runtime.steps.sampler import sample, score_hidden_rows
 from runtime.steps.sampling_metadata import FullWidths, SamplingMetadata
+from runtime.steps.table_device import RequestTable, apply_write, init_table, prepare, row_sampling
+from runtime.steps.table_host import TableStep, page_write_width, write_width
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
@@ -137,9 +137,22 @@ def _sharded_spec(x):
 class StepExecutables:
     token_feed = False  # the backbones take a TokenFeed (host-built batches: attention DP) instead of the table
 
-    def __init__(self, model: Model, caches, opts: KernelOptions, *, token_buckets, seq_buckets,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_top_k: int = 256, fuse_greedy: bool = False,
-                 max_model_len: int | None = None, forward_fn=forward, page_size: int = 16):
+    def __init__(
+        self,
+        model: Model,
+        caches,
+        opts: KernelOptions,
+        *,
+        token_buckets,
+        seq_buckets,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_top_k: int = 256,
+        fuse_greedy: bool = False,
+        max_model_len: int | None = None,
+        forward_fn=forward,
+        page_size: int = 16,
+    ):
         # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/parallel/data_parallel.py)
         forward = forward_fn
         self.model, self.opts = model, opts
@@ -156,7 +169,7 @@ class StepExecutables:
         cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
         self._cache_specs = jax.tree.map(self._specs, caches)
         self.fuse_greedy = fuse_greedy
-        self.greedy_buckets = tuple(T for T in self.token_buckets if T <= max_num_seqs) if fuse_greedy else ()
+        self.greedy_buckets = tuple(T for T in self.token_buckets if max_num_seqs >= T) if fuse_greedy else ()
         self._backbones: dict[int, object] = {}
         self._greedy_backbones: dict[int, object] = {}
         self._scoring_backbones: dict[int, object] = {}
@@ -203,16 +216,16 @@ class StepExecutables:
             hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
             return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
 
-        scoring_pinned = {} if opts.tp is None else {
-            "out_shardings": (cache_shardings, self._replicated, self._replicated)}
+        scoring_pinned = (
+            {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated, self._replicated)}
+        )
         self._scoring_backbone_jit = jax.jit(scoring_backbone, donate_argnums=1, **scoring_pinned)
 
         def sampler(params, hidden, meta, bitmask, table, *, num_rows, num_logprobs, all_greedy):
             if not meta.has_row_params:  # the request table holds them: gather the step's rows
                 meta = dataclasses.replace(meta, **row_sampling(table, num_rows))
             logits = compute_logits(params, hidden[:num_rows])
-            out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs,
-                         all_greedy=all_greedy)
+            out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy)
             return dataclasses.replace(out, tokens=pad_tokens(out.tokens, max_num_seqs))  # one feed shape
 
         pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
@@ -234,8 +247,11 @@ class StepExecutables:
 
                 return lax.fori_loop(0, n, one, per_layer).reshape(a.shape)
 
-            return {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])),
-                    "rec": tuple(map(copy, caches["rec"]))}
+            return {
+                "kv": caches["kv"],
+                "conv": tuple(map(copy, caches["conv"])),
+                "rec": tuple(map(copy, caches["rec"])),
+            }
 
         pinned = {} if opts.tp is None else {"out_shardings": cache_shardings}
         self._copy_jit = jax.jit(copy_states, donate_argnums=0, **pinned)
@@ -249,17 +265,24 @@ class StepExecutables:
         i32 = jnp.int32
         spec = self._host_spec
         return ForwardBatch(
-            input_ids=spec((T,), i32), positions=spec((T,), i32),
-            slot_mapping=spec((T,), i32), cu_q_lens=spec((S + 1,), i32),
-            kv_lens=spec((S,), i32), block_tables=spec((S, MB), i32),
-            state_slot_ids=spec((S,), i32), has_initial_state=spec((S,), jnp.bool_),
-            num_seqs=spec((), i32), logits_indices=spec((S,), i32))
+            input_ids=spec((T,), i32),
+            positions=spec((T,), i32),
+            slot_mapping=spec((T,), i32),
+            cu_q_lens=spec((S + 1,), i32),
+            kv_lens=spec((S,), i32),
+            block_tables=spec((S, MB), i32),
+            state_slot_ids=spec((S,), i32),
+            has_initial_state=spec((S,), jnp.bool_),
+            num_seqs=spec((), i32),
+            logits_indices=spec((S,), i32),
+        )
 
     def _feed_spec(self, T: int) -> TokenFeed | None:
         if not self.token_feed:
             return None
-        return TokenFeed(prev_tokens=self._host_spec((self.max_num_seqs,), jnp.int32),
-                         rows=self._host_spec((T,), jnp.int32))
+        return TokenFeed(
+            prev_tokens=self._host_spec((self.max_num_seqs,), jnp.int32), rows=self._host_spec((T,), jnp.int32)
+        )
 
     def new_table(self) -> RequestTable:
         """An empty request table (every row free) on the device."""
@@ -278,27 +301,37 @@ class StepExecutables:
         """The sampler reads temperature ... seeds from the request table (not with attention DP)."""
         return not self.token_feed
 
-    def _meta_spec(self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0,
-                   bias: int = 0) -> SamplingMetadata:
+    def _meta_spec(
+        self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0, bias: int = 0
+    ) -> SamplingMetadata:
         f32, i32 = jnp.float32, jnp.int32
         spec = self._host_spec
         in_table = self.row_params_in_table
-        row = lambda dt: None if in_table else spec((S,), dt)  # noqa: E731
+        row = lambda dt: None if in_table else spec((S,), dt)
         return SamplingMetadata(
-            temperature=row(f32), top_k=row(i32), top_p=row(f32), min_p=row(f32),
-            presence_penalty=row(f32), frequency_penalty=row(f32), repetition_penalty=row(f32),
-            seeds=row(jnp.uint32), steps=spec((S,), i32),
+            temperature=row(f32),
+            top_k=row(i32),
+            top_p=row(f32),
+            min_p=row(f32),
+            presence_penalty=row(f32),
+            frequency_penalty=row(f32),
+            repetition_penalty=row(f32),
+            seeds=row(jnp.uint32),
+            steps=spec((S,), i32),
             output_ids=spec((S, out_width), i32),
             prompt_ids=spec((S, prompt_width), i32),
             banned_ids=spec((S, banned), i32),
-            logit_bias_ids=spec((S, bias), i32), logit_bias_values=spec((S, bias), f32))
+            logit_bias_ids=spec((S, bias), i32),
+            logit_bias_values=spec((S, bias), f32),
+        )
 
     # ---- compile ------------------------------------------------------------------------
     def _check_unsealed(self, name: str) -> None:
         if self.sealed:
             raise CompileAfterStartup(
                 f"{name} was not compiled at start-up and compiling in the serving loop is off "
-                f"({len(self.compile_seconds)} executables compiled at start-up)")
+                f"({len(self.compile_seconds)} executables compiled at start-up)"
+            )
 
     def _compile_backbone(self, T: int, greedy: bool = False):
         self._check_unsealed(f"{'greedy_' if greedy else ''}backbone[T={T}]")
@@ -308,8 +341,11 @@ class StepExecutables:
             fn = self._greedy_backbone_jit if greedy else self._backbone_jit
             exe = fn.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)).lower().compile()
         else:  # prepare fused in
-            exe = self._table_backbone_jit.trace(params, self._cache_specs, *self._table_args_spec(T),
-                                                 greedy=greedy).lower().compile()
+            exe = (
+                self._table_backbone_jit.trace(params, self._cache_specs, *self._table_args_spec(T), greedy=greedy)
+                .lower()
+                .compile()
+            )
         self.compile_seconds[f"{'greedy_' if greedy else ''}backbone[T={T}]"] = time.perf_counter() - t0
         (self._greedy_backbones if greedy else self._backbones)[T] = exe
         return exe
@@ -343,8 +379,13 @@ class StepExecutables:
         self._check_unsealed(f"scoring_backbone[T={T}]")
         t0 = time.perf_counter()
         params = jax.tree.map(self._specs, self.model.params)
-        exe = self._scoring_backbone_jit.trace(params, self._cache_specs, self._batch_spec(T),
-                                               self._host_spec((T,), jnp.int32)).lower().compile()
+        exe = (
+            self._scoring_backbone_jit.trace(
+                params, self._cache_specs, self._batch_spec(T), self._host_spec((T,), jnp.int32)
+            )
+            .lower()
+            .compile()
+        )
         self.compile_seconds[f"scoring_backbone[T={T}]"] = time.perf_counter() - t0
         self._scoring_backbones[T] = exe
         return exe
@@ -357,11 +398,24 @@ class StepExecutables:
         hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         bitmask = self._host_spec((S, mask_w), jnp.int32) if mask_w else None
         table = self._table_spec() if self.row_params_in_table else None
-        exe = self._sampler_jit.trace(params, hidden, self._meta_spec(S, out_w, prompt_w, banned, bias), bitmask,
-                                      table, num_rows=S, num_logprobs=n_logprobs,
-                                      all_greedy=greedy).lower().compile()
-        name = (f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
-                f"{',greedy' if greedy else ''}{',masked' if mask_w else ''}]")
+        exe = (
+            self._sampler_jit.trace(
+                params,
+                hidden,
+                self._meta_spec(S, out_w, prompt_w, banned, bias),
+                bitmask,
+                table,
+                num_rows=S,
+                num_logprobs=n_logprobs,
+                all_greedy=greedy,
+            )
+            .lower()
+            .compile()
+        )
+        name = (
+            f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
+            f"{',greedy' if greedy else ''}{',masked' if mask_w else ''}]"
+        )
         self.compile_seconds[name] = time.perf_counter() - t0
         self._samplers[key] = exe
         return exe
@@ -369,14 +423,18 @@ class StepExecutables:
     def _compile_copy_states(self):
         t0 = time.perf_counter()
         index = self._host_spec((self.max_num_seqs,), jnp.int32)
-        self._copy = self._copy_jit.trace(self._cache_specs, index, index, self._host_spec((), jnp.int32)).lower().compile()
+        self._copy = (
+            self._copy_jit.trace(self._cache_specs, index, index, self._host_spec((), jnp.int32)).lower().compile()
+        )
         self.compile_seconds["copy_states"] = time.perf_counter() - t0
 
     def _full_key(self, S: int, greedy: bool, mask_w: int) -> tuple:
         w = self.full_widths
         return (S, MAX_LOGPROBS, w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias, greedy, mask_w)
 
-    def compile_all(self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False) -> dict[str, float]:
+    def compile_all(
+        self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False
+    ) -> dict[str, float]:
         """Compile the backbone of every token bucket (and its greedy twin with `fuse_greedy`),
         write_table, and the plain and
         all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
@@ -388,8 +446,9 @@ class StepExecutables:
             raise ValueError("every_variant needs StepExecutables(max_model_len=...) to bound the sampler widths")
         t_start, before = time.perf_counter(), len(self.compile_seconds)
         kinds = ("sampler", "greedy sampler") + (("full sampler", "full greedy sampler") if every_variant else ())
-        jobs = ([("backbone", T, 0) for T in self.token_buckets]
-                + [(kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds])
+        jobs = [("backbone", T, 0) for T in self.token_buckets] + [
+            (kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds
+        ]
         jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
         if not self.token_feed:  # the request table's executables
             jobs += [("write table", 0, 0)]
@@ -400,8 +459,11 @@ class StepExecutables:
         for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             greedy = "greedy" in kind
             if kind.endswith("backbone"):
-                (self._compile_scoring_backbone(n) if kind == "scoring backbone"
-                 else self._compile_backbone(n, greedy=greedy))
+                (
+                    self._compile_scoring_backbone(n)
+                    if kind == "scoring backbone"
+                    else self._compile_backbone(n, greedy=greedy)
+                )
             elif kind == "copy states":
                 self._compile_copy_states()
             elif kind == "prepare":
@@ -413,8 +475,12 @@ class StepExecutables:
             else:
                 self._compile_sampler((n, 0, 0, 0, 0, 0, greedy, width))
         self.sealed = every_variant
-        log.info("compiled %d executables in %.1fs%s", len(self.compile_seconds) - before,
-                 time.perf_counter() - t_start, " (sealed: no compile after start-up)" if self.sealed else "")
+        log.info(
+            "compiled %d executables in %.1fs%s",
+            len(self.compile_seconds) - before,
+            time.perf_counter() - t_start,
+            " (sealed: no compile after start-up)" if self.sealed else "",
+        )
         log.info("executables: %s", ", ".join(self.compile_seconds))
         return dict(self.compile_seconds)
 
@@ -429,7 +495,7 @@ class StepExecutables:
         def zeros(spec):
             return None if spec is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
 
-        for greedy, exes in ((False, self._backbones), (True, self._greedy_backbones)):
+        for _greedy, exes in ((False, self._backbones), (True, self._greedy_backbones)):
             for T, exe in sorted(exes.items()):
                 if self.token_feed:
                     batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
@@ -445,8 +511,12 @@ class StepExecutables:
             meta = zeros(self._meta_spec(S, out_w, prompt_w, banned, bias))
             bitmask = jnp.zeros((S, mask_w), jnp.int32) if mask_w else None
             jax.block_until_ready(exe(params, hidden, meta, bitmask, table))
-        log.info("warmed up %d backbones and %d samplers in %.1fs", len(self._backbones) + len(self._greedy_backbones),
-                 len(self._samplers), time.perf_counter() - t0)
+        log.info(
+            "warmed up %d backbones and %d samplers in %.1fs",
+            len(self._backbones) + len(self._greedy_backbones),
+            len(self._samplers),
+            time.perf_counter() - t0,
+        )
         return caches
 
     # ---- run ----------------------------------------------------------------------------
@@ -500,7 +570,7 @@ class StepExecutables:
         """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32;
         the step is prepared in the largest token bucket (one scoring executable)."""
         T, T_max = batch.input_ids.shape[0], self.token_buckets[-1]
-        if T != T_max:
+        if T_max != T:
             raise BucketMiss(f"a scoring step must be prepared in the largest token bucket {T_max}, not {T}")
         exe = self._scoring_backbones.get(T_max)
         if exe is None:
@@ -508,8 +578,16 @@ class StepExecutables:
             exe = self._compile_scoring_backbone(T_max)
         return exe(params, caches, batch, targets)
 
-    def run_sampler(self, params, hidden, meta: SamplingMetadata, num_logprobs: int, all_greedy: bool = False,
-                    bitmask: np.ndarray | None = None, table: RequestTable | None = None):
+    def run_sampler(
+        self,
+        params,
+        hidden,
+        meta: SamplingMetadata,
+        num_logprobs: int,
+        all_greedy: bool = False,
+        bitmask: np.ndarray | None = None,
+        table: RequestTable | None = None,
+    ):
         """`all_greedy`: every real row has temperature 0 (padding rows always are), known on the host.
         `bitmask`: None, or the step's [S, W] i32 allowed-token bitmask (structured output).
         With the request table (`row_params_in_table`) `meta` carries no per-row parameters
@@ -521,12 +599,23 @@ class StepExecutables:
         S = meta.num_rows
         mask_w = 0 if bitmask is None else bitmask.shape[1]
         meta, num_logprobs = self._bounded(meta, num_logprobs)
-        key = (S, num_logprobs, meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned,
-               meta.num_logit_bias, bool(all_greedy), mask_w)
+        key = (
+            S,
+            num_logprobs,
+            meta.output_ids.shape[1],
+            meta.prompt_ids.shape[1],
+            meta.num_banned,
+            meta.num_logit_bias,
+            bool(all_greedy),
+            mask_w,
+        )
         exe = self._samplers.get(key)
         if exe is None:
-            log.info("compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s "
-                     "bitmask width=%d", *key)
+            log.info(
+                "compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s "
+                "bitmask width=%d",
+                *key,
+            )
             exe = self._compile_sampler(key)
         return exe(params, hidden, meta, bitmask, table if self.row_params_in_table else None)
 
@@ -546,4 +635,3 @@ class StepExecutables:
         if self._copy is None:
             self._check_unsealed("copy_states")
         return (self._copy or self._copy_jit)(caches, src, dst, np.int32(len(pairs)))
-

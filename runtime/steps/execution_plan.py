@@ -86,7 +86,8 @@ WEIGHT_LAYOUT_CPU, WEIGHT_LAYOUT_DEFAULT, WEIGHT_LAYOUT_NATIVE = "out_in", "in_o
 # float16 has no such measurement: it is served, with a warning.
 _CPU_DTYPE_WARNING = (
     "serving in {dtype} on the CPU backend, which is not measured there (bfloat16 is: 1.4-2.2x "
-    "float32's tokens/s at saturation, benchmarks/saturation.py); prefer model.dtype: bfloat16 or float32 for CPU serving")
+    "float32's tokens/s at saturation, benchmarks/saturation.py); prefer model.dtype: bfloat16 or float32 for CPU serving"
+)
 CPU_WARNED_DTYPES = ("float16",)
 
 
@@ -113,15 +114,18 @@ class ExecutionPlan:
 
     def describe(self) -> str:
         """The one start-up log line."""
-        return (f"execution plan ({self.backend}): layers {self.layer_loop}, token buckets {list(self.token_buckets)}, "
-                f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, "
-                f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
-                f"weights {self.weight_layout}, "
-                f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}")
+        return (
+            f"execution plan ({self.backend}): layers {self.layer_loop}, token buckets {list(self.token_buckets)}, "
+            f"seq buckets {list(self.seq_buckets)}, fuse_greedy {self.fuse_greedy}, "
+            f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
+            f"weights {self.weight_layout}, "
+            f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}"
+        )
 
 
-def plan_execution(engine_config, model_config, backend: str, dtype: str | None = None, *,
-                   native_matmul: bool = False) -> ExecutionPlan:
+def plan_execution(
+    engine_config, model_config, backend: str, dtype: str | None = None, *, native_matmul: bool = False
+) -> ExecutionPlan:
     """Resolve every execution choice for `engine_config` (runtime.engine_config.EngineConfig) serving
     `model_config` (models.config.ModelConfig: num_layers, is_hybrid) on `backend` (cpu | gpu | tpu). `dtype`:
     the weights' dtype when it is not the config's (a loaded Model handed to the engine).
@@ -152,13 +156,17 @@ def plan_execution(engine_config, model_config, backend: str, dtype: str | None 
     )
 
 
-def plan_buckets(max_num_batched_tokens: int, max_num_seqs: int, explicit: tuple[int, ...] | None,
-                 backend: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def plan_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int, explicit: tuple[int, ...] | None, backend: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(token buckets, sequence buckets) for a backend; `explicit` token buckets win."""
     on_cpu = backend == "cpu"
-    tokens = pow2_buckets(max_num_batched_tokens, explicit=explicit,
-                          minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
-                          fine_until=max_num_seqs if on_cpu else 0)
+    tokens = pow2_buckets(
+        max_num_batched_tokens,
+        explicit=explicit,
+        minimum=MIN_TOKEN_BUCKET_CPU if on_cpu else MIN_TOKEN_BUCKET_ACCELERATOR,
+        fine_until=max_num_seqs if on_cpu else 0,
+    )
     return tokens, pow2_buckets(max_num_seqs, minimum=MIN_SEQ_BUCKET)
 
 

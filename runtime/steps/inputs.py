@@ -20,8 +20,9 @@ from runtime.buckets import bucket_for
 from runtime.scheduling.scheduler import SchedulerOutput
 
 
-def build_batch(out: SchedulerOutput, *, token_buckets: tuple[int, ...], max_num_seqs: int,
-                max_blocks_per_seq: int, page_size: int) -> ForwardBatch:
+def build_batch(
+    out: SchedulerOutput, *, token_buckets: tuple[int, ...], max_num_seqs: int, max_blocks_per_seq: int, page_size: int
+) -> ForwardBatch:
     seqs = out.sequences
     num_tokens = sum(s.num_new_tokens for s in seqs)
     T = bucket_for(max(num_tokens, len(seqs)), token_buckets)

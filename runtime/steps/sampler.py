@@ -73,8 +73,9 @@ class TokenScores:
     top_logprobs: jax.Array
 
 
-jax.tree_util.register_dataclass(TokenScores, data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    TokenScores, data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"], meta_fields=[]
+)
 
 
 def score_tokens(logits: jax.Array, targets: jax.Array, num_top: int, top_k_impl: str = "auto") -> TokenScores:
@@ -155,8 +156,7 @@ def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
 
 
-def candidate_mask(scaled: jax.Array, full_lse: jax.Array, meta: SamplingMetadata,
-                   vocab: int) -> jax.Array:
+def candidate_mask(scaled: jax.Array, full_lse: jax.Array, meta: SamplingMetadata, vocab: int) -> jax.Array:
     """Which of the best-first candidates survive top-k, top-p and min-p.
 
     scaled [S, K]: temperature-scaled candidate logits, descending; full_lse [S]: logsumexp of
@@ -224,8 +224,9 @@ def _threshold_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(x, ids, axis=1), ids
 
 
-@functools.partial(jax.jit, static_argnames=("max_top_k", "num_logprobs", "exact_unfiltered",
-                                             "top_k_impl", "all_greedy"))
+@functools.partial(
+    jax.jit, static_argnames=("max_top_k", "num_logprobs", "exact_unfiltered", "top_k_impl", "all_greedy")
+)
 def sample(
     logits: jax.Array,
     meta: SamplingMetadata,
@@ -255,8 +256,9 @@ def sample(
     num_rows, vocab = raw.shape
     num_cand = min(max_top_k, vocab)
 
-    penalized = apply_token_bitmask(ban_tokens(apply_penalties(apply_logit_bias(raw, meta), meta), meta),
-                                    token_bitmask)  # [S, V]
+    penalized = apply_token_bitmask(
+        ban_tokens(apply_penalties(apply_logit_bias(raw, meta), meta), meta), token_bitmask
+    )  # [S, V]
     if all_greedy:
         return _with_logprobs(raw, jnp.argmax(penalized, axis=1).astype(jnp.int32), num_logprobs, top_k_impl)
     greedy = meta.temperature <= 0.0
@@ -275,13 +277,15 @@ def sample(
     tokens = jnp.take_along_axis(cand_ids, position[:, None], axis=1)[:, 0]  # [S]
 
     if exact_unfiltered and num_cand < vocab:
-        unfiltered = (~greedy & ((meta.top_k <= 0) | (meta.top_k >= vocab))
-                      & (meta.top_p >= 1.0) & (meta.min_p <= 0.0))  # [S]
+        unfiltered = (
+            ~greedy & ((meta.top_k <= 0) | (meta.top_k >= vocab)) & (meta.top_p >= 1.0) & (meta.min_p <= 0.0)
+        )  # [S]
         full_tokens = lax.cond(
             jnp.any(unfiltered),
             _full_vocab_inverse_cdf,
             lambda scaled_logits, _: jnp.zeros((num_rows,), jnp.int32),
-            full_scaled, full_keys,
+            full_scaled,
+            full_keys,
         )
         tokens = jnp.where(unfiltered, full_tokens, tokens)
     return _with_logprobs(raw, tokens.astype(jnp.int32), num_logprobs, top_k_impl)
@@ -297,8 +301,7 @@ def _with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int, top_k_i
     else:
         top_ids = jnp.zeros((num_rows, 0), jnp.int32)
         top_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
-    return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids.astype(jnp.int32),
-                         top_logprobs=top_logprobs)
+    return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
 
 
 _CDF_BLOCK = 256

@@ -22,7 +22,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from models.batch import ForwardBatch
@@ -46,10 +45,15 @@ class RequestTable:
 
 def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> RequestTable:
     rows = max_num_seqs + 1
-    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    table = RequestTable(zeros(rows, max_blocks_per_seq), zeros(rows), zeros(rows), zeros(rows),
-                         jnp.full((max_num_seqs,), max_num_seqs, jnp.int32),
-                         jnp.tile(jnp.asarray(NEUTRAL_ROW_PARAMS), (rows, 1)))
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    table = RequestTable(
+        zeros(rows, max_blocks_per_seq),
+        zeros(rows),
+        zeros(rows),
+        zeros(rows),
+        jnp.full((max_num_seqs,), max_num_seqs, jnp.int32),
+        jnp.tile(jnp.asarray(NEUTRAL_ROW_PARAMS), (rows, 1)),
+    )
     return table if sharding is None else jax.device_put(table, sharding)
 
 
@@ -59,10 +63,13 @@ def apply_write(table: RequestTable, write: jax.Array) -> RequestTable:
     r, start, slot, params, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
     block_tables = table.block_tables.at[r].set(0, mode="drop")
     block_tables = block_tables.at[page_rows, page_cols].set(pages, mode="drop")
-    return dataclasses.replace(table, block_tables=block_tables,
-                               num_computed=table.num_computed.at[r].set(start, mode="drop"),
-                               state_slot=table.state_slot.at[r].set(slot, mode="drop"),
-                               row_params=table.row_params.at[r].set(params.T, mode="drop"))
+    return dataclasses.replace(
+        table,
+        block_tables=block_tables,
+        num_computed=table.num_computed.at[r].set(start, mode="drop"),
+        state_slot=table.state_slot.at[r].set(slot, mode="drop"),
+        row_params=table.row_params.at[r].set(params.T, mode="drop"),
+    )
 
 
 def row_sampling(table: RequestTable, num_rows: int) -> dict[str, jax.Array]:
@@ -74,8 +81,9 @@ def row_sampling(table: RequestTable, num_rows: int) -> dict[str, jax.Array]:
     return {**fields, "top_k": bits[:, NUM_ROW_FLOATS], "seeds": lax.bitcast_convert_type(bits[:, -1], jnp.uint32)}
 
 
-def prepare(table: RequestTable, step: TableStep, prev_tokens: jax.Array, *, page_size: int
-            ) -> tuple[RequestTable, ForwardBatch]:
+def prepare(
+    table: RequestTable, step: TableStep, prev_tokens: jax.Array, *, page_size: int
+) -> tuple[RequestTable, ForwardBatch]:
     """-> (the table after the step, the step's ForwardBatch). prev_tokens [max_num_seqs] i32."""
     S, T = table.step_rows.shape[0], step.host_tokens.shape[0]
     last_token = table.last_token.at[table.step_rows].set(prev_tokens)  # padding -> the null row

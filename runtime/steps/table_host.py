@@ -52,8 +52,16 @@ from runtime.types import SamplingParams
 
 # A row's sampling parameters in the table, in this order, as int32 bit patterns: six float32
 # fields, then top_k and the seed's uint32 bits (`row_param_bits`).
-ROW_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-              "top_k", "seeds")
+ROW_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_k",
+    "seeds",
+)
 NUM_ROW_FLOATS = 6
 
 
@@ -72,8 +80,17 @@ class TableStep:
 def row_param_bits(params: SamplingParams, seed: int) -> np.ndarray:
     """[P] int32: a request's sampling parameters as its table row holds them, with `seed` (the
     request's own, or one drawn for it) taken modulo 2**32."""
-    floats = np.array([params.temperature, params.top_p, params.min_p, params.presence_penalty,
-                       params.frequency_penalty, params.repetition_penalty], np.float32)
+    floats = np.array(
+        [
+            params.temperature,
+            params.top_p,
+            params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        ],
+        np.float32,
+    )
     seed %= 2**32
     ints = np.array([params.top_k, seed], np.uint64).astype(np.uint32)  # top_k >= 0 (SamplingParams)
     return np.concatenate([floats.view(np.int32), ints.view(np.int32)])
@@ -115,8 +132,7 @@ def page_write_width(num_tokens: int, max_num_seqs: int, page_size: int) -> int:
 
 
 class RequestTableHost:
-    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int,
-                 rng: np.random.Generator | None = None):
+    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int, rng: np.random.Generator | None = None):
         """max_num_tokens: the largest token bucket (its W is the width of overflow writes).
         rng: draws the seeds of requests that set none (default: OS entropy)."""
         self.num_rows, self.page_size = max_num_seqs, page_size
@@ -206,8 +222,12 @@ class RequestTableHost:
         request = seq.request
         row = self._row_of.get(seq.request_id)
         entry = None if row is None else self._rows[row]
-        if (entry is not None and entry.allocation is request.allocation
-                and entry.num_computed == seq.start_position and entry.state_slot == seq.state_slot):
+        if (
+            entry is not None
+            and entry.allocation is request.allocation
+            and entry.num_computed == seq.start_position
+            and entry.state_slot == seq.state_slot
+        ):
             return row, entry, False
         if row is None:
             if not self._free:

@@ -9,8 +9,14 @@ from runtime.structured_output.compiler import GrammarCompiler
 from runtime.structured_output.manager import StructuredOutputManager
 
 
-def build_compiler(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = (), *,
-                   backend: str = "llguidance", timeout_s: float | None = None) -> GrammarCompiler:
+def build_compiler(
+    hf_tokenizer,
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...] = (),
+    *,
+    backend: str = "llguidance",
+    timeout_s: float | None = None,
+) -> GrammarCompiler:
     """A compiler for one tokenizer whose grammars cover `vocab_size` logits (the model's)."""
     if backend != "llguidance":
         raise ValueError(f"unknown structured output backend {backend!r}; available: llguidance")
@@ -22,5 +28,12 @@ def build_compiler(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
     return GrammarCompiler(grammar_backend, tokenizer_key=key, **kwargs)
 
 
-__all__ = ["GrammarBackend", "GrammarCompiler", "GrammarError", "GrammarMatcher", "StructuredOutputManager",
-           "bitmask_width", "build_compiler"]
+__all__ = [
+    "GrammarBackend",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarMatcher",
+    "StructuredOutputManager",
+    "bitmask_width",
+    "build_compiler",
+]

@@ -22,8 +22,15 @@ DEFAULT_CACHE_SIZE = 1024
 
 
 class GrammarCompiler:
-    def __init__(self, backend: GrammarBackend, *, tokenizer_key: str = "", timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int = 2):
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        *,
+        tokenizer_key: str = "",
+        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        num_threads: int = 2,
+    ):
         self.backend = backend
         self.tokenizer_key = tokenizer_key
         self.timeout_s = timeout_s
@@ -60,7 +67,7 @@ class GrammarCompiler:
             raise GrammarError(f"the {grammar.kind} grammar did not compile within {self.timeout_s:g} s") from None
         except GrammarError:
             raise
-        except Exception as err:  # noqa: BLE001 - a back-end failure on this input is the input's problem
+        except Exception as err:
             raise GrammarError(f"the {grammar.kind} grammar failed to compile: {type(err).__name__}: {err}") from None
 
     def shutdown(self) -> None:

@@ -78,8 +78,7 @@ class LLGuidanceBackend:
         if close_term == close_tag:  # a special token ends the block: the text before it cannot contain it
             block = f"block: {open_term} /(.|\\n)*/ {close_term} /[ \\t\\n]*/\n"
         else:  # lazy: the block ends at the first close tag
-            block = (f"block: {open_term} block_text /[ \\t\\n]*/\n"
-                     f"block_text[lazy]: /(.|\\n)*/ {close_term}\n")
+            block = f"block: {open_term} block_text /[ \\t\\n]*/\nblock_text[lazy]: /(.|\\n)*/ {close_term}\n"
         lark = f"start: block? @{BODY_GRAMMAR}\n" + block
         return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
 

@@ -79,11 +79,15 @@ class StructuredOutputManager:
         if state is None:
             return False
         if not state.active:
-            state.recent = (state.recent + [token_id])[-len(state.start_after):]
+            state.recent = (state.recent + [token_id])[-len(state.start_after) :]
             state.active = tuple(state.recent) == state.start_after
             return False
         if not state.matcher.accept_token(token_id):
-            log.warning("request %s: token %d rejected by its grammar (%s); ending it", request_id, token_id,
-                        getattr(state.matcher, "error", ""))
+            log.warning(
+                "request %s: token %d rejected by its grammar (%s); ending it",
+                request_id,
+                token_id,
+                getattr(state.matcher, "error", ""),
+            )
             return True
         return state.matcher.is_terminated()
