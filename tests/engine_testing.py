@@ -45,6 +45,24 @@ class FailingStep:
         return failing
 
 
+def small_engine_config(path, **overrides):
+    """A small float32 EngineConfig compiled on first use (64 pages of 16, 4 sequences, 64-token
+    steps, 256-token context); `overrides` replace any field."""
+    from runtime.engine_config import EngineConfig
+
+    base = dict(
+        model=str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        aot_compile=False,
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
 def launch_config(path, num_pages: int = 120):
     """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps)."""
     from configs.schema import LaunchConfig

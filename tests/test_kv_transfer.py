@@ -16,11 +16,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from engine_testing import drain
+from engine_testing import drain, small_engine_config
 
 from models.ops import ATTENTION_BACKENDS, GDN_BACKENDS, KernelOptions
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KV_CONNECTORS, KVTransferConfig
 from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable
 from runtime.registry import Registry
@@ -181,18 +180,7 @@ def test_plugin_attention_backend_from_yaml_and_from_llm(plugin, tiny_checkpoint
         load_config(None, {"kernels.attention_backend": "nope"})
 
 
-def _config(path, **kw) -> EngineConfig:
-    base = dict(
-        model=str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        aot_compile=False,
-    )
-    return EngineConfig(**{**base, **kw})
+_config = small_engine_config
 
 
 def _prompts():

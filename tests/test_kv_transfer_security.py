@@ -18,11 +18,10 @@ import time
 
 import numpy as np
 import pytest
-from engine_testing import drain
+from engine_testing import drain, small_engine_config
 
 from models.fingerprint import checkpoint_fingerprint
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine_config import EngineConfig
 from runtime.kv_transfer import KVTransferConfig, TransferError
 from runtime.kv_transfer.control import post_json
 from runtime.kv_transfer.descriptor import check_descriptor, token_digest
@@ -34,18 +33,7 @@ TOKEN = "test-kv-transfer-token-0123456789"
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 
 
-def _config(path, **kw) -> EngineConfig:
-    base = dict(
-        model=str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=64,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=256,
-        aot_compile=False,
-    )
-    return EngineConfig(**{**base, **kw})
+_config = small_engine_config
 
 
 def _kv(role: str, **kw) -> KVTransferConfig:
