@@ -20,8 +20,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 _RESULT = re.compile(r"benchmarks/results/[\w./{},*-]*[\w/}*]")
-_COMMAND_START = re.compile(r"(?:^|[`$]\s*|&&\s*|\|\s*)((?:\S*/)?(?:python3?|\.venv/bin/python) -m benchmarks\.\w+[^`\n]*"
-                            r"|(?:\S*/)?jaxserve (?:serve|config|plan|convert|proxy)\b[^`\n]*)")
+_COMMAND_START = re.compile(
+    r"(?:^|[`$]\s*|&&\s*|\|\s*)((?:\S*/)?(?:python3?|\.venv/bin/python) -m benchmarks\.\w+[^`\n]*"
+    r"|(?:\S*/)?jaxserve (?:serve|config|plan|convert|proxy)\b[^`\n]*)"
+)
 
 
 def _expand(path: str) -> list[str]:
@@ -76,7 +78,9 @@ def _script_flags(module: str) -> set[str]:
     flags = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
-            flags |= {arg.value for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("-")}
+            flags |= {
+                arg.value for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("-")
+            }
     return flags
 
 
@@ -84,7 +88,9 @@ COMMANDS = _commands()
 
 
 def test_the_docs_document_commands():
-    assert sum(1 for _, c in COMMANDS if "benchmarks." in c) >= 10 and sum(1 for _, c in COMMANDS if "jaxserve" in c) >= 10
+    assert (
+        sum(1 for _, c in COMMANDS if "benchmarks." in c) >= 10 and sum(1 for _, c in COMMANDS if "jaxserve" in c) >= 10
+    )
 
 
 @pytest.mark.parametrize(("page", "command"), COMMANDS)
