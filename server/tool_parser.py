@@ -110,11 +110,9 @@ class HermesToolParser:
         return "".join(content), calls
 
     def grammar(self, functions: list[dict], max_calls: int) -> str:
-        """Lark: 1..max_calls blocks, each naming one of `functions` with schema-valid arguments,
-        then optionally a newline: a model that writes one after its call (SmolLM2 does, p ~0.8 in
-        the BFCL run) may still end its turn there instead of being forced into another call."""
+        """Lark: 1..max_calls blocks, each naming one of `functions` with schema-valid arguments."""
         return (
-            f'start: {_repeat("call", chr(10), max_calls)} "\\n"?\n'
+            f"start: {_repeat('call', chr(10), max_calls)}\n"
             f'call: "{self.start}\\n" body "\\n{self.end}"\n'
             f"body: %json {json.dumps(_calls_schema(functions, 'arguments'))}\n"
         )
