@@ -24,6 +24,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from configs.schema import ServerConfig
+from runtime.kv_transfer.control import TOKEN_HEADER as KV_TRANSFER_TOKEN_HEADER
+from runtime.kv_transfer.control import token_matches
 from server import formats, structured
 from server.chat_messages import normalize_messages, template_source
 from server.chat_output import ChatOutputParser
@@ -264,16 +266,12 @@ async def _read_json(request: web.Request, model: type[BaseModel]):
     return parsed
 
 
-KV_TRANSFER_TOKEN_HEADER = "X-KV-Transfer-Token"
-
-
 def _check_kv_transfer(request: web.Request, state: ServerState, body) -> None:
     """P/D: `kv_transfer_params` steer what this instance offers or pulls, so only the proxy may
     send them — with the internal token (constant-time compare) when one is configured."""
-    if body.kv_transfer_params is None or state.kv_transfer_token is None:
+    if body.kv_transfer_params is None:
         return
-    presented = request.headers.get(KV_TRANSFER_TOKEN_HEADER, "")
-    if not hmac.compare_digest(presented.encode(), state.kv_transfer_token.encode()):
+    if not token_matches(request.headers.get(KV_TRANSFER_TOKEN_HEADER), state.kv_transfer_token):
         raise RequestError(
             400,
             f"kv_transfer_params: accepted only from the P/D proxy (the internal "

@@ -36,12 +36,12 @@ import sys
 import aiohttp
 from aiohttp import web
 
+from runtime.kv_transfer.control import TOKEN_HEADER
 from server.proxy_config import ProxyConfig, ProxyConfigError, build_config, insecure_bind
 from server.proxy_health import HealthChecker, Pool
 
 log = logging.getLogger("jaxserve.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-TOKEN_HEADER = "X-KV-Transfer-Token"
 # What the prefill leg must not carry: it computes the prompt and returns JSON, nothing else.
 PREFILL_DROPPED_FIELDS = (
     "stream_options",

@@ -272,7 +272,6 @@ class JaxTransferConnector(KVConnector):
         address = reply.get("transfer_address")
         if not isinstance(address, str) or not _is_host_port(address):
             raise TransferError("the claim's reply names no transfer address (host:port)")
-        pull.claimed = True
         if pull.cancelled.is_set():  # the client left while we claimed: free it at once
             self._release(params, "abort")
             raise TransferError("cancelled")
@@ -378,7 +377,6 @@ class _Pull:
         self.params, self.descriptor, self.specs, self.deadline = params, descriptor, specs, deadline
         self.started = time.perf_counter()
         self.done, self.cancelled = threading.Event(), threading.Event()
-        self.claimed = False
         self.result: list | None = None
         self.error: BaseException | None = None
 
