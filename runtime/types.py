@@ -252,6 +252,65 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@dataclass(slots=True)
+class RequestDelta:
+    """What one engine step added to one request: the one output message from the engine to its
+    callers (`LLMEngine.step()` / `abort()`, every transport and `server.testing.FakeEngine`).
+
+    Appends only: `new_token_ids`, `new_text` and `new_logprobs` extend what the earlier deltas of
+    the same request carried (text that may still begin a stop string is held back until it is
+    safe, so nothing is ever retracted). `prompt_logprobs` comes once, on the delta that finishes
+    scoring the prompt. The last delta of a request has its `finish_reason` set ("error" with
+    `error` when the engine failed it) and, on a P/D prefill instance, `kv_transfer_params`.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] | None = None  # None: the request asked for no logprobs
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    kv_transfer_params: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def accumulate(previous: RequestOutput | None, delta: RequestDelta, prompt_token_ids: list[int]) -> RequestOutput:
+    """The cumulative `RequestOutput` after `delta` (`previous`: the one before it, or None for a
+    request's first delta). Builds new lists: outputs handed out earlier stay as they were. The
+    one place deltas add up, for callers that want the whole text so far (`LLM.generate`, the
+    server's chat parsers)."""
+    before = previous.outputs[0] if previous is not None else CompletionOutput(0)
+    logprobs = before.logprobs
+    if delta.new_logprobs is not None:
+        logprobs = (logprobs or []) + delta.new_logprobs
+    completion = CompletionOutput(
+        0,
+        before.token_ids + delta.new_token_ids,
+        before.text + delta.new_text,
+        logprobs,
+        delta.finish_reason,
+        delta.stop_reason if delta.finished else None,
+    )
+    return RequestOutput(
+        delta.request_id,
+        prompt_token_ids,
+        [completion],
+        finished=delta.finished,
+        num_cached_tokens=delta.num_cached_tokens,
+        error=delta.error,
+        prompt_logprobs=delta.prompt_logprobs
+        if delta.prompt_logprobs is not None
+        else (previous.prompt_logprobs if previous is not None else None),
+        kv_transfer_params=delta.kv_transfer_params,
+    )
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """What the server hands the engine: tokens in, sampling params, nothing JAX."""
