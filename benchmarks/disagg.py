@@ -26,13 +26,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.peers import worktree
 from benchmarks.serve import compute_metrics, run_load, send_completion
 from benchmarks.workloads import BenchRequest
 from tests.pd_testing import BASE_FLAGS, TOKEN, PDCluster, Process, scrape
@@ -115,17 +115,6 @@ def measure_family(family: str, prompt_len: int, reps: int, kv_cache_dtype: str 
         "pull_seconds_mean": seconds / reps,
         "bytes_per_request": sizes,
     }
-
-
-def worktree(ref: str) -> Path:
-    """A detached worktree of `ref` under /tmp (made once per commit)."""
-    sha = subprocess.run(["git", "rev-parse", ref], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-    path = Path("/tmp") / f"jaxserve-{sha[:12]}"
-    if not (path / "server").exists():
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True, capture_output=True
-        )
-    return path
 
 
 def compare_trees(

@@ -176,6 +176,18 @@ def llama_cpp_serve_command(
     ]
 
 
+def worktree(ref: str) -> Path:
+    """A detached worktree of git revision `ref` under /tmp (made once per commit): an A/B of two
+    revisions of ours in one invocation (`benchmarks.saturation --before`, `benchmarks.disagg --before`)."""
+    sha = subprocess.run(["git", "rev-parse", ref], cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+    path = Path("/tmp") / f"jaxserve-{sha[:12]}"
+    if not (path / "server").exists():
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(path), sha], cwd=REPO, check=True, capture_output=True
+        )
+    return path
+
+
 def jaxserve_serve_command(
     checkpoint: str | Path,
     port: int,

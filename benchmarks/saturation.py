@@ -26,6 +26,8 @@ and ours / vLLM for output tok/s with the target's condition (>= 1.2x and p99 TP
 `--ours-variant LABEL:KEY=VALUE[,KEY=VALUE...]` (repeatable) adds one more server to every case,
 ours in bf16 with those launch-config overrides, named `ours-bf16-LABEL`: an A/B in the same
 invocation, e.g. `--ours-variant gil5ms:server.gil_switch_interval_ms=5` (Python's default).
+`--before REF` adds ours in bf16 as of git revision REF (a detached worktree, `peers.worktree`),
+named `ours-bf16-before`: a refactor's before / after, side by side in one invocation.
 """
 
 from __future__ import annotations
@@ -170,7 +172,8 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
         "case": name,
         "case_config": {k: v for k, v in case.__dict__.items() if k != "servers"},
         "servers": [s[0] for s in servers],
-        "server_sets": {s[0]: s[3] for s in servers if len(s) > 3},
+        "server_sets": {s[0]: s[3] for s in servers if len(s) > 3 and s[3]},
+        "server_trees": {s[0]: str(s[4]) for s in servers if len(s) > 4},
         "runs": {s[0]: [] for s in servers},
         "load_average": [],
         "quiesce_s": [],
@@ -181,12 +184,12 @@ def run_case(name: str, case: Case, repeats: int, out_dir: Path, base_port: int,
         urls, pids = {}, []
         for i, (label, kind, dtype, *sets) in enumerate(servers):
             port = base_port + i
-            cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"), *sets)
+            sets, root = (sets + [None, None])[:2]  # launch-config overrides; the tree it runs from
+            cmd, env = _server_command(kind, checkpoint, port, dtype, case, str(out_dir / "jax-cache"), sets)
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
-            proc = stack.enter_context(
-                peers.running_server(cmd, url, case_dir / f"{label}_server.log", env=env, timeout_s=timeout_s)
-            )
+            log_path = case_dir / f"{label}_server.log"
+            proc = stack.enter_context(peers.running_server(cmd, url, log_path, env=env, timeout_s=timeout_s, cwd=root))
             pids.append(proc.pid)
             print(f"[{name}] {label} ready in {time.perf_counter() - t0:.0f} s", flush=True)
             urls[label] = url
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
         help="one more server per case: ours in bf16 with these launch-config overrides",
     )
+    parser.add_argument(
+        "--before", default=None, metavar="REF", help="one more server: ours in bf16 as of git revision REF"
+    )
     parser.add_argument("--base-port", type=int, default=8400)
     parser.add_argument("--startup-timeout", type=float, default=1200)
     parser.add_argument(
@@ -282,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="saturation-"))
     variants = tuple(parse_variant(v) for v in args.ours_variant)
+    if args.before:
+        variants += (("ours-bf16-before", "ours", "bfloat16", {}, peers.worktree(args.before)),)
     keep = None if args.servers is None else {s.strip() for s in args.servers.split(",")} | {v[0] for v in variants}
     reports = []
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
