@@ -17,7 +17,7 @@ built by those calls, which check what only resolved sizes can tell (the pool ho
 
 Each rule is checked by the one function in configs/rules.py that the launch schema calls too; a
 name that plugins may add (back-ends, policies) by `configs.schema.check_name`, the one check against
-the registries. Plain Python, no JAX.
+the registries. Plain Python: importing it starts no JAX.
 """
 
 from __future__ import annotations
