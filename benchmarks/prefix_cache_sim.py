@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script from the repository root
 from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory
 from benchmarks.prefix_traces import TRACES, Session, make_trace
 from paged_kv import CacheManager
-from runtime.config import SchedulerConfig
+from runtime.engine_config import SchedulerConfig
 from runtime.scheduling.request import Request
 from runtime.scheduling.scheduler import Scheduler
 from runtime.types import SamplingParams

@@ -9,9 +9,11 @@ This module imports nothing else of jaxserve.
 Defaults: the field defaults below are jaxserve's ONE set of defaults. Every engine is built
 from a `LaunchConfig` by `runtime.engine_config.build_engine_config` (YAML, CLI flags and the
 offline `LLM(...)` alike), and `EngineConfig`'s own field defaults are read from `DEFAULTS`
-here, so a knob left unset means the same everywhere. Section classes are named `*Section`
-where a `*Config` name already means something else (models.config.ModelConfig,
-runtime.config.CacheConfig / SchedulerConfig, runtime.kv_transfer.KVTransferConfig).
+here, so a knob left unset means the same everywhere. Rules: a field the engine's configs hold
+too is checked by the rule in configs/rules.py that they call as well; a name that plugins may
+add (back-ends, policies) by `check_name`, the one check against the registries. Section classes
+are named `*Section` where a `*Config` name already means something else
+(models.config.ModelConfig, runtime.engine_config.CacheConfig / SchedulerConfig / KVTransferConfig).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pydantic import (
     model_validator,
 )
 
+from configs import rules
 from configs.environment import environment_overrides
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -60,19 +63,28 @@ def registered_names(kind: str) -> list[str]:
     return list(dict.fromkeys([*BUILTIN_NAMES[kind], *plugins]))
 
 
-def _registered(kind: str):
-    def check(value: str) -> str:
-        names = registered_names(kind)
-        if value not in names:
-            raise ValueError(f"unknown {kind} {value!r}; known (built-in and installed): {names}")
-        return value
+def check_name(kind: str, value: str) -> str:
+    """`value` if it names a `kind` (built in or installed), else ValueError listing the known ones.
+    The one check of a name against the registries: the schema and runtime.engine_config call it."""
+    if value in BUILTIN_NAMES[kind]:
+        return value  # without reading the installed distributions' entry points
+    names = registered_names(kind)
+    if value not in names:
+        raise ValueError(f"unknown {kind} {value!r}; known (built-in and installed): {names}")
+    return value
 
-    return check
+
+def _named(kind: str) -> AfterValidator:
+    return AfterValidator(lambda value: check_name(kind, value))
 
 
-Backend = Annotated[str, AfterValidator(_registered("attention_backend"))]
-GdnBackend = Annotated[str, AfterValidator(_registered("gdn_backend"))]
-Policy = Annotated[str, AfterValidator(_registered("scheduling_policy"))]
+Backend = Annotated[str, _named("attention_backend")]
+GdnBackend = Annotated[str, _named("gdn_backend")]
+Policy = Annotated[str, _named("scheduling_policy")]
+# fields the engine's configs hold too (runtime/engine_config.py): the rule both call
+Count = Annotated[int, AfterValidator(rules.at_least(1))]
+Seconds = Annotated[float, AfterValidator(rules.positive)]
+Bytes = Annotated[int, AfterValidator(rules.positive)]
 
 
 class ConfigError(ValueError):
@@ -83,18 +95,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _is_power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
-
-
 class ModelSection(_Section):
     """Which checkpoint to serve. `path: null` serves the default (tiny) model."""
 
     path: str | None = None
     # float32: the CPU test bench's dtype (XLA:CPU runs bf16 matmuls more slowly); accelerator
     # configs set bfloat16 (configs/*.yaml).
-    dtype: Literal["bfloat16", "float16", "float32"] = "float32"
-    max_model_len: int | None = Field(default=None, ge=1)  # None: from the checkpoint's config.json
+    dtype: Annotated[str, AfterValidator(rules.one_of(rules.DTYPES))] = "float32"
+    # None: from the checkpoint's config.json
+    max_model_len: Annotated[int | None, AfterValidator(rules.optional(rules.max_model_len))] = None
     served_model_name: str | None = None  # None: the checkpoint directory's name
     # online weight quantization (docs/quantization.md); None: weights as the checkpoint stores them
     quantization: Literal["int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4", "int4-zp"] | None = None
@@ -108,24 +117,17 @@ class ModelSection(_Section):
 class CacheSection(_Section):
     """Paged KV pool and GDN state slots. Size it by `num_pages` or by `memory_fraction`."""
 
-    page_size: int = 16
-    num_pages: int | None = Field(default=None, ge=2)  # page 0 is the null page
-    memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"  # auto: the model dtype
+    page_size: Annotated[int, AfterValidator(rules.page_size)] = 16
+    num_pages: Annotated[int | None, AfterValidator(rules.optional(rules.num_pages))] = None
+    memory_fraction: Annotated[float | None, AfterValidator(rules.optional(rules.memory_fraction))] = None
+    kv_cache_dtype: Annotated[str, AfterValidator(rules.one_of(rules.KV_CACHE_DTYPES))] = "auto"
     enable_prefix_caching: bool = True
     # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
     # align:<tokens>, ends, every_page) and the largest fraction of cache memory their slots
     # (2 per sequence) may use (null: the original 2 x max_num_seqs slots shared with running
     # requests). docs/prefix_caching.md.
     hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|ends|every_page|align:\d+)(,\w+=\d+)*$")
-    hybrid_checkpoint_budget: float | None = Field(default=0.25, ge=0.0, lt=1.0)
-
-    @field_validator("page_size")
-    @classmethod
-    def _page_size_power_of_two(cls, value: int) -> int:
-        if not _is_power_of_two(value) or value > 1024:
-            raise ValueError("must be a power of two in [1, 1024]")
-        return value
+    hybrid_checkpoint_budget: Annotated[float | None, AfterValidator(rules.optional(rules.checkpoint_budget))] = 0.25
 
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> CacheSection:
@@ -137,8 +139,8 @@ class CacheSection(_Section):
 class SchedulerSection(_Section):
     """Per-step budget and policy. `token_buckets: null` means powers of two up to the max."""
 
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_num_seqs: Count = 64
+    max_num_batched_tokens: Count = 512
     policy: Policy = "fcfs"  # a name in runtime.scheduling.policies.POLICY_REGISTRY (plugins add more)
     token_buckets: tuple[int, ...] | None = None
     # Plan step n+1 while step n runs, its tokens fed on the device (runtime/engine/llm_engine.py); false:
@@ -147,11 +149,7 @@ class SchedulerSection(_Section):
 
     @model_validator(mode="after")
     def _budget_is_consistent(self) -> SchedulerSection:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so a full decode step fits"
-            )
+        rules.batch_budget(self.max_num_batched_tokens, self.max_num_seqs)
         buckets = self.token_buckets
         if buckets is not None:
             if not buckets or any(b < 1 for b in buckets):
@@ -169,8 +167,8 @@ class SchedulerSection(_Section):
 class MeshConfig(_Section):
     """Device mesh of one model replica set: `data` x `model` devices."""
 
-    data: int = Field(default=1, ge=1)
-    model: int = Field(default=1, ge=1)
+    data: Count = 1
+    model: Count = 1
 
     @property
     def num_devices(self) -> int:
@@ -230,7 +228,7 @@ class ParallelConfig(_Section):
     # MoE expert parallelism: routed experts split by expert index over the `model` axis (E/M whole
     # experts per device, tokens moved by all-to-all); false: split on the expert intermediate dim.
     expert: bool = False
-    role: Literal["prefill", "decode", "both"] = "both"
+    role: Annotated[str, AfterValidator(rules.one_of(rules.ROLES))] = "both"
     # The accelerator the config is written for (a key of configs/chips.py) and, for a TPU slice,
     # its topology ("2x4", "2x2x2"): what `jaxserve plan` compiles for. null: the local devices.
     chip: str | None = None
@@ -266,9 +264,10 @@ class KVTransferSection(_Section):
     """P/D disaggregation (`parallel.role: prefill | decode`; docs/disaggregation.md)."""
 
     connector: str = "jax_transfer"  # a name in runtime.kv_transfer.KV_CONNECTORS (plugins add more)
-    lease_s: float = Field(default=60.0, gt=0)  # prefill side: offered state is freed after this
-    pull_timeout_s: float = Field(default=30.0, gt=0)  # decode side: a claimed pull may take this long
-    on_pull_failure: Literal["recompute", "error"] = "recompute"  # decode side: prefill locally, or fail
+    lease_s: Seconds = 60.0  # prefill side: offered state is freed after this
+    pull_timeout_s: Seconds = 30.0  # decode side: a claimed pull may take this long
+    # decode side: prefill locally, or fail
+    on_pull_failure: Annotated[str, AfterValidator(rules.one_of(rules.PULL_FAILURE_ACTIONS))] = "recompute"
     host: str = "127.0.0.1"  # bind address of the control and transfer servers
     advertise_host: str | None = None  # the address the other instance dials (default: host)
     control_port: int = Field(default=0, ge=0, le=65535)  # 0 picks a free port
@@ -280,11 +279,11 @@ class KVTransferSection(_Section):
     insecure: bool = False
     # Decode side: the prefill control endpoints ("host:port") it may dial. With a token, also any
     # that token-bearing transfer parameters name (they came through the proxy).
-    peers: list[str] = []
-    max_held_bytes: int = Field(default=4 << 30, gt=0)  # prefill side: offered state held at once (503 past it)
-    max_staged_bytes: int = Field(default=4 << 30, gt=0)  # decode side: state pulling or waiting for pages
-    max_pulls_in_flight: int = Field(default=64, gt=0)  # decode side: concurrent pulls
-    control_timeout_s: float = Field(default=5.0, gt=0)  # one claim / release exchange, end to end
+    peers: list[Annotated[str, AfterValidator(rules.normalize_peer)]] = []
+    max_held_bytes: Bytes = 4 << 30  # prefill side: offered state held at once (503 past it)
+    max_staged_bytes: Bytes = 4 << 30  # decode side: state pulling or waiting for pages
+    max_pulls_in_flight: Count = 64  # decode side: concurrent pulls
+    control_timeout_s: Seconds = 5.0  # one claim / release exchange, end to end
 
     @field_validator("token")
     @classmethod
@@ -307,7 +306,7 @@ class KernelsConfig(_Section):
     # How the step runs the layers: one compiled layer group under lax.scan (compile time flat in
     # depth), or unrolled (weights read in place; faster on CPU for small models). auto: unroll
     # on the CPU backend for models of up to 16 layers, scan otherwise.
-    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
+    layer_loop: Annotated[str, AfterValidator(rules.one_of(rules.LAYER_LOOPS))] = "auto"
     # A second backbone per decode-sized token bucket (<= max_num_seqs) with the argmax fused in,
     # used by steps whose requests are all plain greedy (one dispatch, no sampling metadata).
     # null: the plan decides (runtime/steps/execution_plan.py): on for bf16 dense models on CPU (a greedy

@@ -403,24 +403,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.08)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-    ):
+    int_fields = (
+        "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim vocab_size "
+        "max_position_embeddings num_experts num_experts_per_tok moe_intermediate_size shared_expert_intermediate_size "
+        "linear_num_key_heads linear_num_value_heads linear_key_head_dim linear_value_head_dim"
+    )
+    for field in int_fields.split():
         parser.add_argument("--" + field.replace("_", "-"), dest=field, type=int)
     parser.add_argument(
         "--set",

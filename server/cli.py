@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from configs import rules
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
@@ -122,7 +123,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
         "--role",
         "parallel.role",
         "P/D disaggregation role (docs/disaggregation.md)",
-        choices=("prefill", "decode", "both"),
+        choices=rules.ROLES,
     ),
     ConfigFlag(
         "--reasoning-parser",

@@ -63,7 +63,7 @@ def test_multihost_config_has_one_process_per_host():
         ({"server.pot": 1}, "server.pot", "unknown field"),
         ({"kernels.gdn_backend": "triton"}, "kernels.gdn_backend", "pallas"),
         ({"kernels.layer_loop": "vmap"}, "kernels.layer_loop", "'unroll'"),
-        ({"parallel.mesh.model": 0}, "parallel.mesh.model", "greater than or equal to 1"),
+        ({"parallel.mesh.model": 0}, "parallel.mesh.model", "must be >= 1, got 0"),
         ({"parallel.role": "router"}, "parallel.role", "prefill"),
         (
             {"parallel.multihost": {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 2}},

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.config import CacheConfig, SchedulerConfig
+from runtime.engine_config import CacheConfig, SchedulerConfig
 from runtime.parallel.data_parallel import build_data_parallel_batch, rank_share
 from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
 from runtime.scheduling.request import Request

@@ -1,12 +1,21 @@
 """One config path (issue 14 item 4): YAML, CLI flags and `LLM(...)` reach the engine through
-`build_engine_config`, with one set of defaults. Expected values are written out by hand."""
+`build_engine_config`, with one set of defaults; each rule is written once (configs/rules.py),
+and the engine's cache and scheduler configs come from it (issue 30). Expected values are
+written out by hand."""
 
 import dataclasses
 
 import pytest
 
 from configs.schema import ConfigError, LaunchConfig, config_from_dict, load_config
-from runtime.engine_config import ENGINE_FIELD_KEYS, EngineConfig, build_engine_config
+from runtime.engine_config import (
+    ENGINE_FIELD_KEYS,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    SchedulerConfig,
+    build_engine_config,
+)
 
 # The documented defaults (configs/schema.py), which once disagreed between three modules.
 DEFAULTS = {
@@ -29,8 +38,6 @@ def _picked(config) -> dict:
 
 
 def test_one_set_of_defaults_everywhere():
-    from runtime.config import SchedulerConfig
-
     assert _picked(EngineConfig(model="m")) == DEFAULTS
     assert build_engine_config(LaunchConfig(), "m") == EngineConfig(model="m")
     assert build_engine_config(config_from_dict({}), "m") == EngineConfig(model="m")
@@ -94,3 +101,83 @@ def test_llm_kwargs_go_through_the_launch_config(monkeypatch):
         llm_module.LLM("m", max_num_seqs=64, max_num_batched_tokens=8)
     with pytest.raises(ConfigError, match="cache.page_size: must be a power of two"):
         llm_module.LLM("m", page_size=24)
+
+
+# (EngineConfig field, launch key, a value that breaks the rule, the rule's message)
+BROKEN = [
+    ("page_size", "cache.page_size", 24, "must be a power of two in [1, 1024], got 24"),
+    ("num_pages", "cache.num_pages", 1, "must be >= 2 (page 0 is the null page), got 1"),
+    ("memory_fraction", "cache.memory_fraction", 1.5, "must be in (0, 1], got 1.5"),
+    ("kv_cache_dtype", "cache.kv_cache_dtype", "int4", "must be one of 'auto', 'float32', 'bfloat16', 'fp8_e4m3', "),
+    ("hybrid_checkpoint_budget", "cache.hybrid_checkpoint_budget", 1.0, "must be in [0, 1), got 1.0"),
+    ("dtype", "model.dtype", "int8", "must be one of 'bfloat16', 'float16', 'float32', got 'int8'"),
+    ("max_model_len", "model.max_model_len", 1, "must be >= 2 (a prompt token and a generated one), got 1"),
+    ("max_num_seqs", "scheduler.max_num_seqs", 0, "must be >= 1, got 0"),
+    ("layer_loop", "kernels.layer_loop", "vmap", "must be one of 'auto', 'scan', 'unroll', got 'vmap'"),
+    ("policy", "scheduler.policy", "lifo", "unknown scheduling_policy 'lifo'; known (built-in and installed): ["),
+    ("attention_backend", "kernels.attention_backend", "nope", "unknown attention_backend 'nope'; known"),
+]
+
+
+@pytest.mark.parametrize("field, key, value, message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_each_rule_is_written_once(field, key, value, message):
+    """The launch schema and the engine's config call the same rule: the same message, named by
+    the launch key in one and by the field in the other."""
+    with pytest.raises(ConfigError) as launch_error:
+        load_config(None, {key: value})
+    with pytest.raises(ValueError) as engine_error:
+        EngineConfig(model="m", **{field: value})
+    assert str(launch_error.value).startswith(f"{key}: {message}")
+    assert str(engine_error.value).startswith(f"{field}: {message}")
+
+
+def test_the_budget_rule_names_both_fields_everywhere():
+    message = r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\) so a full decode step fits"
+    with pytest.raises(ConfigError, match="scheduler: " + message):
+        load_config(None, {"scheduler.max_num_seqs": 16, "scheduler.max_num_batched_tokens": 8})
+    with pytest.raises(ValueError, match="^" + message):
+        EngineConfig(model="m", max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="^" + message):
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=8)
+
+
+def test_kv_transfer_settings_share_the_section_rules():
+    with pytest.raises(ConfigError, match=r"^kv_transfer.lease_s: must be > 0, got 0"):
+        load_config(None, {"kv_transfer.lease_s": 0})
+    with pytest.raises(ValueError, match=r"^lease_s: must be > 0, got 0"):
+        KVTransferConfig(lease_s=0)
+    with pytest.raises(ValueError, match=r"^peers: must be host:port, got 'nohost'"):
+        KVTransferConfig(peers=("nohost",))
+    assert load_config(None, {"kv_transfer.peers": ["HTTP://Prefill:8100/"]}).kv_transfer.peers == ["prefill:8100"]
+    launch = load_config(None, {"parallel.role": "decode", "kv_transfer.peers": ["Prefill:8100"]})
+    assert build_engine_config(launch, "m").kv_transfer == KVTransferConfig(role="decode", peers=("prefill:8100",))
+
+
+def test_the_engine_gets_its_cache_and_scheduler_configs_from_one_call():
+    config = EngineConfig(
+        model="m",
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        policy="priority",
+        long_prefill_token_threshold=16,
+        enable_prefix_caching=False,
+        hybrid_checkpoint_policy="ends",
+    )
+    assert config.cache_config(
+        num_pages=20, max_model_len=64, num_state_slots=6, num_checkpoint_slots=2
+    ) == CacheConfig(
+        page_size=8,
+        num_pages=20,
+        num_state_slots=6,
+        enable_prefix_caching=False,
+        checkpoint_policy="ends",
+        num_checkpoint_slots=2,
+    )
+    assert config.scheduler_config(max_model_len=64) == SchedulerConfig(
+        max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, policy="priority", long_prefill_token_threshold=16
+    )
+    with pytest.raises(ValueError, match=r"holds 152 tokens \(19 usable pages x 8\).*max_model_len=160.*20 pages"):
+        config.cache_config(num_pages=20, max_model_len=160)
+    with pytest.raises(ValueError, match="^num_state_slots: must be 0"):
+        config.cache_config(num_pages=20, max_model_len=64, num_state_slots=1)

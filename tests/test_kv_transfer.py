@@ -72,6 +72,12 @@ def spy_attention(*operands, interpret=False, **kwargs):
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     CALLS.append(operands[0].shape)
     return ragged_paged_attention(*operands, impl="reference", **kwargs)
+
+
+def lifo_policy():
+    """A scheduling policy: the newest request first."""
+    from runtime.scheduling.policies import SchedulingPolicy
+    return SchedulingPolicy("lifo", lambda request: (-request.sequence_number,))
 '''
 
 
@@ -88,6 +94,7 @@ def plugin(tmp_path_factory):
         [jaxserve.plugins]
         kv_connector.inproc = jaxserve_test_plugin:InProcessConnector
         attention_backend.spy = jaxserve_test_plugin:spy_attention
+        scheduling_policy.lifo = jaxserve_test_plugin:lifo_policy
         """)
     )
     sys.path.insert(0, str(root))
@@ -178,6 +185,20 @@ def test_plugin_attention_backend_from_yaml_and_from_llm(plugin, tiny_checkpoint
     assert llm.generate([prompt], GREEDY)[0].token_ids == want and jaxserve_test_plugin.CALLS
     with pytest.raises(ConfigError, match=r"unknown attention_backend 'nope'.*'spy'"):
         load_config(None, {"kernels.attention_backend": "nope"})
+
+
+def test_plugin_policy_from_yaml_reaches_the_scheduler(plugin):
+    """A plugin's scheduling policy passes the one name check (the schema's and the engine
+    config's) and the scheduler serves by it; an unknown one is refused naming the plugin's."""
+    from configs.schema import load_config
+    from runtime.engine_config import SchedulerConfig, build_engine_config
+    from runtime.scheduling.scheduler import Scheduler
+
+    config = build_engine_config(load_config(None, {"scheduler.policy": "lifo"}), "m")
+    cache = config.cache_config(num_pages=16, max_model_len=64).build_manager()
+    assert Scheduler(config.scheduler_config(max_model_len=64), cache).policy.name == "lifo"
+    with pytest.raises(ValueError, match=r"^policy: unknown scheduling_policy 'lifo2'.*'lifo'"):
+        SchedulerConfig(policy="lifo2")
 
 
 _config = small_engine_config

@@ -47,7 +47,7 @@ MAY_IMPORT = {
 
 # Inside runtime/: each sub-package and the sub-packages it may import. Every one may import runtime/'s
 # top-level modules ("base": types, validation, config, engine_config, registry, buckets), which import
-# no sub-package (but for the exceptions below); runtime/__init__.py may import anything.
+# no sub-package; runtime/__init__.py may import anything.
 RUNTIME_MAY_IMPORT = {
     "base": set(),
     "scheduling": {"base"},
@@ -61,18 +61,7 @@ RUNTIME_MAY_IMPORT = {
 
 # Edges that break a rule on purpose, each with its reason (docs/architecture.md lists them too).
 # An entry here is a design decision, not a way to make this test pass.
-LAYERING_EXCEPTIONS: dict[tuple[str, str], str] = {
-    (
-        "runtime.config",
-        "runtime.scheduling.policies",
-    ): "SchedulerConfig checks its policy name against the policy registry, which lives with the policies "
-    "(inside a function); goes when config.py folds into engine_config.py (issue 30: one config object)",
-    (
-        "runtime.engine_config",
-        "runtime.kv_transfer",
-    ): "EngineConfig builds the KV-transfer settings (KVTransferConfig) of a P/D role (inside a function); "
-    "same fate as the entry above",
-}
+LAYERING_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 _REGISTRY_TARGET = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_][\w.]*$")
 

@@ -19,7 +19,7 @@ from benchmarks.model_shapes import load_shape, plan_memory
 from benchmarks.prefix_cache_sim import SimConfig, ceiling, run_trace, simulate
 from benchmarks.prefix_traces import Session, Turn, make_trace
 from paged_kv import CacheManager
-from runtime.config import SchedulerConfig
+from runtime.engine_config import SchedulerConfig
 from runtime.scheduling.scheduler import Scheduler
 
 PS = 16

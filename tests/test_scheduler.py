@@ -15,7 +15,7 @@ import pytest
 from import_testing import imports_jax
 
 from paged_kv import CacheManager
-from runtime.config import CacheConfig, SchedulerConfig
+from runtime.engine_config import CacheConfig, SchedulerConfig
 from runtime.scheduling.policies import get_policy
 from runtime.scheduling.request import Request, RequestStatus
 from runtime.scheduling.scheduler import Scheduler
@@ -398,7 +398,7 @@ def test_scheduling_modules_do_not_import_jax():
     assert not imports_jax(
         "paged_kv",
         "runtime.scheduling.scheduler",
-        "runtime.config",
+        "runtime.engine_config",
         "runtime.scheduling.request",
         "runtime.scheduling.policies",
     )

@@ -1,4 +1,4 @@
-"""The connector interface (both sides of one transport) and the P/D settings.
+"""The connector interface (both sides of one transport); its settings are `KVTransferConfig`.
 
 A prefill instance `offer`s a request's gathered state (a flat list of device arrays plus its
 descriptor) and answers the client with the returned transfer parameters. A decode instance
@@ -14,10 +14,9 @@ know how many prompt tokens arrive computed (`Request.num_external_tokens`).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
-Role = Literal["prefill", "decode", "both"]
+from runtime.engine_config import KVTransferConfig
 
 
 class TransferError(RuntimeError):
@@ -26,51 +25,6 @@ class TransferError(RuntimeError):
 
 class TransferCapacityError(TransferError):
     """A byte or pull cap is full: the request is refused for now (503), not for what it is."""
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """`parallel.role` plus the `kv_transfer` section of the launch config."""
-
-    role: Role = "both"
-    connector: str = "jax_transfer"
-    lease_s: float = 60.0  # the prefill side frees offered state this long after offering it
-    pull_timeout_s: float = 30.0  # the decode side gives a claimed pull this long
-    on_pull_failure: Literal["recompute", "error"] = "recompute"  # decode side: prefill locally, or fail
-    host: str = "127.0.0.1"  # bind address of the control + transfer servers
-    advertise_host: str | None = None  # address the other side dials (default: host)
-    control_port: int = 0  # 0: a free port
-    token: str | None = field(default=None, repr=False)  # the internal credential (X-KV-Transfer-Token)
-    insecure: bool = False  # a non-loopback bind without a token (warned about every minute)
-    # Decode side: prefill control endpoints ("host:port") it may dial. With a token configured,
-    # transfer parameters are token-bearing (the server refused any without it), so the decode
-    # side also dials the endpoints they name; without one it dials these only.
-    peers: tuple[str, ...] = ()
-    max_held_bytes: int = 4 << 30  # prefill side: offered state held at once; past it, 503
-    max_staged_bytes: int = 4 << 30  # decode side: state pulling or pulled, waiting for pages; past it, 503
-    max_pulls_in_flight: int = 64  # decode side: concurrent pulls (each bounded by pull_timeout_s)
-    control_timeout_s: float = 5.0  # one claim or release exchange, end to end
-    extra: dict[str, Any] = field(default_factory=dict)  # connector-specific options (plugins)
-
-    def __post_init__(self):
-        if self.role not in ("prefill", "decode", "both"):
-            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
-        if min(self.lease_s, self.pull_timeout_s, self.control_timeout_s) <= 0:
-            raise ValueError("kv_transfer lease_s, pull_timeout_s and control_timeout_s must be > 0")
-        if self.on_pull_failure not in ("recompute", "error"):
-            raise ValueError(f"on_pull_failure must be recompute or error, got {self.on_pull_failure!r}")
-        object.__setattr__(self, "peers", tuple(normalize_peer(p) for p in self.peers))
-        if min(self.max_held_bytes, self.max_staged_bytes, self.max_pulls_in_flight) <= 0:
-            raise ValueError("kv_transfer max_held_bytes, max_staged_bytes and max_pulls_in_flight must be > 0")
-
-
-def normalize_peer(peer: str) -> str:
-    """ "host:port" (an http:// URL's netloc is accepted) -> "host:port" lowercased; ValueError if not."""
-    text = str(peer).strip().lower().removeprefix("http://").rstrip("/")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or "@" in host:
-        raise ValueError(f"kv_transfer peer must be host:port, got {peer!r}")
-    return f"{host}:{int(port)}"
 
 
 @dataclass

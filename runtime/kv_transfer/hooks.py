@@ -27,8 +27,9 @@ import logging
 import time
 
 from models.fingerprint import checkpoint_fingerprint
+from runtime.engine_config import KVTransferConfig
 from runtime.kv_transfer import KV_CONNECTORS
-from runtime.kv_transfer.base import KVTransferConfig, TransferCapacityError, TransferError
+from runtime.kv_transfer.base import TransferCapacityError, TransferError
 from runtime.kv_transfer.descriptor import (
     ADOPT_RULE,
     LAST_TOKEN_RULE,

@@ -36,14 +36,9 @@ import jax
 import jax.experimental.transfer
 
 from configs import environment
-from runtime.kv_transfer.base import (
-    KVConnector,
-    KVTransferConfig,
-    PullResult,
-    TransferCapacityError,
-    TransferError,
-    normalize_peer,
-)
+from configs.rules import normalize_peer
+from runtime.engine_config import KVTransferConfig
+from runtime.kv_transfer.base import KVConnector, PullResult, TransferCapacityError, TransferError
 from runtime.kv_transfer.control import ControlServer, post_json
 from runtime.kv_transfer.leases import ClaimRefused, Lease, LeaseTable
 

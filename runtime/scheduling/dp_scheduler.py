@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.config import CacheConfig, SchedulerConfig
+from runtime.engine_config import CacheConfig, SchedulerConfig
 from runtime.scheduling.request import Request
 from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
 from runtime.types import FinishReason

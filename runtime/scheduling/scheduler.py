@@ -49,7 +49,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
-from runtime.config import SchedulerConfig
+from runtime.engine_config import SchedulerConfig
 from runtime.scheduling.policies import get_policy
 from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from runtime.types import FinishReason
