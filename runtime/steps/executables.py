@@ -8,10 +8,11 @@
 
 A key names a program (runtime/steps/programs.py) and the static shape that picks its executable:
 
-    backbone[T]           the step backbone: with the request table, prepare fused in
-                          (table, TableStep, prev_tokens [max_num_seqs]) -> (caches, table, hidden | tokens);
-                          attention DP (`token_feed`): (batch, TokenFeed) -> (caches, hidden | tokens)
-    greedy_backbone[T]    the same with the argmax fused (`fuse_greedy`, decode buckets T <= max_num_seqs)
+    backbone[T]           the step backbone. With the request table, prepare is fused in (one dispatch):
+                          (table, TableStep, prev_tokens [max_num_seqs]) -> (caches, table, hidden);
+                          attention DP (`token_feed`, host-built batch): (batch, TokenFeed) -> (caches, hidden)
+    greedy_backbone[T]    StepKey("backbone", T, greedy=True): the argmax fused in, tokens instead of
+                          hidden (`fuse_greedy`, decode buckets T <= max_num_seqs: `greedy_buckets`)
     batch_backbone[T]     a host-built ForwardBatch, no feed: `jaxserve plan`'s cost and CUDA lowering
     scoring_backbone[T]   prompt logprobs: the largest bucket only (one scoring executable)
     prepare[T]            a scoring step's own prepare (every other step's runs inside its backbone)
@@ -19,13 +20,7 @@ A key names a program (runtime/steps/programs.py) and the static shape that pick
     sampler[S, ...]       per sequence bucket: logprobs, penalty/banned/bias widths, all_greedy, bitmask width
     copy_states           GDN state slot copies (prefix caching on hybrids)
 
-Each step's `ForwardBatch` is gathered on the device from the request table
-(`runtime.steps.table_device`, `runtime.steps.table_host`): the host sends its small `TableStep`
-and the previous step's sampled tokens as they lie on the device; a step planned while the
-previous one still ran reads that step's tokens (its placeholders) from the table. Every step's
-sampled tokens come out padded to `max_num_seqs` rows so one `prev_tokens` shape serves.
-Attention data parallelism (`DataParallelExecutables`, `token_feed = True`) builds its rank-major
-batch on the host instead and feeds the previous step's tokens through a `TokenFeed`.
+Every step's sampled tokens come out padded to `max_num_seqs` rows, so one `prev_tokens` shape serves.
 
 The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
 logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
@@ -129,6 +124,8 @@ class StepKey:
 
 
 class StepExecutables:
+    """The table (`executables`: StepKey -> compiled) and what the engine calls each step."""
+
     token_feed = False  # the backbones take a TokenFeed (host-built batches: attention DP) instead of the table
 
     def __init__(
@@ -183,14 +180,8 @@ class StepExecutables:
         """(program name, abstract positional arguments, static keyword arguments) of `key`."""
         i32, T = jnp.int32, key.size
         if key.kind == "write_table":
-            return (
-                "write_table",
-                (
-                    self._table_spec(),
-                    self._host_spec((specs.table_write_width(T, self.max_num_seqs, self.page_size),), i32),
-                ),
-                {},
-            )
+            width = specs.table_write_width(T, self.max_num_seqs, self.page_size)
+            return "write_table", (self._table_spec(), self._host_spec((width,), i32)), {}
         if key.kind == "prepare":
             return "prepare", self._table_args_spec(T), {}
         if key.kind == "copy_states":
