@@ -4,7 +4,7 @@
                                 [--before REF [--rounds 2]] [--json out.json]
 
 For each tiny checkpoint (built locally, as the tests do) it launches prefill, decode and proxy
-processes on 127.0.0.1 (tests/pd_testing.py) and measures:
+processes on 127.0.0.1 (benchmarks/pd_cluster.py) and measures:
   bytes/request   from the descriptor of a prefill leg: attention KV vs GDN state bytes (true
                   bytes for the prompt's tokens, and what the padded wire format moved);
   added TTFT      median over sequential streamed requests of TTFT through the proxy minus TTFT
@@ -32,16 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.pd_cluster import BASE_FLAGS, TOKEN, PDCluster, Process, scrape
 from benchmarks.peers import worktree
 from benchmarks.serve import compute_metrics, run_load, send_completion
 from benchmarks.workloads import BenchRequest
-from tests.pd_testing import BASE_FLAGS, TOKEN, PDCluster, Process, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def checkpoint(family: str) -> Path:
-    from tests.conftest import build_cached_checkpoint
+    from benchmarks.tiny_checkpoints import build_cached_checkpoint
 
     return build_cached_checkpoint(family)
 

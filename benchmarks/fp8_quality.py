@@ -188,9 +188,7 @@ def _prompt_logits(model, ids, kv_dtype):
 
 
 def model_quality(families, *, prompt_len=200, num_prompts=4, new_tokens=16, seed=0):
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_cached_checkpoint
-
+    from benchmarks.tiny_checkpoints import build_cached_checkpoint
     from models import load_model
     from runtime.engine.llm import LLM
     from runtime.types import SamplingParams

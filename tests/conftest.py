@@ -1,10 +1,8 @@
 """Shared pytest fixtures: tiny random HF checkpoints, cached on disk, and their HF torch models.
 
-`tiny_checkpoint(family)` builds each family of `models.random_checkpoint` once and keeps it
-under `<repo>/.cache/tiny_checkpoints/<family>-<key>`, where the key hashes the builder's
-source, the family spec and the library versions, so a changed builder rebuilds and an
-unchanged one is reused across pytest runs. Concurrent builders are safe: each builds in its
-own temporary directory and renames it into place atomically; a loser discards its copy.
+`tiny_checkpoint(family)` is `benchmarks.tiny_checkpoints.build_cached_checkpoint(family)`: each
+family of `models.random_checkpoint` built once and kept under `<repo>/.cache/tiny_checkpoints/`,
+keyed by a hash of the builder's source, the family spec and the library versions.
 
 `hf_model(family)` is the HF transformers model of that checkpoint in float32 eval mode: the
 independent reference our JAX models are compared against.
@@ -12,12 +10,7 @@ independent reference our JAX models are compared against.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
 # Before torch (or any OpenMP runtime) is imported: 2 threads that sleep instead of spinning,
@@ -30,51 +23,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT_CACHE = REPO_ROOT / ".cache" / "tiny_checkpoints"
-
-
-def _library_versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("torch", "transformers", "tokenizers", "safetensors")}
-
-
-def checkpoint_cache_key(family: str) -> str:
-    """Hash of what determines the checkpoint's bytes: builder source, spec, Python, libraries."""
-    from models import random_checkpoint
-
-    spec = {
-        "family": family,
-        "describe": random_checkpoint.describe(family),
-        "python": sys.version,
-        "versions": _library_versions(),
-    }
-    digest = hashlib.sha256(Path(random_checkpoint.__file__).read_bytes())
-    digest.update(json.dumps(spec, sort_keys=True).encode())
-    return digest.hexdigest()[:16]
-
-
-def build_cached_checkpoint(family: str, cache_root: Path = CHECKPOINT_CACHE) -> Path:
-    """The tiny `family` checkpoint directory, built on first use (atomic rename into place)."""
-    from models.random_checkpoint import write_random_checkpoint
-
-    target = cache_root / f"{family}-{checkpoint_cache_key(family)}"
-    if (target / "config.json").exists():
-        return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=cache_root))
-    try:
-        write_random_checkpoint(family, staging)
-        staging.chmod(0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a lost race: a real error
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+from benchmarks.tiny_checkpoints import CHECKPOINT_CACHE, build_cached_checkpoint, checkpoint_cache_key  # noqa: F401 (tests' import)
 
 
 def _limit_torch_threads():

@@ -28,8 +28,8 @@ import openai
 import pytest
 from engine_testing import drain
 from hf_reference import assert_greedy_match, hf_greedy
-from pd_testing import TOKEN, PDCluster, scrape, wait_all_free
 
+from benchmarks.pd_cluster import TOKEN, PDCluster, scrape, wait_all_free
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
