@@ -1,7 +1,7 @@
 """Typed messages that cross the engine boundary (server <-> runtime).
 
 Nothing here imports JAX: the server builds these, the engine consumes them, and the
-engine answers with `RequestOutput`s. Every field of `SamplingParams` is validated once, in
+engine answers with `RequestDelta`s (`accumulate` adds them up into `RequestOutput`s). Every field of `SamplingParams` is validated once, in
 `__post_init__`, with an error that names the field.
 """
 
@@ -321,3 +321,6 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = 0.0
     kv_transfer_params: dict | None = None  # P/D (runtime/kv_transfer): do_remote_decode / do_remote_prefill
+    # Set only by `runtime.validation.validate_request` on the request it returns: the engine
+    # admits such a request without checking it again (the server validated it, once).
+    validated: bool = False
