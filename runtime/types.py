@@ -19,6 +19,11 @@ class EngineBusy(RuntimeError):
     is full): the server answers 503, and retrying later can succeed."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can serve no more (its loop died, or a step lost the device caches): every open
+    request ends with it, `EngineClient.is_healthy()` turns False for good (the server's 503)."""
+
+
 GrammarKind = Literal["json", "regex", "choice", "lark", "ebnf"]
 GRAMMAR_KINDS = ("json", "regex", "choice", "lark", "ebnf")
 

@@ -4,8 +4,8 @@
 prompt_index * n + i, engine id `<job id>-<choice index>` where the job id is a fresh uuid, never
 the client's `X-Request-ID`; `runtime.types.fan_out` for the n samples of a prompt), each
 checked by the engine's own `validate_request` (its `SamplingParamsError` becomes a 400 naming
-the field); `run_job` merges their cumulative outputs and answers with one JSON body or an SSE
-stream. Whatever ends the handler early (client disconnect, error, shutdown) aborts every
+the field; the engine does not check the requests again); `run_job` merges their `RequestDelta`s
+and answers with one JSON body or an SSE stream. Whatever ends the handler early (client disconnect, error, shutdown) aborts every
 engine request that has not finished and counts it in
 `jaxserve_request_success{finished_reason="abort"}`.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +25,13 @@ from aiohttp import web
 from runtime.types import (
     EngineBusy,
     EngineRequest,
+    RequestDelta,
     RequestOutput,
     SamplingParams,
     SamplingParamsError,
     StructuredOutput,
     TokenLogprob,
+    accumulate,
     fan_out,
 )
 from server import formats
@@ -50,13 +53,18 @@ class Choice:
     prompt_index: int
     prefix: str = ""  # echoed prompt text
     text: str = ""  # text sent (or to be sent) so far, without the prefix
-    tokens_sent: int = 0
+    held: str = ""  # text received but held back (an incomplete UTF-8 character)
     role_sent: bool = False
-    output: object = None  # the latest CompletionOutput
+    result: RequestOutput | None = None  # the deltas so far, added up
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the engine has scored the prompt
     num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     timer: CompletionTimer | None = field(default=None, repr=False)
     parser: ChatOutputParser | None = field(default=None, repr=False)  # reasoning / tool calls (chat)
+
+    @property
+    def output(self):
+        """The completion so far (a `CompletionOutput`), None before the first delta."""
+        return None if self.result is None else self.result.outputs[0]
 
 
 @dataclass
@@ -168,11 +176,11 @@ def build_job(
             raise _field_error(body, err) from None
         for i, params in enumerate(fan_out(checked.params, body.n)):
             index = prompt_index * body.n + i
-            requests.append(
-                EngineRequest(
-                    f"{request_id}-{index}",
-                    checked.prompt_token_ids,
-                    params,
+            requests.append(  # still validated: the fan-out changes only the seed
+                dataclasses.replace(
+                    checked,
+                    request_id=f"{request_id}-{index}",
+                    params=params,
                     priority=body.priority,
                     arrival_time=time.time(),
                     kv_transfer_params=_kv_transfer_params(body, index),
@@ -199,8 +207,8 @@ def build_job(
 
 async def merged_outputs(
     engine: EngineClient, requests: list[EngineRequest], client_request_id: str = "", cut: asyncio.Event | None = None
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the output streams of several engine requests as `(request index, output)`.
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Interleave the delta streams of several engine requests as `(request index, delta)`.
 
     Use it under `contextlib.aclosing`: closing it early aborts the unfinished requests.
     Engine failures reach the client as "internal error (request id ...)"; details go to the log.
@@ -268,26 +276,23 @@ async def merged_outputs(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | None, int]:
-    """Record a new cumulative output; return (new text, new logprob entries, finish reason,
+def _advance(choice: Choice, delta: RequestDelta, prompt: list[int]) -> tuple[str, list, str | None, int]:
+    """Add a delta to the choice; return (new text to send, new logprob entries, finish reason,
     number of new tokens)."""
-    completion = output.outputs[0]
-    choice.output = completion
-    if output.prompt_logprobs is not None:
-        choice.prompt_logprobs = output.prompt_logprobs
-    choice.num_cached_tokens = output.num_cached_tokens
-    text = completion.text
-    if not completion.finished:
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
-    new_text = text[len(choice.text) :] if text.startswith(choice.text) else ""
-    if new_text:
-        choice.text = text
-    new_logprobs = (completion.logprobs or [])[choice.tokens_sent :]
-    new_tokens = len(completion.token_ids) - choice.tokens_sent
-    choice.tokens_sent = len(completion.token_ids)
+    choice.result = accumulate(choice.result, delta, prompt)
+    if delta.prompt_logprobs is not None:
+        choice.prompt_logprobs = delta.prompt_logprobs
+    choice.num_cached_tokens = delta.num_cached_tokens
+    text = choice.held + delta.new_text
+    if not delta.finished:  # an incomplete UTF-8 character: wait for its other bytes
+        visible = text.rstrip("\ufffd")
+        text, choice.held = visible, text[len(visible) :]
+    else:
+        choice.held = ""
+    choice.text += text
     if choice.timer is not None:
-        choice.timer.on_output(len(completion.token_ids), completion.finish_reason)
-    return new_text, new_logprobs, completion.finish_reason, new_tokens
+        choice.timer.on_output(len(choice.output.token_ids), delta.finish_reason)
+    return text, delta.new_logprobs or [], delta.finish_reason, len(delta.new_token_ids)
 
 
 class Formatter:
@@ -432,9 +437,10 @@ async def _answer(
     if not job.stream:
         kv_transfer_params = None
         async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id, cut)) as outputs:
-            async for index, output in outputs:
-                _advance(job.choices[index], output)
-                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
+            async for index, delta in outputs:
+                choice = job.choices[index]
+                _advance(choice, delta, job.prompts[choice.prompt_index])
+                kv_transfer_params = delta.kv_transfer_params or kv_transfer_params
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
         body = formatter.body(job, created, choices, _usage(job))
         if kv_transfer_params is not None:  # a prefill instance's offer, for the proxy
@@ -457,10 +463,10 @@ async def _answer(
                 )
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
-            async for index, output in outputs:
+            async for index, delta in outputs:
                 choice = job.choices[index]
-                first = choice.output is None
-                text, entries, finish, new_tokens = _advance(choice, output)
+                first = choice.result is None
+                text, entries, finish, new_tokens = _advance(choice, delta, job.prompts[choice.prompt_index])
                 if first and (job.echo_logprobs or job.prompt_logprobs is not None):
                     # the prompt is scored once its prefill is done: it leads the choice's stream
                     prompt_chunk = formatter.prompt_choice(job, choice)
