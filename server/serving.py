@@ -5,9 +5,9 @@ prompt_index * n + i, engine id `<job id>-<choice index>` where the job id is a 
 the client's `X-Request-ID`; `runtime.types.fan_out` for the n samples of a prompt), each
 checked by the engine's own `validate_request` (its `SamplingParamsError` becomes a 400 naming
 the field; the engine does not check the requests again); `run_job` merges their `RequestDelta`s
-and answers with one JSON body or an SSE stream. Whatever ends the handler early (client disconnect, error, shutdown) aborts every
-engine request that has not finished and counts it in
-`jaxserve_request_success{finished_reason="abort"}`.
+and answers with one JSON body or an SSE stream (shaped by `server.responses.Formatter`).
+Whatever ends the handler early (client disconnect, error, shutdown) aborts every engine request
+that has not finished and counts it in `jaxserve_request_success{finished_reason="abort"}`.
 """
 
 from __future__ import annotations

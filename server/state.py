@@ -66,7 +66,9 @@ class ServerState:
         return Formatter(chat, self.texts, self.fingerprint)
 
     def compiler(self):
-        """The engine's grammar compiler (shared cache), or one of our own for an engine without."""
+        """The engine's grammar compiler (the engine process's, through `RemoteGrammarCompiler`), whose
+        cache then serves the request's add: a grammar is compiled once. One of our own for an engine
+        without (e.g. `FakeEngine`, which never compiles)."""
         if self.grammar_compiler is None:
             compiler = getattr(self.engine, "grammar_compiler", None)
             if compiler is None:

@@ -114,14 +114,16 @@ class EngineLoop:
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
-        if self.engine.has_unfinished():
-            for delta in self.engine.step():  # a failed step comes back as error deltas; raising is fatal
-                sink = self._sinks.get(delta.request_id)
-                if sink is not None:
-                    deliveries.append((sink, delta))
-                    if delta.finished:
-                        del self._sinks[delta.request_id]
-        self._deliver(deliveries)
+        try:
+            if self.engine.has_unfinished():
+                for delta in self.engine.step():  # a failed step comes back as error deltas; raising is fatal
+                    sink = self._sinks.get(delta.request_id)
+                    if sink is not None:
+                        deliveries.append((sink, delta))
+                        if delta.finished:
+                            del self._sinks[delta.request_id]
+        finally:  # refusals and aborts of this iteration reach their requests even if the step died
+            self._deliver(deliveries)
         return True
 
     def fail(self, err: BaseException) -> None:
