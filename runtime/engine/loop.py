@@ -6,7 +6,7 @@
 
 Every transport runs this loop and differs only in its sinks and `deliver`: `AsyncEngine` on a
 thread (runtime/engine/thread_client.py), the engine process's child
-(runtime/engine/process_client.py) and `server.testing.FakeEngine` on its event loop. One
+(runtime/engine/process_client.py) and `server.testing.FakeEngine` (a `FakeCore` on a thread). One
 iteration takes the queued commands, steps the engine if it has work and hands the iteration's
 deliveries, `(sink, RequestDelta | Exception)` pairs, to `deliver` at once: one wake-up of a
 consumer per step, not one per request.
@@ -208,7 +208,10 @@ def deliver_to_event_loops(deliveries: list[Delivery]) -> None:
     for sink, item in deliveries:
         by_loop.setdefault(sink.loop, []).append((sink.queue, item))
     for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, items)
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody is waiting for these any more
+            log.debug("dropped %d deliveries to a closed event loop", len(items))
 
 
 def _put_all(items) -> None:
