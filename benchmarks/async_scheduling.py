@@ -115,8 +115,8 @@ def run_once(engine, requests, async_scheduling: bool) -> dict:
         total = 0
         while engine.has_unfinished():
             for out in engine.step():
-                now, n = time.perf_counter(), len(out.outputs[0].token_ids)
                 prev = last_emit.get(out.request_id)
+                now, n = time.perf_counter(), (prev[1] if prev else 0) + len(out.new_token_ids)
                 if prev is None and n:
                     ttfts.append((now - t0) * 1e3)
                 if prev is not None and n > prev[1]:

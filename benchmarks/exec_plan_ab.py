@@ -63,7 +63,7 @@ def _run(engine, requests) -> float:
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished():
-        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
     return tokens / (time.perf_counter() - t0)
 
 

@@ -151,7 +151,7 @@ def engine_ab(checkpoint: str, num_requests: int, prompt_len: int, repeats: int)
                 engine.add_request(EngineRequest(f"b{burst}-{i}", p, params))
             while engine.has_unfinished():
                 for out in engine.step():
-                    if out.outputs[0].token_ids and out.request_id not in first:
+                    if out.new_token_ids and out.request_id not in first:
                         first[out.request_id] = time.perf_counter() - t0
             if burst:
                 results[name]["ttft_ms"].append(1e3 * statistics.median(first.values()))

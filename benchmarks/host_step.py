@@ -123,7 +123,7 @@ def serve(engine, requests, tag: str, concurrency: int | None = None) -> dict:
             per_step.append((dt, *(timers.totals[k] - before[k] for k in ("wait", "schedule", "dispatch"))))
             steps += 1
             finished = [o for o in outs if o.finished]
-            tokens += sum(len(o.outputs[0].token_ids) for o in finished)
+            tokens += sum(len(o.new_token_ids) for o in outs)
             if concurrency:
                 admit(len(finished))
         elapsed = time.perf_counter() - t_start

@@ -93,8 +93,7 @@ def _run_offline(engine, requests, grammar) -> float:
     generated = 0
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finished:
-                generated += len(out.token_ids)
+            generated += len(out.new_token_ids)
     return generated / (time.perf_counter() - t0)
 
 

@@ -510,7 +510,7 @@ def measure_ttft_sequential(engine, requests: list[BenchRequest]) -> list[float]
         first = None
         while engine.has_unfinished():
             for out in engine.step():
-                if first is None and out.outputs[0].token_ids:
+                if first is None and out.new_token_ids:
                     first = time.perf_counter() - t0
         ttfts.append(first)
     return ttfts

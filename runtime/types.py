@@ -1,7 +1,7 @@
 """Typed messages that cross the engine boundary (server <-> runtime).
 
 Nothing here imports JAX: the server builds these, the engine consumes them, and the
-engine answers with `RequestOutput`s. Every field of `SamplingParams` is validated once, in
+engine answers with `RequestDelta`s (`accumulate` adds them up into `RequestOutput`s). Every field of `SamplingParams` is validated once, in
 `__post_init__`, with an error that names the field.
 """
 
@@ -17,6 +17,11 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class EngineBusy(RuntimeError):
     """A request refused for now, not for what it is (a capacity such as the P/D transfer caps
     is full): the server answers 503, and retrying later can succeed."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve no more (its loop died, or a step lost the device caches): every open
+    request ends with it, `EngineClient.is_healthy()` turns False for good (the server's 503)."""
 
 
 GrammarKind = Literal["json", "regex", "choice", "lark", "ebnf"]
@@ -321,3 +326,6 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = 0.0
     kv_transfer_params: dict | None = None  # P/D (runtime/kv_transfer): do_remote_decode / do_remote_prefill
+    # Set only by `runtime.validation.validate_request` on the request it returns: the engine
+    # admits such a request without checking it again (the server validated it, once).
+    validated: bool = False

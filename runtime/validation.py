@@ -3,9 +3,10 @@
 `SamplingParams.__post_init__` checks what holds for any model (ranges such as top_p in (0, 1]);
 `validate_request` checks what depends on the model and on the device arrays the values land
 in (int32 token ids, the vocabulary, max_model_len, the steps' logprob width), and normalises
-what vLLM normalises (a top_k of at least the vocabulary is the same as no top_k). The engine
-calls it on every request it admits; the server calls it first, through `EngineClient`, and
-answers its `SamplingParamsError` (a `ValueError` naming the field) with a 400. Plain Python.
+what vLLM normalises (a top_k of at least the vocabulary is the same as no top_k). The server
+calls it, through `EngineClient`, and answers its `SamplingParamsError` (a `ValueError` naming
+the field) with a 400; the engine calls it only on a request not marked `validated` (one a
+Python caller built), so a served request is checked once. Plain Python.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from runtime.types import MAX_LOGPROBS, EngineRequest, SamplingParamsError
 
 
 def validate_request(request: EngineRequest, *, vocab_size: int, max_model_len: int) -> EngineRequest:
-    """-> the request, normalised; SamplingParamsError (a ValueError, `.param` set) if it cannot be served."""
+    """-> the request, normalised and marked `validated` (the engine admits it unchecked);
+    SamplingParamsError (a ValueError, `.param` set) if it cannot be served."""
     params, prompt = request.params, request.prompt_token_ids
     _check(len(prompt) > 0, "prompt", "must not be empty")
     _check_token_ids("prompt", prompt, vocab_size)
@@ -49,8 +51,8 @@ def validate_request(request: EngineRequest, *, vocab_size: int, max_model_len: 
         value = getattr(params, name)
         _check(value is None or value <= MAX_LOGPROBS, name, f"must be <= {MAX_LOGPROBS}")
     if params.top_k >= vocab_size:  # keeps every token: the same as no top-k, and fits int32
-        request = dataclasses.replace(request, params=params.replace(top_k=0))
-    return request
+        params = params.replace(top_k=0)
+    return dataclasses.replace(request, params=params, validated=True)
 
 
 def _check_token_ids(param: str, ids, vocab_size: int) -> None:

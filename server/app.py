@@ -1,24 +1,16 @@
 """The aiohttp application: OpenAI-compatible routes over an `EngineClient`.
 
-`create_app(engine, server_config)` wires the routes and one middleware that owns the
-cross-cutting rules: request ids (`X-Request-ID`, echoed and logged, never an engine key), the
-API key (401 + `WWW-Authenticate`), draining (503), body limits (413), `Content-Type:
-application/json` on POST (415; a web page cannot send that cross-origin without a CORS
-preflight) and turning every error into OpenAI's JSON error shape: a 405 carries `Allow`, a
-500 says only "internal error" and the request id (the details go to the log).
-Per-app state lives in `app[STATE]`; nothing here is global.
+`create_app(engine, server_config)` wires the routes and one middleware
+(`server.middleware.errors_and_policy`: request ids, the API key, draining, body limits, the
+JSON error shape). Per-app state lives in `app[STATE]` (`server.state.ServerState`); nothing
+here is global.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import re
 import uuid
-from dataclasses import dataclass, field
-from importlib import metadata
-from pathlib import Path
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -27,11 +19,12 @@ from configs.schema import ServerConfig
 from runtime.kv_transfer.control import TOKEN_HEADER as KV_TRANSFER_TOKEN_HEADER
 from runtime.kv_transfer.control import token_matches
 from server import formats, structured
-from server.chat_messages import normalize_messages, template_source
+from server.chat_messages import normalize_messages
 from server.chat_output import ChatOutputParser
 from server.chat_template import TemplateTimeout, render_chat_template
 from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
+from server.middleware import errors_and_policy
 from server.openapi import openapi_document
 from server.protocol import (
     ChatCompletionRequest,
@@ -40,105 +33,21 @@ from server.protocol import (
     RequestError,
     TokenizeRequest,
     ignored_fields_set,
-    internal_error,
     parse_body,
 )
-from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Formatter, Job, build_job, run_job
-from server.tool_parser import build_tool_parser
+from server.serving import DEFAULT_COMPLETION_MAX_TOKENS, Job, build_job, run_job
+from server.state import REQUEST_ID, STATE, ServerState, server_version
 
 logger = logging.getLogger("jaxserve.server")
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_ALWAYS_OPEN = ("/metrics", "/version")  # still answered while draining
-
-
-def server_version() -> str:
-    try:
-        return metadata.version("jaxserve")
-    except metadata.PackageNotFoundError:
-        return "0.1.0+local"
-
-
-@dataclass
-class ServerState:
-    engine: EngineClient
-    config: ServerConfig
-    metrics: ServerMetrics
-    texts: formats.TokenTexts
-    draining: bool = False
-    in_flight: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    cut: asyncio.Event = field(default_factory=asyncio.Event)  # set when a drain times out: end streams now
-    chat_template: str | None = None  # --chat-template (text), replacing the model's
-    fingerprint: str = ""
-
-    grammar_compiler: object = None  # built on the first grammar request (runtime.structured_output)
-    # P/D: the internal credential a request must carry for its kv_transfer_params to be honoured
-    # (None: a loopback-only deployment, checked at start-up by server.deployment)
-    kv_transfer_token: str | None = field(default=None, repr=False)
-    tool_parser: object = None  # server.tool_parser's format for server.tool_call_parser
-    _vocabulary: dict = field(default_factory=dict)  # tag -> whether the tokenizer has it as one token
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-        self.chat_template = _load_chat_template(self.config.chat_template)
-        self.fingerprint = formats.system_fingerprint(server_version(), self.engine.model_name)
-        self.tool_parser = build_tool_parser(self.config.tool_call_parser)
-
-    def template_text(self, request_template: str | None = None) -> str:
-        """The source of the chat template a request renders with."""
-        return template_source(
-            request_template or self.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
-        )
-
-    def vocabulary_has(self, tag: str) -> bool:
-        if tag not in self._vocabulary:  # once: the vocabulary of a large model is a big dict
-            self._vocabulary[tag] = tag in self.engine.tokenizer.get_vocab()
-        return self._vocabulary[tag]
-
-    def formatter(self, chat: bool) -> Formatter:
-        return Formatter(chat, self.texts, self.fingerprint)
-
-    def compiler(self):
-        """The engine's grammar compiler (shared cache), or one of our own for an engine without."""
-        if self.grammar_compiler is None:
-            compiler = getattr(self.engine, "grammar_compiler", None)
-            if compiler is None:
-                from runtime.structured_output import build_compiler
-
-                tokenizer = self.engine.tokenizer
-                compiler = build_compiler(tokenizer, self.engine.vocab_size, (tokenizer.eos_token_id,))
-            compiler.timeout_s = self.config.grammar_compile_timeout_s
-            self.grammar_compiler = compiler
-        return self.grammar_compiler
-
-
-def _load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file holding a Jinja template, or the template itself (vLLM's rule)."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    try:
-        is_file = len(value) < 4096 and path.is_file()
-    except OSError:  # e.g. a template line longer than a file name may be
-        is_file = False
-    if is_file:
-        return path.read_text(encoding="utf-8")
-    if "{" not in value:
-        raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
-    return value
-
-
-STATE = web.AppKey("jaxserve_state", ServerState)
-REQUEST_ID = web.RequestKey("jaxserve_request_id", str) if hasattr(web, "RequestKey") else "jaxserve_request_id"
+__all__ = ["STATE", "create_app"]
 
 
 def create_app(
     engine: EngineClient, server_config: ServerConfig | None = None, kv_transfer_token: str | None = None
 ) -> web.Application:
     config = server_config or ServerConfig()
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_policy])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[errors_and_policy])
     app[STATE] = ServerState(
         engine,
         config,
@@ -157,96 +66,6 @@ def create_app(
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/tokenizer_info", _tokenizer_info)
     return app
-
-
-def _error_response(err: RequestError, request_id: str | None) -> web.Response:
-    headers = dict(err.headers)
-    if request_id:
-        headers["X-Request-ID"] = request_id
-    return web.json_response(err.body(), status=err.status, headers=headers)
-
-
-_HTTP_ERRORS = {
-    404: ("invalid_request_error", "route_not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-}
-JSON_CONTENT_TYPE = "application/json"
-
-
-@web.middleware
-async def _errors_and_policy(request: web.Request, handler) -> web.StreamResponse:
-    state = request.app[STATE]
-    request_id = request.headers.get("X-Request-ID")
-    try:
-        if request_id is not None and not _REQUEST_ID.match(request_id):
-            request_id = None
-            raise RequestError(400, "X-Request-ID: must be 1-128 characters of [A-Za-z0-9._:-]", param="X-Request-ID")
-        request_id = request_id or uuid.uuid4().hex
-        request[REQUEST_ID] = request_id
-        path = request.path
-        if state.draining and path not in _ALWAYS_OPEN:
-            raise RequestError(503, "The server is shutting down", code="draining", error_type="service_unavailable")
-        if state.config.api_key and path.startswith(_PROTECTED_PREFIXES):
-            _check_api_key(request, state.config.api_key)
-        if request.content_length is not None and request.content_length > state.config.max_body_bytes:
-            raise RequestError(
-                413,
-                f"The request body ({request.content_length} bytes) exceeds the limit of "
-                f"{state.config.max_body_bytes} bytes",
-                code="request_too_large",
-            )
-        route_exists = request.match_info.http_exception is None  # else the 404/405 comes first
-        if request.method == "POST" and route_exists and request.content_type.lower() != JSON_CONTENT_TYPE:
-            raise RequestError(
-                415,
-                f"Content-Type must be {JSON_CONTENT_TYPE}, got {request.headers.get('Content-Type', 'none')!r}",
-                code="unsupported_media_type",
-            )
-        state.in_flight += 1
-        state.idle.clear()
-        try:
-            response = await handler(request)
-        finally:
-            state.in_flight -= 1
-            if state.in_flight == 0:
-                state.idle.set()
-        response.headers.setdefault("X-Request-ID", request_id)
-        return response
-    except RequestError as err:
-        state.metrics.rejected_requests.labels(status=str(err.status)).inc()
-        if err.status >= 500 and err.status != 503:
-            logger.error("request %s failed: %s", request_id, err.message)
-        return _error_response(err, request_id)
-    except web.HTTPException as err:
-        if err.status < 400:
-            raise
-        error_type, code = _HTTP_ERRORS.get(err.status, ("invalid_request_error", None))
-        message = f"{request.method} {request.path}: {err.reason}"
-        if err.status == 413:
-            message = f"The request body exceeds the limit of {state.config.max_body_bytes} bytes"
-        headers = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
-        state.metrics.rejected_requests.labels(status=str(err.status)).inc()
-        return _error_response(
-            RequestError(err.status, message, code=code, error_type=error_type, headers=headers), request_id
-        )
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception:  # a bug: log it with its traceback, tell the client only that it happened
-        logger.exception("request %s: unhandled error", request_id)
-        state.metrics.rejected_requests.labels(status="500").inc()
-        return _error_response(internal_error(request_id), request_id)
-
-
-def _check_api_key(request: web.Request, api_key: str) -> None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise RequestError(
-            401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": 'Bearer realm="jaxserve"'},
-        )
 
 
 async def _read_json(request: web.Request, model: type[BaseModel]):

@@ -4,16 +4,17 @@
 prompt_index * n + i, engine id `<job id>-<choice index>` where the job id is a fresh uuid, never
 the client's `X-Request-ID`; `runtime.types.fan_out` for the n samples of a prompt), each
 checked by the engine's own `validate_request` (its `SamplingParamsError` becomes a 400 naming
-the field); `run_job` merges their cumulative outputs and answers with one JSON body or an SSE
-stream. Whatever ends the handler early (client disconnect, error, shutdown) aborts every
-engine request that has not finished and counts it in
-`jaxserve_request_success{finished_reason="abort"}`.
+the field; the engine does not check the requests again); `run_job` merges their `RequestDelta`s
+and answers with one JSON body or an SSE stream (shaped by `server.responses.Formatter`).
+Whatever ends the handler early (client disconnect, error, shutdown) aborts every engine request
+that has not finished and counts it in `jaxserve_request_success{finished_reason="abort"}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +25,13 @@ from aiohttp import web
 from runtime.types import (
     EngineBusy,
     EngineRequest,
+    RequestDelta,
     RequestOutput,
     SamplingParams,
     SamplingParamsError,
     StructuredOutput,
     TokenLogprob,
+    accumulate,
     fan_out,
 )
 from server import formats
@@ -36,6 +39,7 @@ from server.chat_output import ChatOutputParser
 from server.engine_client import EngineClient
 from server.metrics import CompletionTimer, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, internal_error
+from server.responses import Formatter, usage
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -50,13 +54,18 @@ class Choice:
     prompt_index: int
     prefix: str = ""  # echoed prompt text
     text: str = ""  # text sent (or to be sent) so far, without the prefix
-    tokens_sent: int = 0
+    held: str = ""  # text received but held back (an incomplete UTF-8 character)
     role_sent: bool = False
-    output: object = None  # the latest CompletionOutput
+    result: RequestOutput | None = None  # the deltas so far, added up
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the engine has scored the prompt
     num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     timer: CompletionTimer | None = field(default=None, repr=False)
     parser: ChatOutputParser | None = field(default=None, repr=False)  # reasoning / tool calls (chat)
+
+    @property
+    def output(self):
+        """The completion so far (a `CompletionOutput`), None before the first delta."""
+        return None if self.result is None else self.result.outputs[0]
 
 
 @dataclass
@@ -168,11 +177,11 @@ def build_job(
             raise _field_error(body, err) from None
         for i, params in enumerate(fan_out(checked.params, body.n)):
             index = prompt_index * body.n + i
-            requests.append(
-                EngineRequest(
-                    f"{request_id}-{index}",
-                    checked.prompt_token_ids,
-                    params,
+            requests.append(  # still validated: the fan-out changes only the seed
+                dataclasses.replace(
+                    checked,
+                    request_id=f"{request_id}-{index}",
+                    params=params,
                     priority=body.priority,
                     arrival_time=time.time(),
                     kv_transfer_params=_kv_transfer_params(body, index),
@@ -199,8 +208,8 @@ def build_job(
 
 async def merged_outputs(
     engine: EngineClient, requests: list[EngineRequest], client_request_id: str = "", cut: asyncio.Event | None = None
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the output streams of several engine requests as `(request index, output)`.
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Interleave the delta streams of several engine requests as `(request index, delta)`.
 
     Use it under `contextlib.aclosing`: closing it early aborts the unfinished requests.
     Engine failures reach the client as "internal error (request id ...)"; details go to the log.
@@ -268,141 +277,29 @@ async def merged_outputs(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _advance(choice: Choice, output: RequestOutput) -> tuple[str, list, str | None, int]:
-    """Record a new cumulative output; return (new text, new logprob entries, finish reason,
+def _advance(choice: Choice, delta: RequestDelta, prompt: list[int]) -> tuple[str, list, str | None, int]:
+    """Add a delta to the choice; return (new text to send, new logprob entries, finish reason,
     number of new tokens)."""
-    completion = output.outputs[0]
-    choice.output = completion
-    if output.prompt_logprobs is not None:
-        choice.prompt_logprobs = output.prompt_logprobs
-    choice.num_cached_tokens = output.num_cached_tokens
-    text = completion.text
-    if not completion.finished:
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
-    new_text = text[len(choice.text) :] if text.startswith(choice.text) else ""
-    if new_text:
-        choice.text = text
-    new_logprobs = (completion.logprobs or [])[choice.tokens_sent :]
-    new_tokens = len(completion.token_ids) - choice.tokens_sent
-    choice.tokens_sent = len(completion.token_ids)
+    choice.result = accumulate(choice.result, delta, prompt)
+    if delta.prompt_logprobs is not None:
+        choice.prompt_logprobs = delta.prompt_logprobs
+    choice.num_cached_tokens = delta.num_cached_tokens
+    text = choice.held + delta.new_text
+    if not delta.finished:  # an incomplete UTF-8 character: wait for its other bytes
+        visible = text.rstrip("\ufffd")
+        text, choice.held = visible, text[len(visible) :]
+    else:
+        choice.held = ""
+    choice.text += text
     if choice.timer is not None:
-        choice.timer.on_output(len(completion.token_ids), completion.finish_reason)
-    return new_text, new_logprobs, completion.finish_reason, new_tokens
-
-
-class Formatter:
-    """Shapes for one endpoint (completions or chat)."""
-
-    def __init__(self, chat: bool, texts: formats.TokenTexts, fingerprint: str):
-        self.chat, self.texts, self.fingerprint = chat, texts, fingerprint
-
-    def logprobs(self, entries: list, job: Job, choice: Choice, offset: int) -> dict | None:
-        if job.logprobs is None:
-            return None
-        if self.chat:
-            return formats.chat_logprobs(entries, self.texts)
-        return formats.completion_logprobs(entries, self.texts, offset)
-
-    def final_choice(self, job: Job, choice: Choice) -> dict:
-        completion = choice.output
-        if job.echo_logprobs:  # the prompt's tokens first (the first has no logprob), then the completion's
-            logprobs = formats.completion_logprobs(
-                self._echoed(job, choice) + (completion.logprobs or []), self.texts, 0
-            )
-        else:
-            logprobs = self.logprobs(completion.logprobs or [], job, choice, len(choice.prefix))
-        make = formats.chat_choice if self.chat else formats.completion_choice
-        made = make(
-            choice.index, choice.prefix + completion.text, logprobs, completion.finish_reason, completion.stop_reason
-        )
-        if choice.parser is not None:  # reasoning_content / tool_calls split out of the text
-            made["message"].update(choice.parser.message(completion.text))
-            made["finish_reason"] = choice.parser.finish_reason(completion.text, completion.finish_reason)
-        return self._with_prompt_logprobs(job, choice, made)
-
-    def prompt_choice(self, job: Job, choice: Choice) -> dict:
-        """Streaming (completions): the chunk that opens a choice whose prompt is scored: the
-        echoed prompt with its logprobs, and/or vLLM's prompt_logprobs."""
-        logprobs = formats.completion_logprobs(self._echoed(job, choice), self.texts, 0) if job.echo_logprobs else None
-        made = formats.completion_choice(choice.index, choice.prefix if job.echo_logprobs else "", logprobs, None, None)
-        return self._with_prompt_logprobs(job, choice, made)
-
-    def _echoed(self, job: Job, choice: Choice) -> list:
-        return formats.prompt_entries(job.prompts[choice.prompt_index], choice.prompt_logprobs, job.logprobs)
-
-    def _with_prompt_logprobs(self, job: Job, choice: Choice, made: dict) -> dict:
-        if job.prompt_logprobs is not None:
-            made["prompt_logprobs"] = formats.vllm_prompt_logprobs(
-                choice.prompt_logprobs or [], self.texts, job.prompt_logprobs
-            )
-        return made
-
-    def body(self, job: Job, created: int, choices: list[dict], usage: dict) -> dict:
-        make = formats.chat_body if self.chat else formats.completion_body
-        return make(_response_id(job, self.chat), job.model, created, choices, usage, self.fingerprint)
-
-    def chunk(self, job: Job, created: int, choices: list[dict]) -> dict:
-        make = formats.chat_chunk if self.chat else formats.completion_chunk
-        chunk = make(_response_id(job, self.chat), job.model, created, choices, job.include_usage, self.fingerprint)
-        if job.continuous_usage and choices:
-            chunk["usage"] = _usage(job)
-        return chunk
-
-    def chunk_choices(
-        self, job: Job, choice: Choice, text: str, entries: list, finish: str | None, new_tokens: int = 0
-    ) -> list[dict]:
-        offset = len(choice.prefix) + len(choice.text) - len(text)
-        logprobs = self.logprobs(entries, job, choice, offset) if entries else None
-        stop_reason = choice.output.stop_reason if finish else None
-        if not self.chat:
-            return [formats.completion_choice(choice.index, text, logprobs, finish, stop_reason)]
-        out = []
-        if not choice.role_sent:
-            choice.role_sent = True
-            out.append(formats.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""}, None, None))
-        if choice.parser is not None and (text or logprobs or finish or new_tokens):
-            out += _parsed_chunk_choices(choice, logprobs, finish, stop_reason)
-        elif text or logprobs or finish or new_tokens:
-            delta = {"content": text} if text or new_tokens else {}
-            out.append(formats.chat_chunk_choice(choice.index, delta, logprobs, finish, stop_reason))
-        return out
-
-
-def _parsed_chunk_choices(choice: Choice, logprobs: dict | None, finish: str | None, stop_reason) -> list[dict]:
-    """Chunks of a choice whose text is split by its ChatOutputParser (reasoning, tool calls);
-    a step whose tokens are held back (a possible tag) sends an empty delta."""
-    deltas = choice.parser.deltas(choice.text, finish is not None) or [{}]
-    if finish is not None:
-        finish = choice.parser.finish_reason(choice.text, finish)
-    last = len(deltas) - 1
-    return [
-        formats.chat_chunk_choice(
-            choice.index,
-            delta,
-            logprobs if i == last else None,
-            finish if i == last else None,
-            stop_reason if i == last else None,
-        )
-        for i, delta in enumerate(deltas)
-    ]
+        choice.timer.on_output(len(choice.output.token_ids), delta.finish_reason)
+    return text, delta.new_logprobs or [], delta.finish_reason, len(delta.new_token_ids)
 
 
 def _kv_transfer_params(body, index: int) -> dict | None:
     """P/D: a transfer serves one engine request (the first); the others of `n` compute locally."""
     params = getattr(body, "kv_transfer_params", None)
     return params if index == 0 else None
-
-
-def _response_id(job: Job, chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}"
-
-
-def _usage(job: Job) -> dict:
-    completion_tokens = sum(len(c.output.token_ids) for c in job.choices if c.output is not None)
-    cached = {}  # per prompt, as prompt_tokens counts each prompt once (its n samples share it)
-    for choice in job.choices:
-        cached[choice.prompt_index] = max(cached.get(choice.prompt_index, 0), choice.num_cached_tokens)
-    return formats.usage(sum(len(p) for p in job.prompts), completion_tokens, sum(cached.values()))
 
 
 async def run_job(
@@ -432,11 +329,12 @@ async def _answer(
     if not job.stream:
         kv_transfer_params = None
         async with contextlib.aclosing(merged_outputs(engine, job.requests, job.client_request_id, cut)) as outputs:
-            async for index, output in outputs:
-                _advance(job.choices[index], output)
-                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
+            async for index, delta in outputs:
+                choice = job.choices[index]
+                _advance(choice, delta, job.prompts[choice.prompt_index])
+                kv_transfer_params = delta.kv_transfer_params or kv_transfer_params
         choices = [formatter.final_choice(job, choice) for choice in job.choices]
-        body = formatter.body(job, created, choices, _usage(job))
+        body = formatter.body(job, created, choices, usage(job))
         if kv_transfer_params is not None:  # a prefill instance's offer, for the proxy
             body["kv_transfer_params"] = kv_transfer_params
         return web.json_response(body, headers=headers)
@@ -457,10 +355,10 @@ async def _answer(
                 )
                 for choice_chunk in opening:
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
-            async for index, output in outputs:
+            async for index, delta in outputs:
                 choice = job.choices[index]
-                first = choice.output is None
-                text, entries, finish, new_tokens = _advance(choice, output)
+                first = choice.result is None
+                text, entries, finish, new_tokens = _advance(choice, delta, job.prompts[choice.prompt_index])
                 if first and (job.echo_logprobs or job.prompt_logprobs is not None):
                     # the prompt is scored once its prefill is done: it leads the choice's stream
                     prompt_chunk = formatter.prompt_choice(job, choice)
@@ -474,7 +372,7 @@ async def _answer(
                     await response.write(formats.sse(formatter.chunk(job, created, [choice_chunk])))
         if job.include_usage:
             final = formatter.chunk(job, created, [])
-            final["usage"] = _usage(job)
+            final["usage"] = usage(job)
             await response.write(formats.sse(final))
     except RequestError as err:  # headers are gone: report in-band, as OpenAI-style servers do
         await response.write(formats.sse(err.body()))

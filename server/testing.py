@@ -7,18 +7,23 @@ the last prompt token `t`, it generates `next_token(t, seed, vocab)` = `(t * 7 +
 and the j-th top alternative is token `(sampled + j) % vocab` with logprob `-0.5 - j`.
 Text is `tokenizer.decode(generated_ids, skip_special_tokens=True)`, cut at the first stop
 string. It owns `num_slots` slots: a request waits for a free one, and `abort` or the end of
-generation frees it, so tests can observe that disconnects release capacity.
+generation frees it, so tests can observe that disconnects release capacity. It runs on the
+same `runtime.engine.loop.EngineLoop` as the real transports and emits the same `RequestDelta`s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import textwrap
+import threading
+import time
 from collections.abc import AsyncIterator
 
-from runtime.types import CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.engine.loop import AsyncSink, EngineLoop, deliver_to_event_loops, queued_deltas
+from runtime.types import EngineRequest, RequestDelta, TokenLogprob
 from runtime.validation import validate_request
 
 CHAT_TEMPLATE = (
@@ -59,8 +64,106 @@ def build_test_tokenizer(vocab_size: int = 400):
     return wrapped
 
 
+class FakeCore:
+    """The fake's engine side: what `EngineLoop` drives (add_request, abort, step, has_unfinished).
+
+    Each `step()` admits waiting requests into free slots, then gives every running request its
+    next token and a `RequestDelta` (text past what it sent, held back while it could still grow
+    into a stop string or complete a UTF-8 character)."""
+
+    def __init__(self, owner: FakeEngine):
+        self.owner = owner
+        self.waiting: list[_FakeRequest] = []
+        self.running: list[_FakeRequest] = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: EngineRequest) -> None:
+        if not request.validated:
+            request = self.owner.validate_request(request)
+        self.waiting.append(_FakeRequest(request))
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        for queue in (self.waiting, self.running):
+            for fake in queue:
+                if fake.request.request_id == request_id:
+                    queue.remove(fake)
+                    return fake.delta("", "abort", None)
+        return None
+
+    def step(self) -> list[RequestDelta]:
+        owner, deltas = self.owner, []
+        if owner.token_delay_s:
+            time.sleep(owner.token_delay_s)  # the step's "device time"
+        while self.waiting and len(self.running) < owner.num_slots:
+            fake = self.waiting.pop(0)
+            if fake.request.params.max_tokens == 0:  # scoring only
+                owner.finished.add(fake.request.request_id)
+                deltas.append(fake.delta("", "length", None))
+                continue
+            if owner.scripted_texts:
+                fake.script = owner.tokenizer.encode(owner.scripted_texts.pop(0), add_special_tokens=False)
+            self.running.append(fake)
+        for fake in list(self.running):
+            delta = fake.advance(owner.tokenizer, owner.vocab_size, owner.max_model_len)
+            if delta.finished:
+                self.running.remove(fake)
+                owner.finished.add(fake.request.request_id)
+            deltas.append(delta)
+        return deltas
+
+
+class _FakeRequest:
+    def __init__(self, request: EngineRequest):
+        self.request = request
+        self.script: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.sent = ""  # text sent in deltas so far
+
+    def advance(self, tokenizer, vocab_size: int, max_model_len: int) -> RequestDelta:
+        params, prompt = self.request.params, self.request.prompt_token_ids
+        limit = max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
+        if self.script is not None:
+            limit = min(limit, len(self.script))
+        previous = self.token_ids[-1] if self.token_ids else prompt[-1]
+        token = (
+            next_token(previous, params.seed, vocab_size) if self.script is None else self.script[len(self.token_ids)]
+        )
+        self.token_ids.append(token)
+        logprobs = None
+        if params.logprobs is not None:
+            top = [((token + j) % vocab_size, sampled_logprob(j)) for j in range(params.logprobs)]
+            logprobs = [TokenLogprob(token, sampled_logprob(0), top)]
+        text = tokenizer.decode(self.token_ids, skip_special_tokens=params.skip_special_tokens)
+        text, stop = _cut_at_stop(text, params.stop, params.include_stop_str_in_output)
+        finish, stop_reason = None, None
+        if stop is not None:
+            finish, stop_reason = "stop", stop
+        elif token in params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif len(self.token_ids) >= limit:
+            finish = "length" if self.script is None or limit < len(self.script) else "stop"
+        else:  # a possible stop string, an incomplete UTF-8 character: wait for more
+            text = _hold_back_partial_stop(text, params.stop).rstrip("\ufffd")
+        delta = self.delta(text, finish, stop_reason)
+        delta.new_token_ids, delta.new_logprobs = [token], logprobs
+        return delta
+
+    def delta(self, text: str, finish, stop_reason) -> RequestDelta:
+        new_text = ""
+        if text.startswith(self.sent):
+            new_text, self.sent = text[len(self.sent) :], text
+        no_logprobs = self.request.params.logprobs is None
+        return RequestDelta(self.request.request_id, [], new_text, None if no_logprobs else [], finish, stop_reason)
+
+
 class FakeEngine:
-    """An `EngineClient` with hand-computable outputs, per-token delay and observable slots."""
+    """An `EngineClient` with hand-computable outputs, per-token delay and observable slots: the
+    one `runtime.engine.loop.EngineLoop` drives a `FakeCore` on a thread, as `AsyncEngine` drives
+    an `LLMEngine` (it serves several event loops at once, e.g. several `LiveServer`s)."""
 
     def __init__(
         self,
@@ -77,8 +180,6 @@ class FakeEngine:
         self.vocab_size = len(tokenizer)
         self.num_slots = num_slots
         self.token_delay_s = token_delay_s
-        self.slots_free = num_slots
-        self.num_waiting = 0
         self.requests: list[EngineRequest] = []  # every request received, in order
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
@@ -87,105 +188,46 @@ class FakeEngine:
         # Scripted outputs: each new request takes the next text (if any) and generates its tokens
         # (tokenizer.encode, no special tokens) one per step, then stops ("stop").
         self.scripted_texts: list[str] = []
-        self._slot_released: asyncio.Condition | None = None
+        self.core = FakeCore(self)
+        self._loop = EngineLoop(self.core, deliver_to_event_loops)
+        self._thread: threading.Thread | None = None  # the loop's, started by the first request
+        self._thread_lock = threading.Lock()
+
+    @property
+    def slots_free(self) -> int:
+        return self.num_slots - len(self.core.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.core.waiting)
 
     def validate_request(self, request: EngineRequest) -> EngineRequest:
         return validate_request(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def is_healthy(self) -> bool:
-        return self.healthy
+        return self.healthy and self._loop.death is None
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         self.requests.append(request)
-        if self._slot_released is None:
-            self._slot_released = asyncio.Condition()
-        holds_slot = False
-        try:
-            self.num_waiting += 1
-            try:
-                async with self._slot_released:
-                    await self._slot_released.wait_for(
-                        lambda: self.slots_free > 0 or request.request_id in self.aborted
-                    )
-                    if request.request_id not in self.aborted:
-                        self.slots_free -= 1
-                        holds_slot = True
-            finally:
-                self.num_waiting -= 1
-            async for output in self._run(request):
-                yield output
-        finally:
-            if holds_slot:
-                self.slots_free += 1
-                async with self._slot_released:
-                    self._slot_released.notify_all()
-
-    async def _run(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        params = request.params
-        prompt = request.prompt_token_ids
-        limit = self.max_model_len - len(prompt)
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
-        completion = CompletionOutput(index=0, logprobs=[] if params.logprobs is not None else None)
-        token = prompt[-1]
-        if params.max_tokens == 0:  # scoring only
-            completion.finish_reason = "length"
-            self.finished.add(request.request_id)
-            yield self._output(request, completion)
-            return
-        script = None
-        if self.scripted_texts:
-            script = self.tokenizer.encode(self.scripted_texts.pop(0), add_special_tokens=False)
-            limit = min(limit, len(script))
-        while True:
-            if request.request_id in self.aborted:
-                completion.finish_reason = "abort"
-                yield self._output(request, completion)
-                return
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s)
-            token = (
-                next_token(token, params.seed, self.vocab_size) if script is None else script[len(completion.token_ids)]
-            )
-            completion.token_ids.append(token)
-            if completion.logprobs is not None:
-                top = [((token + j) % self.vocab_size, sampled_logprob(j)) for j in range(params.logprobs)]
-                completion.logprobs.append(TokenLogprob(token, sampled_logprob(0), top))
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=params.skip_special_tokens)
-            completion.text, stop = _cut_at_stop(text, params.stop, params.include_stop_str_in_output)
-            if stop is not None:
-                completion.finish_reason, completion.stop_reason = "stop", stop
-            elif token in params.stop_token_ids:
-                completion.finish_reason, completion.stop_reason = "stop", token
-            elif len(completion.token_ids) >= limit:
-                completion.finish_reason = "length" if script is None or limit < len(script) else "stop"
-            else:
-                completion.text = _hold_back_partial_stop(completion.text, params.stop)
-            if completion.finished:
-                self.finished.add(request.request_id)
-            yield self._output(request, completion)
-            if completion.finished:
-                return
-            if not self.token_delay_s:
-                await asyncio.sleep(0)
-
-    @staticmethod
-    def _output(request: EngineRequest, completion: CompletionOutput) -> RequestOutput:
-        snapshot = CompletionOutput(
-            index=0,
-            token_ids=list(completion.token_ids),
-            text=completion.text,
-            logprobs=None if completion.logprobs is None else list(completion.logprobs),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-        return RequestOutput(request.request_id, list(request.prompt_token_ids), [snapshot], finished=snapshot.finished)
+        self._start()
+        sink = AsyncSink(asyncio.get_running_loop(), asyncio.Queue())
+        rid = request.request_id
+        self._loop.add(request, sink)
+        async with contextlib.aclosing(queued_deltas(sink.queue, lambda: self._loop.abort(rid))) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
-        if self._slot_released is not None:
-            async with self._slot_released:
-                self._slot_released.notify_all()
+        self._loop.abort(request_id)
+
+    def _start(self) -> None:
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                if self._loop.stopped:  # served again after a shutdown
+                    self._loop = EngineLoop(self.core, deliver_to_event_loops)
+                self._thread = threading.Thread(target=self._loop.run, name="fake-engine", daemon=True)
+                self._thread.start()
 
     def stats(self) -> dict:
         running = self.num_slots - self.slots_free
@@ -204,6 +246,7 @@ class FakeEngine:
 
     async def shutdown(self) -> None:
         self.shutdown_called = True
+        self._loop.stop()
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...], include_stop: bool) -> tuple[str, str | None]:

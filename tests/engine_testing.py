@@ -3,17 +3,35 @@
 import asyncio
 import contextlib
 
+from runtime.types import accumulate
 
-def drain(engine, check_invariants: bool = True) -> dict:
-    """Step until nothing is left; -> {request_id: final RequestOutput}."""
-    done = {}
+
+class Outputs(dict):
+    """request id -> its cumulative RequestOutput so far, added up from an engine's deltas."""
+
+    def step(self, engine) -> list:
+        """One `engine.step()`; its deltas are added up here and returned."""
+        prompts = {rid: req.prompt_token_ids for rid, req in engine._requests.items()}
+        deltas = engine.step()
+        for delta in deltas:
+            previous = self.get(delta.request_id)
+            prompt = prompts.get(delta.request_id, previous.prompt_token_ids if previous else [])
+            self[delta.request_id] = accumulate(previous, delta, prompt)
+        return deltas
+
+    def finished(self) -> dict:
+        return {rid: out for rid, out in self.items() if out.finished}
+
+
+def drain(engine, check_invariants: bool = True, outputs: Outputs | None = None) -> dict:
+    """Step until nothing is left; -> {request_id: final RequestOutput} (`outputs`: what earlier
+    steps already added up, for a test that stepped by hand first)."""
+    outputs = Outputs() if outputs is None else outputs
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        outputs.step(engine)
         if check_invariants:
             engine.scheduler.check_invariants()
-    return done
+    return outputs.finished()
 
 
 class FailingStep:

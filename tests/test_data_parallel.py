@@ -196,6 +196,7 @@ SCRIPT = textwrap.dedent("""
         # prefills + decodes of different lengths; with `prefix`, prompts share 32- and 48-token
         # prefixes (hybrids: state checkpoints copied into and out of slots on every rank)
         engine = engine_for(name, mesh_shape, enable_prefix_caching=prefix)
+        done = {}
         rng = np.random.default_rng(0)
         shared = rng.integers(3, 1000, 48).tolist()
         for i, n in enumerate([5, 40, 9, 23, 2, 17, 31]):
@@ -206,12 +207,11 @@ SCRIPT = textwrap.dedent("""
                                              SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True)))
             if prefix and i == 1:  # r1's pages (and checkpoints) are cached before the others arrive
                 for _ in range(3):
-                    engine.step()
-        done = {}
+                    for out in engine.step():
+                        done.setdefault(out.request_id, []).extend(out.new_token_ids)
         while engine.has_unfinished():
             for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)  # deltas add up
         stats = engine.stats()
         return {"tokens": done, "max_tokens_per_step": stats.get("max_tokens_per_step"),
                 "hit_tokens": stats["prefix_cache_hit_tokens"], "checkpoints": stats["checkpoints_written"],
@@ -224,25 +224,24 @@ SCRIPT = textwrap.dedent("""
         prompt = list(range(3, 51))  # 48 tokens: 3 full pages
         engine.add_request(EngineRequest("a", prompt + [60], greedy(22)))
         engine.add_request(EngineRequest("s", [7, 8, 9], greedy(40)))
-        engine.step(); engine.step()
+        done, served, steps = {}, [], 0
+        for out in engine.step() + engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.add_request(EngineRequest("b", prompt + [61], greedy(22)))
         ranks = dict(engine.scheduler.rank_of)
-        done, served, steps = {}, [], 0
         while engine.has_unfinished():
             outs = engine.step()
             steps += 1
             served.append(any(o.request_id == "s" for o in outs))
             for out in outs:
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)  # deltas add up
         ref = engine_for(name, None, num_pages=40, max_model_len=80)
         for rid, p in (("a", prompt + [60]), ("b", prompt + [61]), ("s", [7, 8, 9])):
             ref.add_request(EngineRequest(rid, p, greedy(40 if rid == "s" else 22)))
         ref_done = {}
         while ref.has_unfinished():
             for out in ref.step():
-                if out.finished:
-                    ref_done[out.request_id] = out.outputs[0].token_ids
+                ref_done.setdefault(out.request_id, []).extend(out.new_token_ids)  # deltas add up
         return {"ranks": ranks, "preemptions": [s.num_preemptions for s in engine.scheduler.ranks],
                 "served": served, "tokens": done, "reference": ref_done}
 

@@ -129,3 +129,16 @@ def test_a_step_that_always_fails_kills_the_engine(engine):
     finally:
         engine.executables = real
     assert_nothing_held(engine)  # the fatal step still ended its requests
+
+
+def test_a_request_the_server_validated_is_not_validated_again(engine, monkeypatch):
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    checked = engine.validate_request(EngineRequest("checked", [5, 6, 7], params))
+    assert checked.validated
+    seen = []
+    real = engine.validate_request
+    monkeypatch.setattr(engine, "validate_request", lambda request: seen.append(request.request_id) or real(request))
+    done = _serve(engine, [checked, EngineRequest("python-caller", [5, 6, 7], params)])
+    assert seen == ["python-caller"]  # an unmarked request (built in Python) is still checked
+    assert done["checked"].token_ids == done["python-caller"].token_ids and len(done["checked"].token_ids) == 2
+    assert_nothing_held(engine)

@@ -1,13 +1,13 @@
 """The engine loop in its own process (`runtime/engine/process_client.py`).
 
 The whole OpenAI-client suite of test_server_engine.py also runs against this client (its
-`server` fixture is parametrized); here: the delta codec against the cumulative outputs it
-carries, start-up failure, the child's death, and a parent that never starts a JAX backend.
+`server` fixture is parametrized); here: the typed messages and the deltas they carry, start-up failure, the child's death, and a parent that never starts a JAX backend.
 """
 
 import asyncio
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -18,46 +18,66 @@ import aiohttp
 import pytest
 
 from runtime.engine.llm import LLM
-from runtime.engine.process_client import EngineProcessClient, _DeltaEncoder, _Stream
-from runtime.types import CompletionOutput, EngineRequest, RequestOutput, SamplingParams, TokenLogprob
+from runtime.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CompileGrammar,
+    EngineDied,
+    GrammarCompiled,
+    Refusal,
+    StepOutputs,
+    Stop,
+)
+from runtime.engine.process_client import EngineProcessClient
+from runtime.types import (
+    CompletionOutput,
+    EngineBusy,
+    EngineRequest,
+    RequestDelta,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutput,
+    TokenLogprob,
+    accumulate,
+)
 from server.testing import LiveServer
 from tests.engine_testing import launch_config
 
 
-# ---- the codec: cumulative outputs -> deltas -> the same cumulative outputs -------------------
-def _output(rid, tokens, text, logprobs=None, finished=False, prompt_logprobs=None, reason=None):
-    completion = CompletionOutput(0, list(tokens), text, logprobs, "stop" if finished else None, reason)
-    return RequestOutput(
-        rid, [1, 2, 3], [completion], finished=finished, num_cached_tokens=16, prompt_logprobs=prompt_logprobs
-    )
-
-
-def test_deltas_rebuild_every_cumulative_output():
-    lp = [TokenLogprob(7 + i, -0.5 * i, [(7 + i, -0.5 * i), (3, -2.0)]) for i in range(6)]
+# ---- the messages: typed dataclasses, the engine's deltas as they are ----------------------------
+def test_messages_cross_the_pipe_unchanged_and_deltas_add_up():
+    lp = [TokenLogprob(7 + i, -0.5 * i, [(7 + i, -0.5 * i), (3, -2.0)]) for i in range(4)]
     prompt_lp = [None, TokenLogprob(2, -1.25, [(2, -1.25)], rank=1)]
-    sequence = [
-        _output("a", [], "", logprobs=[]),
-        _output("a", [7], "he", logprobs=lp[:1], prompt_logprobs=prompt_lp),
-        _output("a", [7, 8, 9], "hello", logprobs=lp[:3], prompt_logprobs=prompt_lp),
-        _output("a", [7, 8, 9], "hello", logprobs=lp[:3], prompt_logprobs=prompt_lp),  # nothing new
-        _output("a", [7, 8, 9, 10], "help", logprobs=lp[:4], prompt_logprobs=prompt_lp),  # text not a prefix
-        _output("a", [7, 8], "he", logprobs=lp[:2], prompt_logprobs=prompt_lp),  # shorter: resent whole
-        _output("a", [7, 8, 11, 12], "he said", logprobs=lp[:4], prompt_logprobs=prompt_lp, finished=True, reason="."),
+    deltas = [
+        RequestDelta("a", [7], "he", lp[:1], num_cached_tokens=16, prompt_logprobs=prompt_lp),
+        RequestDelta("a", [8, 9], "llo", lp[1:3], num_cached_tokens=16),
+        RequestDelta("a", [], "", [], num_cached_tokens=16),  # nothing new
+        RequestDelta("a", [10], "!", lp[3:], "stop", ".", num_cached_tokens=16),
     ]
-    encoder = _DeltaEncoder()
-    stream = _Stream(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8)))
-    sent_prompt_lp = []
-    for out in sequence:
-        delta = encoder.encode(out)
-        sent_prompt_lp.append(delta.prompt_logprobs is not None)
-        rebuilt = stream.apply(delta)
-        assert rebuilt == out
-    assert sent_prompt_lp == [False, True, False, False, False, False, False]  # once, then kept by the parent
-    # what crosses the pipe for a step that adds one token is that token, not the history
-    assert encoder.encode(_output("b", [1] * 100, "x" * 100)).new_tokens == [1] * 100
-    small = encoder.encode(_output("b", [1] * 101, "x" * 101))
-    assert (small.keep_tokens, small.new_tokens, small.keep_text, small.new_text) == (100, [1], 100, "x")
-    assert "a" not in encoder._sent  # a finished request leaves nothing behind
+    request = EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8), validated=True)
+    messages = [
+        AddRequest(request),
+        AbortRequest("a"),
+        CompileGrammar(3, StructuredOutput("regex", "a+")),
+        Stop(),
+        StepOutputs(deltas, [Refusal("b", "invalid", "prompt: must not be empty")], {"num_running": 1}),
+        GrammarCompiled(3, None),
+        EngineDied("the engine loop died"),
+    ]
+    for message in messages:
+        assert pickle.loads(pickle.dumps(message)) == message
+    out = None
+    for delta in deltas:
+        out = accumulate(out, delta, request.prompt_token_ids)
+    completion = CompletionOutput(0, [7, 8, 9, 10], "hello!", lp, "stop", ".")
+    assert out == RequestOutput(
+        "a", [1, 2, 3], [completion], finished=True, num_cached_tokens=16, prompt_logprobs=prompt_lp
+    )
+    # refusals come back as the exceptions the server maps: 400, 503, 500
+    assert type(Refusal.of("b", SamplingParamsError("prompt", "must not be empty")).error()) is ValueError
+    assert type(Refusal.of("b", EngineBusy("full")).error()) is EngineBusy
+    assert type(Refusal.of("b", KeyError("x")).error()) is RuntimeError
 
 
 # ---- a live child process ------------------------------------------------------------------------
@@ -131,7 +151,7 @@ async def main():
     try:
         request = EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         outputs = [out async for out in client.generate(request)]
-        return outputs[-1].token_ids, client.stats()
+        return [t for out in outputs for t in out.new_token_ids], client.stats()
     finally:
         await client.shutdown()
 

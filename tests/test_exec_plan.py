@@ -208,6 +208,6 @@ def test_start_up_warm_up_writes_nothing(tiny_checkpoint, hf_model):
     tokens = []
     while engine.has_unfinished():
         for out in engine.step():
-            tokens = out.outputs[0].token_ids
+            tokens = tokens + out.new_token_ids
     expected, scores = hf_greedy(hf_model("qwen3_5"), prompt, 6)
     assert_greedy_match(list(tokens), expected, scores, "engine after warm-up vs HF")

@@ -182,7 +182,7 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
     """64 greedy requests at once on 64 table rows, a page pool small enough to preempt, chunked
     prefill, four aborts mid-flight and stop tokens at various positions: every finished request
     equals HF `generate`, and at the end every row, page and slot is free."""
-    from engine_testing import drain
+    from engine_testing import Outputs, drain
     from hf_reference import assert_greedy_match, hf_greedy
     from test_engine_hf import assert_all_free
 
@@ -217,13 +217,13 @@ def test_engine_64_sequences_preempted_aborted_and_stopped_match_hf(tiny_checkpo
             )
         )
     aborted = {"r1", "r2", "r40", "r63"}
-    done = {}
+    outputs = Outputs()
     for _ in range(3):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        outputs.step(engine)
         assert engine.request_table.num_used <= len(engine.scheduler.running)
     for rid in aborted:
         assert engine.abort(rid) is not None
-    done.update(drain(engine))
+    done = drain(engine, outputs=outputs)
     assert engine.stats()["num_preemptions"] > 0, "the page pool was meant to force preemptions"
     assert_all_free(engine)
     for i, (tokens, scores) in enumerate(expected):

@@ -84,8 +84,7 @@ SCRIPT = textwrap.dedent("""
         done = {}
         while engine.has_unfinished():
             for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)  # deltas add up
         rec = next(r for r in engine.caches["rec"] if r is not None)
         return done, describe(rec) if mesh_shape else None
 

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
     _prefix_offset: int = 0
     _read_offset: int = 0
     stopped: bool = False
+    _sent: int = 0  # characters handed out by take_text
     _backend: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,3 +87,11 @@ class IncrementalDetokenizer:
                     hold = k
                     break
         return self.text[: len(self.text) - hold]
+
+    def take_text(self, finished: bool) -> str:
+        """The visible text past what earlier calls returned (the delta's `new_text`): appends only."""
+        visible = self.visible_text(finished)
+        if len(visible) <= self._sent:
+            return ""
+        new, self._sent = visible[self._sent :], len(visible)
+        return new

@@ -25,7 +25,7 @@ from configs.schema import BUILTIN_NAMES, apply_overrides, config_from_dict
 from models.model import Model
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import ENGINE_FIELD_KEYS, build_engine_config
-from runtime.types import EngineRequest, RequestOutput, SamplingParams, fan_out
+from runtime.types import EngineRequest, RequestOutput, SamplingParams, accumulate, fan_out
 
 Prompt = str | Sequence[int]
 
@@ -106,6 +106,7 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         order: list[tuple[str, int, int]] = []  # (engine request id, prompt index, completion index)
         added: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 ids = self._encode(prompt)
@@ -113,13 +114,16 @@ class LLM:
                     rid = f"llm-{next(self._ids)}"
                     self.engine.add_request(EngineRequest(rid, ids, sub))
                     added.append(rid)
+                    prompt_ids[rid] = ids
                     order.append((rid, i, j))
             finals: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
             while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
+                for delta in self.engine.step():
+                    finals[delta.request_id] = accumulate(
+                        finals.get(delta.request_id), delta, prompt_ids[delta.request_id]
+                    )
+                    if delta.finished:
                         bar.update(1)
             bar.close()
         except BaseException:

@@ -3,7 +3,7 @@
     engine = LLMEngine(EngineConfig(model="/path/to/hf_dir"))
     engine.add_request(EngineRequest("r1", prompt_ids, SamplingParams(max_tokens=8)))
     while engine.has_unfinished():
-        for out in engine.step():   # cumulative RequestOutputs of requests that advanced
+        for delta in engine.step():   # a RequestDelta per request that advanced (runtime/types.py)
             ...
 
 One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> backbone ->
@@ -60,6 +60,7 @@ from paged_kv.checkpoint_policy import plan_state_slots
 from pallas_kernels import cpu_native
 from runtime.buckets import bucket_for, pages_for, seq_bucket
 from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
+from runtime.engine.deltas import next_delta
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.engine_config import EngineConfig
@@ -75,7 +76,7 @@ from runtime.steps.sampler import SamplerOutput
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_host import RequestTableHost
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
-from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.types import MAX_LOGPROBS, EngineRequest, RequestDelta, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
 
 log = logging.getLogger("jaxserve.engine")
@@ -213,7 +214,8 @@ class LLMEngine:
                 self.caches = self.executables.warm_up(self.model.params, self.caches)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}  # logprobs not yet sent in a delta
+        self._sent_tokens: dict[str, int] = {}  # output tokens each request's deltas carried so far
         self._prompt_logprobs = PromptLogprobRecords()
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -269,7 +271,7 @@ class LLMEngine:
         """Queue a request. ValueError (naming the problem) if it can never be served."""
         if self.kv_transfer is not None:
             request = self.kv_transfer.prepare(request)
-        request = self.validate_request(request)
+        request = request if request.validated else self.validate_request(request)  # the server's is checked
         params = request.params
         req = Request(
             request.request_id,
@@ -322,7 +324,7 @@ class LLMEngine:
         return stats if self.kv_transfer is None else self.kv_transfer.stats(stats)
 
     # ---- one iteration ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Schedule and dispatch step n; then — while the device runs it — wait for step n-1's
         tokens, resolve and emit them; finally record step n's progress with placeholders
         (asynchronous scheduling) or wait for its tokens (synchronous).
@@ -530,7 +532,7 @@ class LLMEngine:
             if req is not None and not req.is_finished:
                 self.scheduler.finish(rid, "stop")
 
-    def _emit(self, step: InFlightStep) -> list[RequestOutput]:
+    def _emit(self, step: InFlightStep) -> list[RequestDelta]:
         outputs = []
         for row, req, index in step.placed:
             if req.request_id not in self._requests:
@@ -555,28 +557,11 @@ class LLMEngine:
             outputs.append(self._output(req, finished=req.is_finished))
         return outputs
 
-    def _output(self, req: Request, finished: bool) -> RequestOutput:
-        detok = self._detok.get(req.request_id)
-        if finished and detok is not None:
-            detok.flush()
-        completion = CompletionOutput(
-            index=0,
-            token_ids=req.resolved_output_token_ids,
-            text=detok.visible_text(finished) if detok else "",
-            logprobs=list(self._logprobs[req.request_id]) if req.request_id in self._logprobs else None,
-            finish_reason=req.finish_reason if finished else None,
-            stop_reason=req.stop_reason if finished else None,
-        )
-        output = RequestOutput(
-            req.request_id,
-            req.prompt_token_ids,
-            [completion],
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs.finished(req.request_id),
-        )
+    def _output(self, req: Request, finished: bool) -> RequestDelta:
+        """What `req` gained since its previous delta (runtime/engine/deltas.py); a finished one is forgotten."""
+        delta = next_delta(self, req, finished)
         if finished and self.kv_transfer is not None:
-            output.kv_transfer_params = self.kv_transfer.finished(req)
+            delta.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:
             if self._structured is not None:
                 self._structured.remove(req.request_id)
@@ -584,4 +569,5 @@ class LLMEngine:
             self._detok.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)
             self._prompt_logprobs.pop(req.request_id)
-        return output
+            self._sent_tokens.pop(req.request_id, None)
+        return delta

@@ -3,22 +3,25 @@
 `AsyncEngine` (runtime/engine/thread_client.py) runs the loop on a thread of the server's process, so
 the engine's Python (scheduling, input building, detokenizing) and the HTTP event loop take
 turns on one GIL. `EngineProcessClient` starts the same `LLMEngine` in a child process (spawned:
-no fork of a process that may hold XLA threads) and talks to it over two pipes, as vLLM's
-API server talks to its EngineCore:
+no fork of a process that may hold XLA threads), where the same `runtime.engine.loop.EngineLoop`
+drives it, and talks to it over two pipes, as vLLM's API server talks to its EngineCore. The
+messages are the typed dataclasses of runtime/engine/messages.py:
 
-- commands, parent -> child: `("add", EngineRequest)`, `("abort", request_id)`, `None` (stop).
-  A reader thread in the child drains the pipe into a queue, so the parent never blocks on a
-  full pipe while the child is inside a long step.
-- outputs, child -> parent: one message per engine step, `("step", deltas, stats)`. The engine's
-  outputs are cumulative (all tokens and text so far); across the pipe they travel as deltas
-  (`_OutputDelta`: what is new since the last message) and the parent rebuilds the cumulative
-  `RequestOutput` the protocol promises (an idle child sends `("step", [], stats)` every
-  half second). `("reject", id, message)` answers an add the engine refused; `("dead", reason)`
-  precedes the child's exit when its loop failed.
+- commands, parent -> child: `AddRequest`, `AbortRequest`, `CompileGrammar`, `Stop`. A reader
+  thread in the child drains the pipe into the loop's queue, so the parent never blocks on a full
+  pipe while the child is inside a long step.
+- outputs, child -> parent: one `StepOutputs` per loop iteration: the engine's `RequestDelta`s as
+  they are (appends only, so a step that adds one token sends that token, not the history), the
+  adds it refused and its stats (an idle child sends an empty one every half second);
+  `GrammarCompiled` answers a `CompileGrammar`; `EngineDied` precedes the child's exit when its
+  loop failed.
 
-The parent reads the outputs pipe from its asyncio event loop (`add_reader`): no thread, no GIL
-hand-off per step. The tokenizer comes from the child, pickled, so the parent's is the engine's.
-The parent never initialises a JAX backend (no device memory, no XLA thread pool).
+The server compiles (and so validates) a request's grammar through `grammar_compiler`, which asks
+the child's compiler: the grammar is compiled once, in the engine's process, and the request's add
+finds it in that compiler's cache. The parent reads the outputs pipe from its asyncio event loop
+(`add_reader`): no thread, no GIL hand-off per step. The tokenizer comes from the child, pickled,
+so the parent's is the engine's. The parent never initialises a JAX backend (no device memory, no
+XLA thread pool).
 
 The child ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits when the
 command pipe closes, so it never outlives a killed server.
@@ -27,166 +30,97 @@ command pipe closes, so it never outlives a killed server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import itertools
 import logging
 import multiprocessing
-import queue
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from functools import cached_property
 
-from runtime.engine.llm_engine import EngineDeadError
 from runtime.engine.loading import load_engine
-from runtime.engine.thread_client import queued_outputs
-from runtime.types import CompletionOutput, EngineRequest, RequestOutput
+from runtime.engine.loop import EngineLoop, queued_deltas
+from runtime.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CompileGrammar,
+    EngineDied,
+    GrammarCompiled,
+    Ready,
+    Refusal,
+    StartFailed,
+    StepOutputs,
+    Stop,
+)
+from runtime.structured_output.backend import GrammarError
+from runtime.structured_output.compiler import DEFAULT_COMPILE_TIMEOUT_S
+from runtime.types import EngineDeadError, EngineRequest, RequestDelta, StructuredOutput
 
 log = logging.getLogger("jaxserve.engine")
 
 _READY_TIMEOUT_S = 3600.0  # loading and compiling a large model takes long; a dead child is seen at once
-_IDLE_POLL_S = 0.5
 
 
-@dataclass(slots=True)
-class _OutputDelta:
-    """One request's progress in one step: what changed since the previous message."""
+class RemoteGrammarCompiler:
+    """The engine process's grammar compiler, seen from the server (`compile_or_400` takes it):
+    `submit` sends a `CompileGrammar` and returns a future that its `GrammarCompiled` resolves."""
 
-    request_id: str
-    keep_tokens: int  # output token ids kept from the previous message (the rest are replaced)
-    new_tokens: list[int]
-    keep_text: int  # characters of text kept
-    new_text: str
-    keep_logprobs: int
-    new_logprobs: list | None  # None: the request asked for no logprobs
-    finish_reason: str | None
-    stop_reason: int | str | None
-    finished: bool
-    num_cached_tokens: int
-    error: str | None
-    prompt_logprobs: list | None  # sent once, when the engine has scored the prompt
-    kv_transfer_params: dict | None
+    def __init__(self, client: EngineProcessClient):
+        self._client = client
+        self.timeout_s = DEFAULT_COMPILE_TIMEOUT_S  # the server sets its own
+        self._tickets = itertools.count()
+        self._pending: dict[int, concurrent.futures.Future] = {}
 
+    def submit(self, grammar: StructuredOutput) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._client._death is not None:
+            future.set_exception(EngineDeadError(f"the engine is dead: {self._client._death}"))
+            return future
+        self._client._bind_loop()  # the answer is read by the event loop
+        ticket = next(self._tickets)
+        self._pending[ticket] = future
+        self._client._send(CompileGrammar(ticket, grammar))
+        return future
 
-class _DeltaEncoder:
-    """Child side: cumulative `RequestOutput`s -> `_OutputDelta`s (remembers what each request sent)."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, tuple[int, str, int, bool]] = {}  # id -> (tokens, text, logprobs, prompt_lp sent)
-
-    def encode(self, out: RequestOutput) -> _OutputDelta:
-        completion = out.outputs[0]  # the engine runs one completion per request (the server fans out)
-        n_tokens, text, n_logprobs, prompt_sent = self._sent.get(out.request_id, (0, "", 0, False))
-        tokens = completion.token_ids
-        keep_tokens = n_tokens if len(tokens) >= n_tokens else 0  # tokens only grow; anything else: resend
-        keep_text = len(text) if completion.text.startswith(text) else 0
-        logprobs = completion.logprobs
-        keep_logprobs = n_logprobs if logprobs is not None and len(logprobs) >= n_logprobs else 0
-        send_prompt_lp = out.prompt_logprobs is not None and not prompt_sent
-        delta = _OutputDelta(
-            out.request_id,
-            keep_tokens,
-            tokens[keep_tokens:],
-            keep_text,
-            completion.text[keep_text:],
-            keep_logprobs,
-            None if logprobs is None else logprobs[keep_logprobs:],
-            completion.finish_reason,
-            completion.stop_reason,
-            out.finished,
-            out.num_cached_tokens,
-            out.error,
-            out.prompt_logprobs if send_prompt_lp else None,
-            out.kv_transfer_params,
-        )
-        if out.finished:
-            self._sent.pop(out.request_id, None)
+    def resolve(self, message: GrammarCompiled) -> None:
+        future = self._pending.pop(message.ticket, None)
+        if future is None or future.done():
+            return
+        if message.error is None:
+            future.set_result(None)
         else:
-            self._sent[out.request_id] = (
-                len(tokens),
-                completion.text,
-                0 if logprobs is None else len(logprobs),
-                prompt_sent or send_prompt_lp,
-            )
-        return delta
+            future.set_exception(GrammarError(message.error))
 
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-
-
-class _Stream:
-    """Parent side: one request's queue and the cumulative output rebuilt from deltas."""
-
-    __slots__ = ("logprobs", "prompt_logprobs", "queue", "request", "text", "tokens")
-
-    def __init__(self, request: EngineRequest) -> None:
-        self.request = request
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tokens: list[int] = []
-        self.text = ""
-        self.logprobs: list | None = None
-        self.prompt_logprobs = None
-
-    def apply(self, d: _OutputDelta) -> RequestOutput:
-        self.tokens = self.tokens[: d.keep_tokens] + d.new_tokens
-        self.text = self.text[: d.keep_text] + d.new_text
-        if d.new_logprobs is not None:
-            self.logprobs = (self.logprobs or [])[: d.keep_logprobs] + d.new_logprobs
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
-        # fresh lists each step (rebound above, never mutated): earlier outputs stay as they were
-        completion = CompletionOutput(
-            0,
-            self.tokens,
-            self.text,
-            self.logprobs,
-            d.finish_reason if d.finished else None,
-            d.stop_reason if d.finished else None,
-        )
-        return RequestOutput(
-            d.request_id,
-            self.request.prompt_token_ids,
-            [completion],
-            finished=d.finished,
-            num_cached_tokens=d.num_cached_tokens,
-            error=d.error,
-            prompt_logprobs=self.prompt_logprobs,
-            kv_transfer_params=d.kv_transfer_params,
-        )
+    def fail_all(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
 
 class EngineProcessClient:
     """`EngineClient` over an `LLMEngine` running in a child process (see the module docstring).
 
     `start(config, model_path, model_name)` spawns the child, waits until it has loaded and
-    compiled the model, and returns the client. Outputs are delivered to the event loop that made
+    compiled the model, and returns the client. Deltas are delivered to the event loop that made
     the first `generate` call (the server's)."""
 
-    def __init__(self, process, commands, outputs, ready: dict, model_name: str):
+    def __init__(self, process, commands, outputs, ready: Ready, model_name: str):
         self._process, self._commands, self._outputs = process, commands, outputs
         self.model_name = model_name
-        self.max_model_len: int = ready["max_model_len"]
-        self.vocab_size: int = ready["vocab_size"]
-        self.tokenizer = ready["tokenizer"]
-        self._eos_token_ids: tuple[int, ...] = ready["eos_token_ids"]
-        self._stats: dict = ready["stats"]
-        self._streams: dict[str, _Stream] = {}
+        self.max_model_len: int = ready.max_model_len
+        self.vocab_size: int = ready.vocab_size
+        self.tokenizer = ready.tokenizer
+        self._stats: dict = ready.stats
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its deltas
         self._loop: asyncio.AbstractEventLoop | None = None
         self._death: str | None = None
         self._stopping = False
         self._send_lock = threading.Lock()  # one message at a time on the pipe, whichever thread sends
         self.pid = process.pid
-
-    @cached_property
-    def grammar_compiler(self):
-        """The server's grammar compiler (it compiles, and so validates, grammars before submitting),
-        with the engine's EOS ids; built on the first grammar request."""
-        if self.tokenizer is None:
-            return None
-        from runtime.structured_output import build_compiler
-
-        return build_compiler(self.tokenizer, self.vocab_size, self._eos_token_ids)
+        self.grammar_compiler = RemoteGrammarCompiler(self) if self.tokenizer is not None else None
 
     @classmethod
     def start(cls, config, model_path: str, model_name: str) -> EngineProcessClient:
@@ -231,25 +165,24 @@ class EngineProcessClient:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        stream = _Stream(request)
-        self._streams[rid] = stream
-        self._send(("add", request))
+        queue = self._streams[rid] = asyncio.Queue()
+        self._send(AddRequest(request))
         try:
-            async with contextlib.aclosing(queued_outputs(stream.queue, lambda: self._send(("abort", rid)))) as outputs:
-                async for item in outputs:
-                    yield item
+            async with contextlib.aclosing(queued_deltas(queue, lambda: self._send(AbortRequest(rid)))) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             self._streams.pop(rid, None)
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def stats(self) -> dict:
         return dict(self._stats)
 
     async def shutdown(self) -> None:
         self._stopping = True
-        self._send(None)
+        self._send(Stop())
         await asyncio.to_thread(_stop_process, self._process, 30.0 if self._death is None else 2.0)
         self._unbind_loop()
         self._commands.close()
@@ -287,31 +220,32 @@ class EngineProcessClient:
                 self._mark_dead(f"the engine process exited (code {self._process.exitcode}): {err!r}")
 
     def _dispatch(self, message) -> None:
-        kind = message[0]
-        if kind == "step":
-            _, deltas, self._stats = message
-            for d in deltas:
-                stream = self._streams.get(d.request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(stream.apply(d))
-        elif kind == "reject":  # the server answers a refused request (a ValueError) with a 400
-            _, rid, text = message
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.queue.put_nowait(ValueError(text))
-        elif kind == "dead":
-            self._mark_dead(message[1])
+        if isinstance(message, StepOutputs):
+            self._stats = message.stats
+            for delta in message.deltas:
+                queue = self._streams.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+            for refusal in message.refused:  # a ValueError is the server's 400
+                queue = self._streams.get(refusal.request_id)
+                if queue is not None:
+                    queue.put_nowait(refusal.error())
+        elif isinstance(message, GrammarCompiled):
+            self.grammar_compiler.resolve(message)
+        elif isinstance(message, EngineDied):
+            self._mark_dead(message.reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self._death is not None:
             return
         self._death = reason
         log.critical("the engine process is dead (%s); failing %d requests", reason, len(self._streams))
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(f"the engine is dead: {reason}"))
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"the engine is dead: {reason}"))
+        self.grammar_compiler.fail_all(f"the engine is dead: {reason}")
 
 
-def _wait_ready(process, outputs) -> dict:
+def _wait_ready(process, outputs) -> Ready:
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while not outputs.poll(1.0):
         if not process.is_alive():
@@ -327,9 +261,9 @@ def _wait_ready(process, outputs) -> dict:
         raise RuntimeError(
             f"the engine process exited during start-up (code {process.exitcode}); its log above says why"
         ) from None
-    if message[0] == "failed":
-        raise RuntimeError(f"the engine failed to start: {message[1]}")
-    return message[1]
+    if isinstance(message, StartFailed):
+        raise RuntimeError(f"the engine failed to start: {message.reason}")
+    return message
 
 
 def _stop_process(process, timeout_s: float) -> None:
@@ -352,113 +286,77 @@ def _child_main(commands, outputs, config, model_path: str, log_level: int) -> N
     sys.setswitchinterval(config.server.gil_switch_interval_ms / 1e3)  # the command reader thread
     try:
         engine = load_engine(config, model_path)
-        ready = {
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.model.cfg.vocab_size,
-            "tokenizer": engine.tokenizer,
-            "eos_token_ids": tuple(engine.model.cfg.eos_token_ids),
-            "stats": engine.stats(),
-        }
-        outputs.send(("ready", ready))
+        ready = Ready(
+            engine.max_model_len,
+            engine.model.cfg.vocab_size,
+            engine.tokenizer,
+            tuple(engine.model.cfg.eos_token_ids),
+            engine.stats(),
+        )
+        outputs.send(ready)
     except BaseException as err:
         log.critical("the engine failed to start", exc_info=err)
         try:
-            outputs.send(("failed", f"{type(err).__name__}: {err}"))
+            outputs.send(StartFailed(f"{type(err).__name__}: {err}"))
         finally:
             raise SystemExit(1) from None
-    _ChildLoop(engine, commands, outputs).run()
+    _Child(engine, commands, outputs).run()
 
 
-class _ChildLoop:
+class _Child:
+    """The child's side: the reader thread feeds the `EngineLoop`, whose deliveries go up the pipe."""
+
     def __init__(self, engine, commands, outputs):
         self.engine, self.outputs = engine, outputs
-        self.inbox: queue.Queue = queue.Queue()
-        self.encoder = _DeltaEncoder()
-        self.live: set[str] = set()  # requests the parent waits on
-        self.compiling: dict[str, EngineRequest] = {}  # added, waiting for their grammar to compile
+        self._send_lock = threading.Lock()  # the loop and the grammar pool both send
+        self.compiler = engine.structured_output.compiler if engine.tokenizer is not None else None
+        self.loop = EngineLoop(engine, self._deliver, compiler=self.compiler)  # a request's sink: its id
         threading.Thread(target=self._read, args=(commands,), name="jaxserve-engine-commands", daemon=True).start()
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self.outputs.send(message)
 
     def _read(self, commands) -> None:
         try:
             while True:
                 message = commands.recv()
-                self.inbox.put(message)
-                if message is None:
+                if isinstance(message, AddRequest):
+                    self.loop.add(message.request, message.request.request_id)
+                elif isinstance(message, AbortRequest):
+                    self.loop.abort(message.request_id)
+                elif isinstance(message, CompileGrammar):
+                    self._compile(message)
+                else:  # Stop
+                    self.loop.stop()
                     return
         except (EOFError, OSError):  # the parent is gone: stop
-            self.inbox.put(None)
+            self.loop.stop()
+
+    def _compile(self, message: CompileGrammar) -> None:
+        if self.compiler is None:
+            self._send(GrammarCompiled(message.ticket, "structured output needs the tokenizer"))
+            return
+
+        def answer(future) -> None:
+            try:
+                self.compiler.result(future, message.grammar)
+                error = None
+            except GrammarError as err:
+                error = str(err)
+            with contextlib.suppress(OSError):
+                self._send(GrammarCompiled(message.ticket, error))
+
+        self.compiler.submit(message.grammar).add_done_callback(answer)
+
+    def _deliver(self, deliveries) -> None:
+        deltas = [item for _, item in deliveries if isinstance(item, RequestDelta)]
+        refused = [Refusal.of(rid, item) for rid, item in deliveries if isinstance(item, BaseException)]
+        self._send(StepOutputs(deltas, refused, self.engine.stats()))
 
     def run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as err:
-            log.critical("the engine loop died; failing %d requests", len(self.live), exc_info=err)
-            try:
-                self.outputs.send(("dead", f"the engine loop died: {type(err).__name__}: {err}"))
-            except OSError:
-                pass
-            raise SystemExit(1) from None
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished()  # idle: block (a grammar that finishes compiling wakes us)
-            try:
-                message = self.inbox.get(block=not busy, timeout=_IDLE_POLL_S if not busy else None)
-                while True:
-                    if message is None:
-                        for rid in list(self.live):
-                            engine.abort(rid)
-                        return
-                    self._handle(message)
-                    message = self.inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if engine.has_unfinished():
-                deltas = []
-                for out in engine.step():  # a failed step comes back as error outputs; raising is fatal
-                    if out.request_id in self.live:
-                        deltas.append(self.encoder.encode(out))
-                        if out.finished:
-                            self.live.discard(out.request_id)
-                    else:
-                        self.encoder.forget(out.request_id)
-                self.outputs.send(("step", deltas, engine.stats()))
-            elif not busy:  # idle: keep the server's stats fresh (adds and aborts change them)
-                self.outputs.send(("step", [], engine.stats()))
-
-    def _handle(self, message) -> None:
-        kind, payload = message
-        if kind == "add":
-            grammar = payload.params.structured_output
-            if grammar is not None and self.engine.tokenizer is not None:
-                # compile on the compiler's pool, not in the loop: the running streams go on; the
-                # request joins when its grammar is ready (a cache hit joins at once)
-                future = self.engine.structured_output.compiler.submit(grammar)
-                if not future.done():
-                    rid = payload.request_id
-                    self.compiling[rid] = payload
-                    future.add_done_callback(lambda _future, rid=rid: self.inbox.put(("compiled", rid)))
-                    return
-            self._add(payload)
-        elif kind == "compiled":
-            request = self.compiling.pop(payload, None)
-            if request is not None:  # not aborted meanwhile
-                self._add(request)
-        elif kind == "abort":
-            self.compiling.pop(payload, None)
-            out = self.engine.abort(payload)
-            if payload in self.live:
-                self.live.discard(payload)
-                if out is not None:
-                    self.outputs.send(("step", [self.encoder.encode(out)], self.engine.stats()))
-            self.encoder.forget(payload)
-
-    def _add(self, request: EngineRequest) -> None:
-        rid = request.request_id
-        try:
-            self.engine.add_request(request)
-        except ValueError as err:  # e.g. it can never fit, or its grammar is invalid (GrammarError)
-            self.outputs.send(("reject", rid, str(err)))
-            return
-        self.live.add(rid)
+        self.loop.run()
+        if self.loop.death is not None:
+            with contextlib.suppress(OSError):
+                self._send(EngineDied(f"the engine loop died: {type(self.loop.death).__name__}: {self.loop.death}"))
+            raise SystemExit(1)
