@@ -59,7 +59,6 @@ from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
 from pallas_kernels import cpu_native
 from runtime.buckets import bucket_for, pages_for, seq_bucket
-from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.engine_config import EngineConfig
@@ -157,22 +156,8 @@ class LLMEngine:
         if dp_size > 1 and cfg.is_hybrid and config.num_state_slots:  # DP: configured pools are totals
             num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
         num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
-        check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
-        self.cache_config = CacheConfig(
-            page_size=page_size,
-            num_pages=num_pages,
-            num_state_slots=num_slots,
-            enable_prefix_caching=config.enable_prefix_caching,
-            checkpoint_policy=config.hybrid_checkpoint_policy,
-            num_checkpoint_slots=num_checkpoint_slots,
-        )
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            policy=config.policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-        )
+        self.cache_config = config.cache_config(num_pages, self.max_model_len, num_slots, num_checkpoint_slots)
+        self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
         self.opts = KernelOptions(
             attention=self.plan.attention_path, gdn=self.plan.gdn_path, interpret=config.interpret, tp=self.model.tp
