@@ -6,9 +6,15 @@
         for out in engine.step():   # cumulative RequestOutputs of requests that advanced
             ...
 
-One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> backbone ->
-(save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
-previous step's tokens, resolves them and emits its outputs while the device runs this step.
+One `step()` is three verbs: `schedule` (admit pulled P/D requests, pick this step's batch),
+`run` (prepare inputs -> (restore state checkpoints) -> backbone -> (save state checkpoints) ->
+sample, all dispatched asynchronously) and `postprocess` (wait for the previous step's tokens,
+resolve and emit them while the device runs this one, then record this step's progress).
+`_finish` is the one place the engine ends a request (grammar, stop string, P/D, error, abort);
+the token rule (`Request.stop_check`: EOS, stop tokens, length) ends it in the scheduler, which
+frees its pages at once, and postprocess reports it. Attention data parallelism
+(`build_data_parallel`) and P/D (`build_kv_transfer`, typed `KVTransferHooks`) are chosen here
+when the engine is built, from the config; nothing is swapped in afterwards.
 
 Inputs come from the device-resident request table (runtime/steps/table_host.py, table_device.py):
 a running request holds a row (block-table row, tokens computed, last token, state slot) from its
@@ -49,32 +55,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from models.model import Model, load_model
+from models.model import Model
 from models.ops import KernelOptions
-from models.sharding import shard_model
-from paged_kv.checkpoint_policy import plan_state_slots
-from pallas_kernels import cpu_native
 from runtime.buckets import bucket_for, pages_for, seq_bucket
+from runtime.engine.construction import prepare_model, size_cache
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.engine_config import EngineConfig
-from runtime.kv_transfer.hooks import build_kv_transfer
-from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
-from runtime.parallel.mesh import make_mesh
-from runtime.scheduling.request import Request
+from runtime.kv_transfer.hooks import KVTransferHooks, build_kv_transfer
+from runtime.parallel.data_parallel import build_data_parallel, data_parallel_size
+from runtime.scheduling.request import Request, RequestStatus
 from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
 from runtime.steps.async_step import InFlightStep, no_feed_rows
 from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
-from runtime.steps.execution_plan import ExecutionPlan, plan_execution
+from runtime.steps.execution_plan import ExecutionPlan
 from runtime.steps.sampler import SamplerOutput
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_host import RequestTableHost
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
-from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, RequestOutput, TokenLogprob
+from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
 
 log = logging.getLogger("jaxserve.engine")
@@ -98,42 +102,17 @@ class LLMEngine:
         model: Model | None = None,
         progress: bool = False,
         plan: ExecutionPlan | None = None,
+        wrap_executables: Callable[[StepExecutables], StepExecutables] | None = None,
     ):
         """Carry out `plan` (default: `plan_execution(config, model config, backend)`): every
-        execution choice is made there, none here."""
+        execution choice is made there, none here. The config chooses the modes: attention data
+        parallelism (`mesh_shape`'s data axis) and a P/D role (`kv_transfer`). `wrap_executables`
+        (multi-host's leader) wraps the compiled, warmed-up executables before the first step."""
         self.config = config
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
-        mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
-        qcfg = config.quantization_config()
-        # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
-        self.model = model or load_model(
-            config.model,
-            dtype=config.dtype,
-            progress=progress,
-            mesh=mesh,
-            quantization=qcfg,
-            keep_gguf_quantized=config.keep_gguf_quantized,
-            expert_parallel=config.expert_parallel,
-        )
-        if model is not None and qcfg is not None and not model.quantization:
-            model.quantize(qcfg)
-        if mesh is not None and self.model.tp is None:
-            shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
+        self.model, self.plan = prepare_model(config, model, progress, plan)
         cfg = self.model.cfg
-        backend = jax.default_backend()
-        self.plan = plan or plan_execution(
-            config, cfg, backend, dtype=self.model.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
-        )
-        for warning in self.plan.warnings:
-            log.warning("%s", warning)
-        log.info("%s", self.plan.describe())
-        if self.plan.layer_loop == "unroll":
-            self.model.unstack_layers()
-        if self.plan.weight_layout == "out_in":
-            self.model.hold_out_in()
-        elif self.plan.weight_layout == "packed":
-            self.model.hold_packed()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
         self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included
@@ -141,52 +120,55 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         page_size = config.page_size
         self.max_blocks_per_seq = pages_for(self.max_model_len, page_size)
-        num_slots, num_checkpoint_slots = 0, None
-        if cfg.is_hybrid:  # one slot per running sequence + the checkpoint budget (docs/prefix_caching.md)
-            num_slots, num_checkpoint_slots = plan_state_slots(
-                max_num_seqs=config.max_num_seqs,
-                prefix_caching=config.enable_prefix_caching,
-                budget_fraction=config.hybrid_checkpoint_budget,
-                cache_bytes=self._cache_budget_bytes(),
-                state_bytes_per_slot=self.model.state_bytes_per_slot(),
-            )
-            if config.num_state_slots:
-                num_slots, num_checkpoint_slots = config.num_state_slots, None
         dp_size = data_parallel_size(config)
-        if dp_size > 1 and cfg.is_hybrid and config.num_state_slots:  # DP: configured pools are totals
-            num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
-        num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
+        num_pages, num_slots, num_checkpoint_slots = size_cache(config, self.model, self.max_blocks_per_seq, dp_size)
         self.cache_config = config.cache_config(num_pages, self.max_model_len, num_slots, num_checkpoint_slots)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
         self.opts = KernelOptions(
             attention=self.plan.attention_path, gdn=self.plan.gdn_path, interpret=config.interpret, tp=self.model.tp
         )
-        self.caches = self.model.init_caches(
+        caches = self.model.init_caches(
             num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype, bit_storage=self.plan.kv_bit_storage
         )
-        self.token_buckets, self.seq_buckets = self.plan.token_buckets, self.plan.seq_buckets
-        self.executables = StepExecutables(
-            self.model,
-            self.caches,
-            self.opts,
-            token_buckets=self.token_buckets,
-            seq_buckets=self.seq_buckets,
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=self.max_blocks_per_seq,
-            max_top_k=config.max_top_k,
-            fuse_greedy=self.plan.fuse_greedy,
-            max_model_len=self.max_model_len,
-            page_size=page_size,
-        )
+        self.token_buckets = self.plan.token_buckets
         self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
-        # the device-resident request table (runtime/steps/table_host.py); attention DP builds host batches
-        self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
-        self.table = self.executables.new_table()
         self.dp = None  # attention data parallelism (runtime/parallel/data_parallel.py): per-rank scheduling and caches
         if dp_size > 1:
-            self.dp = enable_data_parallel(self, dp_size, self.plan.fuse_greedy)
-            self.request_table = self.table = None
+            parts = build_data_parallel(
+                config,
+                self.model,
+                self.opts,
+                caches,
+                size=dp_size,
+                scheduler_config=self.scheduler_config,
+                cache_config=self.cache_config,
+                token_buckets=self.token_buckets,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                max_model_len=self.max_model_len,
+                fuse_greedy=self.plan.fuse_greedy,
+            )
+            self.scheduler, self.caches, self.seq_buckets = parts.scheduler, parts.caches, parts.seq_buckets
+            self.executables, self.dp = parts.executables, parts.dp
+            self.request_table = self.table = None  # DP builds host batches
+        else:
+            self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
+            self.caches, self.seq_buckets = caches, self.plan.seq_buckets
+            self.executables = StepExecutables(
+                self.model,
+                self.caches,
+                self.opts,
+                token_buckets=self.token_buckets,
+                seq_buckets=self.seq_buckets,
+                max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                max_top_k=config.max_top_k,
+                fuse_greedy=self.plan.fuse_greedy,
+                max_model_len=self.max_model_len,
+                page_size=page_size,
+            )
+            # the device-resident request table (runtime/steps/table_host.py)
+            self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
+            self.table = self.executables.new_table()
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
@@ -206,7 +188,16 @@ class LLMEngine:
         self._prev: InFlightStep | None = None  # the step whose outputs are not emitted yet
         self.async_scheduling = config.async_scheduling
         self._no_prev_tokens = np.zeros(self.executables.max_num_seqs, np.int32)  # prev_tokens of a step after none
-        self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
+        self.kv_transfer: KVTransferHooks | None = build_kv_transfer(  # P/D roles; None for "both"
+            config.kv_transfer,
+            self,
+            model=self.model,
+            caches=self.caches,
+            cache_config=self.cache_config,
+            opts=self.opts,
+        )
+        if wrap_executables is not None:
+            self.executables = wrap_executables(self.executables)
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -218,32 +209,6 @@ class LLMEngine:
             compiler = build_compiler(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_token_ids))
             self._structured = StructuredOutputManager(compiler, max_rows=max(self.seq_buckets))
         return self._structured
-
-    def _default_num_pages(self, num_slots: int) -> int:
-        """Enough pages for every sequence at full length, capped by the memory budget left after
-        the GDN state slots (pages and slots are budgeted together)."""
-        c = self.config
-        want = c.max_num_seqs * self.max_blocks_per_seq + 1
-        per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size  # all layers
-        state_bytes = num_slots * self.model.state_bytes_per_slot()
-        tp = self.model.tp
-        if tp is not None and tp.attention:
-            per_page = -(-per_page // tp.size)  # each device holds its KV heads only
-        if tp is not None and tp.gdn:
-            state_bytes //= tp.size
-        budget = self._cache_budget_bytes()
-        return int(max(2, min(want, (budget - state_bytes) // per_page)))
-
-    def _cache_budget_bytes(self) -> int:
-        """Device memory for KV pages + state slots (per device)."""
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            stats = jax.local_devices()[0].memory_stats() or {}  # on process 1+, devices()[0] is not ours
-            if "bytes_limit" in stats:
-                budget = int(stats["bytes_limit"] * self.config.memory_fraction) - stats.get("bytes_in_use", 0)
-            else:
-                budget = 2 * 2**30
-        return budget
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, request: EngineRequest) -> EngineRequest:
@@ -287,12 +252,42 @@ class LLMEngine:
             self._prompt_logprobs.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is (queued, running, or parked for a P/D pull): its final
+        output, or None if it is unknown or has ended already."""
         req = self._requests.get(request_id)
-        if req is not None and self.kv_transfer is not None and self.kv_transfer.abort_parked(request_id):
-            return self._output(req, finished=True)
-        if req is None or not self.scheduler.finish(request_id, "abort"):
+        if req is None or req.is_finished:
             return None
-        return self._output(req, finished=True)
+        if self.kv_transfer is not None:
+            self.kv_transfer.abort_parked(request_id)  # a pull under way is cancelled
+        return self._finish(req, "abort")
+
+    # ---- what the P/D hooks may ask (runtime.kv_transfer.hooks.EngineRequests) ---------------
+    def check_fits(self, req: Request) -> None:
+        self.scheduler._check_fits(req)
+
+    def admit(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def has_scheduled(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def finish_request(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None = None, *, error: str | None = None
+    ) -> RequestOutput:
+        return self._finish(req, reason, stop_reason, error=error)
+
+    def adopt_token(self, req: Request, token: int) -> RequestOutput:
+        """`token`, sampled elsewhere (P/D's adopt rule), as a step's would be: the token rule, then
+        the stop strings, then its output."""
+        req.append_output([token])
+        end = req.stop_check(self.max_model_len)
+        detok = self._detok.get(req.request_id)
+        hit = detok.add([token]) if detok is not None else None
+        if end is None and hit is not None:
+            end = ("stop", hit)
+        if end is not None:
+            self._finish(req, *end, emit=False)
+        return self._output(req, finished=req.is_finished)
 
     def has_unfinished(self) -> bool:
         return (
@@ -308,22 +303,39 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and dispatch step n; then — while the device runs it — wait for step n-1's
-        tokens, resolve and emit them; finally record step n's progress with placeholders
+        """Schedule and run step n; then — while the device runs it — postprocess: wait for step
+        n-1's tokens, resolve and emit them, and record step n's progress with placeholders
         (asynchronous scheduling) or wait for its tokens (synchronous).
 
         A stop found in step n-1's tokens finishes its request after step n was dispatched;
         that one extra token is discarded (the scheduler skips finished requests).
         """
+        outputs, out = self.schedule()
+        pending, failure = self.run(out)
+        return outputs + self.postprocess(out, pending, failure)
+
+    def schedule(self) -> tuple[list[RequestOutput], SchedulerOutput]:
+        """-> (outputs of requests the P/D hooks admitted or ended, and of the step in flight if this
+        schedule needs its tokens first; this step's batch)."""
         outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
         if self._prev is not None and self._must_resolve_first(self._prev):
             outputs += self._settle_prev()[0]
-        out = self.scheduler.schedule()
-        pending = failure = None
+        return outputs, self.scheduler.schedule()
+
+    def run(self, out: SchedulerOutput) -> tuple[tuple | None, Exception | None]:
+        """Dispatch the step (nothing waits for the device): -> (its pending (sampled, scores), None),
+        (None, None) for an empty step, or (None, the failure)."""
         try:
-            pending = None if out.is_empty else self._dispatch(out)
+            return (None if out.is_empty else self._dispatch(out)), None
         except Exception as err:
-            failure = err
+            return None, err
+
+    def postprocess(
+        self, out: SchedulerOutput, pending: tuple | None, failure: Exception | None
+    ) -> list[RequestOutput]:
+        """Settle the step in flight (its tokens, stops and outputs), then record this one's progress;
+        a failure ends the failed step's requests (`_fail_step`)."""
+        outputs = []
         if self._prev is not None:
             settled, prev_failure = self._settle_prev()
             outputs += settled
@@ -341,6 +353,27 @@ class LLMEngine:
         if self.request_table is not None:
             self.request_table.sweep()  # rows of requests ended in this step are free when idle
         return outputs
+
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        stop_reason: int | str | None = None,
+        *,
+        error: str | None = None,
+        emit: bool = True,
+    ) -> RequestOutput | None:
+        """End `req`: the scheduler frees its pages and state slot and records the reasons (a
+        request it does not hold, parked for a P/D pull, is marked here). With `emit`, its final
+        output (`error` set); without, the step's `_emit` reports it."""
+        if not req.is_finished and not self.scheduler.finish(req.request_id, reason, stop_reason):
+            req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+        if not emit:
+            return None
+        output = self._output(req, finished=True)
+        if error is not None:
+            output.error = error
+        return output
 
     def _must_resolve_first(self, prev: InFlightStep) -> bool:
         """Whether the next schedule needs the in-flight step's tokens on the host (see the module doc)."""
@@ -389,12 +422,8 @@ class LLMEngine:
             len(out.sequences),
             exc_info=err,
         )
-        outputs = []
-        for req in self.scheduler.abandon(out):
-            self.scheduler.finish(req.request_id, "error")
-            output = self._output(req, finished=True)
-            output.error = f"the engine step failed ({type(err).__name__})"
-            outputs.append(output)
+        error = f"the engine step failed ({type(err).__name__})"
+        outputs = [self._finish(req, "error", error=error) for req in self.scheduler.abandon(out)]
         if self.request_table is not None:
             self.request_table.sweep()
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
@@ -512,8 +541,8 @@ class LLMEngine:
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
-            if req is not None and not req.is_finished:
-                self.scheduler.finish(rid, "stop")
+            if req is not None:
+                self._finish(req, "stop", emit=False)
 
     def _emit(self, step: InFlightStep) -> list[RequestOutput]:
         outputs = []
