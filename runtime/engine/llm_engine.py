@@ -16,39 +16,12 @@ frees its pages at once, and postprocess reports it. Attention data parallelism
 (`build_data_parallel`) and P/D (`build_kv_transfer`, typed `KVTransferHooks`) are chosen here
 when the engine is built, from the config; nothing is swapped in afterwards.
 
-Inputs come from the device-resident request table (runtime/steps/table_host.py, table_device.py):
-a running request holds a row (block-table row, tokens computed, last token, state slot) from its
-placement to its finish or preemption; the host sends a small `TableStep` (rows, token counts,
-known token ids, new rows' start and slot, new pages) and the `prepare` executable gathers the
-`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/parallel/data_parallel.py).
+A step's inputs (the device-resident request table, or attention DP's host-built batch), its
+sampler inputs and prompt logprobs: runtime/engine/step_inputs.py.
 
-Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
-scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
-token step n samples; step n+1's `prepare` writes step n's device token array into the table's
-`last_token` rows and reads the placeholders from there (DP: `runtime.steps.async_step`'s TokenFeed).
-A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that
-one extra token is dropped (never emitted or cached; its pages are freed at the stop). A length
-stop (`max_tokens`) is known without the token, so it costs nothing.
-Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
-penalties (the token-history matrices) — make the engine wait for the step in flight before it
-schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the
-placeholder, and a state checkpoint saved at a decode step is hashed once its tokens are known.
-With `async_scheduling=False` the engine waits for each step's tokens right after dispatching
-it and commits them before the next `schedule` (the previous step's outputs are still
-detokenized while the device runs).
-
-Failures stay local: a step that raises (in input building, dispatch or on the device) ends
-only the requests scheduled in it, each with an output whose `error` is set and whose
-finish_reason is "error"; their pages, slots and table rows are freed (a row is reset when it
-is placed again, so a failed step leaves nothing wrong behind) and the next `step()` serves the
-rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
-device can be trusted any more, and the owner must exit), and so are
-MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.
-
-Prompt logprobs (`SamplingParams.prompt_logprobs`) come out of the same steps: a step carrying a
-request that wants them runs the scoring backbone, which also scores every prompt row against
-the next prompt token. Such requests skip the prefix cache (every position must be computed);
-after a preemption the recomputed positions are not scored twice.
+Asynchronous scheduling (one step in flight, and when the next schedule waits for it) and
+failures (local to their step; `EngineDeadError` when the device caches are lost):
+runtime/engine/postprocess.py.
 """
 
 from __future__ import annotations
@@ -61,38 +34,28 @@ import jax
 import numpy as np
 
 from models.model import Model
-from models.ops import KernelOptions
-from runtime.buckets import bucket_for, pages_for, seq_bucket
-from runtime.engine.construction import prepare_model, size_cache
+from runtime.engine.construction import build_step_parts, prepare_model
 from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.postprocess import EngineDeadError, check_step_failure, log_step_failure, needs_host_tokens
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
+from runtime.engine.step_inputs import plain_greedy, sampler_inputs, table_inputs, token_feed
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer.hooks import KVTransferHooks, build_kv_transfer
-from runtime.parallel.data_parallel import build_data_parallel, data_parallel_size
 from runtime.scheduling.request import Request, RequestStatus
-from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
-from runtime.steps.async_step import InFlightStep, no_feed_rows
-from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
+from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.steps.async_step import InFlightStep
+from runtime.steps.executables import StepExecutables, enable_persistent_cache
 from runtime.steps.execution_plan import ExecutionPlan
 from runtime.steps.sampler import SamplerOutput
-from runtime.steps.sampling_metadata import SamplingMetadata
-from runtime.steps.table_host import RequestTableHost
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
-from runtime.types import MAX_LOGPROBS, CompletionOutput, EngineRequest, FinishReason, RequestOutput, TokenLogprob
+from runtime.types import CompletionOutput, EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from runtime.validation import validate_request
+
+__all__ = ["EngineDeadError", "LLMEngine"]  # EngineDeadError: runtime/engine/postprocess.py, re-exported
 
 log = logging.getLogger("jaxserve.engine")
 
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
-
-
-class EngineDeadError(RuntimeError):
-    """A step failed after consuming the device caches: the engine cannot serve any more."""
-
-
-# A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
-# fails every step without consuming the caches is as dead as one that lost them.
-MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -118,57 +81,14 @@ class LLMEngine:
         self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        page_size = config.page_size
-        self.max_blocks_per_seq = pages_for(self.max_model_len, page_size)
-        dp_size = data_parallel_size(config)
-        num_pages, num_slots, num_checkpoint_slots = size_cache(config, self.model, self.max_blocks_per_seq, dp_size)
-        self.cache_config = config.cache_config(num_pages, self.max_model_len, num_slots, num_checkpoint_slots)
-        self.scheduler_config = config.scheduler_config(self.max_model_len)
-        self.opts = KernelOptions(
-            attention=self.plan.attention_path, gdn=self.plan.gdn_path, interpret=config.interpret, tp=self.model.tp
-        )
-        caches = self.model.init_caches(
-            num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype, bit_storage=self.plan.kv_bit_storage
-        )
-        self.token_buckets = self.plan.token_buckets
         self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
-        self.dp = None  # attention data parallelism (runtime/parallel/data_parallel.py): per-rank scheduling and caches
-        if dp_size > 1:
-            parts = build_data_parallel(
-                config,
-                self.model,
-                self.opts,
-                caches,
-                size=dp_size,
-                scheduler_config=self.scheduler_config,
-                cache_config=self.cache_config,
-                token_buckets=self.token_buckets,
-                max_blocks_per_seq=self.max_blocks_per_seq,
-                max_model_len=self.max_model_len,
-                fuse_greedy=self.plan.fuse_greedy,
-            )
-            self.scheduler, self.caches, self.seq_buckets = parts.scheduler, parts.caches, parts.seq_buckets
-            self.executables, self.dp = parts.executables, parts.dp
-            self.request_table = self.table = None  # DP builds host batches
-        else:
-            self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
-            self.caches, self.seq_buckets = caches, self.plan.seq_buckets
-            self.executables = StepExecutables(
-                self.model,
-                self.caches,
-                self.opts,
-                token_buckets=self.token_buckets,
-                seq_buckets=self.seq_buckets,
-                max_num_seqs=config.max_num_seqs,
-                max_blocks_per_seq=self.max_blocks_per_seq,
-                max_top_k=config.max_top_k,
-                fuse_greedy=self.plan.fuse_greedy,
-                max_model_len=self.max_model_len,
-                page_size=page_size,
-            )
-            # the device-resident request table (runtime/steps/table_host.py)
-            self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
-            self.table = self.executables.new_table()
+        parts = build_step_parts(config, self.model, self.plan, max_model_len=self.max_model_len, rng=self._rng)
+        self.max_blocks_per_seq, self.cache_config, self.opts = parts.max_blocks_per_seq, parts.cache_config, parts.opts
+        self.scheduler_config, self.scheduler = parts.scheduler_config, parts.scheduler
+        self.caches, self.executables, self.table = parts.caches, parts.executables, parts.table
+        self.token_buckets, self.seq_buckets = self.plan.token_buckets, parts.seq_buckets
+        self.request_table = parts.request_table  # None under attention DP, which builds host batches
+        self.dp = parts.dp  # attention data parallelism (runtime/parallel/data_parallel.py)
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
@@ -303,8 +223,8 @@ class LLMEngine:
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run step n; then — while the device runs it — postprocess: wait for step
-        n-1's tokens, resolve and emit them, and record step n's progress with placeholders
+        """Schedule and dispatch step n; then — while the device runs it — wait for step n-1's
+        tokens, resolve and emit them; finally record step n's progress with placeholders
         (asynchronous scheduling) or wait for its tokens (synchronous).
 
         A stop found in step n-1's tokens finishes its request after step n was dispatched;
@@ -318,7 +238,7 @@ class LLMEngine:
         """-> (outputs of requests the P/D hooks admitted or ended, and of the step in flight if this
         schedule needs its tokens first; this step's batch)."""
         outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        if self._prev is not None and self._must_resolve_first(self._prev):
+        if self._prev is not None and needs_host_tokens(self._prev):
             outputs += self._settle_prev()[0]
         return outputs, self.scheduler.schedule()
 
@@ -375,23 +295,6 @@ class LLMEngine:
             output.error = error
         return output
 
-    def _must_resolve_first(self, prev: InFlightStep) -> bool:
-        """Whether the next schedule needs the in-flight step's tokens on the host (see the module doc)."""
-        if prev.resolved:
-            return False
-        for _, req, index in prev.placed:
-            if index is None or req.is_finished:
-                continue
-            p = req.params
-            if (
-                p.structured_output is not None
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0
-            ):
-                return True
-        return False
-
     def _record(self, out: SchedulerOutput, pending) -> InFlightStep:
         """Step n's progress into the scheduler (placeholders for its tokens); synchronous
         scheduling resolves them at once."""
@@ -412,47 +315,16 @@ class LLMEngine:
         return self._emit(prev), None
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
-        """End the requests of a failed step with an error output each; raise EngineDeadError
-        if the failure took the device caches with it."""
-        log.error(
-            "engine step %d failed (%s: %s); failing its %d requests",
-            self.num_steps,
-            type(err).__name__,
-            err,
-            len(out.sequences),
-            exc_info=err,
-        )
+        """End the requests of a failed step with an error output each; EngineDeadError if the
+        engine cannot go on (runtime/engine/postprocess.py)."""
+        log_step_failure(err, self.num_steps, len(out.sequences))
         error = f"the engine step failed ({type(err).__name__})"
         outputs = [self._finish(req, "error", error=error) for req in self.scheduler.abandon(out)]
         if self.request_table is not None:
             self.request_table.sweep()
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
-            raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
         self._consecutive_failures += 1
-        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
-            raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
+        check_step_failure(err, self.caches, self._consecutive_failures)
         return outputs
-
-    def _table_inputs(self, out: SchedulerOutput) -> tuple[int, tuple, np.ndarray | None]:
-        """-> (token bucket T, (table, TableStep, prev_tokens) for the request table's prepare,
-        prompt-logprob targets or None). A scoring step takes the largest bucket (one executable)."""
-        ex, T_max = self.executables, self.token_buckets[-1]
-        T = bucket_for(max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
-        targets = prompt_targets(out, T_max)
-        T = T_max if targets is not None else T
-        step, writes = self.request_table.plan(out, T)
-        table = self.table
-        for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
-            table = ex.run_write_table(table, write)
-        prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
-        return T, (table, step, prev_tokens), targets
-
-    def _token_feed(self, out: SchedulerOutput, batch) -> TokenFeed:
-        """Attention DP: where `out`'s placeholder rows read their tokens (the in-flight step's device array)."""
-        prev, num_token_rows = self._prev, batch.input_ids.shape[0]
-        if prev is None or prev.resolved:
-            return TokenFeed(self._no_prev_tokens, no_feed_rows(num_token_rows))
-        return TokenFeed(prev.sampled.tokens, prev.feed_rows(out, num_token_rows, batch.logits_indices))
 
     def _dispatch(self, out: SchedulerOutput):
         """Enqueue the step's executables: with the request table, one backbone with prepare fused
@@ -465,8 +337,11 @@ class LLMEngine:
             batch = self.dp.build_batch(out)
             T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])
         else:
-            T, table_args, targets = self._table_inputs(out)
-        plain_greedy = targets is None and T in ex.greedy_buckets and all(self._plain_greedy(r) for r in reqs)
+            prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
+            T, table_args, targets = table_inputs(
+                out, ex, self.request_table, self.table, self.token_buckets, prev_tokens
+            )
+        greedy = targets is None and T in ex.greedy_buckets and all(plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         if self.kv_transfer is not None:
@@ -477,51 +352,23 @@ class LLMEngine:
                 self.table, batch = ex.run_prepare(*table_args)
             self.caches, result, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
         elif self.dp is not None:
-            feed = self._token_feed(out, batch)
-            run = ex.run_greedy_backbone if plain_greedy else ex.run_backbone
+            feed = token_feed(self._prev, out, batch, self._no_prev_tokens)
+            run = ex.run_greedy_backbone if greedy else ex.run_backbone
             self.caches, result = run(params, self.caches, batch, feed)
         else:
-            run = ex.run_table_greedy_backbone if plain_greedy else ex.run_table_backbone
+            run = ex.run_table_greedy_backbone if greedy else ex.run_table_backbone
             self.caches, self.table, result = run(params, self.caches, *table_args)
         if self.kv_transfer is not None:
             self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
-        if plain_greedy:  # the backbone's result: the sampled tokens; otherwise the hidden states
+        if greedy:  # the backbone's result: the sampled tokens; otherwise the hidden states
             return SamplerOutput(tokens=result, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
-        n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
-        S = seq_bucket(len(reqs), self.seq_buckets)
         # The device runs the backbone now; the grammar masks are filled meanwhile.
-        bitmask = None
-        if self._structured is not None and len(self._structured):
-            bitmask = self._structured.fill([s.request_id if s.sample else None for s in out.sequences], S)
-        meta = SamplingMetadata.from_params(
-            [r.params for r in reqs],
-            [r.num_output_tokens for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            pad_to=S,
-            rng=self._rng,
-            banned_ids=[r.banned_token_ids() for r in reqs],
-            row_params=not ex.row_params_in_table,
+        meta, n_logprobs, all_greedy, bitmask = sampler_inputs(
+            out, self.seq_buckets, self._structured, self._rng, not ex.row_params_in_table
         )
-        all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
         return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask, self.table), scores
-
-    @staticmethod
-    def _plain_greedy(req: Request) -> bool:
-        """Argmax of the raw logits is this request's next token: the fused greedy backbone applies."""
-        p = req.params
-        return (
-            p.temperature <= 0.0
-            and p.logprobs is None
-            and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0
-            and not p.logit_bias
-            and p.structured_output is None
-            and not req.banned_token_ids()
-        )
 
     def _resolve(self, step: InFlightStep) -> None:
         """Wait for the step's tokens; write them over its placeholders and apply the token stops
