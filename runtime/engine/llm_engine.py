@@ -10,8 +10,8 @@ One `step()` is three verbs: `schedule` (admit pulled P/D requests, pick this st
 `run` (prepare inputs -> (restore state checkpoints) -> backbone -> (save state checkpoints) ->
 sample, all dispatched asynchronously) and `postprocess` (wait for the previous step's tokens,
 resolve and emit them while the device runs this one, then record this step's progress).
-`_finish` is the one place the engine ends a request (grammar, stop string, P/D, error, abort);
-the token rule (`Request.stop_check`: EOS, stop tokens, length) ends it in the scheduler, which
+`_finish` ends what the engine ends (grammar, P/D, error, abort; `_emit`'s stop strings still
+call the scheduler directly); the token rule (`Request.stop_check`: EOS, stop tokens, length) ends it in the scheduler, which
 frees its pages at once, and postprocess reports it. Attention data parallelism
 (`build_data_parallel`) and P/D (`build_kv_transfer`, typed `KVTransferHooks`) are chosen here
 when the engine is built, from the config; nothing is swapped in afterwards.
