@@ -20,7 +20,7 @@ import jax
 from models import KernelOptions, load_model
 from models.random_checkpoint import write_random_checkpoint
 from models.transformer import forward
-from runtime.steps.executables import _spec
+from runtime.steps.specs import abstract_spec as _spec
 
 
 def _layer_types(family: str, depth: int) -> dict:
@@ -41,7 +41,7 @@ def compile_seconds(model, tokens: int, scan: bool) -> float:
         lambda p, c, b: forward(p, c, b, cfg=model.cfg, opts=KernelOptions(), scan_layers=scan), donate_argnums=1
     )
     t0 = time.perf_counter()
-    fn.trace(jax.tree.map(_spec, model.params), jax.tree.map(_spec, caches), ex._batch_spec(tokens)).lower().compile()
+    fn.trace(jax.tree.map(_spec, model.params), jax.tree.map(_spec, caches), ex.batch_spec(tokens)).lower().compile()
     return time.perf_counter() - t0
 
 

@@ -92,8 +92,8 @@ def test_cost_extrapolation_matches_the_unrolled_model(tiny_checkpoint):
 
     from models.abstract import abstract_caches, abstract_model, unstack_abstract
     from models.ops import KernelOptions
-    from runtime.aot.chip_report import _cost, extrapolated_cost
-    from runtime.steps.executables import StepExecutables
+    from runtime.aot.costs import cost_of, extrapolated_cost
+    from runtime.steps.executables import StepExecutables, StepKey
 
     base = parse_config(read_json(tiny_checkpoint("qwen3_5") / "config.json"))
     p = base.layer_period()
@@ -109,7 +109,7 @@ def test_cost_extrapolation_matches_the_unrolled_model(tiny_checkpoint):
     exes = StepExecutables(
         model, caches, opts, token_buckets=(16,), seq_buckets=(8,), max_num_seqs=4, max_blocks_per_seq=4
     )
-    direct = _cost(exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(16)).lower().compile())
+    direct = cost_of(exes.compile(StepKey("batch_backbone", 16)))
     assert flops == pytest.approx(direct[0], rel=1e-3)
     assert moved > 0  # bytes are not linear in depth (each cache update counts the whole pool): not used
 

@@ -34,18 +34,18 @@ import os
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from configs.chips import CHIPS, ChipSpec
 from configs.schema import CONFIG_DIR, LaunchConfig
-from models.abstract import abstract_caches, abstract_model, shard_abstract_model, unstack_abstract
+from models.abstract import abstract_caches, abstract_model, shard_abstract_model
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
+from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
-from runtime.steps.executables import StepExecutables
+from runtime.steps.executables import StepExecutables, StepKey
 from runtime.steps.execution_plan import plan_buckets
 
 log = logging.getLogger("jaxserve.plan")
@@ -63,25 +63,6 @@ ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
 
 class PlanError(ValueError):
     """A launch config does not fit its chip (the message names the numbers) or cannot be planned."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepFigures:
-    """One compiled executable, per device."""
-
-    name: str
-    tokens: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    flops: float
-    bytes_accessed: float
-    analytic: bool = False  # True: not compiled (GPU); array sizes only, no temp / cost figures
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
 @dataclasses.dataclass
@@ -204,15 +185,6 @@ def target_mesh(launch: LaunchConfig) -> Mesh:
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return total
-
-
 # ---- sizing: the engine's rule ---------------------------------------------------------------------
 def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
     """runtime/engine/llm_engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
@@ -238,78 +210,6 @@ def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-# ---- compile ---------------------------------------------------------------------------------------
-def _cost(stage) -> tuple[float, float]:
-    """(flops, bytes accessed) from a Compiled's or Lowered's cost analysis."""
-    cost = stage.cost_analysis() or {}
-    if isinstance(cost, list):  # older jax: one dict per partition
-        cost = cost[0] if cost else {}
-    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-
-
-def _figures(name: str, tokens: int, compiled) -> StepFigures:
-    """Memory of a compiled executable; its cost is filled in by `extrapolated_cost` (see there)."""
-    mem = compiled.memory_analysis()
-    return StepFigures(
-        name,
-        tokens,
-        mem.argument_size_in_bytes,
-        mem.output_size_in_bytes,
-        mem.alias_size_in_bytes,
-        mem.temp_size_in_bytes,
-        0.0,
-        0.0,
-    )
-
-
-def truncated_config(cfg, groups: int):
-    """`cfg` cut to its first `groups` repetitions of the layer pattern."""
-    n = cfg.layer_period() * groups
-    return dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
-
-
-def extrapolated_cost(
-    cfg,
-    dtype: str,
-    mesh,
-    opts: KernelOptions,
-    T: int,
-    *,
-    num_pages: int,
-    page_size: int,
-    num_slots: int,
-    kv_dtype: str,
-    max_num_seqs: int,
-    blocks_per_seq: int,
-    gpu: bool = False,
-    expert_parallel: bool = False,
-) -> tuple[float, float]:
-    """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
-    `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
-    per-group difference is scaled to the real depth: cost(G) = cost(1) + (G - 1) * (cost(2) - cost(1))."""
-    costs = []
-    for groups in (1, 2):
-        model = abstract_model(truncated_config(cfg, groups), dtype)
-        if mesh is not None:
-            shard_abstract_model(model, mesh, expert_parallel)
-        caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype)
-        model.params = unstack_abstract(model.params)
-        opts_g = dataclasses.replace(opts, tp=model.tp)
-        exes = StepExecutables(
-            model,
-            caches,
-            opts_g,
-            token_buckets=(T,),
-            seq_buckets=(8,),
-            max_num_seqs=max_num_seqs,
-            max_blocks_per_seq=blocks_per_seq,
-        )
-        traced = exes._backbone_jit.trace(model.params, exes._cache_specs, exes._batch_spec(T))
-        costs.append(_cost(traced.lower(lowering_platforms=("cuda",)) if gpu else traced.lower().compile()))
-    G = cfg.num_layers // cfg.layer_period()
-    return tuple(c1 + (G - 1) * (c2 - c1) for c1, c2 in zip(*costs))
 
 
 def plan_config(
@@ -373,7 +273,7 @@ def plan_config(
     if problems:
         pass  # the weights alone overflow: nothing worth compiling
     elif gpu:
-        steps = _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq)
+        steps = gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq)
     else:
         exes = StepExecutables(
             model,
@@ -387,10 +287,10 @@ def plan_config(
         try:
             for T in buckets:
                 log.info("compiling backbone T=%d for %s", T, chip.name)
-                steps.append(_figures(f"backbone[T={T}]", T, exes._compile_backbone(T)))
+                steps.append(figures(f"backbone[T={T}]", T, exes.compile(StepKey("backbone", T))))
             if compile_sampler:
                 S = seq_buckets[-1]
-                steps.append(_figures(f"sampler[S={S}]", S, exes._compile_sampler((S, 0, 0, 0, 0, 0, False, 0))))
+                steps.append(figures(f"sampler[S={S}]", S, exes.compile(StepKey.sampler(S))))
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
@@ -451,41 +351,6 @@ def plan_config(
         problems,
         expert_parallel=model.tp is not None and model.tp.expert,
     )
-
-
-def _gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq) -> list[StepFigures]:
-    """Lower every backbone bucket for CUDA (no compile: no CUDA device); memory = the arrays' sizes."""
-    exes = StepExecutables(
-        model,
-        caches,
-        opts,
-        token_buckets=buckets,
-        seq_buckets=(8,),
-        max_num_seqs=sched.max_num_seqs,
-        max_blocks_per_seq=blocks_per_seq,
-    )
-    cache_bytes = per_device_bytes(caches)
-    args_bytes = per_device_bytes(model.params) + cache_bytes
-    hidden_bytes = sched.max_num_seqs * model.cfg.hidden_size * jnp.dtype(model.dtype).itemsize
-    steps = []
-    for T in buckets:
-        batch = exes._batch_spec(T)
-        lowered = exes._backbone_jit.trace(model.params, exes._cache_specs, batch).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text()  # the CUDA lowering (Triton kernels included) succeeded
-        steps.append(
-            StepFigures(
-                f"backbone[T={T}]",
-                T,
-                args_bytes + per_device_bytes(batch),
-                cache_bytes + hidden_bytes,
-                cache_bytes,
-                0,
-                0.0,
-                0.0,
-                analytic=True,
-            )
-        )
-    return steps
 
 
 # ---- report ----------------------------------------------------------------------------------------

@@ -1,59 +1,35 @@
-"""The compiled executables of one engine: a backbone per token bucket, a sampler per sequence bucket.
+"""The executable table of one engine: every step program compiled per bucket, keyed by `StepKey`.
 
-    backbone[T](params, caches, table, table_step, prev_tokens [max_num_seqs])
-        -> (caches, table, hidden [max_num_seqs, H])                           caches donated
-    greedy_backbone[T](params, caches, table, table_step, prev_tokens) -> (caches, table, tokens [max_num_seqs])
-    prepare[T_max](table, table_step, prev_tokens) -> (table, batch)           a scoring step's inputs
-    scoring_backbone[T_max](params, caches, batch, targets [T]) -> (caches, hidden, TokenScores [T])
-    write_table(table, table_write) -> table                                    overflowing page writes
-    sampler[S, n_logprobs, penalty widths, bias, all_greedy, masked](params, hidden, meta, bitmask, table)
-        -> SamplerOutput   (table: the per-row sampling parameters of the step's rows; None with attention DP)
-    copy_states(caches, src, dst) -> caches                                     caches donated
+    exes = StepExecutables(model, caches, opts, token_buckets=..., seq_buckets=..., ...)
+    exes.compile_all(every_variant=True)           # the start-up set, then sealed
+    exes.compile(StepKey("backbone", 64))          # one entry: trace, lower, compile, timed
+    exes.lower(StepKey("batch_backbone", 64), lowering_platforms=("cuda",))   # `jaxserve plan` on GPU
+    caches, table, hidden = exes.run_table_backbone(params, caches, table, step, prev_tokens)
 
-Each step's `ForwardBatch` is gathered on the device from the request table
-(`runtime.steps.table_device`, `runtime.steps.table_host`): `prepare` takes the host's small
-`TableStep` (table rows, token counts, the token ids the host knows, row resets and page
-writes) and the previous step's sampled tokens as they lie on the device, and returns the
-batch the backbone consumes; the host never builds or transfers the per-token and per-sequence
-arrays, and a step planned while the previous one still ran reads that step's tokens (its
-placeholders) from the table. `prepare` runs inside the backbone's executable, so a greedy
-decode step with the fused greedy backbone is one executable, the bare loop's shape
-(docs/benchmarks.md round 11); only a step that scores its prompt tokens prepares apart,
-because the scoring backbone takes its batch. Every step's sampled tokens come out padded to `max_num_seqs`
-rows (the greedy backbone's and the sampler's alike) so one `prev_tokens` shape serves.
+A key names a program (runtime/steps/programs.py) and the static shape that picks its executable:
 
-Attention data parallelism (`DataParallelExecutables`, `token_feed = True`) builds its
-rank-major batch on the host instead: its backbones take (params, caches, batch, feed) and
-return (caches, hidden | tokens), `feed` being the device token feed of asynchronous
-scheduling (`TokenFeed`): the previous step's sampled tokens [max_num_seqs] and, for each token
-row, the row of that array it takes (-1: keep `batch.input_ids`).
+    backbone[T]           the step backbone. With the request table, prepare is fused in (one dispatch):
+                          (table, TableStep, prev_tokens [max_num_seqs]) -> (caches, table, hidden);
+                          attention DP (`token_feed`, host-built batch): (batch, TokenFeed) -> (caches, hidden)
+    greedy_backbone[T]    StepKey("backbone", T, greedy=True): the argmax fused in, tokens instead of
+                          hidden (`fuse_greedy`, decode buckets T <= max_num_seqs: `greedy_buckets`)
+    batch_backbone[T]     a host-built ForwardBatch, no feed: `jaxserve plan`'s cost and CUDA lowering
+    scoring_backbone[T]   prompt logprobs: the largest bucket only (one scoring executable)
+    prepare[T]            a scoring step's own prepare (every other step's runs inside its backbone)
+    write_table           page writes that overflow a step's own, at the largest bucket's width
+    sampler[S, ...]       per sequence bucket: logprobs, penalty/banned/bias widths, all_greedy, bitmask width
+    copy_states           GDN state slot copies (prefix caching on hybrids)
 
-`greedy_backbone` (with `fuse_greedy=True`) is the backbone with the argmax of the logits
-fused in: the step of a batch whose every request is plain greedy (temperature 0, no
-penalties, banned tokens or logprobs) is one executable and needs no sampling metadata —
-vLLM's all-greedy fast path taken one dispatch further. It returns what the all-greedy
-sampler would (the argmax of the same float32 logits) for the first min(T, max_num_seqs)
-rows, which hold every live sequence (each has at least one token in the step). It exists for
-the decode-sized buckets only (T <= max_num_seqs, `greedy_buckets`), where the sampler's
-dispatch is a real share of the step; larger (prefill) steps keep backbone + sampler.
-
-`scoring_backbone` is the backbone of a step in which some request wants prompt logprobs: the
-same forward pass also keeps the final hidden state of every token row, and scores each row's
-target (the next prompt token, -1 where none is wanted) with log_softmax over the full
-vocabulary plus the top MAX_LOGPROBS alternatives (vLLM's prompt_logprobs). No second model
-pass; the cost is the logits of every token row of that step (computed `runtime.steps.sampler.SCORE_BLOCK` rows at a
-time, so at most [256, V] floats live at once), paid only by steps that carry such a request.
-Such a step is prepared in the largest token bucket: one scoring executable, not one per bucket.
+Every step's sampled tokens come out padded to `max_num_seqs` rows, so one `prev_tokens` shape serves.
 
 The variant space is bounded. Samplers: per sequence bucket, "plain" (no penalty, banned token,
 logit bias or logprobs in the step) or "full" (any of them: every feature matrix padded to a
 fixed width, `full_widths`, and MAX_LOGPROBS alternatives), each greedy or not, each with or
 without the grammar bitmask. `compile_all` compiles the backbone of every token bucket (and its
-greedy twin with `fuse_greedy`), `write_table` and the plain samplers; with `every_variant` also
-the full samplers, the scoring backbone and its prepare, and `copy_states`, and then seals
-the set: a step that would need anything else raises `CompileAfterStartup` instead of
-compiling in the serving loop.
-Unsealed (tests, `aot_compile=False`), missing variants compile on first use and are logged.
+greedy twin), `write_table` and the plain samplers; with `every_variant` also the full samplers,
+the scoring backbone and its prepare, and `copy_states`, and then seals the table: a step that
+would need anything else raises `CompileAfterStartup` instead of compiling in the serving loop.
+Unsealed (tests, `aot_compile=False`), missing entries compile on first use and are logged.
 A step whose token count exceeds the largest bucket raises `BucketMiss`. JAX's persistent
 compilation cache makes a restart cheap (`enable_persistent_cache`).
 """
@@ -69,23 +45,32 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from tqdm.auto import tqdm
 
 from models.batch import ForwardBatch
 from models.model import Model
 from models.ops import KernelOptions
-from models.transformer import compute_logits, forward
+from models.transformer import forward
 from runtime.buckets import BucketMiss
-from runtime.steps.sampler import sample, score_hidden_rows
+from runtime.steps import programs, specs
+from runtime.steps.programs import TokenFeed
 from runtime.steps.sampling_metadata import FullWidths, SamplingMetadata
-from runtime.steps.table_device import RequestTable, apply_write, init_table, prepare, row_sampling
-from runtime.steps.table_host import TableStep, page_write_width, write_width
+from runtime.steps.table_device import RequestTable, init_table
+from runtime.steps.table_host import TableStep
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.step")
 
-__all__ = ["MAX_LOGPROBS", "CompileAfterStartup", "StepExecutables", "TokenFeed", "enable_persistent_cache"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "CompileAfterStartup",
+    "StepExecutables",
+    "StepKey",
+    "TokenFeed",
+    "enable_persistent_cache",
+]
+
+KINDS = ("backbone", "batch_backbone", "scoring_backbone", "prepare", "write_table", "sampler", "copy_states")
 
 
 class CompileAfterStartup(RuntimeError):
@@ -100,41 +85,47 @@ def enable_persistent_cache(cache_dir: str | Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenFeed:
-    """prev_tokens [max_num_seqs] i32 (device: the previous step's sampled tokens), rows [T] i32:
-    the prev_tokens row each token row takes, -1 where the host's input id stands."""
+@dataclasses.dataclass(frozen=True, order=True)
+class StepKey:
+    """One executable: a program (`KINDS`) and the static shape that distinguishes its executables.
+    `size` is the token bucket T (backbones, prepare) or the sequence bucket S (sampler)."""
 
-    prev_tokens: jax.Array
-    rows: jax.Array
+    kind: str
+    size: int = 0
+    greedy: bool = False  # backbone: the argmax fused in; sampler: every row temperature 0
+    num_logprobs: int = 0  # sampler only, like every field below
+    output_width: int = 0  # penalty matrices' widths
+    prompt_width: int = 0
+    banned: int = 0
+    bias: int = 0
+    mask_width: int = 0  # grammar bitmask [S, mask_width] i32; 0: no bitmask
 
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown executable kind {self.kind!r} (known: {', '.join(KINDS)})")
 
-jax.tree_util.register_dataclass(TokenFeed, data_fields=["prev_tokens", "rows"], meta_fields=[])
+    @classmethod
+    def sampler(cls, S: int, greedy: bool = False, mask_width: int = 0, num_logprobs: int = 0, widths=(0, 0, 0, 0)):
+        """widths: (output_ids, prompt_ids, banned, logit_bias) of the sampling metadata."""
+        out_w, prompt_w, banned, bias = widths
+        return cls("sampler", S, bool(greedy), num_logprobs, out_w, prompt_w, banned, bias, mask_width)
 
-
-def feed_tokens(batch: ForwardBatch, feed: TokenFeed | None) -> ForwardBatch:
-    """The batch with every fed row's input id taken from the previous step's tokens (a gather)."""
-    if feed is None:
-        return batch
-    fed = jnp.where(feed.rows >= 0, feed.prev_tokens[jnp.maximum(feed.rows, 0)], batch.input_ids)
-    return dataclasses.replace(batch, input_ids=fed)
-
-
-def pad_tokens(tokens: jax.Array, rows: int) -> jax.Array:
-    """tokens [n] -> [rows]: cut or zero-padded (rows past the live sequences are padding anyway)."""
-    n = tokens.shape[0]
-    return tokens[:rows] if n >= rows else jnp.pad(tokens, (0, rows - n))
-
-
-def _spec(x):
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-
-
-def _sharded_spec(x):
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+    @property
+    def name(self) -> str:
+        if self.kind == "sampler":
+            return (
+                f"sampler[S={self.size},logprobs={self.num_logprobs},pen={self.output_width}/{self.prompt_width},"
+                f"banned={self.banned},bias={self.bias}{',greedy' if self.greedy else ''}"
+                f"{',masked' if self.mask_width else ''}]"
+            )
+        if self.kind in ("write_table", "copy_states"):
+            return self.kind
+        return f"{'greedy_' if self.greedy else ''}{self.kind}[T={self.size}]"
 
 
 class StepExecutables:
+    """The table (`executables`: StepKey -> compiled) and what the engine calls each step."""
+
     token_feed = False  # the backbones take a TokenFeed (host-built batches: attention DP) instead of the table
 
     def __init__(
@@ -154,178 +145,115 @@ class StepExecutables:
         page_size: int = 16,
     ):
         # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/parallel/data_parallel.py)
-        forward = forward_fn
         self.model, self.opts = model, opts
+        self.forward = functools.partial(forward_fn, cfg=model.cfg, opts=opts)
         # With max_model_len every sampler variant is plain or full (bounded); without it the
         # feature matrices keep their power-of-two widths (one variant per width, compiled lazily).
         self.full_widths = FullWidths.for_model_len(max_model_len) if max_model_len else None
         self.sealed = False
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
+        self.page_size = page_size
         # Under a mesh (opts.tp) specs carry the arrays' shardings, step inputs are replicated and
         # outputs are pinned to the input shardings, so donated caches keep their layout.
-        self._specs = _spec if opts.tp is None else _sharded_spec
+        self._specs = specs.abstract_spec if opts.tp is None else specs.sharded_spec
         self._replicated = None if opts.tp is None else opts.tp.spec()
-        cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
+        self._cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
         self._cache_specs = jax.tree.map(self._specs, caches)
         self.fuse_greedy = fuse_greedy
         self.greedy_buckets = tuple(T for T in self.token_buckets if max_num_seqs >= T) if fuse_greedy else ()
-        self._backbones: dict[int, object] = {}
-        self._greedy_backbones: dict[int, object] = {}
-        self._scoring_backbones: dict[int, object] = {}
-        self._samplers: dict[tuple, object] = {}
-        self._copy = None  # compiled copy_states (every_variant), else the jit compiles it lazily
-        self.page_size = page_size
-        self._prepares: dict[int, object] = {}
-        self._write_table = None
-        self.compile_seconds: dict[str, float] = {}
-        cfg = model.cfg
+        self.executables: dict[StepKey, object] = {}  # the table: key -> compiled executable
+        self.compile_seconds: dict[str, float] = {}  # key.name -> seconds, in compile order
+        self._jitted: dict[str, object] = {}
 
-        pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
-        self._prepare_jit = jax.jit(functools.partial(prepare, page_size=page_size), **pinned)
-        self._write_table_jit = jax.jit(apply_write, **pinned)
+    # ---- programs -----------------------------------------------------------------------
+    def program(self, name: str):
+        """The jitted program `name` (runtime/steps/programs.py) with this engine's statics bound."""
+        if name not in self._jitted:
+            statics = programs.Statics(
+                self.forward, self.max_num_seqs, self.page_size, self.max_top_k, self.model.num_groups
+            )
+            self._jitted[name] = programs.jit_program(name, statics, self._cache_shardings, self._replicated)
+        return self._jitted[name]
 
-        def backbone(params, caches, batch, feed=None):
-            hidden, caches = forward(params, caches, feed_tokens(batch, feed), cfg=cfg, opts=opts)
-            return caches, hidden
+    def _trace_args(self, key: StepKey) -> tuple[str, tuple, dict]:
+        """(program name, abstract positional arguments, static keyword arguments) of `key`."""
+        i32, T = jnp.int32, key.size
+        if key.kind == "write_table":
+            width = specs.table_write_width(T, self.max_num_seqs, self.page_size)
+            return "write_table", (self._table_spec(), self._host_spec((width,), i32)), {}
+        if key.kind == "prepare":
+            return "prepare", self._table_args_spec(T), {}
+        if key.kind == "copy_states":
+            index = self._host_spec((self.max_num_seqs,), i32)
+            return "copy_states", (self._cache_specs, index, index, self._host_spec((), i32)), {}
+        params = jax.tree.map(self._specs, self.model.params)
+        if key.kind == "sampler":
+            hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
+            meta = self._meta_spec(T, (key.output_width, key.prompt_width, key.banned, key.bias))
+            bitmask = self._host_spec((T, key.mask_width), i32) if key.mask_width else None
+            table = self._table_spec() if self.row_params_in_table else None
+            static = dict(num_rows=T, num_logprobs=key.num_logprobs, all_greedy=key.greedy)
+            return "sampler", (params, hidden, meta, bitmask, table), static
+        if key.kind == "scoring_backbone":
+            return "scoring_backbone", (params, self._cache_specs, self._batch_spec(T), self._host_spec((T,), i32)), {}
+        if key.kind == "batch_backbone":
+            return "backbone", (params, self._cache_specs, self._batch_spec(T)), {}
+        if self.token_feed:
+            name = "greedy_backbone" if key.greedy else "backbone"
+            return name, (params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)), {}
+        return "table_backbone", (params, self._cache_specs, *self._table_args_spec(T)), {"greedy": key.greedy}
 
-        pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated)}
-        self._backbone_jit = jax.jit(backbone, donate_argnums=1, **pinned)
-
-        def greedy_backbone(params, caches, batch, feed=None):
-            caches, hidden = backbone(params, caches, batch, feed)
-            rows = min(batch.input_ids.shape[0], max_num_seqs)
-            tokens = jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
-            return caches, pad_tokens(tokens, max_num_seqs)
-
-        self._greedy_backbone_jit = jax.jit(greedy_backbone, donate_argnums=1, **pinned)
-
-        def table_backbone(params, caches, table, step, prev_tokens, *, greedy):
-            # prepare fused into the backbone: one dispatch a step instead of two (see run_table_backbone)
-            table, batch = prepare(table, step, prev_tokens, page_size=page_size)
-            caches, out = (greedy_backbone if greedy else backbone)(params, caches, batch)
-            return caches, table, out
-
-        pinned = {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated, self._replicated)}
-        self._table_backbone_jit = jax.jit(table_backbone, donate_argnums=1, static_argnames="greedy", **pinned)
-
-        def scoring_backbone(params, caches, batch, targets):
-            S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
-            rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
-            batch = dataclasses.replace(batch, logits_indices=rows)
-            hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
-            return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
-
-        scoring_pinned = (
-            {} if opts.tp is None else {"out_shardings": (cache_shardings, self._replicated, self._replicated)}
-        )
-        self._scoring_backbone_jit = jax.jit(scoring_backbone, donate_argnums=1, **scoring_pinned)
-
-        def sampler(params, hidden, meta, bitmask, table, *, num_rows, num_logprobs, all_greedy):
-            if not meta.has_row_params:  # the request table holds them: gather the step's rows
-                meta = dataclasses.replace(meta, **row_sampling(table, num_rows))
-            logits = compute_logits(params, hidden[:num_rows])
-            out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy)
-            return dataclasses.replace(out, tokens=pad_tokens(out.tokens, max_num_seqs))  # one feed shape
-
-        pinned = {} if opts.tp is None else {"out_shardings": self._replicated}
-        self._sampler_jit = jax.jit(sampler, static_argnames=("num_rows", "num_logprobs", "all_greedy"), **pinned)
-        G = model.num_groups
-
-        def copy_states(caches, src, dst, n):
-            # Only the n real pairs are copied, one slot at a time in place: as a gather + scatter of
-            # all max_num_seqs (padded) pairs it moved 16 x 512 KiB per GDN layer for one
-            # checkpoint (the tiny hybrid: ~6-8 ms per layer of a prefill step).
-            def copy(a):
-                if a is None:
-                    return None
-                per_layer = a.reshape(G, a.shape[0] // G, *a.shape[1:])
-
-                def one(i, x):
-                    slot = lax.dynamic_slice_in_dim(x, src[i], 1, axis=1)
-                    return lax.dynamic_update_slice_in_dim(x, slot, dst[i], axis=1)
-
-                return lax.fori_loop(0, n, one, per_layer).reshape(a.shape)
-
-            return {
-                "kv": caches["kv"],
-                "conv": tuple(map(copy, caches["conv"])),
-                "rec": tuple(map(copy, caches["rec"])),
-            }
-
-        pinned = {} if opts.tp is None else {"out_shardings": cache_shardings}
-        self._copy_jit = jax.jit(copy_states, donate_argnums=0, **pinned)
-
-    # ---- specs --------------------------------------------------------------------------
+    # ---- abstract arguments -------------------------------------------------------------
     def _host_spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+        return specs.host_spec(shape, dtype, self._replicated)
 
-    def _batch_spec(self, T: int) -> ForwardBatch:
-        S, MB = self.max_num_seqs, self.max_blocks_per_seq
-        i32 = jnp.int32
-        spec = self._host_spec
-        return ForwardBatch(
-            input_ids=spec((T,), i32),
-            positions=spec((T,), i32),
-            slot_mapping=spec((T,), i32),
-            cu_q_lens=spec((S + 1,), i32),
-            kv_lens=spec((S,), i32),
-            block_tables=spec((S, MB), i32),
-            state_slot_ids=spec((S,), i32),
-            has_initial_state=spec((S,), jnp.bool_),
-            num_seqs=spec((), i32),
-            logits_indices=spec((S,), i32),
-        )
+    def batch_spec(self, T: int) -> ForwardBatch:
+        """The abstract host-built batch of token bucket T (attention DP: its flat rank-major batch)."""
+        return self._batch_spec(T)
 
-    def _feed_spec(self, T: int) -> TokenFeed | None:
-        if not self.token_feed:
-            return None
-        return TokenFeed(
-            prev_tokens=self._host_spec((self.max_num_seqs,), jnp.int32), rows=self._host_spec((T,), jnp.int32)
-        )
+    def _batch_spec(self, T: int) -> ForwardBatch:  # DataParallelExecutables widens it
+        return specs.batch_spec(T, self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+
+    def _feed_spec(self, T: int) -> TokenFeed:
+        return specs.feed_spec(T, self.max_num_seqs, self._replicated)
+
+    def _table_spec(self) -> RequestTable:
+        return specs.table_spec(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+
+    def _table_args_spec(self, T: int) -> tuple:
+        """(table, table_step, prev_tokens) specs of token bucket T."""
+        step = specs.table_step_spec(T, self.max_num_seqs, self.page_size, self._replicated)
+        return self._table_spec(), step, self._host_spec((self.max_num_seqs,), jnp.int32)
+
+    def _meta_spec(self, S: int, widths=(0, 0, 0, 0)) -> SamplingMetadata:
+        return specs.meta_spec(S, widths, row_params=not self.row_params_in_table, sharding=self._replicated)
 
     def new_table(self) -> RequestTable:
         """An empty request table (every row free) on the device."""
         return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
-
-    def _table_write_width(self, T: int) -> int:
-        """A write's entries (runtime/steps/table_host.py) in token bucket T."""
-        return write_width(self.max_num_seqs, page_write_width(T, self.max_num_seqs, self.page_size))
-
-    def _table_step_spec(self, T: int) -> TableStep:
-        meta = 2 * self.max_num_seqs + self._table_write_width(T)
-        return TableStep(meta=self._host_spec((meta,), jnp.int32), host_tokens=self._host_spec((T,), jnp.int32))
 
     @property
     def row_params_in_table(self) -> bool:
         """The sampler reads temperature ... seeds from the request table (not with attention DP)."""
         return not self.token_feed
 
-    def _meta_spec(
-        self, S: int, out_width: int = 0, prompt_width: int = 0, banned: int = 0, bias: int = 0
-    ) -> SamplingMetadata:
-        f32, i32 = jnp.float32, jnp.int32
-        spec = self._host_spec
-        in_table = self.row_params_in_table
-        row = lambda dt: None if in_table else spec((S,), dt)
-        return SamplingMetadata(
-            temperature=row(f32),
-            top_k=row(i32),
-            top_p=row(f32),
-            min_p=row(f32),
-            presence_penalty=row(f32),
-            frequency_penalty=row(f32),
-            repetition_penalty=row(f32),
-            seeds=row(jnp.uint32),
-            steps=spec((S,), i32),
-            output_ids=spec((S, out_width), i32),
-            prompt_ids=spec((S, prompt_width), i32),
-            banned_ids=spec((S, banned), i32),
-            logit_bias_ids=spec((S, bias), i32),
-            logit_bias_values=spec((S, bias), f32),
-        )
+    # ---- the table ----------------------------------------------------------------------
+    def lower(self, key: StepKey, **lower_kwargs):
+        """`key`'s program traced on abstract arguments and lowered (`lower_kwargs`: e.g.
+        lowering_platforms=("cuda",) on a host without that device)."""
+        name, args, static = self._trace_args(key)
+        return self.program(name).trace(*args, **static).lower(**lower_kwargs)
 
-    # ---- compile ------------------------------------------------------------------------
+    def compile(self, key: StepKey):
+        """Compile `key` into the table (timed in `compile_seconds`); CompileAfterStartup once sealed."""
+        self._check_unsealed(key.name)
+        t0 = time.perf_counter()
+        exe = self.lower(key).compile()
+        self.compile_seconds[key.name] = time.perf_counter() - t0
+        self.executables[key] = exe
+        return exe
+
     def _check_unsealed(self, name: str) -> None:
         if self.sealed:
             raise CompileAfterStartup(
@@ -333,147 +261,50 @@ class StepExecutables:
                 f"({len(self.compile_seconds)} executables compiled at start-up)"
             )
 
-    def _compile_backbone(self, T: int, greedy: bool = False):
-        self._check_unsealed(f"{'greedy_' if greedy else ''}backbone[T={T}]")
-        t0 = time.perf_counter()
-        params = jax.tree.map(self._specs, self.model.params)
-        if self.token_feed:
-            fn = self._greedy_backbone_jit if greedy else self._backbone_jit
-            exe = fn.trace(params, self._cache_specs, self._batch_spec(T), self._feed_spec(T)).lower().compile()
-        else:  # prepare fused in
-            exe = (
-                self._table_backbone_jit.trace(params, self._cache_specs, *self._table_args_spec(T), greedy=greedy)
-                .lower()
-                .compile()
-            )
-        self.compile_seconds[f"{'greedy_' if greedy else ''}backbone[T={T}]"] = time.perf_counter() - t0
-        (self._greedy_backbones if greedy else self._backbones)[T] = exe
+    def executable(self, key: StepKey):
+        """The table's entry for `key`, compiled now (and logged) if start-up did not."""
+        exe = self.executables.get(key)
+        if exe is None:
+            log.info("compiling %s (not compiled ahead of time)", key.name)
+            exe = self.compile(key)
         return exe
 
-    def _table_spec(self) -> RequestTable:
-        """The request table's specs, no array made (a compile-only client cannot hold one)."""
-        shapes = jax.eval_shape(functools.partial(init_table, self.max_num_seqs, self.max_blocks_per_seq))
-        return jax.tree.map(lambda s: self._host_spec(s.shape, s.dtype), shapes)
+    def startup_keys(self, bitmask_width: int = 0, every_variant: bool = False) -> list[StepKey]:
+        """What `compile_all` compiles, in order (see the module docstring)."""
+        keys = [StepKey("backbone", T) for T in self.token_buckets]
+        for w in sorted({0, bitmask_width}):
+            for S in self.seq_buckets:
+                keys += [StepKey.sampler(S, False, w), StepKey.sampler(S, True, w)]
+                if every_variant:
+                    keys += [self._full_sampler_key(S, False, w), self._full_sampler_key(S, True, w)]
+        keys += [StepKey("backbone", T, greedy=True) for T in self.greedy_buckets]
+        if not self.token_feed:  # the request table's executables
+            keys.append(StepKey("write_table", self.token_buckets[-1]))
+        if every_variant:
+            keys += [StepKey("scoring_backbone", self.token_buckets[-1]), StepKey("copy_states")]
+            if not self.token_feed:  # a scoring step's own prepare (other steps' is fused into the backbone)
+                keys.append(StepKey("prepare", self.token_buckets[-1]))
+        return keys
 
-    def _table_args_spec(self, T: int) -> tuple:
-        """(table, table_step, prev_tokens) specs of token bucket T."""
-        return self._table_spec(), self._table_step_spec(T), self._host_spec((self.max_num_seqs,), jnp.int32)
-
-    def _compile_prepare(self, T: int):
-        self._check_unsealed(f"prepare[T={T}]")
-        t0 = time.perf_counter()
-        self._prepares[T] = self._prepare_jit.trace(*self._table_args_spec(T)).lower().compile()
-        self.compile_seconds[f"prepare[T={T}]"] = time.perf_counter() - t0
-        return self._prepares[T]
-
-    def _compile_write_table(self):
-        """One executable for the rare overflowing page writes, at the largest bucket's width."""
-        self._check_unsealed("write_table")
-        t0 = time.perf_counter()
-        spec = self._host_spec((self._table_write_width(self.token_buckets[-1]),), jnp.int32)
-        self._write_table = self._write_table_jit.trace(self._table_spec(), spec).lower().compile()
-        self.compile_seconds["write_table"] = time.perf_counter() - t0
-        return self._write_table
-
-    def _compile_scoring_backbone(self, T: int):
-        self._check_unsealed(f"scoring_backbone[T={T}]")
-        t0 = time.perf_counter()
-        params = jax.tree.map(self._specs, self.model.params)
-        exe = (
-            self._scoring_backbone_jit.trace(
-                params, self._cache_specs, self._batch_spec(T), self._host_spec((T,), jnp.int32)
-            )
-            .lower()
-            .compile()
-        )
-        self.compile_seconds[f"scoring_backbone[T={T}]"] = time.perf_counter() - t0
-        self._scoring_backbones[T] = exe
-        return exe
-
-    def _compile_sampler(self, key):
-        S, n_logprobs, out_w, prompt_w, banned, bias, greedy, mask_w = key
-        self._check_unsealed(f"sampler{key}")
-        t0 = time.perf_counter()
-        params = jax.tree.map(self._specs, self.model.params)
-        hidden = self._host_spec((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
-        bitmask = self._host_spec((S, mask_w), jnp.int32) if mask_w else None
-        table = self._table_spec() if self.row_params_in_table else None
-        exe = (
-            self._sampler_jit.trace(
-                params,
-                hidden,
-                self._meta_spec(S, out_w, prompt_w, banned, bias),
-                bitmask,
-                table,
-                num_rows=S,
-                num_logprobs=n_logprobs,
-                all_greedy=greedy,
-            )
-            .lower()
-            .compile()
-        )
-        name = (
-            f"sampler[S={S},logprobs={n_logprobs},pen={out_w}/{prompt_w},banned={banned},bias={bias}"
-            f"{',greedy' if greedy else ''}{',masked' if mask_w else ''}]"
-        )
-        self.compile_seconds[name] = time.perf_counter() - t0
-        self._samplers[key] = exe
-        return exe
-
-    def _compile_copy_states(self):
-        t0 = time.perf_counter()
-        index = self._host_spec((self.max_num_seqs,), jnp.int32)
-        self._copy = (
-            self._copy_jit.trace(self._cache_specs, index, index, self._host_spec((), jnp.int32)).lower().compile()
-        )
-        self.compile_seconds["copy_states"] = time.perf_counter() - t0
-
-    def _full_key(self, S: int, greedy: bool, mask_w: int) -> tuple:
+    def _full_sampler_key(self, S: int, greedy: bool, mask_w: int) -> StepKey:
         w = self.full_widths
-        return (S, MAX_LOGPROBS, w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias, greedy, mask_w)
+        return StepKey.sampler(
+            S, greedy, mask_w, MAX_LOGPROBS, (w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias)
+        )
 
     def compile_all(
         self, progress: bool = True, bitmask_width: int = 0, every_variant: bool = False
     ) -> dict[str, float]:
-        """Compile the backbone of every token bucket (and its greedy twin with `fuse_greedy`),
-        write_table, and the plain and
-        all-greedy samplers of every sequence bucket; with `bitmask_width`, their grammar-masked
-        twins too, so a request with a grammar joining a batch compiles nothing. `every_variant`
-        (needs max_model_len): also the full samplers, the scoring backbone and copy_states, then
-        seal: nothing compiles after start-up (with the request table, also the scoring step's
-        own prepare). Logs the count and the time."""
+        """Compile `startup_keys`: with `bitmask_width` the samplers' grammar-masked twins too, so a
+        request with a grammar joining a batch compiles nothing; `every_variant` (needs
+        max_model_len) also the full samplers, the scoring backbone, its prepare and copy_states,
+        then seal: nothing compiles after start-up. Logs the count and the time."""
         if every_variant and self.full_widths is None:
             raise ValueError("every_variant needs StepExecutables(max_model_len=...) to bound the sampler widths")
         t_start, before = time.perf_counter(), len(self.compile_seconds)
-        kinds = ("sampler", "greedy sampler") + (("full sampler", "full greedy sampler") if every_variant else ())
-        jobs = [("backbone", T, 0) for T in self.token_buckets] + [
-            (kind, S, w) for w in sorted({0, bitmask_width}) for S in self.seq_buckets for kind in kinds
-        ]
-        jobs += [("greedy backbone", T, 0) for T in self.greedy_buckets]
-        if not self.token_feed:  # the request table's executables
-            jobs += [("write table", 0, 0)]
-        if every_variant:
-            jobs += [("scoring backbone", self.token_buckets[-1], 0), ("copy states", 0, 0)]
-            if not self.token_feed:  # a scoring step's own prepare (other steps' is fused into the backbone)
-                jobs += [("prepare", self.token_buckets[-1], 0)]
-        for kind, n, width in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
-            greedy = "greedy" in kind
-            if kind.endswith("backbone"):
-                (
-                    self._compile_scoring_backbone(n)
-                    if kind == "scoring backbone"
-                    else self._compile_backbone(n, greedy=greedy)
-                )
-            elif kind == "copy states":
-                self._compile_copy_states()
-            elif kind == "prepare":
-                self._compile_prepare(n)
-            elif kind == "write table":
-                self._compile_write_table()
-            elif kind.startswith("full"):
-                self._compile_sampler(self._full_key(n, greedy, width))
-            else:
-                self._compile_sampler((n, 0, 0, 0, 0, 0, greedy, width))
+        keys = self.startup_keys(bitmask_width, every_variant)
+        for key in tqdm(keys, desc="compiling buckets", unit="bucket", disable=not progress):
+            self.compile(key)
         self.sealed = every_variant
         log.info(
             "compiled %d executables in %.1fs%s",
@@ -495,27 +326,25 @@ class StepExecutables:
         def zeros(spec):
             return None if spec is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
 
-        for _greedy, exes in ((False, self._backbones), (True, self._greedy_backbones)):
-            for T, exe in sorted(exes.items()):
-                if self.token_feed:
-                    batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
-                    caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
-                else:  # a throwaway table: the step has no row with a token (every KV write to slot -1)
-                    _, step, prev_tokens = self._table_args_spec(T)
-                    caches, _, out = exe(params, caches, self.new_table(), zeros(step), zeros(prev_tokens))
-                jax.block_until_ready(out)
+        backbones = sorted((k for k in self.executables if k.kind == "backbone"), key=lambda k: (k.greedy, k.size))
+        for key in backbones:
+            exe, T = self.executables[key], key.size
+            if self.token_feed:
+                batch = dataclasses.replace(zeros(self._batch_spec(T)), slot_mapping=jnp.full((T,), -1, jnp.int32))
+                caches, out = exe(params, caches, batch, zeros(self._feed_spec(T)))
+            else:  # a throwaway table: the step has no row with a token (every KV write to slot -1)
+                _, step, prev_tokens = self._table_args_spec(T)
+                caches, _, out = exe(params, caches, self.new_table(), zeros(step), zeros(prev_tokens))
+            jax.block_until_ready(out)
         hidden = jnp.zeros((self.max_num_seqs, self.model.cfg.hidden_size), jnp.dtype(self.model.dtype))
         table = self.new_table() if self.row_params_in_table else None
-        for key, exe in sorted(self._samplers.items()):
-            S, _, out_w, prompt_w, banned, bias, _, mask_w = key
-            meta = zeros(self._meta_spec(S, out_w, prompt_w, banned, bias))
-            bitmask = jnp.zeros((S, mask_w), jnp.int32) if mask_w else None
-            jax.block_until_ready(exe(params, hidden, meta, bitmask, table))
+        samplers = sorted(k for k in self.executables if k.kind == "sampler")
+        for key in samplers:
+            meta = zeros(self._meta_spec(key.size, (key.output_width, key.prompt_width, key.banned, key.bias)))
+            bitmask = jnp.zeros((key.size, key.mask_width), jnp.int32) if key.mask_width else None
+            jax.block_until_ready(self.executables[key](params, hidden, meta, bitmask, table))
         log.info(
-            "warmed up %d backbones and %d samplers in %.1fs",
-            len(self._backbones) + len(self._greedy_backbones),
-            len(self._samplers),
-            time.perf_counter() - t0,
+            "warmed up %d backbones and %d samplers in %.1fs", len(backbones), len(samplers), time.perf_counter() - t0
         )
         return caches
 
@@ -524,17 +353,13 @@ class StepExecutables:
         """-> (table after the step, the step's device ForwardBatch). prev_tokens [max_num_seqs].
         Only a scoring step prepares apart; every other step's prepare runs inside its backbone."""
         T = step.host_tokens.shape[0]
-        exe = self._prepares.get(T)
-        if exe is None:
-            if T not in self.token_buckets:
-                raise BucketMiss(f"token count {T} has no compiled prepare bucket {self.token_buckets}")
-            log.info("compiling prepare bucket T=%d (not compiled ahead of time)", T)
-            exe = self._compile_prepare(T)
-        return exe(table, step, prev_tokens)
+        if T not in self.token_buckets:
+            raise BucketMiss(f"token count {T} has no compiled prepare bucket {self.token_buckets}")
+        return self.executable(StepKey("prepare", T))(table, step, prev_tokens)
 
     def run_write_table(self, table: RequestTable, write: np.ndarray) -> RequestTable:
         """Page writes that overflow a step's own (see runtime/steps/table_host.py)."""
-        return (self._write_table or self._compile_write_table())(table, write)
+        return self.executable(StepKey("write_table", self.token_buckets[-1]))(table, write)
 
     def run_table_backbone(self, params, caches, table: RequestTable, step: TableStep, prev_tokens):
         """prepare + backbone in one executable -> (caches, table after the step, hidden [max_num_seqs, H])."""
@@ -556,15 +381,11 @@ class StepExecutables:
 
     def _backbone(self, T: int, greedy: bool):
         """The compiled backbone of bucket T (its signature: `token_feed`'s batch + feed, else the table's)."""
-        exe = (self._greedy_backbones if greedy else self._backbones).get(T)
-        if exe is None:
-            buckets = self.greedy_buckets if greedy else self.token_buckets
+        buckets = self.greedy_buckets if greedy else self.token_buckets
+        if T not in buckets:
             kind = "greedy backbone" if greedy else "backbone"
-            if T not in buckets:
-                raise BucketMiss(f"token count {T} has no compiled {kind} bucket {buckets}")
-            log.info("compiling %s bucket T=%d (not compiled ahead of time)", kind, T)
-            exe = self._compile_backbone(T, greedy=greedy)
-        return exe
+            raise BucketMiss(f"token count {T} has no compiled {kind} bucket {buckets}")
+        return self.executable(StepKey("backbone", T, greedy=greedy))
 
     def run_scoring_backbone(self, params, caches, batch: ForwardBatch, targets: np.ndarray):
         """-> (caches, hidden [max_num_seqs, H], TokenScores of every token row). targets [T] i32;
@@ -572,11 +393,7 @@ class StepExecutables:
         T, T_max = batch.input_ids.shape[0], self.token_buckets[-1]
         if T_max != T:
             raise BucketMiss(f"a scoring step must be prepared in the largest token bucket {T_max}, not {T}")
-        exe = self._scoring_backbones.get(T_max)
-        if exe is None:
-            log.info("compiling scoring backbone bucket T=%d (prompt logprobs)", T_max)
-            exe = self._compile_scoring_backbone(T_max)
-        return exe(params, caches, batch, targets)
+        return self.executable(StepKey("scoring_backbone", T_max))(params, caches, batch, targets)
 
     def run_sampler(
         self,
@@ -596,28 +413,11 @@ class StepExecutables:
         if meta.has_row_params == self.row_params_in_table or (self.row_params_in_table and table is None):
             where = "the request table (pass row_params=False and table=)" if self.row_params_in_table else "meta"
             raise ValueError(f"this sampler reads the per-row sampling parameters from {where}")
-        S = meta.num_rows
-        mask_w = 0 if bitmask is None else bitmask.shape[1]
         meta, num_logprobs = self._bounded(meta, num_logprobs)
-        key = (
-            S,
-            num_logprobs,
-            meta.output_ids.shape[1],
-            meta.prompt_ids.shape[1],
-            meta.num_banned,
-            meta.num_logit_bias,
-            bool(all_greedy),
-            mask_w,
-        )
-        exe = self._samplers.get(key)
-        if exe is None:
-            log.info(
-                "compiling sampler variant S=%d logprobs=%d penalty widths=%d/%d banned=%d bias=%d greedy=%s "
-                "bitmask width=%d",
-                *key,
-            )
-            exe = self._compile_sampler(key)
-        return exe(params, hidden, meta, bitmask, table if self.row_params_in_table else None)
+        widths = (meta.output_ids.shape[1], meta.prompt_ids.shape[1], meta.num_banned, meta.num_logit_bias)
+        mask_w = 0 if bitmask is None else bitmask.shape[1]
+        key = StepKey.sampler(meta.num_rows, all_greedy, mask_w, num_logprobs, widths)
+        return self.executable(key)(params, hidden, meta, bitmask, table if self.row_params_in_table else None)
 
     def _bounded(self, meta: SamplingMetadata, num_logprobs: int) -> tuple[SamplingMetadata, int]:
         """A step using any sampler feature gets the full variant's fixed widths (plain stays plain)."""
@@ -628,10 +428,13 @@ class StepExecutables:
         return meta.with_widths(w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias), MAX_LOGPROBS
 
     def copy_states(self, caches, pairs: list[tuple[int, int]]):
+        """Copy GDN state slots src -> dst for each (src, dst) pair; caches donated."""
         src = np.zeros(self.max_num_seqs, np.int32)
         dst = np.zeros(self.max_num_seqs, np.int32)
         for i, (s, d) in enumerate(pairs):
             src[i], dst[i] = s, d
-        if self._copy is None:
+        exe = self.executables.get(StepKey("copy_states"))
+        if exe is None:  # jit-compiled on first use, unrecorded, as before the table sealed anything
             self._check_unsealed("copy_states")
-        return (self._copy or self._copy_jit)(caches, src, dst, np.int32(len(pairs)))
+            exe = self.program("copy_states")
+        return exe(caches, src, dst, np.int32(len(pairs)))
