@@ -466,3 +466,29 @@ def test_descriptor_last_token_rules_are_checked():
     ]:
         with pytest.raises(TransferError, match=match):
             check_descriptor(bad, prompt_token_ids=prompt, signature=sig)
+
+
+def test_hooks_ask_the_engine_and_never_set_a_request_status():
+    """The P/D hooks see the engine only through `EngineRequests` (which `LLMEngine` implements):
+    no private attribute of it, nothing outside that interface, and no request status or finish
+    reason set by the hooks themselves (the engine's `_finish` ends every request)."""
+    import ast
+    import inspect
+
+    from runtime.kv_transfer import hooks
+
+    allowed = {n for n, _ in inspect.getmembers(hooks.EngineRequests, inspect.isfunction) if not n.startswith("_")}
+    assert allowed == {"check_fits", "admit", "has_scheduled", "finish_request", "adopt_token"}
+    assert all(callable(getattr(LLMEngine, name, None)) for name in allowed)
+    asked, assigned = set(), set()
+    for node in ast.walk(ast.parse(inspect.getsource(hooks))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine":
+            asked.add(node.attr)
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Attribute):
+                        assigned.add(leaf.attr)
+    assert asked and asked <= allowed, asked - allowed
+    assert not assigned & {"status", "finish_reason", "stop_reason"}

@@ -46,7 +46,7 @@ MAY_IMPORT = {
 }
 
 # Inside runtime/: each sub-package and the sub-packages it may import. Every one may import runtime/'s
-# top-level modules ("base": types, validation, config, engine_config, registry, buckets), which import
+# top-level modules ("base": types, validation, engine_config, registry, buckets), which import
 # no sub-package; runtime/__init__.py may import anything.
 RUNTIME_MAY_IMPORT = {
     "base": set(),

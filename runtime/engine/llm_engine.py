@@ -6,91 +6,57 @@
         for delta in engine.step():   # a RequestDelta per request that advanced (runtime/types.py)
             ...
 
-One `step()` = schedule -> prepare inputs -> (restore state checkpoints) -> backbone ->
-(save state checkpoints) -> sample, all dispatched asynchronously; then the host waits for the
-previous step's tokens, resolves them and emits its outputs while the device runs this step.
+One `step()` is three verbs: `schedule` (admit pulled P/D requests, pick this step's batch),
+`run` (prepare inputs -> (restore state checkpoints) -> backbone -> (save state checkpoints) ->
+sample, all dispatched asynchronously) and `postprocess` (wait for the previous step's tokens,
+resolve and emit them while the device runs this one, then record this step's progress).
+`_finish` ends what the engine ends (grammar, stop strings, P/D, error, abort);
+the token rule (`Request.stop_check`: EOS, stop tokens, length) ends it in the scheduler, which
+frees its pages at once, and postprocess reports it. Attention data parallelism
+(`build_data_parallel`) and P/D (`build_kv_transfer`, typed `KVTransferHooks`) are chosen here
+when the engine is built, from the config; nothing is swapped in afterwards.
 
-Inputs come from the device-resident request table (runtime/steps/table_host.py, table_device.py):
-a running request holds a row (block-table row, tokens computed, last token, state slot) from its
-placement to its finish or preemption; the host sends a small `TableStep` (rows, token counts,
-known token ids, new rows' start and slot, new pages) and the `prepare` executable gathers the
-`ForwardBatch` on the device. Attention DP builds its batch on the host (runtime/parallel/data_parallel.py).
+A step's inputs (the device-resident request table, or attention DP's host-built batch), its
+sampler inputs and prompt logprobs: runtime/engine/step_inputs.py.
 
-Asynchronous scheduling (`async_scheduling`, default on) keeps one step in flight: step n+1 is
-scheduled and dispatched before step n's tokens reach the host, with a placeholder for every
-token step n samples; step n+1's `prepare` writes step n's device token array into the table's
-`last_token` rows and reads the placeholders from there (DP: `runtime.steps.async_step`'s TokenFeed).
-A request that step n stops (EOS, stop token, stop string) may already be in step n+1: that
-one extra token is dropped (never emitted or cached; its pages are freed at the stop). A length
-stop (`max_tokens`) is known without the token, so it costs nothing.
-Requests whose next step needs the previous token on the host — a grammar (its bitmask) or
-penalties (the token-history matrices) — make the engine wait for the step in flight before it
-schedules (a synchronous step); everything else (logprobs, min_tokens bans, seeds) works on the
-placeholder, and a state checkpoint saved at a decode step is hashed once its tokens are known.
-With `async_scheduling=False` the engine waits for each step's tokens right after dispatching
-it and commits them before the next `schedule` (the previous step's outputs are still
-detokenized while the device runs).
-
-Failures stay local: a step that raises (in input building, dispatch or on the device) ends
-only the requests scheduled in it, each with an output whose `error` is set and whose
-finish_reason is "error"; their pages, slots and table rows are freed (a row is reset when it
-is placed again, so a failed step leaves nothing wrong behind) and the next `step()` serves the
-rest. A failure that consumed the donated caches is fatal (`EngineDeadError`: nothing on the
-device can be trusted any more, and the owner must exit), and so are
-MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row.
-
-Prompt logprobs (`SamplingParams.prompt_logprobs`) come out of the same steps: a step carrying a
-request that wants them runs the scoring backbone, which also scores every prompt row against
-the next prompt token. Such requests skip the prefix cache (every position must be computed);
-after a preemption the recomputed positions are not scored twice.
+Asynchronous scheduling (one step in flight, and when the next schedule waits for it) and
+failures (local to their step; `EngineDeadError` when the device caches are lost):
+runtime/engine/postprocess.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from models.model import Model, load_model
-from models.ops import KernelOptions
-from models.sharding import shard_model
-from paged_kv.checkpoint_policy import plan_state_slots
-from pallas_kernels import cpu_native
-from runtime.buckets import bucket_for, pages_for, seq_bucket
-from runtime.config import CacheConfig, SchedulerConfig, check_pool_holds_one_sequence
+from models.model import Model
+from runtime.engine.construction import build_step_parts, prepare_model
 from runtime.engine.deltas import next_delta
 from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.postprocess import EngineDeadError, check_step_failure, log_step_failure, needs_host_tokens
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
+from runtime.engine.step_inputs import plain_greedy, sampler_inputs, table_inputs, token_feed
 from runtime.engine_config import EngineConfig
-from runtime.kv_transfer.hooks import build_kv_transfer
-from runtime.parallel.data_parallel import data_parallel_size, enable_data_parallel, rank_share
-from runtime.parallel.mesh import make_mesh
-from runtime.scheduling.request import Request
-from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
-from runtime.steps.async_step import InFlightStep, no_feed_rows
-from runtime.steps.executables import StepExecutables, TokenFeed, enable_persistent_cache
-from runtime.steps.execution_plan import ExecutionPlan, plan_execution
+from runtime.kv_transfer.hooks import KVTransferHooks, build_kv_transfer
+from runtime.scheduling.request import Request, RequestStatus
+from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.steps.async_step import InFlightStep
+from runtime.steps.executables import StepExecutables, enable_persistent_cache
+from runtime.steps.execution_plan import ExecutionPlan
 from runtime.steps.sampler import SamplerOutput
-from runtime.steps.sampling_metadata import SamplingMetadata
-from runtime.steps.table_host import RequestTableHost
 from runtime.structured_output import StructuredOutputManager, bitmask_width, build_compiler
-from runtime.types import MAX_LOGPROBS, EngineRequest, RequestDelta, RequestOutput, TokenLogprob
+from runtime.types import EngineRequest, FinishReason, RequestDelta, TokenLogprob
 from runtime.validation import validate_request
+
+__all__ = ["EngineDeadError", "LLMEngine"]  # EngineDeadError: runtime/engine/postprocess.py, re-exported
 
 log = logging.getLogger("jaxserve.engine")
 
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
-
-
-class EngineDeadError(RuntimeError):
-    """A step failed after consuming the device caches: the engine cannot serve any more."""
-
-
-# A step fails for good (EngineDeadError) after this many failed steps in a row: a device that
-# fails every step without consuming the caches is as dead as one that lost them.
-MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -100,109 +66,30 @@ class LLMEngine:
         model: Model | None = None,
         progress: bool = False,
         plan: ExecutionPlan | None = None,
+        wrap_executables: Callable[[StepExecutables], StepExecutables] | None = None,
     ):
         """Carry out `plan` (default: `plan_execution(config, model config, backend)`): every
-        execution choice is made there, none here."""
+        execution choice is made there, none here. The config chooses the modes: attention data
+        parallelism (`mesh_shape`'s data axis) and a P/D role (`kv_transfer`). `wrap_executables`
+        (multi-host's leader) wraps the compiled, warmed-up executables before the first step."""
         self.config = config
         if config.compile_cache_dir:
             enable_persistent_cache(config.compile_cache_dir)
-        mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
-        qcfg = config.quantization_config()
-        # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
-        self.model = model or load_model(
-            config.model,
-            dtype=config.dtype,
-            progress=progress,
-            mesh=mesh,
-            quantization=qcfg,
-            keep_gguf_quantized=config.keep_gguf_quantized,
-            expert_parallel=config.expert_parallel,
-        )
-        if model is not None and qcfg is not None and not model.quantization:
-            model.quantize(qcfg)
-        if mesh is not None and self.model.tp is None:
-            shard_model(self.model, mesh, expert_parallel=config.expert_parallel)
+        self.model, self.plan = prepare_model(config, model, progress, plan)
         cfg = self.model.cfg
-        backend = jax.default_backend()
-        self.plan = plan or plan_execution(
-            config, cfg, backend, dtype=self.model.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
-        )
-        for warning in self.plan.warnings:
-            log.warning("%s", warning)
-        log.info("%s", self.plan.describe())
-        if self.plan.layer_loop == "unroll":
-            self.model.unstack_layers()
-        if self.plan.weight_layout == "out_in":
-            self.model.hold_out_in()
-        elif self.plan.weight_layout == "packed":
-            self.model.hold_packed()
         # what actually runs: a Model another engine already unstacked stays unrolled
         self.layer_loop = "unroll" if self.model.unrolled else "scan"
         self.weight_bytes = self.model.weight_bytes()  # parameters on the device(s), scales included
         self.tokenizer = self.model.tokenizer if config.load_tokenizer else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        page_size = config.page_size
-        self.max_blocks_per_seq = pages_for(self.max_model_len, page_size)
-        num_slots, num_checkpoint_slots = 0, None
-        if cfg.is_hybrid:  # one slot per running sequence + the checkpoint budget (docs/prefix_caching.md)
-            num_slots, num_checkpoint_slots = plan_state_slots(
-                max_num_seqs=config.max_num_seqs,
-                prefix_caching=config.enable_prefix_caching,
-                budget_fraction=config.hybrid_checkpoint_budget,
-                cache_bytes=self._cache_budget_bytes(),
-                state_bytes_per_slot=self.model.state_bytes_per_slot(),
-            )
-            if config.num_state_slots:
-                num_slots, num_checkpoint_slots = config.num_state_slots, None
-        dp_size = data_parallel_size(config)
-        if dp_size > 1 and cfg.is_hybrid and config.num_state_slots:  # DP: configured pools are totals
-            num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
-        num_pages = rank_share(config.num_pages, dp_size, "num_pages") or self._default_num_pages(num_slots)
-        check_pool_holds_one_sequence(num_pages, page_size, self.max_model_len)
-        self.cache_config = CacheConfig(
-            page_size=page_size,
-            num_pages=num_pages,
-            num_state_slots=num_slots,
-            enable_prefix_caching=config.enable_prefix_caching,
-            checkpoint_policy=config.hybrid_checkpoint_policy,
-            num_checkpoint_slots=num_checkpoint_slots,
-        )
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            policy=config.policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-        )
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config.build_manager())
-        self.opts = KernelOptions(
-            attention=self.plan.attention_path, gdn=self.plan.gdn_path, interpret=config.interpret, tp=self.model.tp
-        )
-        self.caches = self.model.init_caches(
-            num_pages, page_size, max(num_slots, 2), config.kv_cache_dtype, bit_storage=self.plan.kv_bit_storage
-        )
-        self.token_buckets, self.seq_buckets = self.plan.token_buckets, self.plan.seq_buckets
-        self.executables = StepExecutables(
-            self.model,
-            self.caches,
-            self.opts,
-            token_buckets=self.token_buckets,
-            seq_buckets=self.seq_buckets,
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=self.max_blocks_per_seq,
-            max_top_k=config.max_top_k,
-            fuse_greedy=self.plan.fuse_greedy,
-            max_model_len=self.max_model_len,
-            page_size=page_size,
-        )
         self._rng = np.random.default_rng(config.seed)  # seeds of requests that set none
-        # the device-resident request table (runtime/steps/table_host.py); attention DP builds host batches
-        self.request_table = RequestTableHost(config.max_num_seqs, page_size, self.token_buckets[-1], rng=self._rng)
-        self.table = self.executables.new_table()
-        self.dp = None  # attention data parallelism (runtime/parallel/data_parallel.py): per-rank scheduling and caches
-        if dp_size > 1:
-            self.dp = enable_data_parallel(self, dp_size, self.plan.fuse_greedy)
-            self.request_table = self.table = None
+        parts = build_step_parts(config, self.model, self.plan, max_model_len=self.max_model_len, rng=self._rng)
+        self.max_blocks_per_seq, self.cache_config, self.opts = parts.max_blocks_per_seq, parts.cache_config, parts.opts
+        self.scheduler_config, self.scheduler = parts.scheduler_config, parts.scheduler
+        self.caches, self.executables, self.table = parts.caches, parts.executables, parts.table
+        self.token_buckets, self.seq_buckets = self.plan.token_buckets, parts.seq_buckets
+        self.request_table = parts.request_table  # None under attention DP, which builds host batches
+        self.dp = parts.dp  # attention data parallelism (runtime/parallel/data_parallel.py)
         # Structured output: the bitmask covers the model's logits and any tokenizer ids beyond them.
         vocab_ids = max(cfg.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
@@ -223,7 +110,16 @@ class LLMEngine:
         self._prev: InFlightStep | None = None  # the step whose outputs are not emitted yet
         self.async_scheduling = config.async_scheduling
         self._no_prev_tokens = np.zeros(self.executables.max_num_seqs, np.int32)  # prev_tokens of a step after none
-        self.kv_transfer = build_kv_transfer(self, config.kv_transfer)  # P/D roles; None for "both"
+        self.kv_transfer: KVTransferHooks | None = build_kv_transfer(  # P/D roles; None for "both"
+            config.kv_transfer,
+            self,
+            model=self.model,
+            caches=self.caches,
+            cache_config=self.cache_config,
+            opts=self.opts,
+        )
+        if wrap_executables is not None:
+            self.executables = wrap_executables(self.executables)
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -235,32 +131,6 @@ class LLMEngine:
             compiler = build_compiler(self.tokenizer, self.model.cfg.vocab_size, tuple(self.model.cfg.eos_token_ids))
             self._structured = StructuredOutputManager(compiler, max_rows=max(self.seq_buckets))
         return self._structured
-
-    def _default_num_pages(self, num_slots: int) -> int:
-        """Enough pages for every sequence at full length, capped by the memory budget left after
-        the GDN state slots (pages and slots are budgeted together)."""
-        c = self.config
-        want = c.max_num_seqs * self.max_blocks_per_seq + 1
-        per_page = max(self.model.cache_bytes_per_token(c.kv_cache_dtype), 1) * c.page_size  # all layers
-        state_bytes = num_slots * self.model.state_bytes_per_slot()
-        tp = self.model.tp
-        if tp is not None and tp.attention:
-            per_page = -(-per_page // tp.size)  # each device holds its KV heads only
-        if tp is not None and tp.gdn:
-            state_bytes //= tp.size
-        budget = self._cache_budget_bytes()
-        return int(max(2, min(want, (budget - state_bytes) // per_page)))
-
-    def _cache_budget_bytes(self) -> int:
-        """Device memory for KV pages + state slots (per device)."""
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            stats = jax.local_devices()[0].memory_stats() or {}  # on process 1+, devices()[0] is not ours
-            if "bytes_limit" in stats:
-                budget = int(stats["bytes_limit"] * self.config.memory_fraction) - stats.get("bytes_in_use", 0)
-            else:
-                budget = 2 * 2**30
-        return budget
 
     # ---- requests ---------------------------------------------------------------------------
     def validate_request(self, request: EngineRequest) -> EngineRequest:
@@ -303,13 +173,43 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self._prompt_logprobs.add(req)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """End a request wherever it is (queued, running, or parked for a P/D pull): its final
+        output, or None if it is unknown or has ended already."""
         req = self._requests.get(request_id)
-        if req is not None and self.kv_transfer is not None and self.kv_transfer.abort_parked(request_id):
-            return self._output(req, finished=True)
-        if req is None or not self.scheduler.finish(request_id, "abort"):
+        if req is None or req.is_finished:
             return None
-        return self._output(req, finished=True)
+        if self.kv_transfer is not None:
+            self.kv_transfer.abort_parked(request_id)  # a pull under way is cancelled
+        return self._finish(req, "abort")
+
+    # ---- what the P/D hooks may ask (runtime.kv_transfer.hooks.EngineRequests) ---------------
+    def check_fits(self, req: Request) -> None:
+        self.scheduler.check_fits(req)
+
+    def admit(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def has_scheduled(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def finish_request(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None = None, *, error: str | None = None
+    ) -> RequestDelta:
+        return self._finish(req, reason, stop_reason, error=error)
+
+    def adopt_token(self, req: Request, token: int) -> RequestDelta:
+        """`token`, sampled elsewhere (P/D's adopt rule), as a step's would be: the token rule, then
+        the stop strings, then its output."""
+        req.append_output([token])
+        end = req.stop_check(self.max_model_len)
+        detok = self._detok.get(req.request_id)
+        hit = detok.add([token]) if detok is not None else None
+        if end is None and hit is not None:
+            end = ("stop", hit)
+        if end is not None:
+            self._finish(req, *end, emit=False)
+        return self._output(req, finished=req.is_finished)
 
     def has_unfinished(self) -> bool:
         return (
@@ -332,15 +232,30 @@ class LLMEngine:
         A stop found in step n-1's tokens finishes its request after step n was dispatched;
         that one extra token is discarded (the scheduler skips finished requests).
         """
+        outputs, out = self.schedule()
+        pending, failure = self.run(out)
+        return outputs + self.postprocess(out, pending, failure)
+
+    def schedule(self) -> tuple[list[RequestDelta], SchedulerOutput]:
+        """-> (outputs of requests the P/D hooks admitted or ended, and of the step in flight if this
+        schedule needs its tokens first; this step's batch)."""
         outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        if self._prev is not None and self._must_resolve_first(self._prev):
+        if self._prev is not None and needs_host_tokens(self._prev):
             outputs += self._settle_prev()[0]
-        out = self.scheduler.schedule()
-        pending = failure = None
+        return outputs, self.scheduler.schedule()
+
+    def run(self, out: SchedulerOutput) -> tuple[tuple | None, Exception | None]:
+        """Dispatch the step (nothing waits for the device): -> (its pending (sampled, scores), None),
+        (None, None) for an empty step, or (None, the failure)."""
         try:
-            pending = None if out.is_empty else self._dispatch(out)
+            return (None if out.is_empty else self._dispatch(out)), None
         except Exception as err:
-            failure = err
+            return None, err
+
+    def postprocess(self, out: SchedulerOutput, pending: tuple | None, failure: Exception | None) -> list[RequestDelta]:
+        """Settle the step in flight (its tokens, stops and outputs), then record this one's progress;
+        a failure ends the failed step's requests (`_fail_step`)."""
+        outputs = []
         if self._prev is not None:
             settled, prev_failure = self._settle_prev()
             outputs += settled
@@ -359,22 +274,26 @@ class LLMEngine:
             self.request_table.sweep()  # rows of requests ended in this step are free when idle
         return outputs
 
-    def _must_resolve_first(self, prev: InFlightStep) -> bool:
-        """Whether the next schedule needs the in-flight step's tokens on the host (see the module doc)."""
-        if prev.resolved:
-            return False
-        for _, req, index in prev.placed:
-            if index is None or req.is_finished:
-                continue
-            p = req.params
-            if (
-                p.structured_output is not None
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0
-            ):
-                return True
-        return False
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        stop_reason: int | str | None = None,
+        *,
+        error: str | None = None,
+        emit: bool = True,
+    ) -> RequestDelta | None:
+        """End `req`: the scheduler frees its pages and state slot and records the reasons (a
+        request it does not hold, parked for a P/D pull, is marked here). With `emit`, its final
+        output (`error` set); without, the step's `_emit` reports it."""
+        if not req.is_finished and not self.scheduler.finish(req.request_id, reason, stop_reason):
+            req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+        if not emit:
+            return None
+        output = self._output(req, finished=True)
+        if error is not None:
+            output.error = error
+        return output
 
     def _record(self, out: SchedulerOutput, pending) -> InFlightStep:
         """Step n's progress into the scheduler (placeholders for its tokens); synchronous
@@ -385,7 +304,7 @@ class LLMEngine:
             self._resolve(step)
         return step
 
-    def _settle_prev(self) -> tuple[list[RequestOutput], Exception | None]:
+    def _settle_prev(self) -> tuple[list[RequestDelta], Exception | None]:
         """Resolve and emit the step in flight: (outputs, None), or — if it failed on the device —
         the error outputs of its requests and the failure."""
         prev, self._prev = self._prev, None
@@ -395,52 +314,17 @@ class LLMEngine:
             return self._fail_step(prev.out, err), err
         return self._emit(prev), None
 
-    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
-        """End the requests of a failed step with an error output each; raise EngineDeadError
-        if the failure took the device caches with it."""
-        log.error(
-            "engine step %d failed (%s: %s); failing its %d requests",
-            self.num_steps,
-            type(err).__name__,
-            err,
-            len(out.sequences),
-            exc_info=err,
-        )
-        outputs = []
-        for req in self.scheduler.abandon(out):
-            self.scheduler.finish(req.request_id, "error")
-            output = self._output(req, finished=True)
-            output.error = f"the engine step failed ({type(err).__name__})"
-            outputs.append(output)
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestDelta]:
+        """End the requests of a failed step with an error output each; EngineDeadError if the
+        engine cannot go on (runtime/engine/postprocess.py)."""
+        log_step_failure(err, self.num_steps, len(out.sequences))
+        error = f"the engine step failed ({type(err).__name__})"
+        outputs = [self._finish(req, "error", error=error) for req in self.scheduler.abandon(out)]
         if self.request_table is not None:
             self.request_table.sweep()
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
-            raise EngineDeadError(f"step failed after consuming the KV/state caches: {err}") from err
         self._consecutive_failures += 1
-        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
-            raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed, the last with: {err}") from err
+        check_step_failure(err, self.caches, self._consecutive_failures)
         return outputs
-
-    def _table_inputs(self, out: SchedulerOutput) -> tuple[int, tuple, np.ndarray | None]:
-        """-> (token bucket T, (table, TableStep, prev_tokens) for the request table's prepare,
-        prompt-logprob targets or None). A scoring step takes the largest bucket (one executable)."""
-        ex, T_max = self.executables, self.token_buckets[-1]
-        T = bucket_for(max(out.num_batched_tokens, len(out.sequences)), self.token_buckets, "token count")
-        targets = prompt_targets(out, T_max)
-        T = T_max if targets is not None else T
-        step, writes = self.request_table.plan(out, T)
-        table = self.table
-        for write in writes:  # page writes beyond the step's own (placements with long prefix hits)
-            table = ex.run_write_table(table, write)
-        prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
-        return T, (table, step, prev_tokens), targets
-
-    def _token_feed(self, out: SchedulerOutput, batch) -> TokenFeed:
-        """Attention DP: where `out`'s placeholder rows read their tokens (the in-flight step's device array)."""
-        prev, num_token_rows = self._prev, batch.input_ids.shape[0]
-        if prev is None or prev.resolved:
-            return TokenFeed(self._no_prev_tokens, no_feed_rows(num_token_rows))
-        return TokenFeed(prev.sampled.tokens, prev.feed_rows(out, num_token_rows, batch.logits_indices))
 
     def _dispatch(self, out: SchedulerOutput):
         """Enqueue the step's executables: with the request table, one backbone with prepare fused
@@ -453,8 +337,11 @@ class LLMEngine:
             batch = self.dp.build_batch(out)
             T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])
         else:
-            T, table_args, targets = self._table_inputs(out)
-        plain_greedy = targets is None and T in ex.greedy_buckets and all(self._plain_greedy(r) for r in reqs)
+            prev_tokens = self._no_prev_tokens if self._prev is None else self._prev.sampled.tokens
+            T, table_args, targets = table_inputs(
+                out, ex, self.request_table, self.table, self.token_buckets, prev_tokens
+            )
+        greedy = targets is None and T in ex.greedy_buckets and all(plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
         if self.kv_transfer is not None:
@@ -465,51 +352,23 @@ class LLMEngine:
                 self.table, batch = ex.run_prepare(*table_args)
             self.caches, result, scores = ex.run_scoring_backbone(params, self.caches, batch, targets)
         elif self.dp is not None:
-            feed = self._token_feed(out, batch)
-            run = ex.run_greedy_backbone if plain_greedy else ex.run_backbone
+            feed = token_feed(self._prev, out, batch, self._no_prev_tokens)
+            run = ex.run_greedy_backbone if greedy else ex.run_backbone
             self.caches, result = run(params, self.caches, batch, feed)
         else:
-            run = ex.run_table_greedy_backbone if plain_greedy else ex.run_table_backbone
+            run = ex.run_table_greedy_backbone if greedy else ex.run_table_backbone
             self.caches, self.table, result = run(params, self.caches, *table_args)
         if self.kv_transfer is not None:
             self.kv_transfer.capture(self.caches, out)
         if out.copy_after:
             self.caches = ex.copy_states(self.caches, out.copy_after)
-        if plain_greedy:  # the backbone's result: the sampled tokens; otherwise the hidden states
+        if greedy:  # the backbone's result: the sampled tokens; otherwise the hidden states
             return SamplerOutput(tokens=result, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None), None
-        n_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in reqs) else 0
-        S = seq_bucket(len(reqs), self.seq_buckets)
         # The device runs the backbone now; the grammar masks are filled meanwhile.
-        bitmask = None
-        if self._structured is not None and len(self._structured):
-            bitmask = self._structured.fill([s.request_id if s.sample else None for s in out.sequences], S)
-        meta = SamplingMetadata.from_params(
-            [r.params for r in reqs],
-            [r.num_output_tokens for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            pad_to=S,
-            rng=self._rng,
-            banned_ids=[r.banned_token_ids() for r in reqs],
-            row_params=not ex.row_params_in_table,
+        meta, n_logprobs, all_greedy, bitmask = sampler_inputs(
+            out, self.seq_buckets, self._structured, self._rng, not ex.row_params_in_table
         )
-        all_greedy = all(r.params.temperature <= 0.0 for r in reqs)
         return ex.run_sampler(params, result, meta, n_logprobs, all_greedy, bitmask, self.table), scores
-
-    @staticmethod
-    def _plain_greedy(req: Request) -> bool:
-        """Argmax of the raw logits is this request's next token: the fused greedy backbone applies."""
-        p = req.params
-        return (
-            p.temperature <= 0.0
-            and p.logprobs is None
-            and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0
-            and not p.logit_bias
-            and p.structured_output is None
-            and not req.banned_token_ids()
-        )
 
     def _resolve(self, step: InFlightStep) -> None:
         """Wait for the step's tokens; write them over its placeholders and apply the token stops
@@ -529,8 +388,8 @@ class LLMEngine:
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
-            if req is not None and not req.is_finished:
-                self.scheduler.finish(rid, "stop")
+            if req is not None:
+                self._finish(req, "stop", emit=False)
 
     def _emit(self, step: InFlightStep) -> list[RequestDelta]:
         outputs = []
@@ -553,7 +412,7 @@ class LLMEngine:
             if detok is not None:
                 hit = detok.add([token])
                 if hit is not None and not req.is_finished:
-                    self.scheduler.finish(req.request_id, "stop", hit)
+                    self._finish(req, "stop", hit, emit=False)
             outputs.append(self._output(req, finished=req.is_finished))
         return outputs
 

@@ -19,12 +19,18 @@ after emitting the adopted first token once, as a step would), or on failure rec
 locally (default) or fails the request with an error, counted; `load` writes the pulled state
 into the pages and slot the scheduler allocated, before that step's forward pass feeds token N
 (or the adopted token).
+
+The engine sees this through `KVTransferHooks`, the typed interface it calls (`build_kv_transfer`
+picks `DisaggregationHooks` for a P/D role when the engine is built, None for "both"), and the hooks
+see the engine through `EngineRequests`, its public methods: they admit, refuse and end requests by
+asking the engine (which alone sets a request's status) and never read its private state.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from models.fingerprint import checkpoint_fingerprint
 from runtime.engine_config import KVTransferConfig
@@ -45,39 +51,88 @@ from runtime.kv_transfer.layout import (
     pull_specs,
     write_request_state,
 )
-from runtime.scheduling.request import Request, RequestStatus
-from runtime.types import EngineBusy, EngineRequest, RequestOutput, SamplingParams
+from runtime.scheduling.request import Request
+from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.types import EngineBusy, EngineRequest, FinishReason, RequestDelta, SamplingParams
 
 log = logging.getLogger("jaxserve.kv_transfer")
 IDLE_WAIT_S = 0.002
 OFFER = "_offer"  # internal mark of a prepared prefill-role request (never accepted from clients)
 
 
-def build_kv_transfer(engine, config: KVTransferConfig | None) -> KVTransferHooks | None:
+class EngineRequests(Protocol):
+    """What the hooks may ask of the engine (`LLMEngine` implements it)."""
+
+    def check_fits(self, req: Request) -> None:
+        """ValueError now if the scheduler could never serve `req`."""
+
+    def admit(self, req: Request) -> None:
+        """Queue `req` (parked until now) in the scheduler."""
+
+    def has_scheduled(self) -> bool:
+        """Whether the scheduler holds unfinished requests (waiting or running)."""
+
+    def finish_request(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None = None, *, error: str | None = None
+    ) -> RequestDelta:
+        """End `req` (the engine's one ending) and return its final output."""
+
+    def adopt_token(self, req: Request, token: int) -> RequestDelta:
+        """`token`, sampled elsewhere, as `req`'s next output token: the stop rules and its output."""
+
+
+class KVTransferHooks(Protocol):
+    """What the engine calls at each hook point of a P/D role (see the module doc)."""
+
+    def prepare(self, request: EngineRequest) -> EngineRequest: ...
+    def park(self, req: Request, params: dict | None) -> bool: ...
+    def poll(self) -> list[RequestDelta]: ...
+    def load(self, caches: dict, out: SchedulerOutput) -> dict: ...
+    def capture(self, caches: dict, out: SchedulerOutput) -> None: ...
+    def finished(self, req: Request) -> dict | None: ...
+    def abort_parked(self, request_id: str) -> bool: ...
+    def has_pending(self) -> bool: ...
+    def stats(self, engine_stats: dict) -> dict: ...
+    def close(self) -> None: ...
+
+
+def build_kv_transfer(
+    config: KVTransferConfig | None, engine: EngineRequests, *, model, caches: dict, cache_config, opts
+) -> KVTransferHooks | None:
+    """The hooks of `config`'s role, built with the engine (None for role "both")."""
     if config is None or config.role == "both":
         return None
-    return KVTransferHooks(engine, config)
+    return DisaggregationHooks(config, engine, model=model, caches=caches, cache_config=cache_config, opts=opts)
 
 
-class KVTransferHooks:
-    def __init__(self, engine, config: KVTransferConfig):
+class DisaggregationHooks:
+    """`KVTransferHooks` for the prefill and decode roles, over a connector from KV_CONNECTORS."""
+
+    def __init__(self, config: KVTransferConfig, engine: EngineRequests, *, model, caches: dict, cache_config, opts):
         self.engine = engine
         self.config = config
+        self.model, self.opts, self.page_size = model, opts, cache_config.page_size
         self.connector = KV_CONNECTORS.create(config.connector, config)
-        self.num_pages = engine.cache_config.num_pages
-        self.num_slots = max(engine.cache_config.num_state_slots, 2)
-        self.conv_perm = conv_permutation(engine.model)
+        self.num_pages = cache_config.num_pages
+        self.num_slots = max(cache_config.num_state_slots, 2)
+        self.conv_perm = conv_permutation(model)
         self.signature = model_signature(
-            engine.model.cfg,
-            model_groups(engine.caches, self.num_pages, self.num_slots),
-            fingerprint=checkpoint_fingerprint(engine.model.path),
+            model.cfg,
+            model_groups(caches, self.num_pages, self.num_slots),
+            fingerprint=checkpoint_fingerprint(model.path),
         )
+        kv = [x for x in caches["kv"] if x is not None]
+        # FP8 KV: the prefill side computes all N prompt tokens. The last-token rule: adopt for FP8
+        # KV next to GDN state (whose state after N-1 tokens a full prefill never holds), else N-1.
+        self._computes_last_token = bool(kv) and kv[0].k_scale is not None
+        hybrid = len(kv) < len(caches["kv"])
+        self.rule = ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
         self._staged: dict[str, tuple[list, dict]] = {}  # decode: pulled, waiting for admission
         self._staged_bytes: dict[str, int] = {}  # decode: bytes of each pulling or staged request
-        self._ready: list[RequestOutput] = []  # errors and adopted first tokens, for the next step
+        self._ready: list[RequestDelta] = []  # errors and adopted first tokens, for the next step
         self.num_fallbacks = 0
         self.num_errors = 0
 
@@ -135,33 +190,20 @@ class KVTransferHooks:
             kv_transfer_params={OFFER: True, "lease_s": lease_s},
         )
 
-    @property
-    def _computes_last_token(self) -> bool:
-        """FP8 KV: the prefill side computes all N prompt tokens."""
-        kv = [x for x in self.engine.caches["kv"] if x is not None]
-        return bool(kv) and kv[0].k_scale is not None
-
-    @property
-    def rule(self) -> str:
-        """This prefill instance's last-token rule: adopt for FP8 KV next to GDN state (whose
-        state after N-1 tokens a full prefill never holds), else N-1."""
-        hybrid = any(x is None for x in self.engine.caches["kv"])
-        return ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
-
     def capture(self, caches, out) -> None:
         for seq in out.sequences:
             if seq.sample and seq.request_id in self._offering:
                 req = seq.request
                 self._offering[seq.request_id] = gather_request_state(
                     caches,
-                    self.engine.model.cfg,
+                    self.model.cfg,
                     prompt_token_ids=req.prompt_token_ids,
                     num_tokens=seq.start_position
                     + seq.num_new_tokens
                     - int(self._computes_last_token and self.rule == LAST_TOKEN_RULE),
                     block_table=seq.block_table,
                     state_slot=seq.state_slot,
-                    page_size=self.engine.config.page_size,
+                    page_size=self.page_size,
                     num_pages=self.num_pages,
                     num_slots=self.num_slots,
                     conv_perm=self.conv_perm,
@@ -192,18 +234,18 @@ class KVTransferHooks:
     def park(self, req: Request, params: dict | None) -> bool:
         """True if `req` now waits for a pull (the engine must not schedule it yet)."""
         if params and params.get(OFFER):  # prefill role: offer its state once computed
-            self.engine.scheduler._check_fits(req)  # registered only once it cannot be refused
+            self.engine.check_fits(req)  # registered only once it cannot be refused
             self._offering[req.request_id] = None
             if params.get("lease_s"):
                 self._lease_s[req.request_id] = float(params["lease_s"])
             return False
         if not params or not params.get("do_remote_prefill"):
             return False
-        self.engine.scheduler._check_fits(req)  # refuse now what the scheduler would refuse later
+        self.engine.check_fits(req)  # refuse now what the scheduler would refuse later
         try:
             desc = params.get("descriptor")
             check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
-            expected_arrays(desc, self.engine.model.cfg)
+            expected_arrays(desc, self.model.cfg)
             nbytes = descriptor_nbytes(desc)
             if sum(self._staged_bytes.values()) + nbytes > self.config.max_staged_bytes:
                 raise TransferCapacityError("pulled state waiting here would exceed kv_transfer.max_staged_bytes")
@@ -244,22 +286,7 @@ class KVTransferHooks:
             and not req.banned_token_ids()
         )
 
-    def _adopt(self, req: Request, token: int) -> RequestOutput:
-        """Emit the prefill side's first token as this request's first output (exactly once),
-        applying the request's stop rules as a step's token would."""
-        engine = self.engine
-        req.append_output([token])
-        end = req.stop_check(engine.max_model_len)
-        detok = engine._detok.get(req.request_id)
-        hit = detok.add([token]) if detok is not None else None
-        if end is None and hit is not None:
-            end = ("stop", hit)
-        if end is not None:  # still waiting: nothing allocated, nothing to load
-            engine.scheduler.finish(req.request_id, *end)
-            self._unstage(req.request_id)
-        return engine._output(req, finished=req.is_finished)
-
-    def poll(self) -> list[RequestOutput]:
+    def poll(self) -> list[RequestDelta]:
         for result in self.connector.poll():
             entry = self._parked.pop(result.key, None)
             if entry is None:
@@ -271,11 +298,13 @@ class KVTransferHooks:
                 continue
             req.num_external_tokens = desc["num_tokens"]
             self._staged[req.request_id] = (result.arrays, desc)
-            self.engine.scheduler.add_request(req)
+            self.engine.admit(req)
             if desc["rule"] == ADOPT_RULE:  # queued with the adopted token, fed by its first step
-                self._ready.append(self._adopt(req, desc["first_token"]))
+                # emitted exactly once, ended by the stop rules as a step's token would be (an end
+                # while still waiting: nothing allocated, nothing to load; `finished` unstages it)
+                self._ready.append(self.engine.adopt_token(req, desc["first_token"]))
         errors, self._ready = self._ready, []
-        if self._parked and not self.engine.scheduler.has_unfinished():
+        if self._parked and not self.engine.has_scheduled():
             time.sleep(IDLE_WAIT_S)  # only pulls in flight: don't spin
         return errors
 
@@ -289,13 +318,10 @@ class KVTransferHooks:
         if self.config.on_pull_failure == "recompute":
             self.num_fallbacks += 1
             if in_engine:
-                self.engine.scheduler.add_request(req)
+                self.engine.admit(req)
             return
         self.num_errors += 1
-        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-        output = self.engine._output(req, finished=True)
-        output.error = f"kv transfer failed: {reason}"
-        self._ready.append(output)
+        self._ready.append(self.engine.finish_request(req, "abort", error=f"kv transfer failed: {reason}"))
 
     def load(self, caches, out):
         """Write pulled state into the pages/slot of requests admitted this step."""
@@ -308,10 +334,10 @@ class KVTransferHooks:
                 desc,
                 block_table=req.block_table,
                 state_slot=req.state_slot,
-                page_size=self.engine.config.page_size,
+                page_size=self.page_size,
                 num_pages=self.num_pages,
                 num_slots=self.num_slots,
-                opts=self.engine.opts,
+                opts=self.opts,
                 conv_perm=self.conv_perm,
             )
         for seq in out.sequences:
@@ -322,15 +348,13 @@ class KVTransferHooks:
         self._staged.pop(request_id, None)
         self._staged_bytes.pop(request_id, None)
 
-    def abort_parked(self, request_id: str) -> Request | None:
-        entry = self._parked.pop(request_id, None)
-        if entry is None:
-            return None
+    def abort_parked(self, request_id: str) -> bool:
+        """Cancel the pull of a parked request; False if it is not parked (the engine ends it either way)."""
+        if self._parked.pop(request_id, None) is None:
+            return False
         self._staged_bytes.pop(request_id, None)
         self.connector.cancel(request_id)
-        req = entry[0]
-        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-        return req
+        return True
 
     # ---- both ------------------------------------------------------------------------------
     def has_pending(self) -> bool:
@@ -353,4 +377,4 @@ class KVTransferHooks:
         self.connector.close()
 
 
-__all__ = ["KVTransferHooks", "build_kv_transfer"]
+__all__ = ["DisaggregationHooks", "EngineRequests", "KVTransferHooks", "build_kv_transfer"]

@@ -29,8 +29,10 @@ over `model` and replicated over `data`; everything that belongs to a request is
   all T rows come back as `[D*T, H]` and the global `logits_indices` gather the sampled rows.
 
 Prompt logprobs (the scoring backbone) and P/D disaggregation are refused under DP (a precise
-ValueError), not served wrongly. D == 1 keeps the engine's default path: it only asks
-`data_parallel_size` / `rank_share` here (identities for one rank). The MoE block is wrapped in
+ValueError), not served wrongly. The engine chooses DP when it is built: for D > 1 its constructor
+takes its scheduler, caches, sequence buckets and executables from `build_data_parallel`; D == 1
+keeps the engine's default path and only asks `data_parallel_size` / `rank_share` here
+(identities for one rank). The MoE block is wrapped in
 `models.tokenwise.tokenwise`, which without a vmap is the plain function.
 """
 
@@ -47,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.batch import ForwardBatch
 from models.transformer import forward
-from runtime.buckets import bucket_for
+from runtime.buckets import bucket_for, pow2_buckets
 from runtime.parallel.mesh import DATA_AXIS
 from runtime.scheduling.dp_scheduler import DataParallelOutput, DataParallelScheduler
 from runtime.steps.executables import StepExecutables
@@ -240,33 +242,60 @@ class DataParallel:
         )
 
 
-def enable_data_parallel(engine, size: int, fuse_greedy: bool):
-    """Turn a freshly built one-rank engine into a `size`-rank one: per-rank schedulers, rank-stacked
-    caches, DP executables and sequence buckets up to size x max_num_seqs. Returns the DataParallel."""
-    from runtime.buckets import pow2_buckets
+@dataclasses.dataclass(frozen=True)
+class DataParallelParts:
+    """A `size`-rank engine's scheduling and device side, built once by `build_data_parallel`."""
 
-    config = engine.config
+    scheduler: DataParallelScheduler
+    caches: dict  # every leaf [D, ...], the rank axis on `data`
+    seq_buckets: tuple[int, ...]  # up to D x max_num_seqs
+    executables: DataParallelExecutables
+    dp: DataParallel
+
+
+def build_data_parallel(
+    config,
+    model,
+    opts,
+    caches: dict,
+    *,
+    size: int,
+    scheduler_config,
+    cache_config,
+    token_buckets: tuple[int, ...],
+    max_blocks_per_seq: int,
+    max_model_len: int,
+    fuse_greedy: bool,
+) -> DataParallelParts:
+    """The parts of a `size`-rank engine (called by `LLMEngine.__init__` when `data_parallel_size(config)
+    > 1`): per-rank schedulers, one rank's `caches` stacked over the ranks, DP executables and sequence
+    buckets up to size x max_num_seqs. ValueError for what DP does not serve (P/D roles, no mesh)."""
     if config.kv_transfer is not None and config.kv_transfer.role != "both":
         raise ValueError(
             "prefill/decode disaggregation (parallel.role) is not supported with attention data "
             "parallelism; use data: 1"
         )
-    if engine.model.tp is None:
+    if model.tp is None:
         raise ValueError("attention data parallelism needs a device mesh")
-    engine.scheduler = DataParallelScheduler(engine.scheduler_config, engine.cache_config, size)
-    engine.caches = stack_rank_caches(engine.caches, size, engine.model.tp.mesh)
-    engine.seq_buckets = pow2_buckets(size * config.max_num_seqs, minimum=8)
-    engine.executables = DataParallelExecutables(
-        engine.model,
-        engine.caches,
-        engine.opts,
+    caches = stack_rank_caches(caches, size, model.tp.mesh)
+    seq_buckets = pow2_buckets(size * config.max_num_seqs, minimum=8)
+    executables = DataParallelExecutables(
+        model,
+        caches,
+        opts,
         size=size,
-        token_buckets=engine.token_buckets,
-        seq_buckets=engine.seq_buckets,
+        token_buckets=token_buckets,
+        seq_buckets=seq_buckets,
         max_num_seqs=config.max_num_seqs,
-        max_blocks_per_seq=engine.max_blocks_per_seq,
+        max_blocks_per_seq=max_blocks_per_seq,
         max_top_k=config.max_top_k,
         fuse_greedy=fuse_greedy,
-        max_model_len=engine.max_model_len,
+        max_model_len=max_model_len,
     )
-    return DataParallel(size, engine.token_buckets, config.max_num_seqs, engine.max_blocks_per_seq, config.page_size)
+    return DataParallelParts(
+        scheduler=DataParallelScheduler(scheduler_config, cache_config, size),
+        caches=caches,
+        seq_buckets=seq_buckets,
+        executables=executables,
+        dp=DataParallel(size, token_buckets, config.max_num_seqs, max_blocks_per_seq, config.page_size),
+    )

@@ -112,13 +112,13 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
             raise ValueError(f"request {request.request_id!r} must be new (waiting, nothing computed)")
-        self._check_fits(request)
+        self.check_fits(request)
         request.sequence_number = self._next_sequence_number
         self._next_sequence_number += 1
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self.policy.key)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
         num_prompt, max_len = request.num_prompt_tokens, self.config.max_model_len
         if num_prompt == 0:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")

@@ -1,0 +1,198 @@
+"""What `LLMEngine` is built from: the model, loaded and laid out as its execution plan says
+(`prepare_model`), the page pool and state slots sized for it (`size_cache`), and the step's
+scheduling and device side for one rank or, when the config's mesh has a data axis, for attention
+data parallelism (`build_step_parts`, which calls runtime/parallel/data_parallel.py's factory).
+
+Every choice is made elsewhere (the execution plan, `plan_state_slots`, the config's rules); these
+functions carry them out in the order the engine needs them, before any cache exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from models.model import Model, load_model
+from models.ops import KernelOptions
+from models.sharding import shard_model
+from paged_kv.checkpoint_policy import plan_state_slots
+from pallas_kernels import cpu_native
+from runtime.buckets import pages_for
+from runtime.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from runtime.parallel.data_parallel import DataParallel, build_data_parallel, data_parallel_size, rank_share
+from runtime.parallel.mesh import make_mesh
+from runtime.scheduling.dp_scheduler import DataParallelScheduler
+from runtime.scheduling.scheduler import Scheduler
+from runtime.steps.executables import StepExecutables
+from runtime.steps.execution_plan import ExecutionPlan, plan_execution
+from runtime.steps.table_host import RequestTableHost
+
+log = logging.getLogger("jaxserve.engine")
+
+
+def prepare_model(
+    config: EngineConfig, model: Model | None, progress: bool, plan: ExecutionPlan | None
+) -> tuple[Model, ExecutionPlan]:
+    """`model` (default: loaded from `config.model`) quantized and sharded as the config asks, and
+    laid out as `plan` (default: `plan_execution(config, model config, backend)`) says."""
+    mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
+    qcfg = config.quantization_config()
+    # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
+    loaded = model or load_model(
+        config.model,
+        dtype=config.dtype,
+        progress=progress,
+        mesh=mesh,
+        quantization=qcfg,
+        keep_gguf_quantized=config.keep_gguf_quantized,
+        expert_parallel=config.expert_parallel,
+    )
+    if model is not None and qcfg is not None and not model.quantization:
+        model.quantize(qcfg)
+    if mesh is not None and loaded.tp is None:
+        shard_model(loaded, mesh, expert_parallel=config.expert_parallel)
+    backend = jax.default_backend()
+    plan = plan or plan_execution(
+        config, loaded.cfg, backend, dtype=loaded.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
+    )
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    log.info("%s", plan.describe())
+    if plan.layer_loop == "unroll":
+        loaded.unstack_layers()
+    if plan.weight_layout == "out_in":
+        loaded.hold_out_in()
+    elif plan.weight_layout == "packed":
+        loaded.hold_packed()
+    return loaded, plan
+
+
+def size_cache(
+    config: EngineConfig, model: Model, max_blocks_per_seq: int, dp_size: int
+) -> tuple[int, int, int | None]:
+    """-> (pages, state slots, checkpoint slots or None) of one rank. Hybrids get one slot per running
+    sequence plus the checkpoint budget (docs/prefix_caching.md); configured pools are totals over the
+    data-parallel ranks; without `num_pages`, the pages the memory budget leaves."""
+    num_slots, num_checkpoint_slots = 0, None
+    if model.cfg.is_hybrid:
+        num_slots, num_checkpoint_slots = plan_state_slots(
+            max_num_seqs=config.max_num_seqs,
+            prefix_caching=config.enable_prefix_caching,
+            budget_fraction=config.hybrid_checkpoint_budget,
+            cache_bytes=cache_budget_bytes(config),
+            state_bytes_per_slot=model.state_bytes_per_slot(),
+        )
+        if config.num_state_slots:
+            num_slots, num_checkpoint_slots = config.num_state_slots, None
+    if dp_size > 1 and model.cfg.is_hybrid and config.num_state_slots:
+        num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
+    num_pages = rank_share(config.num_pages, dp_size, "num_pages") or default_num_pages(
+        config, model, max_blocks_per_seq, num_slots
+    )
+    return num_pages, num_slots, num_checkpoint_slots
+
+
+def default_num_pages(config: EngineConfig, model: Model, max_blocks_per_seq: int, num_slots: int) -> int:
+    """Enough pages for every sequence at full length, capped by the memory budget left after
+    the GDN state slots (pages and slots are budgeted together)."""
+    want = config.max_num_seqs * max_blocks_per_seq + 1
+    per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype), 1) * config.page_size  # all layers
+    state_bytes = num_slots * model.state_bytes_per_slot()
+    tp = model.tp
+    if tp is not None and tp.attention:
+        per_page = -(-per_page // tp.size)  # each device holds its KV heads only
+    if tp is not None and tp.gdn:
+        state_bytes //= tp.size
+    budget = cache_budget_bytes(config)
+    return int(max(2, min(want, (budget - state_bytes) // per_page)))
+
+
+def cache_budget_bytes(config: EngineConfig) -> int:
+    """Device memory for KV pages + state slots (per device)."""
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        stats = jax.local_devices()[0].memory_stats() or {}  # on process 1+, devices()[0] is not ours
+        if "bytes_limit" in stats:
+            budget = int(stats["bytes_limit"] * config.memory_fraction) - stats.get("bytes_in_use", 0)
+        else:
+            budget = 2 * 2**30
+    return budget
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """The sizes, scheduling and device side of one engine, chosen once when it is built."""
+
+    max_blocks_per_seq: int
+    cache_config: CacheConfig  # one rank's pool
+    scheduler_config: SchedulerConfig
+    opts: KernelOptions
+    scheduler: Scheduler | DataParallelScheduler
+    caches: dict
+    seq_buckets: tuple[int, ...]
+    executables: StepExecutables
+    request_table: RequestTableHost | None  # the device-resident request table's host side; None under DP
+    table: object  # its device side; None under DP
+    dp: DataParallel | None  # attention data parallelism: the ranks and the host-built batch
+
+
+def build_step_parts(
+    config: EngineConfig,
+    model: Model,
+    plan: ExecutionPlan,
+    *,
+    max_model_len: int,
+    rng: np.random.Generator,
+) -> StepParts:
+    """The pool sized (`size_cache`), then for one rank a `Scheduler`, the model's caches,
+    `StepExecutables` and the request table; with a data axis (`data_parallel_size(config)` > 1),
+    `build_data_parallel`'s per-rank schedulers, rank-stacked caches and DP executables."""
+    dp_size = data_parallel_size(config)
+    max_blocks_per_seq = pages_for(max_model_len, config.page_size)
+    num_pages, num_slots, num_checkpoint_slots = size_cache(config, model, max_blocks_per_seq, dp_size)
+    cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots)
+    scheduler_config = config.scheduler_config(max_model_len)
+    opts = KernelOptions(attention=plan.attention_path, gdn=plan.gdn_path, interpret=config.interpret, tp=model.tp)
+    sizes = (max_blocks_per_seq, cache_config, scheduler_config, opts)
+    caches = model.init_caches(
+        cache_config.num_pages,
+        config.page_size,
+        max(cache_config.num_state_slots, 2),
+        config.kv_cache_dtype,
+        bit_storage=plan.kv_bit_storage,
+    )
+    if dp_size > 1:
+        dp = build_data_parallel(
+            config,
+            model,
+            opts,
+            caches,
+            size=dp_size,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            token_buckets=plan.token_buckets,
+            max_blocks_per_seq=max_blocks_per_seq,
+            max_model_len=max_model_len,
+            fuse_greedy=plan.fuse_greedy,
+        )
+        return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
+    executables = StepExecutables(
+        model,
+        caches,
+        opts,
+        token_buckets=plan.token_buckets,
+        seq_buckets=plan.seq_buckets,
+        max_num_seqs=config.max_num_seqs,
+        max_blocks_per_seq=max_blocks_per_seq,
+        max_top_k=config.max_top_k,
+        fuse_greedy=plan.fuse_greedy,
+        max_model_len=max_model_len,
+        page_size=config.page_size,
+    )
+    request_table = RequestTableHost(config.max_num_seqs, config.page_size, plan.token_buckets[-1], rng=rng)
+    scheduler = Scheduler(scheduler_config, cache_config.build_manager())
+    table = executables.new_table()
+    return StepParts(*sizes, scheduler, caches, plan.seq_buckets, executables, request_table, table, None)
