@@ -200,9 +200,11 @@ def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state,
     return y, conv_state
 
 
-def linear(x, w, opts: KernelOptions | None = None):
+def linear(x, w, opts: KernelOptions | None = None, *, valid_rows=None):
     """x @ w for a float or quantized weight. Weight-only quantized weights run the Pallas kernel
-    when `opts` picks it, on a single device (under tensor parallelism the jnp path, via GSPMD)."""
+    when `opts` picks it, on a single device (under tensor parallelism the jnp path, via GSPMD).
+    `valid_rows`: how many leading rows of x are real tokens (`ForwardBatch.num_valid_rows`); the
+    native CPU matmul skips the rest (`models.quantization.qdot`)."""
     if opts is None or opts.tp is not None or not kernel_supports(w) or opts.impl("matmul") != "pallas":
-        return qdot(x, w)
+        return qdot(x, w, valid_rows)
     return qdot_pallas(x, w, interpret=opts.interpret)
