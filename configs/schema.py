@@ -43,13 +43,24 @@ from configs.environment import environment_overrides
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
 
-# auto: Pallas on TPU / GPU; on CPU "native" attention (jnp with the decode pass in C++,
-# pallas_kernels/cpu_native.py) and "chunked" GDN. "chunked" / "reference": the jnp paths.
+# The kernel back-ends are "auto" plus the names of each op's `KERNELS` table
+# (pallas_kernels/ragged_paged_attention.py, pallas_kernels/gdn.py), where they are defined and
+# documented; "auto" is resolved by `models.ops.resolve_impl`. Written out here because configs/
+# imports nothing of ours; tests/test_kernel_registry.py keeps the two equal.
 # Installed plugins add names (entry points `attention_backend.<name>` etc. in the group
 # `jaxserve.plugins`, models/registry.py); the schema reads their names without importing them.
 BUILTIN_NAMES = {
-    "attention_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
-    "gdn_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
+    "attention_backend": ("auto", "reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu"),
+    "gdn_backend": (
+        "auto",
+        "reference",
+        "chunked",
+        "native",
+        "reference_chunked",
+        "pallas",
+        "pallas_tpu",
+        "pallas_gpu",
+    ),
     "scheduling_policy": ("fcfs", "priority"),
 }
 PLUGIN_GROUP = "jaxserve.plugins"  # models.registry.PLUGIN_GROUP (configs imports nothing of ours)
