@@ -43,13 +43,14 @@ from configs.environment import environment_overrides
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
 
-# auto: Pallas on TPU / GPU; on CPU "native" attention (jnp with the decode pass in C++,
-# pallas_kernels/cpu_native.py) and "chunked" GDN. "chunked" / "reference": the jnp paths.
-# Installed plugins add names (entry points `attention_backend.<name>` etc. in the group
-# `jaxserve.plugins`, models/registry.py); the schema reads their names without importing them.
+# Kernel back-ends: "auto" (resolved by `models.ops.resolve_impl`) + the op's `KERNELS` names
+# (pallas_kernels/ragged_paged_attention.py, gdn.py), written out as configs/ imports nothing of
+# ours; tests/test_kernel_registry.py keeps them equal. Plugins add names (entry points
+# `attention_backend.<name>` etc. in `jaxserve.plugins`), read here without importing them.
+_KERNELS = ("auto", "reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu")
 BUILTIN_NAMES = {
-    "attention_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
-    "gdn_backend": ("auto", "pallas", "reference", "chunked", "native", "pallas_tpu", "pallas_gpu"),
+    "attention_backend": _KERNELS,
+    "gdn_backend": (*_KERNELS[:4], "reference_chunked", *_KERNELS[4:]),
     "scheduling_policy": ("fcfs", "priority"),
 }
 PLUGIN_GROUP = "jaxserve.plugins"  # models.registry.PLUGIN_GROUP (configs imports nothing of ours)

@@ -27,6 +27,12 @@ class ForwardBatch:
     num_seqs: jax.Array  # [] int32
     logits_indices: jax.Array  # [R] int32, flat token rows whose logits are wanted
 
+    @property
+    def num_valid_rows(self) -> jax.Array:
+        """[] int32: the real tokens, the first rows of the token axis (the rest pad the bucket).
+        The forward pass hands it to the ops that can skip padding rows (the native CPU matmul)."""
+        return self.cu_q_lens[self.num_seqs]
+
 
 def single_sequence_batch(token_ids, page_size: int, first_page: int = 1, pad_to: int | None = None) -> ForwardBatch:
     """One whole sequence in consecutive pages starting at `first_page`, logits for every token.

@@ -1,13 +1,17 @@
 """The thin ops layer models call: picks a reference or Pallas implementation per op.
 
-Attention and GDN back-ends are registry entries (`ATTENTION_BACKENDS`, `GDN_BACKENDS`, kinds
-`attention_backend` / `gdn_backend`): installed packages add their own through entry points.
+Each op's implementations are named once, in its table beside the op (`KERNELS` of
+pallas_kernels/ragged_paged_attention.py, gdn.py, quantized_matmul.py; `Kernel` entries of
+pallas_kernels/kernel_impls.py). Attention and GDN back-ends are selectable by name through the
+registries `ATTENTION_BACKENDS` / `GDN_BACKENDS` (kinds `attention_backend` / `gdn_backend`),
+filled from those tables: installed packages add their own through entry points.
 
-`KernelOptions` is static (hashable) and travels as a jit static argument. `"auto"` picks the
-Pallas kernels on TPU and GPU and jnp on CPU (for attention the context-proportional
-"chunked" implementation; "reference" forces the spec); `interpret` runs Pallas
-kernels in interpret mode (True, or a `pltpu.InterpretParams()` for the TPU simulator) so the
-whole model can run through the kernels on CPU in tests.
+`KernelOptions` is static (hashable) and travels as a jit static argument. "auto" is resolved by
+`resolve_impl`, the one rule (also the execution plan's): the Pallas kernels on TPU and GPU (and
+on CPU with `interpret`), on CPU "native" attention and GDN (the jnp paths with their decode /
+recurrent rows in C++) and the jnp matmul. `interpret` runs Pallas kernels in interpret mode
+(True, or a `pltpu.InterpretParams()` for the TPU simulator) so the whole model can run through
+the kernels on CPU in tests.
 
 With `tp` (a `models.sharding.TensorParallel`, set when parameters are split over a mesh), the
 Pallas calls run under `jax.shard_map` over the model axis (heads are independent in attention
@@ -26,46 +30,45 @@ from jax.sharding import PartitionSpec as P
 from models.quantization import kernel_supports, qdot, qdot_pallas
 from models.registry import Registry
 from models.sharding import TensorParallel, unpermute_qkv
+from pallas_kernels import gdn, quantized_matmul
+from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.causal_conv1d import causal_conv1d as _conv
-from pallas_kernels.gdn import gated_delta_rule as _gdr
+from pallas_kernels.kernel_impls import resolve
 from pallas_kernels.kv_write import write_kv as _write_kv
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-# "pallas_tpu" / "pallas_gpu" name the target explicitly: `jaxserve plan` compiles for a TPU or GPU
-# from a CPU-only host, where "pallas" would pick by the local backend.
-# "native" is what "auto" resolves to on CPU: the "chunked" jnp paths (attention: context-proportional;
-# GDN: WY chunks for prefill-sized buckets) with their decode / recurrent rows in the C++ kernels of
-# pallas_kernels/cpu_native.py (jnp where those can't be built); runtime/steps/execution_plan.py passes it explicitly.
-BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu", "chunked")
+# Each op's table of built-in implementations (the names are written there only).
+KERNEL_TABLES = {"attention": rpa.KERNELS, "gdn": gdn.KERNELS, "matmul": quantized_matmul.KERNELS}
 
-
-def auto_impl(which: str, backend: str, interpret: Any = False) -> str:
-    """What "auto" means for op `which` (attention | gdn | matmul) on `backend` (cpu | gpu | tpu):
-    the Pallas kernels on accelerators (or interpreted); on CPU "native" for attention and GDN
-    (the context-proportional / WY-chunked jnp paths with their decode rows in C++; the reference,
-    the spec, always gathers the whole block table) and the jnp matmul. The engine takes this
-    choice from runtime/steps/execution_plan.py, which calls this."""
-    if backend == "cpu" and not interpret:
-        return "native" if which in ("attention", "gdn") else "reference"
-    return "pallas"
-
-
-# Attention and GDN back-ends by name (`attention_backend` / `gdn_backend`; "auto" picks below).
-# An entry is `fn(*operands, interpret=..., **op_kwargs)`: attention `(q, kv, kv_lens,
-# block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret)`, GDN
-# `(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, *, interpret)`.
-# Under tensor parallelism an entry runs per shard (shard_map over heads) if its name starts
-# with "pallas" or it sets `per_shard = True`; otherwise on global arrays (GSPMD). Plugins add
+# Attention and GDN back-ends by name (`attention_backend` / `gdn_backend`). An entry is
+# `fn(*operands, interpret=..., **op_kwargs)`: attention `(q, kv, kv_lens, block_tables,
+# cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, interpret)`, GDN `(q, k, v, g, beta,
+# state, cu_q_lens, slot_ids, has_initial_state, num_seqs, *, interpret)`. Under tensor
+# parallelism an entry runs per shard (shard_map over heads) if it sets `per_shard = True` (a
+# plugin without the attribute: if its name starts with "pallas"); otherwise on global arrays
+# (GSPMD). An attention entry with `kv_bits = True` reads KV pages held as raw bits. Plugins add
 # entries as `"attention_backend.<name>"` / `"gdn_backend.<name>"` in `jaxserve.plugins`.
 ATTENTION_BACKENDS: Registry = Registry("attention_backend")
 GDN_BACKENDS: Registry = Registry("gdn_backend")
-for _name in ("reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu"):
-    ATTENTION_BACKENDS.register(_name, functools.partial(ragged_paged_attention, impl=_name))
-for _name in (*BACKENDS[1:], "native"):
-    GDN_BACKENDS.register(_name, functools.partial(_gdr, impl=_name))
-# The native C++ kernels are custom calls GSPMD cannot split: under tensor parallelism they run
-# per head shard, like the Pallas kernels.
-ATTENTION_BACKENDS.get("native").per_shard = GDN_BACKENDS.get("native").per_shard = True
+for _registry, _op, _table in (
+    (ATTENTION_BACKENDS, rpa.ragged_paged_attention, rpa.KERNELS),
+    (GDN_BACKENDS, gdn.gated_delta_rule, gdn.KERNELS),
+):
+    for _name, _kernel in _table.items():  # the checked, jitted op, carrying the entry's facts
+        _registry.register(_name, dataclasses.replace(_kernel, fn=functools.partial(_op, impl=_name)))
+
+
+def resolve_impl(which: str, choice: str, platform: str, interpret: Any = False) -> str:
+    """The implementation of op `which` (attention | gdn | matmul) that `choice` means on
+    `platform` (cpu | gpu | tpu): the one "auto" rule (`pallas_kernels.kernel_impls.resolve` over
+    the op's table). The engine takes it from runtime/steps/execution_plan.py, which calls this."""
+    return resolve(KERNEL_TABLES[which], choice, platform, interpret)
+
+
+def reads_kv_bits(attention: str) -> bool:
+    """Whether attention back-end `attention` wants bf16 / FP8 KV pages held as raw bits: the jnp
+    paths do (XLA:CPU would convert the whole pool per write, see pallas_kernels/kv_cache.py); the
+    Pallas kernels (and plugins, unless they say `kv_bits = True`) read float pages."""
+    return getattr(ATTENTION_BACKENDS.get(attention), "kv_bits", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +84,18 @@ class KernelOptions:
             name = getattr(self, field)
             if name != "auto" and name not in registry:
                 raise ValueError(f"{field}_backend must be 'auto' or one of {registry.names()}, got {name!r}")
-        if self.matmul not in BACKENDS:
-            raise ValueError(f"matmul_backend must be one of {BACKENDS}, got {self.matmul!r}")
+        if self.matmul != "auto" and self.matmul not in KERNEL_TABLES["matmul"]:
+            raise ValueError(
+                f"matmul_backend must be 'auto' or one of {list(KERNEL_TABLES['matmul'])}, got {self.matmul!r}"
+            )
 
     def impl(self, which: str) -> str:
-        choice = getattr(self, which)
-        return auto_impl(which, jax.default_backend(), self.interpret) if choice == "auto" else choice
+        return resolve_impl(which, getattr(self, which), jax.default_backend(), self.interpret)
 
     @property
     def kv_bit_storage(self) -> bool:
-        """Whether bf16 / FP8 KV pages should be held as raw bits: the jnp attention paths want it
-        (XLA:CPU would convert the whole pool per write, see pallas_kernels/kv_cache.py); the
-        Pallas kernels read float pages."""
-        return self.impl("attention") in ("native", "chunked", "reference")
+        """Whether bf16 / FP8 KV pages should be held as raw bits (`reads_kv_bits`)."""
+        return reads_kv_bits(self.impl("attention"))
 
 
 def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):
@@ -105,7 +107,7 @@ def _on_mesh(fn, tp: TensorParallel, split: bool, in_specs, out_specs):
 
 
 def _per_shard(name: str, backend) -> bool:
-    return getattr(backend, "per_shard", name.startswith("pallas"))
+    return getattr(backend, "per_shard", name.startswith("pallas"))  # built-ins: the `Kernel` fact
 
 
 def _kv_specs(kv, axis: str):
@@ -200,9 +202,11 @@ def causal_conv1d(x, weight, conv_state, cu_q_lens, slot_ids, has_initial_state,
     return y, conv_state
 
 
-def linear(x, w, opts: KernelOptions | None = None):
+def linear(x, w, opts: KernelOptions | None = None, *, valid_rows=None):
     """x @ w for a float or quantized weight. Weight-only quantized weights run the Pallas kernel
-    when `opts` picks it, on a single device (under tensor parallelism the jnp path, via GSPMD)."""
+    when `opts` picks it, on a single device (under tensor parallelism the jnp path, via GSPMD).
+    `valid_rows`: how many leading rows of x are real tokens (`ForwardBatch.num_valid_rows`); the
+    native CPU matmul skips the rest (`models.quantization.qdot`)."""
     if opts is None or opts.tp is not None or not kernel_supports(w) or opts.impl("matmul") != "pallas":
-        return qdot(x, w)
+        return qdot(x, w, valid_rows)
     return qdot_pallas(x, w, interpret=opts.interpret)

@@ -251,12 +251,14 @@ def _permute_input(x, w: QuantizedWeight):
     return x if w.perm is None else jnp.take(x, w.perm, axis=-1)
 
 
-def qdot(x, w):
+def qdot(x, w, valid_rows=None):
     """x [T, K] @ w [K, N] -> [T, N] in x's dtype; `w` a float array, an OutInWeight, a
-    PackedWeight or a 2-D QuantizedWeight."""
+    PackedWeight or a 2-D QuantizedWeight. `valid_rows` (an int32 scalar, may be traced): x's
+    first rows that are real, the rest padding whose result is unspecified; the native bf16
+    matmul of a PackedWeight skips them (zeros), the other paths compute every row."""
     if isinstance(w, PackedWeight):
         if x.dtype == jnp.bfloat16 and cpu_native.available():
-            return cpu_native.bf16_matmul(x, w.p, w.n)
+            return cpu_native.bf16_matmul(x, w.p, w.n, valid_rows=valid_rows)
         w = OutInWeight(cpu_native.unpack_bf16_weight(w.p, w.n, w.k, out_in=True))
     if isinstance(w, OutInWeight):
         return lax.dot_general(

@@ -12,23 +12,27 @@ without vmap it is `fn` itself.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def tokenwise(fn):
-    """fn(params, x [T, H]) -> [T, H'], independent per token; params are never vmapped."""
+    """fn(params, x [T, H], valid_rows) -> [T, H'], independent per token; params are never vmapped.
+    `valid_rows` ([] int32, `ForwardBatch.num_valid_rows`): x's leading real rows. Folded ranks
+    interleave real and padding rows, so there fn gets every row as valid."""
 
     @jax.custom_batching.custom_vmap
-    def call(params, x):
-        return fn(params, x)
+    def call(params, x, valid_rows):
+        return fn(params, x, valid_rows)
 
     @call.def_vmap
-    def rule(axis_size, in_batched, params, x):
-        params_batched, x_batched = in_batched
+    def rule(axis_size, in_batched, params, x, valid_rows):
+        params_batched, x_batched, _ = in_batched
         if any(jax.tree.leaves(params_batched)):
             raise NotImplementedError("tokenwise: the parameters must not be vmapped")
         if not x_batched:
-            return call(params, x), False
-        out = call(params, x.reshape(-1, *x.shape[2:]))  # [D*T, H]
+            return call(params, x, jnp.int32(x.shape[0])), False
+        folded = x.reshape(-1, *x.shape[2:])  # [D*T, H]
+        out = call(params, folded, jnp.int32(folded.shape[0]))
         return out.reshape(axis_size, x.shape[1], *out.shape[1:]), True
 
     return call

@@ -51,21 +51,22 @@ def apply_rope(x, cos, sin, rotary_dim: int):
     return jnp.concatenate([rot * c + rotated * s, rest], axis=-1)
 
 
-def _linear(x, w, b=None, opts=None):
-    y = ops.linear(x, w, opts)
+def _linear(x, w, b=None, opts=None, rows=None):
+    y = ops.linear(x, w, opts, valid_rows=rows)
     return y if b is None else y + b
 
 
 def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts):
     T, D = x.shape[0], cfg.head_dim
-    q = _linear(x, p["q_proj"], p.get("q_bias"), opts)
+    rows = batch.num_valid_rows
+    q = _linear(x, p["q_proj"], p.get("q_bias"), opts, rows)
     if cfg.attn_output_gate:
         q, gate = jnp.split(q.reshape(T, cfg.num_heads, 2 * D), 2, axis=-1)
         gate = gate.reshape(T, cfg.num_heads * D)
     else:
         q = q.reshape(T, cfg.num_heads, D)
-    k = _linear(x, p["k_proj"], p.get("k_bias"), opts).reshape(T, cfg.num_kv_heads, D)
-    v = _linear(x, p["v_proj"], p.get("v_bias"), opts).reshape(T, cfg.num_kv_heads, D)
+    k = _linear(x, p["k_proj"], p.get("k_bias"), opts, rows).reshape(T, cfg.num_kv_heads, D)
+    v = _linear(x, p["v_proj"], p.get("v_bias"), opts, rows).reshape(T, cfg.num_kv_heads, D)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
@@ -82,15 +83,15 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     out = out.reshape(T, cfg.num_heads * D)
     if cfg.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
-    return _linear(out, p["o_proj"], p.get("o_bias"), opts), kv
+    return _linear(out, p["o_proj"], p.get("o_bias"), opts, rows), kv
 
 
 def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
     T = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    slots = batch.state_slot_ids + slot_offset
-    mixed = ops.linear(x, p["in_qkv"], opts)  # [T, conv_dim] = [Q all | K all | V all]
+    slots, rows = batch.state_slot_ids + slot_offset, batch.num_valid_rows
+    mixed = ops.linear(x, p["in_qkv"], opts, valid_rows=rows)  # [T, conv_dim] = [Q all | K all | V all]
     mixed, conv_state = ops.causal_conv1d(
         mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
     )
@@ -100,8 +101,8 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     v = v.reshape(T, hv, dv)
     q = q * lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * dk**-0.5
     k = k * lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
-    beta = jax.nn.sigmoid(qdot(x, p["in_b"]).astype(jnp.float32))  # [T, hv]
-    a = qdot(x, p["in_a"]).astype(jnp.float32)
+    beta = jax.nn.sigmoid(qdot(x, p["in_b"], rows).astype(jnp.float32))  # [T, hv]
+    a = qdot(x, p["in_a"], rows).astype(jnp.float32)
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
     o, rec_state = ops.gated_delta_rule(
         q.astype(x.dtype),
@@ -116,18 +117,20 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
         batch.num_seqs,
         opts,
     )
-    z = ops.linear(x, p["in_z"], opts).reshape(T, hv, dv)
+    z = ops.linear(x, p["in_z"], opts, valid_rows=rows).reshape(T, hv, dv)
     o = o.astype(x.dtype)
     o32 = o.astype(jnp.float32)
     normed = (o32 * lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
     o = (p["gated_norm"] * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    return ops.linear(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"], opts), conv_state, rec_state
+    out = ops.linear(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"], opts, valid_rows=rows)
+    return out, conv_state, rec_state
 
 
-def dense_mlp(p, x, prefix: str = "", opts=None):
-    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts)
-    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts)
-    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts)
+def dense_mlp(p, x, prefix: str = "", opts=None, rows=None):
+    """`rows`: x's leading real rows (`ForwardBatch.num_valid_rows`; None: all)."""
+    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts, rows)
+    up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts, rows)
+    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts, rows)
 
 
 def _routed_experts(x, weights, experts, w_gate_up, w_down, num_experts: int):
@@ -145,11 +148,11 @@ def _routed_experts(x, weights, experts, w_gate_up, w_down, num_experts: int):
     return jnp.zeros((T, H), y.dtype).at[token_of].add(y)
 
 
-def moe_mlp(p, x, cfg: ModelConfig, opts=None):
+def moe_mlp(p, x, cfg: ModelConfig, opts=None, rows=None):
     """Top-k routed experts (grouped matmuls over expert-sorted tokens; expert-parallel with
-    `opts.tp.expert`, models/expert_parallel.py) plus the gated shared expert."""
+    `opts.tp.expert`, models/expert_parallel.py) plus the gated shared expert. `rows`: as `dense_mlp`."""
     E, K = cfg.num_experts, cfg.num_experts_per_tok
-    probs = jax.nn.softmax(qdot(x, p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
+    probs = jax.nn.softmax(qdot(x, p["router"], rows).astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = lax.top_k(probs, K)  # [T, K]
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
@@ -158,8 +161,8 @@ def moe_mlp(p, x, cfg: ModelConfig, opts=None):
     else:
         out = _routed_experts(x, weights, experts, p["experts_gate_up"], p["experts_down"], E)
     if "shared_gate_proj" in p:
-        shared = dense_mlp(p, x, prefix="shared_", opts=opts)
-        out = out + jax.nn.sigmoid(qdot(x, p["shared_expert_gate"])) * shared
+        shared = dense_mlp(p, x, prefix="shared_", opts=opts, rows=rows)
+        out = out + jax.nn.sigmoid(qdot(x, p["shared_expert_gate"], rows)) * shared
     return out
 
 
@@ -183,37 +186,35 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.mlp_types[layer] == "dense":
-            x = x + dense_mlp(p, h, opts=opts)
+            x = x + dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
-            x = x + tokenwise(lambda p_, h_: moe_mlp(p_, h_, cfg, opts))(p, h)
+            x = x + tokenwise(lambda p_, h_, rows: moe_mlp(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 
 def forward(
     params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions, scan_layers: bool = True
 ):
-    """-> (hidden [R, H] at batch.logits_indices, new caches)."""
+    """-> (hidden [R, H] at batch.logits_indices, new caches). Every projection gets
+    `batch.num_valid_rows`: the native CPU matmul skips the bucket's padding rows after them."""
     x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
     rope = rope_tables(batch.positions, cfg)
     n_groups = cfg.num_layers // cfg.layer_period()
-    # The real tokens are the first cu_q_lens[num_seqs] rows; the native CPU matmul (packed bf16
-    # weights) skips the bucket's padding rows after them. Other paths ignore this.
-    with cpu_native.token_rows(batch.cu_q_lens[batch.num_seqs], x.shape[0]):
-        if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
-            for g, params_g in enumerate(params["layers"]):
-                x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
-        elif scan_layers and n_groups > 1:
+    if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
+        for g, params_g in enumerate(params["layers"]):
+            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+    elif scan_layers and n_groups > 1:
 
-            def body(carry, xs):
-                x, caches = carry
-                params_g, g = xs
-                return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
+        def body(carry, xs):
+            x, caches = carry
+            params_g, g = xs
+            return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
 
-            (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
-        else:
-            for g in range(n_groups):
-                params_g = jax.tree.map(lambda a: a[g], params["groups"])
-                x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+        (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
+    else:
+        for g in range(n_groups):
+            params_g = jax.tree.map(lambda a: a[g], params["groups"])
+            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
 

@@ -26,8 +26,6 @@ oracle and `ragged_paged_attention(impl="reference")` (tests/test_ragged_paged_a
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
 import hashlib
 import logging
@@ -262,34 +260,17 @@ def unpack_bf16_weight(wp: jax.Array, n: int, k: int, *, out_in: bool = False) -
     return t if out_in else jnp.swapaxes(t, -1, -2)
 
 
-_TOKEN_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxserve_token_rows", default=None)
-
-
-@contextlib.contextmanager
-def token_rows(count, total: int):
-    """While a forward pass is traced: its token axis has `total` rows (the step's bucket), of
-    which the first `count` (a traced int32 scalar) are real tokens and the rest padding. Every
-    `bf16_matmul` over exactly `total` rows then computes only the real rows (zeros elsewhere):
-    a 150-token step compiled as 256 spends matmul time on 150. Rows must be token-major with the
-    real tokens first (models/batch.py's layout); the transformer sets this around its layers."""
-    reset = _TOKEN_ROWS.set((count, total))
-    try:
-        yield
-    finally:
-        _TOKEN_ROWS.reset(reset)
-
-
 def bf16_matmul(x: jax.Array, wp: jax.Array, n: int, out_dtype=jnp.bfloat16, valid_rows=None) -> jax.Array:
     """x [..., K] bf16 @ the packed weight `wp` [NB, KP, 32] -> [..., n] in `out_dtype` (bf16:
     the float32 accumulation rounded to nearest even, as XLA's bf16 dot with preferred float32
     then a convert; or float32). Rows of x (flattened) from `valid_rows` on (an int32 scalar,
-    default: the `token_rows` in force when x has its `total` rows, else all) come out as zeros
-    without being computed. Call only when `available()`."""
+    traced or not; default: all rows) come out as zeros without being computed: a 150-token step
+    compiled as 256 spends matmul time on 150 (the forward pass passes its batch's
+    `ForwardBatch.num_valid_rows`). Call only when `available()`."""
     *lead, k = x.shape
     rows = int(np.prod(lead)) if lead else 1
     if valid_rows is None:
-        ctx = _TOKEN_ROWS.get()
-        valid_rows = ctx[0] if ctx is not None and ctx[1] == rows else rows
+        valid_rows = rows
     call = jax.ffi.ffi_call(
         "jaxserve_bf16_matmul", jax.ShapeDtypeStruct((rows, n), jnp.dtype(out_dtype)), vmap_method=VMAP_METHOD
     )

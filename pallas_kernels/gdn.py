@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_native
+from pallas_kernels.kernel_impls import Kernel
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -354,6 +355,60 @@ def gated_delta_rule_native(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, 
     return o.astype(v.dtype), state
 
 
+def _reference(*args, interpret, chunk_size):
+    return gated_delta_rule_reference(*args)
+
+
+def _chunked(*args, interpret, chunk_size):  # a static choice per token bucket
+    if args[0].shape[0] < CHUNKED_MIN_TOKENS:
+        return gated_delta_rule_reference(*args)
+    return gated_delta_rule_mixed(*args, chunk_size=chunk_size or CPU_CHUNK)
+
+
+def _native(*args, interpret, chunk_size):
+    if cpu_native.available():
+        return gated_delta_rule_native(*args)
+    return _chunked(*args, interpret=interpret, chunk_size=chunk_size)
+
+
+def _reference_chunked(*args, interpret, chunk_size):
+    return gated_delta_rule_chunked_reference(*args, chunk_size=chunk_size or 64)
+
+
+def _kernel_args(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs):
+    i32 = lambda x: x.astype(jnp.int32)
+    num_seqs = i32(jnp.reshape(num_seqs, (-1,))[:1])
+    return (q, k, v, g, beta, state, i32(cu_q_lens), i32(state_slot_ids), i32(has_initial_state), num_seqs)
+
+
+def _pallas_tpu(*args, interpret, chunk_size):
+    from pallas_kernels import gdn_kernel_tpu
+
+    return gdn_kernel_tpu.gated_delta_rule_tpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+
+
+def _pallas_gpu(*args, interpret, chunk_size):
+    from pallas_kernels import gdn_kernel_gpu
+
+    return gdn_kernel_gpu.gated_delta_rule_gpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+
+
+def _pallas(*args, **options):
+    return (_pallas_gpu if jax.default_backend() == "gpu" else _pallas_tpu)(*args, **options)
+
+
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py); "auto" picks "native" on CPU.
+KERNELS = {
+    "reference": Kernel(_reference),
+    "chunked": Kernel(_chunked),
+    "native": Kernel(_native, per_shard=True, auto=("cpu",)),
+    "reference_chunked": Kernel(_reference_chunked),
+    "pallas": Kernel(_pallas, per_shard=True, auto=("tpu", "gpu", "interpret")),
+    "pallas_tpu": Kernel(_pallas_tpu, per_shard=True),
+    "pallas_gpu": Kernel(_pallas_gpu, per_shard=True),
+}
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "interpret", "chunk_size"))
 def gated_delta_rule(
     q,
@@ -389,60 +444,7 @@ def gated_delta_rule(
     """
     if state.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
         raise ValueError(f"state {state.shape} does not match heads/dims of q {q.shape}, v {v.shape}")
-    if impl == "reference":
-        return gated_delta_rule_reference(
-            q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs
-        )
-    if impl == "native":  # the CPU serving path with its recurrent rows in C++ (pallas_kernels/cpu_native.py)
-        if cpu_native.available():
-            return gated_delta_rule_native(
-                q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs
-            )
-        impl = "chunked"
-    if impl == "chunked":  # the CPU serving path: a static choice per token bucket
-        if q.shape[0] < CHUNKED_MIN_TOKENS:
-            return gated_delta_rule_reference(
-                q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs
-            )
-        return gated_delta_rule_mixed(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            cu_q_lens,
-            state_slot_ids,
-            has_initial_state,
-            num_seqs,
-            chunk_size=chunk_size or CPU_CHUNK,
-        )
-    chunk_size = chunk_size or 64
-    if impl == "reference_chunked":
-        return gated_delta_rule_chunked_reference(
-            q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs, chunk_size=chunk_size
-        )
-    if impl == "pallas":
-        impl = "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_tpu"
-    num_seqs = jnp.reshape(num_seqs, (-1,))[:1].astype(jnp.int32)
-    args = (
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state,
-        cu_q_lens.astype(jnp.int32),
-        state_slot_ids.astype(jnp.int32),
-        has_initial_state.astype(jnp.int32),
-        num_seqs,
-    )
-    if impl == "pallas_tpu":
-        from pallas_kernels import gdn_kernel_tpu
-
-        return gdn_kernel_tpu.gated_delta_rule_tpu(*args, interpret=interpret, chunk_size=chunk_size)
-    if impl == "pallas_gpu":
-        from pallas_kernels import gdn_kernel_gpu
-
-        return gdn_kernel_gpu.gated_delta_rule_gpu(*args, interpret=interpret, chunk_size=chunk_size)
-    raise ValueError(f"unknown impl {impl!r}")
+    if impl not in KERNELS:
+        raise ValueError(f"unknown impl {impl!r}; known: {tuple(KERNELS)}")
+    args = (q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs)
+    return KERNELS[impl](*args, interpret=interpret, chunk_size=chunk_size)

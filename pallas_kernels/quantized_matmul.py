@@ -22,6 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kernel_impls import Kernel
+
 F32 = jnp.float32
 
 
@@ -266,9 +268,6 @@ def _gpu_call(x, q, scale, offset, *, bits, group_size, block_m, block_n, block_
     return out[:m, :n]
 
 
-IMPLS = ("reference", "pallas", "pallas_tpu", "pallas_gpu")
-
-
 def _largest_divisor(total: int, cap: int, ok) -> int | None:
     return next((b for b in range(min(cap, total), 0, -1) if total % b == 0 and ok(b)), None)
 
@@ -308,34 +307,43 @@ def quantized_matmul(
 
     q: int8 / float8_e4m3fn [K, N] (bits 8) or uint8 [K/2, N] (bits 4); scale, offset: float32
     [K/g, N] for group_size g, or [1, N] per output channel (group_size 0; offset only with groups).
-    impl: "reference" (jnp), "pallas" (the kernel of the default backend), "pallas_tpu", "pallas_gpu".
+    impl: a name of `KERNELS`: "reference" (jnp), "pallas" (the kernel of the default backend),
+    "pallas_tpu", "pallas_gpu".
     block_m defaults to M rounded up to 16 (at most 256); block_n / block_k to `default_blocks`;
     block_k (TPU) is a multiple of group_size; the GPU kernel steps K one group at a time.
     """
     _check(x, q, scale, offset, bits, group_size)
     if offset is not None and not group_size:
         raise ValueError("offsets need group-wise scales (group_size > 0)")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "reference":
-        return quantized_matmul_reference(x, q, scale, offset, bits=bits, group_size=group_size)
-    if impl == "pallas":
-        impl = "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_tpu"
+    if impl not in KERNELS:
+        raise ValueError(f"impl must be one of {tuple(KERNELS)}, got {impl!r}")
+    blocks = dict(block_m=block_m, block_n=block_n, block_k=block_k)
+    return KERNELS[impl](x, q, scale, offset, bits=bits, group_size=group_size, interpret=interpret, **blocks)
+
+
+def _reference(x, q, scale, offset, *, bits, group_size, interpret, **blocks):
+    return quantized_matmul_reference(x, q, scale, offset, bits=bits, group_size=group_size)
+
+
+def _kernel(x, q, scale, offset, *, bits, group_size, interpret, block_m, block_n, block_k, gpu: bool):
     m = x.shape[0]
     if block_m is None:
         block_m = min(256, max(16, 1 << (m - 1).bit_length()))
-    auto_n, auto_k = default_blocks(x.shape[1], q.shape[1], group_size, impl == "pallas_gpu")
-    block_n, block_k = block_n or auto_n, block_k or auto_k
-    call = _gpu_call if impl == "pallas_gpu" else _tpu_call
-    return call(
-        x,
-        q,
-        scale,
-        offset,
-        bits=bits,
-        group_size=group_size,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        interpret=interpret,
-    )
+    auto_n, auto_k = default_blocks(x.shape[1], q.shape[1], group_size, gpu)
+    call = _gpu_call if gpu else _tpu_call
+    blocks = dict(block_m=block_m, block_n=block_n or auto_n, block_k=block_k or auto_k)
+    return call(x, q, scale, offset, bits=bits, group_size=group_size, interpret=interpret, **blocks)
+
+
+def _pallas(*args, **options):
+    return _kernel(*args, **options, gpu=jax.default_backend() == "gpu")
+
+
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py): "auto" is the jnp spec on
+# CPU (models.ops.linear), the kernel of the platform elsewhere.
+KERNELS = {
+    "reference": Kernel(_reference, auto=("cpu",)),
+    "pallas": Kernel(_pallas, per_shard=True, auto=("tpu", "gpu", "interpret")),
+    "pallas_tpu": Kernel(functools.partial(_kernel, gpu=False), per_shard=True),
+    "pallas_gpu": Kernel(functools.partial(_kernel, gpu=True), per_shard=True),
+}

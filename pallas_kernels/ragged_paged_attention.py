@@ -1,6 +1,7 @@
 """Ragged paged attention: one call for a mixed batch of prefill chunks and decode tokens.
 
-Public op `ragged_paged_attention` dispatches to the pure-jnp reference (the spec), to a jnp
+Public op `ragged_paged_attention` dispatches by `impl` through `KERNELS` (its one table of
+implementations) to the pure-jnp reference (the spec), to a jnp
 implementation whose work follows the real context (rpa_chunked.py, the CPU serving path), or
 to a Pallas kernel (TPU Mosaic in rpa_kernel_tpu.py, GPU Triton lowering in
 rpa_kernel_gpu.py). All share one signature and the semantics below.
@@ -20,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kernel_impls import Kernel
 from pallas_kernels.kv_cache import KVPages, dequantize
 from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, true_num_seqs
-
-IMPLS = ("reference", "chunked", "native", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 def _sequence_kv(
@@ -149,15 +149,46 @@ def ragged_paged_attention_reference(
     )
 
 
-def _pick_impl(impl: str, interpret) -> str:
-    if impl != "pallas":
-        return impl
+def _reference(*args, interpret, **options):
+    return ragged_paged_attention_reference(*args, **options)
+
+
+def _chunked(*args, interpret, native=False, **options):
+    from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
+
+    return ragged_paged_attention_chunked(*args, **options, native=native)
+
+
+def _pallas_tpu(*args, **options):
+    from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
+
+    return ragged_paged_attention_tpu(*args, **options)
+
+
+def _pallas_gpu(*args, **options):
+    from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
+
+    return ragged_paged_attention_gpu(*args, **options)
+
+
+def _pallas(*args, interpret, **options):
     backend = jax.default_backend()
-    if backend == "gpu":
-        return "pallas_gpu"
-    if backend == "tpu" or interpret:
-        return "pallas_tpu"
-    raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+    if backend == "cpu" and not interpret:
+        raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+    return (_pallas_gpu if backend == "gpu" else _pallas_tpu)(*args, interpret=interpret, **options)
+
+
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py). "native" is "auto" on CPU:
+# the whole batch in the C++ kernel of cpu_native.py ("chunked" where that can't be built);
+# "pallas_tpu" / "pallas_gpu" name a target explicitly (`jaxserve plan` compiles for one from a CPU host).
+KERNELS = {
+    "reference": Kernel(_reference, kv_bits=True),
+    "chunked": Kernel(_chunked, kv_bits=True),
+    "native": Kernel(functools.partial(_chunked, native=True), kv_bits=True, per_shard=True, auto=("cpu",)),
+    "pallas": Kernel(_pallas, per_shard=True, auto=("tpu", "gpu", "interpret")),
+    "pallas_tpu": Kernel(_pallas_tpu, per_shard=True),
+    "pallas_gpu": Kernel(_pallas_gpu, per_shard=True),
+}
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl", "interpret"))
@@ -183,21 +214,26 @@ def ragged_paged_attention(
     block_tables: [S, MB] int32, logical block -> physical page
     cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
     num_seqs:     int32 [] or [1], the true number of sequences
-    impl:         "reference" (the spec) | "chunked" (jnp, work proportional to the real
-                  context) | "native" (the CPU serving path: the whole batch in the C++ kernel
-                  of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
+    impl:         a name of `KERNELS`: "reference" (the spec) | "chunked" (jnp, work proportional
+                  to the real context) | "native" (the CPU serving path: the whole batch in the
+                  C++ kernel of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
                   "pallas" (kernel for the default backend; on CPU with
                   `interpret` the TPU kernel) | "pallas_tpu" | "pallas_gpu"
     interpret:    passed to pallas_call: False, True, or a `pltpu.InterpretParams()`
     Returns [T, Hq, D] in q's dtype; rows of padding tokens are unspecified.
     """
     check_inputs(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in KERNELS:
+        raise ValueError(f"impl must be one of {tuple(KERNELS)}, got {impl!r}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if kv.view is not None and not KERNELS[impl].kv_bits:
+        raise ValueError(
+            f"KV pages in bit storage (KVPages.view set) are for {[n for n, k in KERNELS.items() if k.kv_bits]}; "
+            f"impl {impl!r} takes float pages"
+        )
     args = (
         q,
         kv,
@@ -206,23 +242,6 @@ def ragged_paged_attention(
         cu_q_lens.astype(jnp.int32),
         true_num_seqs(num_seqs),
     )
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    impl = _pick_impl(impl, interpret)
-    if kv.view is not None and impl.startswith("pallas"):
-        raise ValueError(
-            "KV pages in bit storage (KVPages.view set) are for the jnp paths "
-            "('reference', 'chunked', 'native'); the Pallas kernels take float pages"
-        )
-    if impl == "reference":
-        return ragged_paged_attention_reference(*args, **options)
-    if impl in ("chunked", "native"):
-        from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
-
-        return ragged_paged_attention_chunked(*args, **options, native=impl == "native")
-    if impl == "pallas_tpu":
-        from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
-
-        return ragged_paged_attention_tpu(*args, **options, interpret=interpret)
-    from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
-
-    return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
+    return KERNELS[impl](
+        *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret
+    )

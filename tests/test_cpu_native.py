@@ -162,26 +162,32 @@ def test_bf16_matmul_valid_rows(valid):
         assert (got[v:] == 0).all()
 
 
-def test_token_rows_applies_to_matmuls_over_the_token_axis_only():
-    """Inside `token_rows(count, total)` a matmul over `total` rows computes the first `count`;
-    one over another row count (a logits head over R rows) computes all of them."""
+def test_valid_rows_reach_the_native_matmul_through_the_linear_op():
+    """`ops.linear(x, w, opts, valid_rows=count)` on a packed bf16 weight, with a traced count
+    (the forward pass passes its batch's `ForwardBatch.num_valid_rows`), computes the first `count`
+    rows and leaves the rest zeros; without it (a logits head over R rows) every row is computed."""
     import jax
     import jax.numpy as jnp
 
+    from models import ops
+    from models.batch import single_sequence_batch
+    from models.quantization import packed
+
     rng = np.random.default_rng(6)
     x, w = jnp.asarray(_bf16(rng, (24, 64))), jnp.asarray(_bf16(rng, (64, 32), 0.1))
-    wp = cpu_native.pack_bf16_weight(w)
+    wp = packed(w)
+    opts = ops.KernelOptions()
 
     @jax.jit
-    def f(x, count):
-        with cpu_native.token_rows(count, 24):
-            return cpu_native.bf16_matmul(x, wp, 32), cpu_native.bf16_matmul(x[:8], wp, 32)
+    def f(x, batch):
+        return ops.linear(x, wp, opts, valid_rows=batch.num_valid_rows), ops.linear(x[:8], wp, opts)
 
-    plain = np.asarray(cpu_native.bf16_matmul(x, wp, 32).astype(jnp.float32))
-    tokens, head = (np.asarray(a.astype(jnp.float32)) for a in f(x, jnp.int32(10)))
+    plain = np.asarray(cpu_native.bf16_matmul(x, wp.p, 32).astype(jnp.float32))
+    batch = single_sequence_batch(list(range(10)), page_size=4, pad_to=24)
+    assert int(batch.num_valid_rows) == 10
+    tokens, head = (np.asarray(a.astype(jnp.float32)) for a in f(x, batch))
     assert (tokens[:10] == plain[:10]).all() and (tokens[10:] == 0).all()
     assert (head == plain[:8]).all()
-    assert cpu_native._TOKEN_ROWS.get() is None  # reset after the trace
 
 
 def test_pack_round_trip_and_leading_axes():

@@ -5,7 +5,10 @@ through the paged caches (prefill, then one token per step) is compared with HF 
 accepting a divergence only where HF's top-2 logit gap is below 1e-3.
 """
 
+import traceback
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -125,14 +128,13 @@ def _serve_bf16_packed(path, prompts: dict) -> dict:
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_engine_bf16_packed_skips_padding_rows_exactly(family, tiny_checkpoint, monkeypatch):
     """The CPU plan's bf16 serving path end to end: packed projections whose native matmul skips
-    each step's bucket padding rows (`cpu_native.token_rows`), chunked prefill across several
+    each step's bucket padding rows (`ForwardBatch.num_valid_rows`, passed to every projection),
+    chunked prefill across several
     token buckets with decodes riding along. Llama: every request's greedy tokens against HF's
     bfloat16 model, equal or diverging first where HF's top-2 gap is within bf16 noise (< 2^-5;
     the hybrid's bf16 GDN rounds differently from HF's, so its bf16 tokens are checked at the
-    logit level in the test above). Both: the same tokens with the skipping turned off (every
-    padding row computed, as before `token_rows`)."""
-    import contextlib
-
+    logit level in the test above). Both: every native matmul over the step's token rows got that
+    count, and the same tokens come out with the skipping turned off (every padding row computed)."""
     from transformers import AutoModelForCausalLM
 
     from pallas_kernels import cpu_native
@@ -142,7 +144,17 @@ def test_engine_bf16_packed_skips_padding_rows_exactly(family, tiny_checkpoint, 
     path = tiny_checkpoint(family)
     vocab = load_model(path).cfg.vocab_size
     prompts = {f"r{i}": _prompt(vocab, n, seed=400 + i) for i, n in enumerate((3, 45, 17, 9, 26))}
+    matmul, seen = cpu_native.bf16_matmul, []
+
+    def spy(x, wp, n, out_dtype=jnp.bfloat16, valid_rows=None):  # runs while a step is traced
+        head = any(frame.name == "compute_logits" for frame in traceback.extract_stack())
+        seen.append(("head" if head else "layers", valid_rows is not None))
+        return matmul(x, wp, n, out_dtype, valid_rows)
+
+    monkeypatch.setattr(cpu_native, "bf16_matmul", spy)
     got = _serve_bf16_packed(path, prompts)
+    # every projection of the layers skips the padding rows; the logits head computes its R rows
+    assert set(seen) == {("layers", True), ("head", False)}
     if family == "llama":
         hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
         for rid, ids in prompts.items():
@@ -154,5 +166,7 @@ def test_engine_bf16_packed_skips_padding_rows_exactly(family, tiny_checkpoint, 
                     break
             else:
                 assert len(got[rid]) == len(expected) == 8
-    monkeypatch.setattr(cpu_native, "token_rows", lambda count, total: contextlib.nullcontext())
+    monkeypatch.setattr(
+        cpu_native, "bf16_matmul", lambda x, wp, n, out_dtype=jnp.bfloat16, valid_rows=None: matmul(x, wp, n, out_dtype)
+    )
     assert _serve_bf16_packed(path, prompts) == got

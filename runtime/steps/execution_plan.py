@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.ops import auto_impl
+from models.ops import reads_kv_bits, resolve_impl
 from runtime.buckets import pow2_buckets
 
 BACKENDS = ("cpu", "gpu", "tpu")
@@ -61,14 +61,14 @@ MIN_SEQ_BUCKET = 8
 # per decode-sized bucket. Accelerators: not measured (no device run), off;
 # `kernels.fuse_greedy: true` turns it on anywhere.
 FUSE_GREEDY_CPU_DTYPES = ("bfloat16",)
-# KV bit storage follows the attention path: the jnp paths ("chunked", "reference") hold bf16 /
-# FP8 pages as raw bits because XLA:CPU converts the whole pool on every scatter into a bf16 /
-# FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms, pallas_kernels/kv_cache.py); the Pallas
-# kernels read float pages. A float32 pool is the same either way. Re-measured (exec_plan_ab,
-# 2026-12-01, tiny dense, bf16 KV): bits / float storage 56x. The chunked attention path itself:
-# chunked / reference 3.6x tiny dense, 1.33x tiny hybrid (models/ops.auto_impl). "native" (the
-# CPU default: "chunked" with its decode pass in C++, pallas_kernels/cpu_native.py) reads the bits too.
-JNP_ATTENTION_PATHS = ("native", "chunked", "reference")
+# KV bit storage follows the attention path (`models.ops.reads_kv_bits`, the `kv_bits` fact of
+# its entry in pallas_kernels/ragged_paged_attention.py's `KERNELS`): the jnp paths ("native",
+# "chunked", "reference") hold bf16 / FP8 pages as raw bits because XLA:CPU converts the whole
+# pool on every scatter into a bf16 / FP8 buffer (17 ms per 8 MiB of pages vs 0.02 ms,
+# pallas_kernels/kv_cache.py); the Pallas kernels read float pages. A float32 pool is the same
+# either way. Re-measured (exec_plan_ab, 2026-12-01, tiny dense, bf16 KV): bits / float storage
+# 56x. The chunked attention path itself: chunked / reference 3.6x tiny dense, 1.33x tiny hybrid;
+# "native" (the CPU "auto": "chunked" with its decode pass in C++, pallas_kernels/cpu_native.py).
 # Weight layout: on CPU the float projections are held [out, in] (models.quantization.OutInWeight),
 # the right-hand side XLA:CPU's XNNPACK dot packs fastest. Measured (30 SmolLM2-135M layers of
 # projections, 2026-12-01): bf16 26.6 -> 18.8 ms at 16 rows, 24.5 -> 17.5 at 4, 38.2 -> 31.2 at
@@ -100,7 +100,7 @@ class ExecutionPlan:
     token_buckets: tuple[int, ...]  # backbone token counts compiled
     seq_buckets: tuple[int, ...]  # sampler row counts compiled
     fuse_greedy: bool  # a greedy backbone (argmax fused in) per token bucket <= max_num_seqs
-    attention_path: str  # KernelOptions.attention: native | chunked | reference | pallas | pallas_tpu | pallas_gpu
+    attention_path: str  # KernelOptions.attention: a name of models.ops.ATTENTION_BACKENDS (native, pallas, ...)
     # KernelOptions.gdn: reference (per-token recurrence) | pallas | ...; the chunked-GDN CPU
     # prefill (issue 14 item 3) picks its path in `_gdn_path`.
     gdn_path: str
@@ -136,7 +136,7 @@ def plan_execution(
     c = engine_config
     on_cpu = backend == "cpu"
     token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
-    attention = _kernel_path(c.attention_backend, "attention", backend, c.interpret)
+    attention = resolve_impl("attention", c.attention_backend, backend, c.interpret)
     dtype = dtype or c.dtype
     warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype in CPU_WARNED_DTYPES else ()
     fuse_greedy_default = on_cpu and dtype in FUSE_GREEDY_CPU_DTYPES and not model_config.is_hybrid
@@ -148,7 +148,7 @@ def plan_execution(
         fuse_greedy=fuse_greedy_default if c.fuse_greedy is None else c.fuse_greedy,
         attention_path=attention,
         gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
-        kv_bit_storage=attention in JNP_ATTENTION_PATHS,
+        kv_bit_storage=reads_kv_bits(attention),
         weight_layout=_weight_layout(on_cpu and c.mesh_shape is None, dtype, native_matmul),
         aot_compile=c.aot_compile,
         grammar_samplers=c.aot_grammar_samplers,
@@ -184,10 +184,6 @@ def _layer_loop(choice: str, num_layers: int, backend: str, dtype: str) -> str:
     return "unroll" if num_layers <= UNROLL_MAX_LAYERS_CPU or dtype in UNROLL_ANY_DEPTH_CPU_DTYPES else "scan"
 
 
-def _kernel_path(choice: str, op: str, backend: str, interpret) -> str:
-    return auto_impl(op, backend, interpret) if choice == "auto" else choice
-
-
 def _gdn_path(choice: str, backend: str, interpret) -> str:
     """The GDN layers' path. CPU: "native" (pallas_kernels/gdn.py `gated_delta_rule_native`): every
     row's recurrence in C++, state slots updated in place. Measured (benchmarks/cpu_native.py,
@@ -195,4 +191,4 @@ def _gdn_path(choice: str, backend: str, interpret) -> str:
     per-token loop, a 512-token prefill 15.6 -> 7.5 ms against the jnp WY chunks. Its fallback,
     "chunked", runs WY chunks of 16 from CHUNKED_MIN_TOKENS on (1.2-3.9x the jnp loop there,
     benchmarks/gdn_prefill.py) and the per-token loop below."""
-    return _kernel_path(choice, "gdn", backend, interpret)
+    return resolve_impl("gdn", choice, backend, interpret)

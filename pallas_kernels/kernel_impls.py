@@ -1,0 +1,46 @@
+"""Each op's implementations by name, and the one rule that resolves "auto".
+
+    KERNELS = {"reference": Kernel(_reference, kv_bits=True), "native": Kernel(_native, auto=("cpu",)), ...}
+    KERNELS["native"](*operands, interpret=False, **op_kwargs)
+    resolve(KERNELS, "auto", "cpu")  # -> "native"
+
+An op module (`ragged_paged_attention.py`, `gdn.py`, `quantized_matmul.py`) keeps one such table
+beside its op: the only place its implementation names are written. Everything else is read from
+the table or from a fact on an entry: `models.ops` fills its plugin-open registries from it, the
+execution plan takes `auto` and `kv_bits` from it, and tests/test_kernel_registry.py checks the
+launch schema's literal choices (configs/ imports nothing of ours) against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# `auto` keys: a platform (cpu | gpu | tpu), or "interpret" for CPU with Pallas interpret mode on
+INTERPRET = "interpret"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One implementation of an op and the facts its callers need."""
+
+    fn: Callable[..., Any]
+    kv_bits: bool = False  # reads KV pages held as raw bits (KVPages.view); the Pallas kernels take float pages
+    per_shard: bool = False  # a Pallas kernel or custom call: under tensor parallelism, shard_map over heads
+    auto: tuple[str, ...] = ()  # where "auto" picks it: platforms, or INTERPRET
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def resolve(kernels: Mapping[str, Kernel], choice: str, platform: str, interpret: Any = False) -> str:
+    """The implementation name `choice` means on `platform` (cpu | gpu | tpu): itself, or for
+    "auto" the entry whose `auto` names the platform (on CPU with `interpret` set: INTERPRET)."""
+    if choice != "auto":
+        return choice
+    key = INTERPRET if platform == "cpu" and interpret else platform
+    for name, kernel in kernels.items():
+        if key in kernel.auto:
+            return name
+    raise ValueError(f"no implementation is picked by 'auto' on {key!r}; known: {list(kernels)}")
