@@ -75,8 +75,9 @@ def test_nonsense_sizes_are_value_errors():
 
 def test_the_sampling_metadata_and_engine_use_these_rules():
     """No second copy of a rule: the sampler's widths and the engine's sequence bucket are these."""
-    import runtime.engine.llm_engine as engine
+    import runtime.engine.construction as construction
+    import runtime.engine.step_inputs as step_inputs
     import runtime.steps.sampling_metadata as sm
 
     assert sm.pow2_bucket is B.penalty_width and sm.banned_width is B.banned_width
-    assert engine.seq_bucket is B.seq_bucket and engine.pages_for is B.pages_for
+    assert step_inputs.seq_bucket is B.seq_bucket and construction.pages_for is B.pages_for
