@@ -25,7 +25,6 @@ clients and load generators against the HTTP layer.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
@@ -36,8 +35,6 @@ from typing import Any
 from configs import rules
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
-
-ENGINE_FACTORY = "runtime.engine.client_factory:create_engine_client"
 
 
 @dataclass(frozen=True)
@@ -323,20 +320,15 @@ def _build_engine(config: LaunchConfig, fake: bool):
             max_model_len=config.model.max_model_len or 2048,
             num_slots=config.scheduler.max_num_seqs,
         )
-    module_name, _, attribute = ENGINE_FACTORY.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(
-            f"jaxserve: the engine factory {ENGINE_FACTORY} is not available ({err}); "
-            "use --fake-engine to run the HTTP layer alone"
-        ) from None
-    return factory(config)
+    from runtime.engine.client_factory import create_engine_client  # JAX: imported only for a real engine
+
+    return create_engine_client(config)
 
 
 def _convert(args) -> int:
     """`jaxserve convert`: JAX is imported only for this command."""
-    convert = importlib.import_module("models.convert")
+    from models import convert  # JAX: imported only for this command
+
     mesh = None
     if args.mesh is not None:
         try:
@@ -347,7 +339,9 @@ def _convert(args) -> int:
         if axes:
             print(f"jaxserve convert: --mesh must be data=D,model=M, got {args.mesh!r}", file=sys.stderr)
             return 2
-        mesh = importlib.import_module("runtime.parallel.mesh").make_mesh(*shape)
+        from runtime.parallel.mesh import make_mesh
+
+        mesh = make_mesh(*shape)
     try:
         out = convert.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
     except (OSError, ValueError) as err:
@@ -401,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args, config: LaunchConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    plan = importlib.import_module("runtime.aot.chip_report")  # JAX: imported only for this command
+    from runtime.aot import chip_report as plan  # JAX: imported only for this command
+
     buckets = None if args.buckets is None else tuple(int(b) for b in args.buckets.split(","))
     try:
         report = plan.plan_config(config, args.config or "cpu-demo.yaml", token_buckets=buckets)

@@ -1,4 +1,4 @@
-"""The engine behind `jaxserve serve` (`server.cli.ENGINE_FACTORY`): the loop on the transport the config picks.
+"""The engine behind `jaxserve serve` (`server.cli` imports it only to serve a real engine): the loop on the transport the config picks.
 
     client = create_engine_client(launch_config)   # an EngineClient (server/engine_client.py)
 
