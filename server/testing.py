@@ -14,7 +14,6 @@ same `runtime.engine.loop.EngineLoop` as the real transports and emits the same 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import textwrap
@@ -22,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from runtime.engine.loop import AsyncSink, EngineLoop, deliver_to_event_loops, queued_deltas
+from runtime.engine.loop import EngineLoop, deliver_to_event_loops
 from runtime.types import EngineRequest, RequestDelta, TokenLogprob
 from runtime.validation import validate_request
 
@@ -210,12 +209,8 @@ class FakeEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         self.requests.append(request)
         self._start()
-        sink = AsyncSink(asyncio.get_running_loop(), asyncio.Queue())
-        rid = request.request_id
-        self._loop.add(request, sink)
-        async with contextlib.aclosing(queued_deltas(sink.queue, lambda: self._loop.abort(rid))) as deltas:
-            async for delta in deltas:
-                yield delta
+        async for delta in self._loop.stream(request):
+            yield delta
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)

@@ -21,6 +21,7 @@ request gets an `EngineDeadError`, `death` is set and `run` returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 from collections.abc import AsyncIterator, Callable
@@ -78,6 +79,16 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """`request` added from an event loop, its deltas yielded there (via `deliver_to_event_loops`);
+        a consumer that stops early aborts it."""
+        sink = AsyncSink(asyncio.get_running_loop(), asyncio.Queue())
+        rid = request.request_id
+        self.add(request, sink)
+        async with contextlib.aclosing(queued_deltas(sink.queue, lambda: self.abort(rid))) as deltas:
+            async for delta in deltas:
+                yield delta
 
     def stop(self) -> None:
         self._commands.put(None)

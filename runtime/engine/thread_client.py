@@ -11,10 +11,9 @@ this thread serves multi-host and P/D roles and `server.engine_process: false`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 
-from runtime.engine.loop import AsyncSink, EngineLoop, deliver_to_event_loops, queued_deltas
+from runtime.engine.loop import EngineLoop, deliver_to_event_loops
 from runtime.types import EngineDeadError, EngineRequest
 
 
@@ -50,12 +49,8 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest):
         if not self.is_healthy():
             raise EngineDeadError(f"the engine loop has died: {(self._death or self._loop.death)!r}")
-        sink = AsyncSink(asyncio.get_running_loop(), asyncio.Queue())
-        rid = request.request_id
-        self._loop.add(request, sink)
-        async with contextlib.aclosing(queued_deltas(sink.queue, lambda: self._loop.abort(rid))) as deltas:
-            async for delta in deltas:
-                yield delta
+        async for delta in self._loop.stream(request):
+            yield delta
 
     async def abort(self, request_id: str) -> None:
         self._loop.abort(request_id)
