@@ -18,9 +18,9 @@ def next_delta(engine, req: Request, finished: bool) -> RequestDelta:
     detok = engine._detok.get(rid)
     if finished and detok is not None:
         detok.flush()
-    tokens = req.resolved_output_token_ids
+    resolved = req.num_resolved_output_tokens
     sent = engine._sent_tokens.get(rid, 0)
-    engine._sent_tokens[rid] = len(tokens)
+    engine._sent_tokens[rid] = resolved
     logprobs = engine._logprobs.get(rid)
     if logprobs is not None:
         engine._logprobs[rid] = []
@@ -29,7 +29,7 @@ def next_delta(engine, req: Request, finished: bool) -> RequestDelta:
         engine._prompt_logprobs.pop(rid)  # sent once
     return RequestDelta(
         rid,
-        tokens[sent:],
+        req.output_token_ids[sent:resolved],  # only the new tokens are copied, not the whole output
         detok.take_text(finished) if detok is not None else "",
         logprobs,
         req.finish_reason if finished else None,

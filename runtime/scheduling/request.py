@@ -102,11 +102,16 @@ class Request:
     @property
     def resolved_output_token_ids(self) -> list[int]:
         """The output tokens the host knows (without trailing placeholders)."""
+        return self.output_token_ids[: self.num_resolved_output_tokens]
+
+    @property
+    def num_resolved_output_tokens(self) -> int:
+        """How many output tokens the host knows: all but the trailing placeholders (no copy)."""
         ids = self.output_token_ids
         n = len(ids)
         while n and ids[n - 1] == PLACEHOLDER_TOKEN:
             n -= 1
-        return ids[:n]
+        return n
 
     @property
     def has_placeholder(self) -> bool:
