@@ -20,6 +20,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Let the TPU topology lookup (real Mosaic AOT compiles on CPU) work while another JAX process
 # on the machine, e.g. a running server, holds libtpu's lock file.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# One XLA compilation cache for the whole run, child processes included (they inherit the
+# environment): the suite builds engines of the same few shapes in many modules, and a cache hit
+# skips XLA's compile (tracing and lowering still run, so every test still exercises them). Kept
+# under the repository's .cache, so a local rerun is warm; CI's clean clone starts it cold.
+# JAXSERVE_TEST_COMPILE_CACHE=0 turns it off (to time the suite as it was).
+if os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", "1") != "0":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "xla-tests")
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest
 

@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 
 from models.batch import single_sequence_batch
-from runtime.parallel.multihost import DivergenceError, Follower, FollowerLost, LeaderExecutables, MultihostLeader
+from runtime.parallel.multihost import (
+    DivergenceError,
+    Follower,
+    FollowerLost,
+    LeaderChannel,
+    LeaderExecutables,
+    MultihostLeader,
+)
 from runtime.parallel.multihost_channel import Session, decode_frame, encode_frame, read_frame
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import SamplingParams
@@ -136,6 +143,26 @@ def test_follower_replays_exactly_the_leaders_calls():
     while leader._tokens and time.monotonic() < deadline:  # token digests of both sampling calls checked
         time.sleep(0.05)
     assert not leader._tokens and not lost
+
+
+def test_executables_wrapped_at_construction_broadcast_once_the_followers_joined():
+    """The leader's engine is built with `LeaderChannel.wrap` before the followers connect: a step
+    before `connect` is refused (nothing ran), after it the follower replays every call."""
+    channel = LeaderChannel()
+    recorder = RecordingExecutables()
+    wrapped = channel.wrap(recorder)
+    with pytest.raises(FollowerLost, match="not connected"):
+        wrapped.copy_states(0, [(1, 2)])
+    assert recorder.calls == []
+    leader, follower, thread, result, lost = _pair()
+    channel.connect(leader)
+    client = SimpleNamespace(mark_dead=lambda err: None, shutdown_hooks=[])
+    channel.serve(client)
+    assert client.shutdown_hooks == [leader.finish]
+    sampled, greedy = _drive(wrapped)
+    _stop(leader, thread)
+    assert result["code"] == 0 and follower.engine.executables.calls == recorder.calls and len(recorder.calls) == 4
+    assert sampled.tolist() == [5, 17] and greedy.tolist() == [7, 8] and not lost
 
 
 def test_follower_with_other_tokens_is_a_divergence():

@@ -15,7 +15,7 @@ from models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from runtime.engine.loading import load_engine
 from runtime.engine.process_client import EngineProcessClient
 from runtime.engine.thread_client import AsyncEngine
-from runtime.parallel.multihost import Follower, MultihostLeader
+from runtime.parallel.multihost import Follower, LeaderChannel, MultihostLeader
 
 
 def create_engine_client(config):
@@ -33,12 +33,15 @@ def create_engine_client(config):
     multi_process = multihost is not None and multihost.num_processes > 1
     if config.server.engine_process and not multi_process and config.parallel.role == "both":
         return EngineProcessClient.start(config, str(path), served_name)
-    engine = load_engine(config, str(path))
-    if multi_process:  # runtime/parallel/multihost.py
-        if multihost.process_id != 0:
-            return Follower(engine, multihost)  # server/runner.serve runs its `follow()`, no HTTP
-        leader = MultihostLeader.listen(multihost)
-        client = AsyncEngine(engine, served_name)
-        leader.attach(client)
-        return client
-    return AsyncEngine(engine, served_name)
+    if not multi_process:
+        return AsyncEngine(load_engine(config, str(path)), served_name)
+    # multi-host (runtime/parallel/multihost.py): process 0 builds its engine with its executables
+    # wrapped to broadcast every step; the followers join after the collective load
+    if multihost.process_id != 0:
+        return Follower(load_engine(config, str(path)), multihost)  # server/runner.serve runs its `follow()`, no HTTP
+    channel = LeaderChannel()
+    engine = load_engine(config, str(path), wrap_executables=channel.wrap)
+    channel.connect(MultihostLeader.listen(multihost))
+    client = AsyncEngine(engine, served_name)
+    channel.serve(client)
+    return client

@@ -35,7 +35,7 @@ import numpy as np
 
 from models.model import Model
 from runtime.engine.construction import build_step_parts, prepare_model
-from runtime.engine.deltas import next_delta
+from runtime.engine.deltas import RequestOutputs
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.postprocess import EngineDeadError, check_step_failure, log_step_failure, needs_host_tokens
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
@@ -100,9 +100,7 @@ class LLMEngine:
             if jax.process_count() == 1:  # multi-host: a lone warm-up step would wait on the followers
                 self.caches = self.executables.warm_up(self.model.params, self.caches)
         self._eos_token_ids = tuple(cfg.eos_token_ids)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list[TokenLogprob]] = {}  # logprobs not yet sent in a delta
-        self._sent_tokens: dict[str, int] = {}  # output tokens each request's deltas carried so far
+        self._outputs: dict[str, RequestOutputs] = {}  # each live request's output side (deltas.py)
         self._prompt_logprobs = PromptLogprobRecords()
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -161,15 +159,15 @@ class LLMEngine:
                 self._structured.remove(req.request_id)
             raise
         self._requests[req.request_id] = req
+        detok = None
         if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(
+            detok = IncrementalDetokenizer(
                 self.tokenizer,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-        if params.logprobs is not None:
-            self._logprobs[req.request_id] = []
+        self._outputs[req.request_id] = RequestOutputs(detok, logprobs=params.logprobs is not None)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs.add(req)
 
@@ -203,8 +201,8 @@ class LLMEngine:
         the stop strings, then its output."""
         req.append_output([token])
         end = req.stop_check(self.max_model_len)
-        detok = self._detok.get(req.request_id)
-        hit = detok.add([token]) if detok is not None else None
+        outputs = self._outputs.get(req.request_id)
+        hit = outputs.add_token(token) if outputs is not None else None
         if end is None and hit is not None:
             end = ("stop", hit)
         if end is not None:
@@ -400,17 +398,15 @@ class LLMEngine:
                 outputs.append(self._output(req, finished=req.is_finished))
                 continue
             token = int(step.tokens[row])
-            if req.request_id in self._logprobs:
-                lp, top_ids, top_lp = step.logprobs
-                n = req.params.logprobs
-                self._logprobs[req.request_id].append(
-                    TokenLogprob(
-                        token, float(lp[row]), [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
-                    )
-                )
-            detok = self._detok.get(req.request_id)
-            if detok is not None:
-                hit = detok.add([token])
+            record = self._outputs.get(req.request_id)
+            if record is not None:
+                logprob = None
+                if record.logprobs is not None:
+                    lp, top_ids, top_lp = step.logprobs
+                    n = req.params.logprobs
+                    top = [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
+                    logprob = TokenLogprob(token, float(lp[row]), top)
+                hit = record.add_token(token, logprob)
                 if hit is not None and not req.is_finished:
                     self._finish(req, "stop", hit, emit=False)
             outputs.append(self._output(req, finished=req.is_finished))
@@ -418,15 +414,18 @@ class LLMEngine:
 
     def _output(self, req: Request, finished: bool) -> RequestDelta:
         """What `req` gained since its previous delta (runtime/engine/deltas.py); a finished one is forgotten."""
-        delta = next_delta(self, req, finished)
+        rid = req.request_id
+        prompt_logprobs = self._prompt_logprobs.finished(rid)
+        if prompt_logprobs is not None:
+            self._prompt_logprobs.pop(rid)  # sent once
+        record = self._outputs.get(rid) or RequestOutputs(None, logprobs=False)
+        delta = record.next_delta(req, finished, prompt_logprobs)
         if finished and self.kv_transfer is not None:
             delta.kv_transfer_params = self.kv_transfer.finished(req)
         if finished:
             if self._structured is not None:
                 self._structured.remove(req.request_id)
             self._requests.pop(req.request_id, None)
-            self._detok.pop(req.request_id, None)
-            self._logprobs.pop(req.request_id, None)
-            self._prompt_logprobs.pop(req.request_id)
-            self._sent_tokens.pop(req.request_id, None)
+            self._outputs.pop(rid, None)
+            self._prompt_logprobs.pop(rid)
         return delta

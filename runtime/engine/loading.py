@@ -39,11 +39,12 @@ def engine_config_from_launch(config, model_path: str) -> EngineConfig:
     return build_engine_config(config, model_path, aot_compile_all=config.compile.aot)
 
 
-def load_engine(config, model_path: str) -> LLMEngine:
+def load_engine(config, model_path: str, wrap_executables=None) -> LLMEngine:
     """Load the launch config's model and compile its steps (in the server's process for the
-    thread, in the engine process otherwise), logging what it got."""
+    thread, in the engine process otherwise), logging what it got. `wrap_executables`: the
+    multi-host leader's (`LeaderChannel.wrap`)."""
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True)
+    engine = LLMEngine(engine_config_from_launch(config, model_path), progress=True, wrap_executables=wrap_executables)
     log.info(
         "engine ready in %.1fs: %s, %d KV pages of %d tokens, buckets %s",
         time.perf_counter() - t0,

@@ -1,8 +1,10 @@
 """Multi-process serving: process 0 (the leader) schedules and serves HTTP; every other process
 (a follower) replays the leader's executable calls, in the same order, with the same host inputs.
 
-    leader = MultihostLeader.listen(config.parallel.multihost)       # process 0
-    leader.attach(async_engine)    # wraps engine.executables; a lost follower marks the engine dead
+    channel = LeaderChannel()                                          # process 0
+    engine = LLMEngine(config, wrap_executables=channel.wrap)          # built with its executables wrapped
+    channel.connect(MultihostLeader.listen(config.parallel.multihost))  # after the (collective) load
+    channel.serve(async_engine)    # a lost follower marks the engine dead; its shutdown stops them
     ...
     Follower(engine, config.parallel.multihost).follow()   # processes 1..N-1: runtime/parallel/follower.py
 
@@ -87,6 +89,7 @@ __all__ = [  # the follower's side lives in runtime/parallel/follower.py; both a
     "DivergenceError",
     "Follower",
     "FollowerLost",
+    "LeaderChannel",
     "LeaderExecutables",
     "LeaderLost",
     "MultihostLeader",
@@ -109,7 +112,7 @@ def _on_host(value) -> bool:
 class LeaderExecutables:
     """The leader's `StepExecutables`, each step method first sent to every follower."""
 
-    def __init__(self, inner, leader: MultihostLeader):
+    def __init__(self, inner, leader: MultihostLeader | LeaderChannel):
         self._inner, self._leader = inner, leader
 
     def __getattr__(self, name):
@@ -134,6 +137,40 @@ class LeaderExecutables:
             return result
 
         return broadcast_then_call
+
+
+class LeaderChannel:
+    """The leader as the engine is built: its executables are wrapped at construction
+    (`LLMEngine(wrap_executables=channel.wrap)`), while the followers connect only after the
+    collective load (`connect`). No step runs in between: a multi-process engine skips its lone
+    warm-up step, and a call before `connect` raises FollowerLost."""
+
+    def __init__(self):
+        self.leader: MultihostLeader | None = None
+
+    def wrap(self, executables) -> LeaderExecutables:
+        return LeaderExecutables(executables, self)
+
+    def connect(self, leader: MultihostLeader) -> MultihostLeader:
+        self.leader = leader
+        return leader
+
+    def serve(self, client) -> None:
+        self._connected().serve(client)
+
+    def _connected(self) -> MultihostLeader:
+        if self.leader is None:
+            raise FollowerLost("the step channel is not connected yet (a step ran before the followers joined)")
+        return self.leader
+
+    def send(self, op: str, args: dict) -> int:
+        return self._connected().send(op, args)
+
+    def running(self, seq: int):
+        return self._connected().running(seq)
+
+    def expect_tokens(self, seq: int, tokens) -> None:
+        self._connected().expect_tokens(seq, tokens)
 
 
 class MultihostLeader:
@@ -176,10 +213,10 @@ class MultihostLeader:
             sessions = accept_followers(server, secret, multihost.num_processes, timeout_s, handshake_timeout_s)
         return cls(sessions, multihost)
 
-    def attach(self, client) -> None:
-        """Serve through `client` (an AsyncEngine): wrap its engine's executables, mark it dead
-        when a follower is lost, stop the followers when it shuts down."""
-        client.engine.executables = LeaderExecutables(client.engine.executables, self)
+    def serve(self, client) -> None:
+        """Serve through `client` (an AsyncEngine whose engine was built with this leader's
+        `LeaderExecutables`): mark it dead when a follower is lost, stop the followers when it
+        shuts down."""
         self._on_lost.append(client.mark_dead)
         client.shutdown_hooks.append(self.finish)
 
