@@ -1,14 +1,16 @@
 """Kimi delta attention over a ragged batch: Mosaic TPU Pallas kernel (spec: `kda.py`).
 
 Grid (sequence slot s, value head h). Per grid step, with cu_q_lens / slot ids / flags in SMEM
-(scalar prefetch): load the state [K,V] of slot `state_slot_ids[s]` (or zeros), walk the
-sequence in windows of C tokens (DMA'd from HBM, tokens a leading untiled dim so a window may
-start at any token), run the per-token recurrence over each window's tokens, and DMA the state
-back. Padded sequences (s >= num_seqs) and empty ones do nothing; tokens outside the sequence
-are never read into its math, and outputs of padding tokens stay zero.
+(scalar prefetch): load the state [K,V] of slot `state_slot_ids[s]` (or zeros), run the WY
+chunked form over the sequence's full chunks of C tokens, then the per-token recurrence over
+the remaining < C tokens (a decode step is that remainder), and DMA the state back. Token
+arrays stay in HBM and are copied chunk by chunk (tokens a leading untiled dim, so a chunk may
+start at any token). Padded sequences (s >= num_seqs) and empty ones do nothing; tokens outside
+the sequence are never read into its math, and outputs of padding tokens stay zero.
 
-This is the recurrent form for every token: the chunked WY form with its [C,C,K] decay tile
-(`kda.kda_chunk`) is not in this kernel yet.
+The [C,C,K] decay tile of the chunked form (`kda.kda_chunk`) is never materialised: one loop
+over the chunk's rows r builds exp(G_r - G_s) [C,K] for s <= r and reduces it into row r of
+the two [C,C] score matrices, so every value is 2-D (Mosaic's shapes) and VMEM stays O(C K).
 """
 
 import functools
@@ -19,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-F32 = jnp.float32
+from pallas_kernels.kernel_math import F32, dot, unit_lower_inverse
 
 
 def _lane(x, index):
@@ -45,6 +47,47 @@ def _recurrent_token(state, row, q_t, k_t, g_t, v, beta_t):
     return jnp.sum(_lane(q_t, row) * state, axis=0, keepdims=True), state
 
 
+def _decayed_scores(q, k, cum_g):
+    """Row r of (K K^T) and (Q K^T) weighted per channel by exp(G_r - G_s), s <= r (else 0).
+
+    q, k, cum_g [C,K] -> (kk [C,C], qk [C,C]). Masked before the exp: G_r - G_s > 0 for s > r.
+    """
+    c = q.shape[0]
+    earlier = lax.broadcasted_iota(jnp.int32, (c, 1), 0)  # s, as a column
+    lane = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+
+    def row(r, scores):
+        kk_t, qk_t = scores  # transposed: column r holds row r
+        at_or_before = earlier <= r
+        gamma = jnp.where(at_or_before, jnp.exp(jnp.where(at_or_before, _sublane(cum_g, r) - cum_g, 0.0)), 0.0)
+        k_gamma = gamma * k  # [C,K]: exp(G_r - G_s) * k_s
+        kk_t = jnp.where(lane == r, jnp.sum(k_gamma * _sublane(k, r), axis=1, keepdims=True), kk_t)
+        qk_t = jnp.where(lane == r, jnp.sum(k_gamma * _sublane(q, r), axis=1, keepdims=True), qk_t)
+        return kk_t, qk_t
+
+    zeros = jnp.zeros((c, c), F32)
+    kk_t, qk_t = lax.fori_loop(0, c, row, (zeros, zeros))
+    return kk_t.T, qk_t.T
+
+
+def _wy_chunk(state, q, k, v, g, beta_col):
+    """One full chunk. state [K,V], q/k/g [C,K], v [C,V], beta_col [C,1] (f32) -> (o [C,V], state)."""
+    c = q.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    cum_g = dot(jnp.where(rows >= cols, 1.0, 0.0), g)  # G [C,K]: a prefix sum on the MXU
+    kk, qk = _decayed_scores(q, k, cum_g)
+    inverse = unit_lower_inverse(jnp.where(rows > cols, beta_col * kk, 0.0))
+    decay_in = jnp.exp(cum_g)  # [C,K], <= 1
+    w = dot(inverse, beta_col * decay_in * k)  # [C,K]
+    u = dot(inverse, beta_col * v) - dot(w, state)  # [C,V]
+    o = dot(q * decay_in, state) + dot(qk, u)
+    cum_g_last = _sublane(cum_g, c - 1)  # G_C [1,K]
+    k_decayed = jnp.exp(cum_g_last - cum_g) * k  # [C,K]
+    state = jnp.exp(_lane(cum_g.T, c - 1)) * state + dot(k_decayed.T, u)  # diag(e^{G_C}) S0 + ...
+    return o, state
+
+
 def _kda_kernel(
     cu_ref,
     slot_ref,
@@ -64,6 +107,7 @@ def _kda_kernel(
     v_buf,
     g_buf,
     beta_buf,
+    o_buf,
     o_row_buf,
     state_buf,
     sems,
@@ -101,16 +145,36 @@ def _kda_kernel(
         def _():
             state_buf[...] = jnp.zeros(state_buf.shape, F32)
 
-        def window_step(i, carry):
+        def load_chunk(first_token):
+            copy(q_hbm.at[key_head, pl.ds(first_token, c)], q_buf, 0)
+            copy(k_hbm.at[key_head, pl.ds(first_token, c)], k_buf, 1)
+            copy(v_hbm.at[h, pl.ds(first_token, c)], v_buf, 2)
+            copy(g_hbm.at[h, pl.ds(first_token, c)], g_buf, 3)
+            copy(beta_hbm.at[h, pl.ds(first_token, c)], beta_buf, 4)
+
+        num_full = lax.div(length, c)
+
+        def full_chunk(i, carry):
             first = start + i * c
-            # A window of C tokens that starts at `first` or, near the end of the arrays, earlier.
+            load_chunk(first)
+            o, state = _wy_chunk(
+                state_buf[...], matrix(q_buf), matrix(k_buf), matrix(v_buf), matrix(g_buf), matrix(beta_buf)
+            )
+            state_buf[...] = state
+            o_buf[...] = o.reshape(o_buf.shape).astype(o_buf.dtype)
+            copy(o_buf, o_hbm.at[h, pl.ds(first, c)], 6)
+            return carry
+
+        lax.fori_loop(0, num_full, full_chunk, 0)
+        remainder = length - num_full * c
+
+        @pl.when(remainder > 0)
+        def _():
+            first = start + num_full * c
+            # A window of C tokens that contains the remainder and stays inside the arrays.
             window = jnp.minimum(first, padded_tokens - c)
             offset = first - window
-            copy(q_hbm.at[key_head, pl.ds(window, c)], q_buf, 0)
-            copy(k_hbm.at[key_head, pl.ds(window, c)], k_buf, 1)
-            copy(v_hbm.at[h, pl.ds(window, c)], v_buf, 2)
-            copy(g_hbm.at[h, pl.ds(window, c)], g_buf, 3)
-            copy(beta_hbm.at[h, pl.ds(window, c)], beta_buf, 4)
+            load_chunk(window)
             q_t, k_t, g_t = matrix(q_buf).T, matrix(k_buf).T, matrix(g_buf).T  # [K,C]
             v = matrix(v_buf)  # [C,V]
             # [C,1] -> [1,C] without a transpose: keep the diagonal of the broadcast.
@@ -122,10 +186,8 @@ def _kda_kernel(
                 copy(o_row_buf, o_hbm.at[h, pl.ds(first + j, 1)], 6)
                 return state
 
-            state_buf[...] = lax.fori_loop(0, jnp.minimum(c, end - first), token, state_buf[...])
-            return carry
+            state_buf[...] = lax.fori_loop(0, remainder, token, state_buf[...])
 
-        lax.fori_loop(0, lax.div(length + c - 1, c), window_step, 0)
         copy(state_buf, state_hbm.at[slot, h], 7)
 
 
@@ -136,7 +198,7 @@ def kda_tpu(
     """Ragged KDA on TPU; shapes as `kda.kda` (g [T,H,K]).
 
     cu_q_lens [S+1], state_slot_ids [S], has_initial_state [S] (int32 0/1), num_seqs [1] int32.
-    chunk_size: tokens per DMA window (a multiple of 8).
+    chunk_size: the WY chunk length C (a multiple of 8).
     interpret: False, True (plain interpret) or `pltpu.InterpretParams()` (TPU simulator).
     """
     num_tokens, num_key_heads, key_dim = q.shape
@@ -168,6 +230,7 @@ def kda_tpu(
             pltpu.VMEM((c, 1, value_dim), v.dtype),
             pltpu.VMEM((c, 1, key_dim), F32),
             pltpu.VMEM((c, 1, 1), F32),
+            pltpu.VMEM((c, 1, value_dim), v.dtype),
             pltpu.VMEM((1, 1, value_dim), v.dtype),
             pltpu.VMEM((key_dim, value_dim), F32),
             pltpu.SemaphoreType.DMA((8,)),

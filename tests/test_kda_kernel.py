@@ -218,10 +218,13 @@ def test_ragged_jnp_impls_match_oracle(impl, regime):
     assert_ragged_result(o, new_pool, *batch, RAGGED_LENGTHS)
 
 
-@pytest.mark.parametrize("interpret", ["plain", "tpu_simulator"])
-def test_tpu_kernel_matches_oracle_interpret(interpret):
+@pytest.mark.parametrize(
+    "interpret,regime", [("plain", "model"), ("plain", "strong"), ("plain", "weak"), ("tpu_simulator", "model")]
+)
+def test_tpu_kernel_matches_oracle_interpret(interpret, regime):
+    """Chunks of 8: WY chunks for full chunks (19 = 2 x 8 + 3, 16), the per-token remainder."""
     rng = np.random.default_rng(5)
-    batch = make_ragged_batch(rng, RAGGED_LENGTHS, 8, 48, 10, 1, 2, 16, 8)
+    batch = make_ragged_batch(rng, RAGGED_LENGTHS, 8, 48, 10, 1, 2, 16, 8, regime)
     mode = True if interpret == "plain" else pltpu.InterpretParams()
     try:
         o, new_pool = jax.block_until_ready(
