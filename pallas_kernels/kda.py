@@ -245,7 +245,7 @@ def _pallas_tpu(*args, interpret, chunk_size):
 def _pallas_gpu(*args, interpret, chunk_size):
     from pallas_kernels import kda_kernel_gpu
 
-    return kda_kernel_gpu.kda_gpu(*_kernel_args(*args), interpret=interpret)
+    return kda_kernel_gpu.kda_gpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
 def _pallas(*args, **options):

@@ -245,10 +245,12 @@ def test_tpu_kernel_pads_batches_shorter_than_a_window_with_gqa():
     assert_ragged_result(o, new_pool, *batch, lengths)
 
 
-def test_gpu_kernel_matches_oracle_interpret():
+@pytest.mark.parametrize("regime", ["model", "strong", "weak"])
+def test_gpu_kernel_matches_oracle_interpret(regime):
+    """Chunks of 16: WY chunks (37 = 2 x 16 + 5, 16) and the per-token remainder."""
     rng = np.random.default_rng(8)
     lengths = [37, 1, 0, 16, 3]
-    inputs, pool, cu, slots, has_init = batch = make_ragged_batch(rng, lengths, 6, 64, 10, 1, 2, 16, 32)
+    inputs, pool, cu, slots, has_init = batch = make_ragged_batch(rng, lengths, 6, 64, 10, 1, 2, 16, 32, regime)
     from pallas_kernels.kda_kernel_gpu import kda_gpu
 
     o, new_pool = kda_gpu(
@@ -259,6 +261,7 @@ def test_gpu_kernel_matches_oracle_interpret():
         jnp.asarray(has_init.astype(np.int32)),
         jnp.int32([len(lengths)]),
         interpret=gpu_kernel_interpret(),
+        chunk_size=16,
         block_v=16,
     )
     assert_ragged_result(o, new_pool, *batch, lengths)
