@@ -245,6 +245,25 @@ def test_tpu_kernel_pads_batches_shorter_than_a_window_with_gqa():
     assert_ragged_result(o, new_pool, *batch, lengths)
 
 
+def test_tpu_kernel_bf16_inputs_match_oracle():
+    """bf16 q, k, v (g, beta, state stay f32): outputs come back in bf16, the state in f32."""
+    rng = np.random.default_rng(9)
+    lengths = [11, 1, 4]
+    inputs, pool, cu, slots, has_init = make_ragged_batch(rng, lengths, 4, 24, 6, 1, 2, 16, 8)
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in inputs[:3]]
+    args = [*bf16, *(jnp.asarray(x) for x in inputs[3:])]
+    meta = (jnp.asarray(cu), jnp.asarray(slots), jnp.asarray(has_init), jnp.int32(len(lengths)))
+    o, new_pool = kda(*args, jnp.asarray(pool), *meta, impl="pallas_tpu", interpret=True, chunk_size=8)
+    assert o.dtype == jnp.bfloat16 and new_pool.dtype == jnp.float32
+    rounded = [np.asarray(x.astype(jnp.float32)) for x in bf16] + inputs[3:]
+    for s, length in enumerate(lengths):
+        rows = slice(cu[s], cu[s] + length)
+        init = pool[slots[s]] if has_init[s] else np.zeros_like(pool[slots[s]])
+        o_ref, state_ref = numpy_kda_oracle(*(x[rows] for x in rounded), init)
+        np.testing.assert_allclose(np.float32(o[rows]), o_ref, rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(new_pool[slots[s]], state_ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("regime", ["model", "strong", "weak"])
 def test_gpu_kernel_matches_oracle_interpret(regime):
     """Chunks of 16: WY chunks (37 = 2 x 16 + 5, 16) and the per-token remainder."""
@@ -368,12 +387,13 @@ def test_gpu_kernel_lowers_for_cuda():
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
-def test_tpu_kernel_compiles_with_mosaic_for_v5e():
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_tpu_kernel_compiles_with_mosaic(chip):
     """libtpu's real Mosaic compiler, ahead of time on CPU (as tests/test_kernels_tpu_aot.py):
-    interpret mode ignores TPU tiling rules. K = V = 128, window 64, a mixed batch."""
+    interpret mode ignores TPU tiling rules. K = V = 128, chunk 64, bf16 q/k/v."""
     topologies = pytest.importorskip("jax.experimental.topologies")
     try:
-        topology = topologies.get_topology_desc("v5e=1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1))
+        topology = topologies.get_topology_desc(f"{chip}=1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1))
     except Exception as error:  # no libtpu in this environment
         pytest.skip(f"no TPU topology (libtpu) here: {error}")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
