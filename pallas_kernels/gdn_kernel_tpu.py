@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kernel_math import F32
+from pallas_kernels.kernel_math import F32, unit_lower_inverse
 from pallas_kernels.kernel_math import dot as _dot
 from pallas_kernels.kernel_math import dot_nt as _dot_nt
 
@@ -31,19 +31,6 @@ def _row_to_column(row, eye):
 def _column_to_row(col, eye):
     square = jnp.broadcast_to(col, eye.shape)
     return jnp.sum(jnp.where(eye, square, 0.0), axis=0, keepdims=True)
-
-
-def _unit_lower_inverse(a, rows, cols):
-    """(I + A)^-1 for strictly lower-triangular A [C,C] by repeated squaring (as `gdn.py`'s
-    reference): (I - A)(I + A^2)(I + A^4)..., 2 log2(C) MXU matmuls instead of C row steps."""
-    inverse = (rows == cols).astype(F32) - a
-    power = a
-    span = 2
-    while span < a.shape[0]:
-        power = _dot(power, power)
-        inverse = inverse + _dot(inverse, power)
-        span *= 2
-    return inverse
 
 
 def _wy_chunk(state, q, k, v, g_row, beta_row):
@@ -64,7 +51,7 @@ def _wy_chunk(state, q, k, v, g_row, beta_row):
     # Mask before exp: above the diagonal G_r - G_s > 0 and could overflow.
     gamma = jnp.where(inclusive, jnp.exp(jnp.where(inclusive, cum_g - cum_g_row, 0.0)), 0.0)
     a = jnp.where(strict, beta_col * gamma * _dot_nt(k, k), 0.0)
-    inverse = _unit_lower_inverse(a, rows, cols)
+    inverse = unit_lower_inverse(a)
     decay_in = jnp.exp(cum_g)  # [C,1]
     w = _dot(inverse, beta_col * decay_in * k)  # [C,K]
     u = _dot(inverse, beta_col * v) - _dot(w, state)  # [C,V]
