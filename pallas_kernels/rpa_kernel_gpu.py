@@ -92,12 +92,9 @@ def _kernel(
             l_next = alpha * l_prev + jnp.sum(probs, axis=1)
             if quantized:  # a page scale past the context may be NaN: keep the where outside
                 probs = jnp.where(visible, probs * v_scale_ref[page, head], 0.0)
-            # Unused page slots, and keys before the window, may hold NaN: 0 * NaN = NaN in the matmul.
-            v_pos = block * page_size + v_row
-            v_used = v_pos < kv_len
-            if sliding_window is not None:
-                v_used &= v_pos >= kv_lo
-            v = jnp.where(v_used, v, jnp.zeros((), q.dtype))
+            # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul. (Pages wholly
+            # before the window are never loaded: the loop starts at the window's page.)
+            v = jnp.where(block * page_size + v_row < kv_len, v, jnp.zeros((), q.dtype))
             pv = jnp.dot(probs.astype(q.dtype), v, preferred_element_type=jnp.float32)
             return m_next, l_next, alpha[:, None] * acc_prev + pv
 

@@ -153,11 +153,9 @@ def _kernel(
             if quantized:  # scales of pages past the context may be NaN: keep the where outside
                 probs = jnp.where(visible, probs * column_scales(1, slot), 0.0)
             # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
+            # (Keys before the window in the first page are real: only whole pages are freed.)
             v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            v_used = v_pos < kv_len
-            if sliding_window is not None:  # the first page may start before the window
-                v_used &= v_pos >= kv_lo
-            v = jnp.where(v_used, v.astype(q.dtype), jnp.zeros((), q.dtype))
+            v = jnp.where(v_pos < kv_len, v.astype(q.dtype), jnp.zeros((), q.dtype))
             pv = lax.dot_general(
                 probs.astype(q.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, D]

@@ -198,6 +198,18 @@ def test_window_and_sinks_match_oracle(impl, case):
     assert_matches(run(batch, impl, **options), want)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked", "native", "pallas_tpu"])
+def test_pages_of_8_under_a_window(impl):
+    """Pages smaller than the C++ kernel's 16-key groups: a group starting before the window
+    spans a NaN page. (The GPU kernel needs pages of >= 16.)"""
+    rng = np.random.default_rng(8)
+    batch = make_batch(rng, SEQS, num_q_heads=8, num_kv_heads=2, page_size=8, window=5)
+    assert batch.poisoned_pages > 0
+    sinks = random_sinks(rng, 8)
+    want = oracle(batch, sm_scale=0.125, window=5, sinks=np.asarray(sinks))
+    assert_matches(run(batch, impl, sm_scale=0.125, sliding_window=5, sinks=sinks), want)
+
+
 @pytest.mark.parametrize("impl", ["reference", "chunked", "native"])
 def test_sinks_with_soft_cap_and_fp8(impl):
     """Sinks are added as given, after the cap (a gpt-oss layer has no cap; the two compose)."""
