@@ -4,7 +4,8 @@ Grid (work items, Hkv): a work item is `block_q` query tokens of one sequence (s
 rpa_common.build_work_list); items past the true count return at once. Each program loads its
 query rows (row = token * G + group member, so the Hq // Hkv heads sharing a kv head form one
 [block_q * G, D] tile), walks the sequence's visible pages one page at a time with an online
-softmax in f32, and stores only the rows that belong to its sequence (masked store).
+softmax in f32 (starting from the head's sink logit with attention sinks), and stores only the
+rows that belong to its sequence (masked store).
 FP8 pages are converted exactly to the query dtype; their per-(page, head) scales multiply the
 scores (K) and the probabilities (V).
 """

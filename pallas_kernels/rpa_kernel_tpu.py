@@ -4,8 +4,10 @@ Grid (Hkv, work items): a work item is `block_q` query tokens of one sequence (s
 rpa_common.build_work_list); items past the true count return at once, so padded sequences
 cost one empty grid step. Block tables, lengths, cu_q_lens and the work list are scalar-
 prefetched into SMEM. Each item copies its query rows into VMEM, then walks the sequence's
-pages `pages_per_block` at a time (only those its queries can see, causal + sliding window)
-with double-buffered async copies HBM -> VMEM and an online softmax in f32. FP8 pages are
+pages `pages_per_block` at a time (only those its queries can see, causal + sliding window:
+key blocks start at the window's first page, so no page before it is copied) with
+double-buffered async copies HBM -> VMEM and an online softmax in f32; with attention sinks
+each row's softmax starts from its head's sink logit (m = sink, l = 1). FP8 pages are
 converted exactly to the query dtype and their per-(page, head) scales are applied to the
 scores (K) and to the probabilities (V).
 
