@@ -68,6 +68,7 @@ TARGETS = {
 }
 KV_FORMATS = {"float32": 0, "bfloat16": 1}  # FP8 pages: 2, through a 256-entry table
 _NO_SCALE = np.ones((1, 1), np.float32)
+_NO_SINKS = np.zeros((1,), np.float32)
 # Under jax.vmap (attention data parallelism maps the forward over ranks) a call per rank.
 VMAP_METHOD = "sequential"
 
@@ -165,12 +166,14 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention (`pallas_kernels.ragged_paged_attention`'s arguments and semantics)
     in C++: decode tokens and prefill chunks of one batch in one call.
 
     q [T, Hq, D] (any float dtype), kv pages [P, Hkv, ps, D] (float32, bf16 or FP8; float or
-    bit storage), kv_lens [S], block_tables [S, MB], cu_q_lens [S+1] int32, num_seqs [] or [1].
+    bit storage), kv_lens [S], block_tables [S, MB], cu_q_lens [S+1] int32, num_seqs [] or [1],
+    sinks None or [Hq] f32 (one extra softmax logit per query head).
     Returns [T, Hq, D] float32, zeros for tokens no live sequence owns. Call only when `available()`.
     """
     T, Hq, D = q.shape
@@ -197,11 +200,13 @@ def ragged_paged_attention(
         i32(kv_lens),
         i32(cu_q_lens),
         jnp.reshape(i32(num_seqs), (1,)),
+        _NO_SINKS if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int32(sliding_window or 0),
         kv_format=np.int32(kv_format),
         scaled=np.int32(scaled),
+        has_sinks=np.int32(sinks is not None),
     )
 
 

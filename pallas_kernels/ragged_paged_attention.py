@@ -8,8 +8,14 @@ rpa_kernel_gpu.py). All share one signature and the semantics below.
 
 Sequence s owns flat query tokens `cu_q_lens[s] : cu_q_lens[s+1]`; its i-th query sits at
 position `kv_lens[s] - q_len[s] + i` and attends causally to the keys of its pages
-(`block_tables[s]`), optionally only to the last `sliding_window` positions, with optional
-logit soft cap `cap * tanh(scores / cap)`. Query head h reads kv head `h // (Hq // Hkv)`.
+(`block_tables[s]`), optionally only to the last `sliding_window` positions (HF's
+`sliding_window_causal`: key k is visible to the query at p iff `p - sliding_window < k <= p`,
+so the window counts the query itself), with optional logit soft cap `cap * tanh(scores / cap)`.
+Query head h reads kv head `h // (Hq // Hkv)`. With `sinks` ([Hq] f32, gpt-oss), head h's softmax
+has one more logit, `sinks[h]` as given (not scaled, not capped), whose probability is dropped:
+`o = sum_k exp(s_k) v_k / (exp(sinks[h]) + sum_k exp(s_k))`.
+Pages holding no key that some query of the call can see (wholly outside every window) are never
+used, and may hold anything (NaN, another sequence's data): a window-aware pager may reuse them.
 Tokens at or past `cu_q_lens[num_seqs]` are padding: their output is unspecified.
 """
 
@@ -48,15 +54,28 @@ def _visible(q_pos, key_pos, kv_len, sliding_window):
     return visible
 
 
-def _softmax_attend(scores, visible, values, subscripts, sm_scale, soft_cap):
+def _softmax_attend(scores, visible, values, subscripts, sm_scale, soft_cap, sinks=None):
+    """sinks: None, or the sink logit of each score row, broadcastable to scores[..., :1]."""
     scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    probs = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1)
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # HF gpt-oss: the sink is one more column of the softmax, then dropped
+        sink_column = jnp.broadcast_to(sinks, scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
     return jnp.einsum(subscripts, probs, values)
 
 
-def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap):
+def _seen_by_some_query(values, visible_any, sliding_window):
+    """Zeroes keys that no query sees when a window is set: their pages may hold NaN."""
+    if sliding_window is None:
+        return values
+    return jnp.where(visible_any, values, 0.0)
+
+
+def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, sm_scale, sliding_window, soft_cap):
     """All sequences at once when every one has at most one query (a pure decode step)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs_padded = kv_lens.shape[0]
@@ -68,8 +87,10 @@ def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale
     values = gather(kv.v, kv.v_scale, block_tables, kv_lens)
     key_pos = jnp.arange(keys.shape[2])
     visible = _visible(kv_lens - 1, key_pos, kv_lens[:, None], sliding_window)  # [S, L]
+    values = _seen_by_some_query(values, visible[:, None, :, None], sliding_window)
     scores = jnp.einsum("shgd,shld->shgl", q_seq, keys)
-    o_seq = _softmax_attend(scores, visible[:, None, None], values, "shgl,shld->shgd", sm_scale, soft_cap)
+    sink = None if sinks is None else sinks.reshape(kv.num_kv_heads, group, 1)
+    o_seq = _softmax_attend(scores, visible[:, None, None], values, "shgl,shld->shgd", sm_scale, soft_cap, sink)
     writes = (jnp.arange(num_seqs_padded) < num_seqs) & (cu_q_lens[1:] > cu_q_lens[:-1])
     token = jnp.where(writes, token, num_tokens)  # -> dropped
     out = jnp.zeros_like(q)
@@ -77,7 +98,7 @@ def _decode_batch(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale
 
 
 def _sequence_by_sequence(
-    q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap, block_q
+    q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, sm_scale, sliding_window, soft_cap, block_q
 ):
     """Loops over the true sequences, and inside each over query blocks of `block_q` tokens
     (1 for a decode sequence), attending to the sequence's gathered pages."""
@@ -101,10 +122,11 @@ def _sequence_by_sequence(
                 q_block = lax.dynamic_slice_in_dim(q_blocks, start, size).astype(jnp.float32)
                 row_in_seq = b * size + jnp.arange(size)
                 visible = _visible(kv_len - q_len + row_in_seq, key_pos, kv_len, sliding_window)
+                seen = _seen_by_some_query(values, jnp.any(visible, axis=0)[None, :, None], sliding_window)
                 scores = jnp.einsum("qhgd,hld->hgql", q_block, keys)  # [Hkv, G, bq, L]
-                o_block = _softmax_attend(scores, visible, values, "hgql,hld->qhgd", sm_scale, soft_cap).astype(
-                    out.dtype
-                )
+                sink = None if sinks is None else sinks.reshape(num_kv_heads, group, 1, 1)
+                o_block = _softmax_attend(scores, visible, seen, "hgql,hld->qhgd", sm_scale, soft_cap, sink)
+                o_block = o_block.astype(out.dtype)
                 previous = lax.dynamic_slice_in_dim(out, start, size)
                 merged = jnp.where((row_in_seq < q_len)[:, None, None, None], o_block, previous)
                 return lax.dynamic_update_slice_in_dim(out, merged, start, axis=0)
@@ -128,6 +150,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int = 16,
 ) -> jax.Array:
     """Pure-jnp reference, jit-able with static shapes; see the module docstring.
@@ -138,7 +161,8 @@ def ragged_paged_attention_reference(
     """
     num_seqs = true_num_seqs(num_seqs)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    args = (q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+    sinks = None if sinks is None else sinks.astype(jnp.float32)
+    args = (q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sinks)
     block_q = max(1, min(block_q, q.shape[0]))
     all_decode = jnp.max(query_lengths(cu_q_lens, num_seqs)) <= 1
     return lax.cond(
@@ -203,6 +227,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "reference",
     interpret=False,
 ) -> jax.Array:
@@ -214,6 +239,9 @@ def ragged_paged_attention(
     block_tables: [S, MB] int32, logical block -> physical page
     cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]
     num_seqs:     int32 [] or [1], the true number of sequences
+    sliding_window: keys with `p - sliding_window < k <= p` only (HF's convention), or None
+    soft_cap:     logits become `soft_cap * tanh(logits / soft_cap)` (Gemma 2), or None
+    sinks:        [Hq] float32, one extra softmax logit per query head, dropped (gpt-oss), or None
     impl:         a name of `KERNELS`: "reference" (the spec) | "chunked" (jnp, work proportional
                   to the real context) | "native" (the CPU serving path: the whole batch in the
                   C++ kernel of pallas_kernels/cpu_native.py; "chunked" where that can't be built) |
@@ -229,6 +257,8 @@ def ragged_paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
     if kv.view is not None and not KERNELS[impl].kv_bits:
         raise ValueError(
             f"KV pages in bit storage (KVPages.view set) are for {[n for n, k in KERNELS.items() if k.kv_bits]}; "
@@ -242,6 +272,7 @@ def ragged_paged_attention(
         cu_q_lens.astype(jnp.int32),
         true_num_seqs(num_seqs),
     )
-    return KERNELS[impl](
-        *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret
-    )
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    if sinks is not None:  # not passed at all otherwise: the default calls stay as they were
+        options["sinks"] = sinks.astype(jnp.float32)
+    return KERNELS[impl](*args, **options)

@@ -39,12 +39,41 @@ def _gather_chunk(pages, scale, ids, load):
     return x.reshape(*lead, hkv, cp * ps, d)
 
 
+def _init_state(sinks, rows_shape, head_dim):
+    """Online-softmax (m, l, acc) before any key; a sink starts as a key of logit sinks[h] and value 0.
+    sinks: None or [Hkv, G]; rows_shape: the (m, l) shape, ending in G or in rows of G."""
+    acc = jnp.zeros((*rows_shape, head_dim), jnp.float32)
+    if sinks is None:
+        return jnp.full(rows_shape, MASK_VALUE, jnp.float32), jnp.zeros(rows_shape, jnp.float32), acc
+    return jnp.broadcast_to(sinks, rows_shape), jnp.ones(rows_shape, jnp.float32), acc
+
+
+def _window_keys(key_pos, lowest_pos, kv_len, sliding_window):
+    """Keys in context that some query sees: the others may sit in pages holding NaN."""
+    in_ctx = key_pos < kv_len
+    if sliding_window is not None:
+        in_ctx &= key_pos > lowest_pos - sliding_window
+    return in_ctx
+
+
 def _online_attend(
-    q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages, sm_scale, sliding_window, soft_cap
+    q,
+    q_pos,
+    kv: KVPages,
+    page_ids,
+    kv_len,
+    first_chunk,
+    num_chunks,
+    sinks,
+    *,
+    chunk_pages,
+    sm_scale,
+    sliding_window,
+    soft_cap,
 ):
     """One query row per sequence (the decode pass): q [R, Hkv, G, D] f32 at positions q_pos [R],
-    page_ids [R, MBp], kv_len [R]. Online softmax over chunks [first_chunk, num_chunks)
-    -> [R, Hkv, G, D]."""
+    page_ids [R, MBp], kv_len [R], sinks None or [Hkv, G]. Online softmax over chunks
+    [first_chunk, num_chunks) -> [R, Hkv, G, D]."""
     R, Hkv, G, D = q.shape
     L = chunk_pages * kv.page_size
 
@@ -57,7 +86,7 @@ def _online_attend(
         visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])  # [R, L]
         if sliding_window is not None:
             visible &= key_pos[None, :] > q_pos[:, None] - sliding_window
-        in_ctx = (key_pos[None, :] < kv_len[:, None])[:, None, :, None]
+        in_ctx = _window_keys(key_pos[None, :], q_pos[:, None], kv_len[:, None], sliding_window)[:, None, :, None]
         keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
         scores = jnp.einsum("rhgd,rhld->rhgl", q, keys) * sm_scale
         if soft_cap is not None:
@@ -70,17 +99,25 @@ def _online_attend(
         pv = jnp.einsum("rhgl,rhld->rhgd", p, values)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
-    init = (
-        jnp.full((R, Hkv, G), MASK_VALUE, jnp.float32),
-        jnp.zeros((R, Hkv, G), jnp.float32),
-        jnp.zeros((R, Hkv, G, D), jnp.float32),
-    )
+    init = _init_state(sinks, (R, Hkv, G), D)
     _, l, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def _online_attend_shared(
-    q, q_pos, kv: KVPages, page_ids, kv_len, first_chunk, num_chunks, *, chunk_pages, sm_scale, sliding_window, soft_cap
+    q,
+    q_pos,
+    kv: KVPages,
+    page_ids,
+    kv_len,
+    first_chunk,
+    num_chunks,
+    sinks,
+    *,
+    chunk_pages,
+    sm_scale,
+    sliding_window,
+    soft_cap,
 ):
     """The online softmax for a block of query rows of ONE sequence (prefill; page_ids [MBp],
     kv_len []), computed head-major: the G query heads of a KV head and the R rows form one [R*G, D] x [D, L] matmul
@@ -96,7 +133,7 @@ def _online_attend_shared(
         keys = _gather_chunk(kv.k, kv.k_scale, ids, kv.load)  # [Hkv, L, D]
         values = _gather_chunk(kv.v, kv.v_scale, ids, kv.load)
         key_pos = c * L + jnp.arange(L)
-        in_ctx = (key_pos < kv_len)[None, :, None]
+        in_ctx = _window_keys(key_pos, q_pos[0], kv_len, sliding_window)[None, :, None]
         keys, values = jnp.where(in_ctx, keys, 0.0), jnp.where(in_ctx, values, 0.0)  # NaN-safe
         visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)  # [R*G, L]
         if sliding_window is not None:
@@ -111,11 +148,8 @@ def _online_attend_shared(
         pv = jnp.einsum("hql,hld->hqd", p, values)
         return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
-    init = (
-        jnp.full((Hkv, R * G), MASK_VALUE, jnp.float32),
-        jnp.zeros((Hkv, R * G), jnp.float32),
-        jnp.zeros((Hkv, R * G, D), jnp.float32),
-    )
+    sink_rows = None if sinks is None else jnp.tile(sinks, (1, R))  # row r, head g -> r*G + g
+    init = _init_state(sink_rows, (Hkv, R * G), D)
     _, l, acc = lax.fori_loop(first_chunk, num_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [Hkv, R*G, D]
     return jnp.moveaxis(out.reshape(Hkv, R, G, D), 0, 1)
@@ -132,6 +166,7 @@ def ragged_paged_attention_chunked(
     sm_scale,
     sliding_window=None,
     soft_cap=None,
+    sinks=None,
     chunk_pages: int = 8,
     prefill_chunk_pages: int = 4,
     block_q: int = 64,
@@ -157,11 +192,13 @@ def ragged_paged_attention_chunked(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            sinks=sinks,
         ).astype(q.dtype)
     T, Hq, D = q.shape
     S, MB = block_tables.shape
     Hkv = kv.num_kv_heads
     G = Hq // Hkv
+    sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(Hkv, G)
     chunk_pages = max(1, min(chunk_pages, MB))
     prefill_chunk_pages = max(1, min(prefill_chunk_pages, MB))
     L = chunk_pages * kv.page_size
@@ -202,6 +239,7 @@ def ragged_paged_attention_chunked(
             row_kv_len,
             start,
             n,
+            sinks,
             chunk_pages=chunk_pages,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
@@ -229,6 +267,7 @@ def ragged_paged_attention_chunked(
                     kv_len,
                     first_chunk(pos[0], L_prefill),
                     (last_visible + L_prefill - 1) // L_prefill,
+                    sinks,
                     chunk_pages=prefill_chunk_pages,
                     sm_scale=sm_scale,
                     sliding_window=sliding_window,

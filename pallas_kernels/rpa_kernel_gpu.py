@@ -4,7 +4,8 @@ Grid (work items, Hkv): a work item is `block_q` query tokens of one sequence (s
 rpa_common.build_work_list); items past the true count return at once. Each program loads its
 query rows (row = token * G + group member, so the Hq // Hkv heads sharing a kv head form one
 [block_q * G, D] tile), walks the sequence's visible pages one page at a time with an online
-softmax in f32, and stores only the rows that belong to its sequence (masked store).
+softmax in f32 (starting from the head's sink logit with attention sinks), and stores only the
+rows that belong to its sequence (masked store).
 FP8 pages are converted exactly to the query dtype; their per-(page, head) scales multiply the
 scores (K) and the probabilities (V).
 """
@@ -40,11 +41,12 @@ def _kernel(
     sliding_window,
     soft_cap,
     quantized,
+    has_sinks,
 ):
-    if quantized:
-        k_scale_ref, v_scale_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
+    rest = list(rest)
+    k_scale_ref, v_scale_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+    sinks_ref = rest.pop(0) if has_sinks else None  # [Hkv, rows] f32
+    (o_ref,) = rest
     work = pl.program_id(0)
     head = pl.program_id(1)
     rows = block_q * group
@@ -91,16 +93,17 @@ def _kernel(
             l_next = alpha * l_prev + jnp.sum(probs, axis=1)
             if quantized:  # a page scale past the context may be NaN: keep the where outside
                 probs = jnp.where(visible, probs * v_scale_ref[page, head], 0.0)
-            # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
+            # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul. (Pages wholly
+            # before the window are never loaded: the loop starts at the window's page.)
             v = jnp.where(block * page_size + v_row < kv_len, v, jnp.zeros((), q.dtype))
             pv = jnp.dot(probs.astype(q.dtype), v, preferred_element_type=jnp.float32)
             return m_next, l_next, alpha[:, None] * acc_prev + pv
 
-        init = (
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32),
-        )
+        if has_sinks:  # a sink: a first key of logit sinks[head], value zero
+            m_init, l_init = sinks_ref[head, :], jnp.ones((rows,), jnp.float32)
+        else:
+            m_init, l_init = jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+        init = (m_init, l_init, jnp.zeros((rows, head_dim), jnp.float32))
         _, l_final, acc = lax.fori_loop(kv_lo // page_size, last_pos // page_size + 1, attend_page, init)
         out = (acc / l_final[:, None]).astype(o_ref.dtype)
         row_valid = first_row + lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0) // group < q_len
@@ -127,6 +130,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -162,6 +166,12 @@ def ragged_paged_attention_gpu(
     inputs = [kv_lens, block_tables, cu_q_lens, work_seq, work_start, num_work_valid, q_rows, kv.k, kv.v]
     if kv.quantized:
         inputs += [kv.k_scale, kv.v_scale]
+    if sinks is not None:
+        # [Hkv, rows]: row token * G + g holds sinks[head * G + g] (padded group members: 0).
+        sink_groups = jnp.pad(
+            sinks.astype(jnp.float32).reshape(num_kv_heads, true_group), ((0, 0), (0, group - true_group))
+        )
+        inputs.append(jnp.tile(sink_groups, (1, block_q)))
 
     kernel = functools.partial(
         _kernel,
@@ -171,6 +181,7 @@ def ragged_paged_attention_gpu(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         quantized=kv.quantized,
+        has_sinks=sinks is not None,
     )
     out_rows = pl.pallas_call(
         kernel,

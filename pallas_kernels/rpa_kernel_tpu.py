@@ -4,8 +4,10 @@ Grid (Hkv, work items): a work item is `block_q` query tokens of one sequence (s
 rpa_common.build_work_list); items past the true count return at once, so padded sequences
 cost one empty grid step. Block tables, lengths, cu_q_lens and the work list are scalar-
 prefetched into SMEM. Each item copies its query rows into VMEM, then walks the sequence's
-pages `pages_per_block` at a time (only those its queries can see, causal + sliding window)
-with double-buffered async copies HBM -> VMEM and an online softmax in f32. FP8 pages are
+pages `pages_per_block` at a time (only those its queries can see, causal + sliding window:
+key blocks start at the window's first page, so no page before it is copied) with
+double-buffered async copies HBM -> VMEM and an online softmax in f32; with attention sinks
+each row's softmax starts from its head's sink logit (m = sink, l = 1). FP8 pages are
 converted exactly to the query dtype and their per-(page, head) scales are applied to the
 scores (K) and to the probabilities (V).
 
@@ -50,9 +52,13 @@ def _kernel(
     sliding_window,
     soft_cap,
     quantized,
+    has_sinks,
 ):
+    rest = list(rest)
+    k_scale_hbm, v_scale_hbm = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+    sinks_vmem = rest.pop(0) if has_sinks else None  # [rows, 1] f32, this kv head's block
     if quantized:
-        k_scale_hbm, v_scale_hbm, o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, scale_smem, kv_sems, io_sem = rest
+        o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, scale_smem, kv_sems, io_sem = rest
     else:
         o_hbm, q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sem = rest
     head = pl.program_id(0)
@@ -72,9 +78,12 @@ def _kernel(
         first_pos = kv_len - q_len + first_row
         last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
         kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-        # lax.div (truncating) rather than //: operands are >= 0 and floor division needs sign.
-        block_lo = lax.div(kv_lo, keys_per_block)
-        block_hi = lax.div(last_pos + keys_per_block, keys_per_block)  # cdiv(last_pos + 1, keys)
+        # Key block b holds logical pages page_lo + b * pages_per_block + i: pages wholly before
+        # the window are never copied (they may hold anything). lax.div (truncating) rather than
+        # //: operands are >= 0 and floor division needs sign.
+        page_lo = 0 if sliding_window is None else lax.div(kv_lo, page_size)
+        num_pages = lax.div(last_pos, page_size) + 1 - page_lo
+        num_blocks = lax.div(num_pages + pages_per_block - 1, pages_per_block)
 
         # Tokens are a leading (untiled) dim of q [Hkv, T, G, D]: any start offset is legal.
         q_copy = pltpu.make_async_copy(q_hbm.at[head, pl.ds(q_start, block_q)], q_vmem, io_sem)
@@ -83,7 +92,7 @@ def _kernel(
         def page_copies(block, slot):
             copies = []
             for i in range(pages_per_block):
-                logical = jnp.minimum(block * pages_per_block + i, max_blocks - 1)
+                logical = jnp.minimum(page_lo + block * pages_per_block + i, max_blocks - 1)
                 page = block_tables_ref[seq * max_blocks + logical]
                 # One page per leading index: a row offset i * ps would break FP8's (32, 128) tiles.
                 copies.append(pltpu.make_async_copy(k_hbm.at[page, head], k_vmem.at[slot, i], kv_sems.at[slot]))
@@ -98,7 +107,7 @@ def _kernel(
                     )
             return copies
 
-        for copy in page_copies(block_lo, 0):
+        for copy in page_copies(0, 0):
             copy.start()
         q_copy.wait()
         q = q_vmem[...].reshape(rows, q_vmem.shape[-1])  # [rows, D]
@@ -116,9 +125,10 @@ def _kernel(
 
         def attend_block(block, carry):
             m_prev, l_prev, acc_prev = carry
-            slot = lax.rem(block - block_lo, 2)
+            slot = lax.rem(block, 2)
+            first_key = (page_lo + block * pages_per_block) * page_size
 
-            @pl.when(block + 1 < block_hi)
+            @pl.when(block + 1 < num_blocks)
             def _prefetch_next():
                 for copy in page_copies(block + 1, 1 - slot):
                     copy.start()
@@ -127,7 +137,7 @@ def _kernel(
                 copy.wait()
             k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)  # [keys, D]
             v = v_vmem[slot].reshape(keys_per_block, -1)
-            key_pos = block * keys_per_block + col  # [rows, keys]
+            key_pos = first_key + col  # [rows, keys]
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [rows, keys]
             if quantized:
                 scores = scores * column_scales(0, slot)
@@ -145,19 +155,20 @@ def _kernel(
             if quantized:  # scales of pages past the context may be NaN: keep the where outside
                 probs = jnp.where(visible, probs * column_scales(1, slot), 0.0)
             # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
-            v_pos = block * keys_per_block + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            # (Keys before the window in the first page are real: only whole pages are freed.)
+            v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
             v = jnp.where(v_pos < kv_len, v.astype(q.dtype), jnp.zeros((), q.dtype))
             pv = lax.dot_general(
                 probs.astype(q.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, D]
             return m_next, l_next, alpha * acc_prev + pv
 
-        init = (
-            jnp.full((rows, 1), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32),
-        )
-        _, l_final, acc = lax.fori_loop(block_lo, block_hi, attend_block, init)
+        if has_sinks:  # a sink: a first key of logit sinks[head], value zero
+            m_init, l_init = sinks_vmem[...], jnp.ones((rows, 1), jnp.float32)
+        else:
+            m_init, l_init = jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+        init = (m_init, l_init, jnp.zeros(q.shape, jnp.float32))
+        _, l_final, acc = lax.fori_loop(0, num_blocks, attend_block, init)
         o_vmem[...] = (acc / l_final).reshape(o_vmem.shape).astype(o_vmem.dtype)
         out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[head, pl.ds(q_start, block_q)], io_sem)
         out_copy.start()
@@ -188,6 +199,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret=False,
@@ -212,6 +224,7 @@ def ragged_paged_attention_tpu(
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [q_heads, kv.k, kv.v]
+    in_specs = [any_spec] * 3
     q_block = (block_q, group, head_dim)
     scratch = [
         pltpu.VMEM(q_block, q.dtype),
@@ -221,8 +234,15 @@ def ragged_paged_attention_tpu(
     ]
     if kv.quantized:
         inputs += [kv.k_scale[:, None, :], kv.v_scale[:, None, :]]  # [P, 1, Hkv]
+        in_specs += [any_spec] * 2
         scratch.append(pltpu.SMEM((2, 2, pages_per_block, 1, num_kv_heads), jnp.float32))
     scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
+    if sinks is not None:
+        # [Hkv, rows, 1]: row token * G + g holds sinks[head * G + g]; one VMEM block per kv head.
+        rows = block_q * group
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q))
+        inputs.append(sink_rows.reshape(num_kv_heads, rows, 1))
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda head, work, *_: (head, 0, 0)))
 
     kernel = functools.partial(
         _kernel,
@@ -234,6 +254,7 @@ def ragged_paged_attention_tpu(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         quantized=kv.quantized,
+        has_sinks=sinks is not None,
     )
     out_rows = pl.pallas_call(
         kernel,
@@ -241,7 +262,7 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads, num_work),
-            in_specs=[any_spec] * len(inputs),
+            in_specs=in_specs,
             out_specs=any_spec,
             scratch_shapes=scratch,
         ),

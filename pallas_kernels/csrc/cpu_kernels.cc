@@ -142,6 +142,8 @@ struct DecodeArgs {
   int64_t P, Hq, Hkv, ps, MB, D;
   float sm_scale, soft_cap;
   int32_t sliding_window, kv_format, scaled;
+  const float* sinks;        // [Hq] when has_sinks
+  int32_t has_sinks;
 };
 
 // One decode token (query row r of sequence s) and KV head h: its G query heads against the
@@ -204,9 +206,11 @@ void DecodeItem(const DecodeArgs& a, int64_t r, int64_t s, int64_t h) {
     float* __restrict sg = scores + g * n;
     if (a.soft_cap > 0.0f)
       for (int64_t t = first; t < n; ++t) sg[t] = a.soft_cap * std::tanh(sg[t] / a.soft_cap);
-    float m = kMaskValue;
+    // A sink is one more logit in the softmax whose value row is zero.
+    const float sink = a.has_sinks ? a.sinks[h * G + g] : kMaskValue;
+    float m = sink;
     for (int64_t t = first; t < n; ++t) m = std::max(m, sg[t]);
-    float sum = 0.0f;
+    float sum = a.has_sinks ? VecExp(sink - m) : 0.0f;
     for (int64_t t = first; t < n; ++t) {
       sg[t] = VecExp(sg[t] - m);
       sum += sg[t];
@@ -273,9 +277,9 @@ void PrefillTile(const DecodeArgs& a, int64_t r0, int64_t s, int64_t h, int64_t 
   float* __restrict row = row_buf.data();
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < G * D; ++j) qs[i * G * D + j] = a.q[((r0 + i) * a.Hq + h * G) * D + j] * a.sm_scale;
-  for (int64_t j = 0; j < NQ; ++j) {
-    m[j] = kMaskValue;
-    l[j] = 0.0f;
+  for (int64_t j = 0; j < NQ; ++j) {  // a sink: a first key of logit sinks[head], value zero
+    m[j] = a.has_sinks ? a.sinks[h * G + j % G] : kMaskValue;
+    l[j] = a.has_sinks ? 1.0f : 0.0f;
   }
   const int32_t* row_pages = a.tables + s * a.MB;
   auto page_id = [&](int64_t key) {
@@ -287,7 +291,7 @@ void PrefillTile(const DecodeArgs& a, int64_t r0, int64_t s, int64_t h, int64_t 
   for (int64_t k0 = first - first % 16; k0 < last; k0 += 16) {
     const int64_t nk = std::min<int64_t>(16, last - k0);
     for (int64_t c = 0; c < 16; ++c) {
-      if (c < nk) {
+      if (c < nk && k0 + c >= first) {  // keys before the window may sit in pages holding NaN
         const int64_t key = k0 + c, pid = page_id(key);
         const int64_t offset = ((pid * a.Hkv + h) * ps + key % ps) * D;
         LoadRow(a.k, offset, D, a.kv_format, a.lut, a.scaled ? a.k_scale[pid * a.Hkv + h] : 1.0f, row);
@@ -383,7 +387,8 @@ void PrefillTile(const DecodeArgs& a, int64_t r0, int64_t s, int64_t h, int64_t 
 //   kv_lens  [S] s32                 keys of each sequence, its new tokens included
 //   cu_q_lens [S + 1] s32, num_seqs [1] s32   sequence s owns tokens cu[s] .. cu[s+1] (s < num_seqs)
 //   -> out   [T, Hq, D] f32          zeros for tokens no live sequence owns
-// Attributes: sm_scale, soft_cap (0: none), sliding_window (0: none), kv_format, scaled (0/1).
+//   sinks    [Hq] f32                one extra softmax logit per query head (has_sinks), or [1] ignored
+// Attributes: sm_scale, soft_cap (0: none), sliding_window (0: none), kv_format, scaled (0/1), has_sinks (0/1).
 // Token i of a sequence with q_len tokens sits at position kv_len - q_len + i and sees keys
 // max(0, position - window + 1) .. position. A one-token sequence (decode) is one work item per
 // KV head (DecodeItem); longer ones are tiles of kTileQ tokens per KV head (PrefillTile).
@@ -391,8 +396,9 @@ ffi::Error RaggedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::A
                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::F32> lut, ffi::Buffer<ffi::S32> tables,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q_lens,
-                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                               float soft_cap, int32_t sliding_window, int32_t kv_format, int32_t scaled,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
+                               ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                               int32_t sliding_window, int32_t kv_format, int32_t scaled, int32_t has_sinks,
                                ffi::ThreadPool pool) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
@@ -401,10 +407,12 @@ ffi::Error RaggedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::A
     return ffi::Error::InvalidArgument("ragged_attention: q [T,Hq,D], k/v [P,Hkv,ps,D], tables [S,MB]");
   DecodeArgs a{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(), v_scale.typed_data(),
                lut.typed_data(), tables.typed_data(), kv_lens.typed_data(), out->typed_data(),
-               kd[0], qd[1], kd[1], kd[2], td[1], qd[2], sm_scale, soft_cap, sliding_window, kv_format, scaled};
+               kd[0], qd[1], kd[1], kd[2], td[1], qd[2], sm_scale, soft_cap, sliding_window, kv_format, scaled,
+               sinks.typed_data(), has_sinks};
   const int64_t T = qd[0], S = td[0];
   if (kd[3] != a.D || a.Hq % a.Hkv != 0 || a.Hq / a.Hkv > 64 || kv_lens.element_count() != S ||
-      cu_q_lens.element_count() != S + 1 || num_seqs.element_count() != 1)
+      cu_q_lens.element_count() != S + 1 || num_seqs.element_count() != 1 ||
+      (has_sinks && sinks.element_count() != a.Hq))
     return ffi::Error::InvalidArgument("ragged_attention: shapes disagree");
   std::memset(a.out, 0, sizeof(float) * T * a.Hq * a.D);
   const int32_t* cu = cu_q_lens.typed_data();
@@ -697,12 +705,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedAttention, RaggedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<int32_t>("kv_format")
                                   .Attr<int32_t>("scaled")
+                                  .Attr<int32_t>("has_sinks")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGdnRecurrent, GdnRecurrentImpl,
