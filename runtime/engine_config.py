@@ -10,8 +10,10 @@ knob left out means the same either way. Fields without a launch key (`interpret
 `num_state_slots`, ...) are engine-only.
 
 Its parts are frozen, typed, and what a subsystem takes: `cache_config(...)` -> `CacheConfig` (the
-page pool and state slots), `scheduler_config(...)` -> `SchedulerConfig`, `quantization_config()`
-(model loading) and `kv_transfer`, a P/D role's `KVTransferConfig`. The first two need sizes the
+page pool and state slots), `scheduler_config(...)` -> `SchedulerConfig`, `kernel_config()` ->
+`KernelConfig` (what the execution plan resolves), `parallel_config()` -> `ParallelConfig` (the
+mesh), `compile_config()` -> `CompileConfig`, `quantization_config()` (model loading) and
+`kv_transfer`, a P/D role's `KVTransferConfig`. The first two need sizes the
 engine resolves from the checkpoint and the device (pages, slots, the model length), so they are
 built by those calls, which check what only resolved sizes can tell (the pool holds one sequence).
 
@@ -92,6 +94,44 @@ _SCHEDULER_RULES = {
     "long_prefill_token_threshold": _NON_NEGATIVE,
     "policy": lambda name: check_name("scheduling_policy", name),
 }
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What the execution plan (runtime/steps/execution_plan.py) resolves kernels from: back-end
+    names (checked against the kernel tables and plugins), the layer loop and greedy fusion
+    ("auto" / None: the plan decides), Pallas interpret mode (CPU tests)."""
+
+    attention_backend: str = _K.attention_backend
+    gdn_backend: str = _K.gdn_backend
+    layer_loop: str = _K.layer_loop
+    fuse_greedy: bool | None = _K.fuse_greedy
+    interpret: Any = False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh of one engine: (data, model) devices, None for one device without a mesh;
+    MoE experts split by expert index over `model` (else by the intermediate dimension)."""
+
+    mesh_shape: tuple[int, int] | None = None
+    expert_parallel: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1 if self.mesh_shape is None else int(self.mesh_shape[0])
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Ahead-of-time compilation at start-up: the step buckets (`aot`), the grammar-masked
+    samplers with them, or every executable a step can ask for (`every_variant`); the persistent
+    XLA compilation cache (None: off)."""
+
+    aot: bool = DEFAULTS.compile.aot
+    grammar_samplers: bool = True
+    every_variant: bool = False
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +254,15 @@ class EngineConfig:
             policy=self.policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
+
+    def kernel_config(self) -> KernelConfig:
+        return KernelConfig(self.attention_backend, self.gdn_backend, self.layer_loop, self.fuse_greedy, self.interpret)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.mesh_shape, self.expert_parallel)
+
+    def compile_config(self) -> CompileConfig:
+        return CompileConfig(self.aot_compile, self.aot_grammar_samplers, self.aot_compile_all, self.compile_cache_dir)
 
     def quantization_config(self):
         """The models.quant_rules.QuantizationConfig asked for, or None."""

@@ -11,8 +11,11 @@ from configs.schema import ConfigError, LaunchConfig, config_from_dict, load_con
 from runtime.engine_config import (
     ENGINE_FIELD_KEYS,
     CacheConfig,
+    CompileConfig,
     EngineConfig,
+    KernelConfig,
     KVTransferConfig,
+    ParallelConfig,
     SchedulerConfig,
     build_engine_config,
 )
@@ -69,6 +72,24 @@ def test_every_mapped_launch_key_exists_and_reaches_the_engine():
         "m",
     )
     assert (changed.layer_loop, changed.hybrid_checkpoint_budget, changed.token_buckets) == ("scan", None, (64, 256))
+
+
+def test_kernel_parallel_and_compile_parts_carry_the_launch_sections():
+    launch = load_config(
+        None,
+        {
+            "kernels.layer_loop": "unroll",
+            "kernels.attention_backend": "reference",
+            "parallel.mesh": {"data": 2, "model": 4},
+            "compile.aot": False,
+            "compile.cache_dir": None,
+        },
+    )
+    config = build_engine_config(launch, "m", interpret=True)
+    assert config.kernel_config() == KernelConfig("reference", "auto", "unroll", None, True)
+    assert config.parallel_config() == ParallelConfig((2, 4), False)
+    assert config.parallel_config().data_parallel_size == 2 and ParallelConfig().data_parallel_size == 1
+    assert config.compile_config() == CompileConfig(aot=False, grammar_samplers=True, every_variant=False, cache_dir=None)
 
 
 def test_engine_only_fields_pass_and_launch_fields_are_refused():

@@ -38,7 +38,8 @@ def prepare_model(
 ) -> tuple[Model, ExecutionPlan]:
     """`model` (default: loaded from `config.model`) quantized and sharded as the config asks, and
     laid out as `plan` (default: `plan_execution(config, model config, backend)`) says."""
-    mesh = None if config.mesh_shape is None else make_mesh(*config.mesh_shape)
+    parallel = config.parallel_config()
+    mesh = None if parallel.mesh_shape is None else make_mesh(*parallel.mesh_shape)
     qcfg = config.quantization_config()
     # an orbax checkpoint is restored straight into this sharding (each process reads its shards)
     loaded = model or load_model(
@@ -48,12 +49,12 @@ def prepare_model(
         mesh=mesh,
         quantization=qcfg,
         keep_gguf_quantized=config.keep_gguf_quantized,
-        expert_parallel=config.expert_parallel,
+        expert_parallel=parallel.expert_parallel,
     )
     if model is not None and qcfg is not None and not model.quantization:
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
-        shard_model(loaded, mesh, expert_parallel=config.expert_parallel)
+        shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
     backend = jax.default_backend()
     plan = plan or plan_execution(
         config, loaded.cfg, backend, dtype=loaded.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
@@ -155,7 +156,9 @@ def build_step_parts(
     num_pages, num_slots, num_checkpoint_slots = size_cache(config, model, max_blocks_per_seq, dp_size)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots)
     scheduler_config = config.scheduler_config(max_model_len)
-    opts = KernelOptions(attention=plan.attention_path, gdn=plan.gdn_path, interpret=config.interpret, tp=model.tp)
+    opts = KernelOptions(
+        attention=plan.attention_path, gdn=plan.gdn_path, interpret=config.kernel_config().interpret, tp=model.tp
+    )
     sizes = (max_blocks_per_seq, cache_config, scheduler_config, opts)
     caches = model.init_caches(
         cache_config.num_pages,

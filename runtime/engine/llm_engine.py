@@ -73,8 +73,9 @@ class LLMEngine:
         parallelism (`mesh_shape`'s data axis) and a P/D role (`kv_transfer`). `wrap_executables`
         (multi-host's leader) wraps the compiled, warmed-up executables before the first step."""
         self.config = config
-        if config.compile_cache_dir:
-            enable_persistent_cache(config.compile_cache_dir)
+        compile_ = config.compile_config()
+        if compile_.cache_dir:
+            enable_persistent_cache(compile_.cache_dir)
         self.model, self.plan = prepare_model(config, model, progress, plan)
         cfg = self.model.cfg
         # what actually runs: a Model another engine already unstacked stays unrolled
@@ -95,8 +96,8 @@ class LLMEngine:
         self.bitmask_width = bitmask_width(vocab_ids) if self.tokenizer is not None else 0
         self._structured: StructuredOutputManager | None = None  # built on first use (the tokenizer view)
         if self.plan.aot_compile:
-            masked = self.bitmask_width if self.plan.grammar_samplers or config.aot_compile_all else 0
-            self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=config.aot_compile_all)
+            masked = self.bitmask_width if self.plan.grammar_samplers or compile_.every_variant else 0
+            self.executables.compile_all(progress=progress, bitmask_width=masked, every_variant=compile_.every_variant)
             if jax.process_count() == 1:  # multi-host: a lone warm-up step would wait on the followers
                 self.caches = self.executables.warm_up(self.model.params, self.caches)
         self._eos_token_ids = tuple(cfg.eos_token_ids)

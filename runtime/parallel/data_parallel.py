@@ -205,7 +205,7 @@ class DataParallelExecutables(StepExecutables):
 # ---- engine wiring ------------------------------------------------------------------------------
 def data_parallel_size(config) -> int:
     """D of an EngineConfig: the mesh's data axis (1 without a mesh)."""
-    return 1 if config.mesh_shape is None else int(config.mesh_shape[0])
+    return config.parallel_config().data_parallel_size
 
 
 def rank_share(total: int | None, size: int, what: str) -> int | None:

@@ -134,24 +134,25 @@ def plan_execution(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     c = engine_config
+    k, mesh, compile_ = c.kernel_config(), c.parallel_config().mesh_shape, c.compile_config()
     on_cpu = backend == "cpu"
     token_buckets, seq_buckets = plan_buckets(c.max_num_batched_tokens, c.max_num_seqs, c.token_buckets, backend)
-    attention = resolve_impl("attention", c.attention_backend, backend, c.interpret)
+    attention = resolve_impl("attention", k.attention_backend, backend, k.interpret)
     dtype = dtype or c.dtype
     warnings = (_CPU_DTYPE_WARNING.format(dtype=dtype),) if on_cpu and dtype in CPU_WARNED_DTYPES else ()
     fuse_greedy_default = on_cpu and dtype in FUSE_GREEDY_CPU_DTYPES and not model_config.is_hybrid
     return ExecutionPlan(
         backend=backend,
-        layer_loop=_layer_loop(c.layer_loop, model_config.num_layers, backend, dtype),
+        layer_loop=_layer_loop(k.layer_loop, model_config.num_layers, backend, dtype),
         token_buckets=token_buckets,
         seq_buckets=seq_buckets,
-        fuse_greedy=fuse_greedy_default if c.fuse_greedy is None else c.fuse_greedy,
+        fuse_greedy=fuse_greedy_default if k.fuse_greedy is None else k.fuse_greedy,
         attention_path=attention,
-        gdn_path=_gdn_path(c.gdn_backend, backend, c.interpret),
+        gdn_path=_gdn_path(k.gdn_backend, backend, k.interpret),
         kv_bit_storage=reads_kv_bits(attention),
-        weight_layout=_weight_layout(on_cpu and c.mesh_shape is None, dtype, native_matmul),
-        aot_compile=c.aot_compile,
-        grammar_samplers=c.aot_grammar_samplers,
+        weight_layout=_weight_layout(on_cpu and mesh is None, dtype, native_matmul),
+        aot_compile=compile_.aot,
+        grammar_samplers=compile_.grammar_samplers,
         warnings=warnings,
     )
 
