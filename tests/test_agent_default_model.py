@@ -35,6 +35,7 @@ def server():
     # dequantized at load: on a CPU the Q4_1 blocks would be converted in every step
     model = load_model(gguf, dtype="float32", keep_gguf_quantized=False)
     config = EngineConfig(
+        aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
         model=str(gguf),
         dtype="float32",
         keep_gguf_quantized=False,

@@ -110,6 +110,7 @@ def _serve(engine, requests):
 def test_stops_with_a_step_in_flight_equal_sync_and_hf(family, tiny_checkpoint, hf_model):
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint(family)),
             dtype="float32",
             page_size=4,

@@ -89,7 +89,9 @@ def test_kernel_parallel_and_compile_parts_carry_the_launch_sections():
     assert config.kernel_config() == KernelConfig("reference", "auto", "unroll", None, True)
     assert config.parallel_config() == ParallelConfig((2, 4), False)
     assert config.parallel_config().data_parallel_size == 2 and ParallelConfig().data_parallel_size == 1
-    assert config.compile_config() == CompileConfig(aot=False, grammar_samplers=True, every_variant=False, cache_dir=None)
+    assert config.compile_config() == CompileConfig(
+        aot=False, grammar_samplers=True, every_variant=False, cache_dir=None
+    )
 
 
 def test_engine_only_fields_pass_and_launch_fields_are_refused():

@@ -14,6 +14,7 @@ from runtime.types import EngineRequest, SamplingParams, SamplingParamsError
 def engine(tiny_checkpoint):
     return LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint("qwen3_5")),
             dtype="float32",
             max_num_seqs=8,
@@ -64,6 +65,7 @@ def test_failed_step_fails_only_its_requests_then_50_succeed(engine, fail):
 def test_failure_after_the_caches_were_donated_is_fatal(tiny_checkpoint):
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint("llama")),
             dtype="float32",
             max_num_seqs=4,

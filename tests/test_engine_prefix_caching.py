@@ -29,6 +29,7 @@ MAX_TOKENS = 10
 def test_hybrid_prefix_hits_at_request_ends_and_divergence_points_match_hf(family, tiny_checkpoint, hf_model):
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint(family)),
             dtype="float32",
             page_size=8,

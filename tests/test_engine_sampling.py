@@ -15,6 +15,7 @@ from runtime.types import EngineRequest, SamplingParams
 def engine(tiny_checkpoint):
     return LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint("qwen3_5")),
             dtype="float32",
             max_num_seqs=8,

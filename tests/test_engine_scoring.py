@@ -23,6 +23,7 @@ TOP = 5
 def engine(tiny_checkpoint):
     return LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint(FAMILY)),
             dtype="float32",
             max_num_seqs=4,
@@ -93,6 +94,7 @@ def test_preempted_requests_keep_exact_prompt_logprobs(tiny_checkpoint, hf_model
     """A pool too small for all four at full length: some are preempted and recomputed."""
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint(FAMILY)),
             dtype="float32",
             max_num_seqs=4,

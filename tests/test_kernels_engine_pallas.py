@@ -52,6 +52,7 @@ def test_engine_through_pallas_matches_hf(family, tiny_checkpoint, hf_model):
     """Mixed lengths (70, 9, 23) under a 32-token budget: chunked prefill next to decodes."""
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(tiny_checkpoint(family)),
             dtype="float32",
             page_size=16,

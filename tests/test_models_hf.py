@@ -109,6 +109,7 @@ def _serve_bf16_packed(path, prompts: dict) -> dict:
 
     engine = LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(path),
             dtype="bfloat16",
             max_num_seqs=4,

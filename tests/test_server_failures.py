@@ -30,6 +30,7 @@ FAMILY = "llama"
 def _engine(model) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
+            aot_compile=False,  # compile what the test runs (start-up compiles: test_executable_table)
             model=str(model.path),
             dtype="float32",
             max_num_seqs=8,
