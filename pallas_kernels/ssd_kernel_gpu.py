@@ -133,7 +133,11 @@ def ssd_gpu(
     )
     dt = dt.astype(F32)
     log_decay = dt * a.astype(F32)
-    y_zeros = jnp.zeros((num_tokens, num_heads, head_dim), F32)
+    # A chunk's static [C, ...] load must fit the arrays even when the batch is shorter than C
+    # (it is never executed then, but it is traced and lowered).
+    pad = max(chunk_size - num_tokens, 0)
+    pad_tokens = lambda v: jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) if pad else v
+    y_zeros = jnp.zeros((num_tokens + pad, num_heads, head_dim), F32)
     # The 4 metadata operands are plain inputs here (no scalar prefetch on GPU).
     y, state = pl.pallas_call(
         kernel,
@@ -143,5 +147,13 @@ def ssd_gpu(
         # Triton compiler params select the Triton lowering (the default GPU one is Mosaic GPU).
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-    )(cu_q_lens, state_slot_ids, has_initial_state, num_seqs, x, dt, log_decay, b, c, state, y_zeros)
-    return add_skip(y, x, d, cu_q_lens, num_seqs), state
+    )(
+        cu_q_lens,
+        state_slot_ids,
+        has_initial_state,
+        num_seqs,
+        *map(pad_tokens, (x, dt, log_decay, b, c)),
+        state,
+        y_zeros,
+    )
+    return add_skip(y[:num_tokens], x, d, cu_q_lens, num_seqs), state
