@@ -29,6 +29,7 @@ from jax import lax
 
 from pallas_kernels.gdn import ragged_chunk_layout, ragged_token_layout
 from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_math import add_skip
 
 HIGHEST = lax.Precision.HIGHEST
 CPU_CHUNK = 16
@@ -160,14 +161,6 @@ def ssd_ragged_chunked(
     scatter_at = jnp.where(row_valid, token, t)  # t: dropped
     y = jnp.zeros((t, h, p), jnp.float32).at[scatter_at].set(jnp.swapaxes(y, 1, 2), mode="drop")
     return add_skip(y, x, d, cu_q_lens, num_seqs), state
-
-
-def add_skip(y, x, d, cu_q_lens, num_seqs):
-    """y [T,H,P] f32 (zero on padding) + D x on real tokens only -> x.dtype (padding stays zero)."""
-    t = x.shape[0]
-    valid = jnp.arange(t) < cu_q_lens[jnp.reshape(num_seqs, (-1,))[0]]
-    skip = jnp.where(valid[:, None, None], d.astype(jnp.float32)[:, None] * x.astype(jnp.float32), 0.0)
-    return (y + skip).astype(x.dtype)
 
 
 def _reference(*args, interpret, chunk_size):

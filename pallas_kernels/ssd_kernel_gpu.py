@@ -17,8 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kernel_math import F32, dot, dot_nt, dot_tn
-from pallas_kernels.ssd import add_skip
+from pallas_kernels.kernel_math import F32, add_skip, dot, dot_nt, dot_tn
 
 
 def _ssd_chunk(state, x, dt, log_decay, b, c):

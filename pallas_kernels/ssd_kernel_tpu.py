@@ -21,8 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kernel_math import F32, dot, dot_nt, dot_tn
-from pallas_kernels.ssd import add_skip
+from pallas_kernels.kernel_math import F32, add_skip, dot, dot_nt, dot_tn
 
 
 def _column_to_row(column, eye):
