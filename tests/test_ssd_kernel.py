@@ -328,20 +328,24 @@ def test_decode_step_equals_one_more_token_of_prefill():
         np.testing.assert_allclose(s, s_full, err_msg=impl, **TOL)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "pallas_tpu"])
+@pytest.mark.parametrize("impl", ["chunked", "pallas_tpu", "pallas_gpu"])
 def test_split_prefill_equals_one_call(impl):
     rng = np.random.default_rng(11)
-    h, p, g, n, length, split, bucket = 4, 8, 2, 8, 40, 27, 48
+    h, p, g, n, length, split, bucket = 4, 16, 2, 16, 40, 27, 48
     inputs = random_tokens(rng, length, h, p, g, n)
     a, d, dt_bias = random_params(rng, h, "model")
     pool = jnp.zeros((2, h, p, n), jnp.float32)
-    options = dict(interpret=True) if impl == "pallas_tpu" else {}
+    options = {
+        "chunked": dict(chunk_size=8),
+        "pallas_tpu": dict(interpret=True, chunk_size=8),
+        "pallas_gpu": dict(interpret=gpu_kernel_interpret(), chunk_size=16),
+    }[impl]
 
     def call(xs, pool, continues):  # every call padded to the same token bucket: one compile
         used = len(xs[0])
         x, dt, b, c = (np.concatenate([v, np.full((bucket - used,) + v.shape[1:], np.nan, v.dtype)]) for v in xs)
         meta = (jnp.int32([0, used]), jnp.int32([1]), jnp.bool_([continues]), jnp.int32([1]))
-        y, pool = ssd(x, dt, a, b, c, d, dt_bias, pool, *meta, impl=impl, chunk_size=8, **options)
+        y, pool = ssd(x, dt, a, b, c, d, dt_bias, pool, *meta, impl=impl, **options)
         return y[:used], pool
 
     y_full, pool_full = call(inputs, pool, False)
