@@ -1,4 +1,5 @@
-"""Matmul helpers shared by the GDN and KDA kernel bodies (TPU and GPU): f32 accumulation, full precision."""
+"""Helpers shared by the GDN, KDA and SSD kernel bodies and wrappers (TPU and GPU): matmuls with f32
+accumulation at full precision, the unit-lower-triangular inverse, the SSD D skip."""
 
 import jax.numpy as jnp
 from jax import lax
@@ -34,3 +35,11 @@ def unit_lower_inverse(a):
         inverse = inverse + dot(inverse, power)
         span *= 2
     return inverse
+
+
+def add_skip(y, x, d, cu_q_lens, num_seqs):
+    """y [T,H,P] f32 (zero on padding) + D x on real tokens only -> x.dtype (padding stays zero)."""
+    t = x.shape[0]
+    valid = jnp.arange(t) < cu_q_lens[jnp.reshape(num_seqs, (-1,))[0]]
+    skip = jnp.where(valid[:, None, None], d.astype(jnp.float32)[:, None] * x.astype(jnp.float32), 0.0)
+    return (y + skip).astype(x.dtype)
