@@ -81,8 +81,9 @@ def small_engine_config(path, **overrides):
     return EngineConfig(**{**base, **overrides})
 
 
-def launch_config(path, num_pages: int = 120):
-    """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps)."""
+def launch_config(path, num_pages: int = 120, aot: bool = False):
+    """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps);
+    `aot`: compile the start-up set first (`jaxserve serve`'s default), else what runs."""
     from configs.schema import LaunchConfig
 
     return LaunchConfig.model_validate(
@@ -90,6 +91,7 @@ def launch_config(path, num_pages: int = 120):
             "model": {"path": str(path), "dtype": "float32", "max_model_len": 512},
             "cache": {"num_pages": num_pages},
             "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
+            "compile": {"aot": aot},
         }
     )
 

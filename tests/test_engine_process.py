@@ -175,7 +175,13 @@ def test_the_parent_starts_no_jax_backend_and_gets_the_engines_tokens(tiny_check
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] is False
     offline = LLM(
-        str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=120, max_model_len=512
+        str(path),
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_pages=120,
+        max_model_len=512,
+        aot_compile=False,
     )
     ref = offline.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert result["tokens"] == ref.token_ids

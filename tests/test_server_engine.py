@@ -47,7 +47,7 @@ def server(request, model):
     if request.param == "thread":
         engine = AsyncEngine(LLMEngine(_config(model.path), model=model), "tiny-model")
     else:
-        engine = EngineProcessClient.start(launch_config(model.path), str(model.path), "tiny-model")
+        engine = EngineProcessClient.start(launch_config(model.path, aot=True), str(model.path), "tiny-model")
     try:
         live = LiveServer(engine, ServerConfig(max_waiting_requests=256))
         try:
