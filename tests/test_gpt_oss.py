@@ -4,7 +4,8 @@ Window 7 over 4 layers alternating sliding / full attention, learned sinks, YaRN
 experts with the clamped SwiGLU (models/random_gpt_oss.py). Prompts run many windows long and
 across pages of 16. Checked: logits within 1e-4 through the paged forward (layer scan and
 unrolled layers; the CPU's native attention and the jnp reference), greedy decoding through the
-paged caches, the engine's greedy output under chunked prefill with decodes riding along, that
+paged caches, the engine's greedy output under chunked prefill with decodes riding along, bf16
+logits (as loaded and packed for the CPU) as close to HF's fp32 ones as HF's own bf16 model, that
 each gpt-oss feature changes the logits far beyond that tolerance (so the comparison would catch
 its omission), the abstract parameter tree, the shipped gpt-oss-120b config, and MXFP4 refused.
 """
@@ -126,6 +127,30 @@ def test_engine_chunked_prefill_greedy_matches_hf(tiny_checkpoint, hf_model, lay
     for rid, ids in prompts.items():
         expected, scores = hf_greedy(hf, ids, 10)
         assert_greedy_match(outputs[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
+
+
+@pytest.mark.parametrize("layout", ["stacked", "packed"])
+def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tiny_checkpoint, hf_model, layout):
+    """bf16 weights, as loaded and in the CPU plan's packed layout (`Model.hold_packed`: the router
+    too): our logits are as close to HF's float32 ones as HF's own bfloat16 model's are (within 2x)."""
+    from transformers import AutoModelForCausalLM
+
+    from pallas_kernels import cpu_native
+
+    if layout == "packed" and not cpu_native.matmul_simd():
+        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
+    path = tiny_checkpoint(FAMILY)
+    model = load_model(path, dtype="bfloat16")
+    if layout == "packed":
+        model.unstack_layers()
+        model.hold_packed()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for n in (1, 65):
+        ids = _prompt(model.cfg.vocab_size, n, seed=300 + n)
+        reference = _hf_logits(hf_model(FAMILY), ids)
+        ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
+        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
+        assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
 
 
 def test_abstract_params_match_the_loader(tiny_checkpoint):
