@@ -3,11 +3,12 @@
 Window 7 over 4 layers alternating sliding / full attention, learned sinks, YaRN RoPE, biased
 experts with the clamped SwiGLU (models/random_gpt_oss.py). Prompts run many windows long and
 across pages of 16. Checked: logits within 1e-4 through the paged forward (layer scan and
-unrolled layers; the CPU's native attention and the jnp reference), greedy decoding through the
-paged caches, the engine's greedy output under chunked prefill with decodes riding along, bf16
-logits (as loaded and packed for the CPU) as close to HF's fp32 ones as HF's own bf16 model, that
-each gpt-oss feature changes the logits far beyond that tolerance (so the comparison would catch
-its omission), the abstract parameter tree, the shipped gpt-oss-120b config, and MXFP4 refused.
+unrolled layers; the CPU's native attention, the jnp paths, the TPU and GPU Pallas kernels
+interpreted), greedy decoding through the paged caches, the engine's greedy output under chunked
+prefill with decodes riding along, bf16 logits (as loaded and packed for the CPU) as close to
+HF's fp32 ones as HF's own bf16 model, that each gpt-oss feature changes the logits far beyond
+that tolerance (so the comparison would catch its omission), the abstract parameter tree, the
+shipped gpt-oss-120b config, and MXFP4 refused.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def test_config_parses_windows_sinks_and_experts(ours, tiny_checkpoint):
     assert cfg.rope_type == "yarn" and dict(cfg.rope_scaling)["truncate"] is False
 
 
-@pytest.mark.parametrize("attention,unrolled", [("auto", False), ("auto", True), ("reference", False)])
+@pytest.mark.parametrize(
+    "attention,unrolled", [("auto", False), ("auto", True), ("reference", False), ("chunked", False)]
+)
 def test_logits_match_hf(ours, hf_model, attention, unrolled):
     model = load_model(ours.path, dtype="float32") if unrolled else ours
     if unrolled:
@@ -74,6 +77,26 @@ def test_logits_match_hf(ours, hf_model, attention, unrolled):
         assert got.shape == expected.shape
         err = np.abs(got - expected).max()
         assert err <= 1e-4, f"attention={attention} unrolled={unrolled} T={n}: max abs logit error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])
+def test_logits_match_hf_through_the_pallas_kernels_interpreted(ours, hf_model, kernel, tmp_path):
+    """The TPU and GPU attention kernels (interpret mode) with this model's windows and sinks. The
+    GPU kernel needs a power-of-two head_dim (gpt-oss's is 64): a head_dim-16 copy of the family."""
+    from transformers import AutoModelForCausalLM
+
+    from models.random_checkpoint import write_random_checkpoint
+
+    model, hf = ours, hf_model(FAMILY)
+    if kernel == "pallas_gpu":
+        path = write_random_checkpoint(FAMILY, tmp_path / "hd16", head_dim=16)
+        model = load_model(path, dtype="float32")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for n in (23, 70):
+        ids = _prompt(model.cfg.vocab_size, n, seed=n)
+        got = model.logits(ids, KernelOptions(attention=kernel, interpret=True))
+        err = np.abs(got - _hf_logits(hf, ids)).max()
+        assert err <= 1e-4, f"{kernel} T={n}: max abs logit error {err:.2e}"
 
 
 def _variant_logits(model, ids, cfg=None, params=None) -> np.ndarray:
