@@ -308,7 +308,7 @@ def _gpt_oss(hf: dict, common: dict, n_layers: int) -> ModelConfig:
     kinds = tuple(hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else ATTENTION for i in range(n_layers)])
     if len(kinds) != n_layers or set(kinds) - {ATTENTION, "sliding_attention"}:
         raise ConfigError(f"layer_types must list {n_layers} entries of sliding_attention/full_attention, got {kinds}")
-    window = int(hf.get("sliding_window") or 0)
+    window = int(hf.get("sliding_window", 128) or 0)  # HF default 128
     if "sliding_attention" in kinds and window < 1:
         raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {hf.get('sliding_window')!r}")
     # HF's GptOssConfig defaults, for fields a config.json may leave out
@@ -321,9 +321,9 @@ def _gpt_oss(hf: dict, common: dict, n_layers: int) -> ModelConfig:
         mlp_types=("moe",) * n_layers,
         sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
         attention_sinks=True,
-        num_experts=int(hf.get("num_local_experts") or hf.get("num_experts") or 0),
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["intermediate_size"]),
+        num_experts=int(hf.get("num_local_experts") or hf.get("num_experts") or 128),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 4)),
+        moe_intermediate_size=int(hf.get("intermediate_size", 2880)),
         gpt_oss_moe=True,
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
