@@ -1,6 +1,6 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
-Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next) maps onto the same fields; the
+Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss) maps onto the same fields; the
 forward pass reads only this object. RoPE variants found in HF configs (default, linear,
 llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
@@ -43,6 +43,9 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj yields [query | gate] per head
     attention_bias: bool = False
     mlp_bias: bool = False
+    # per attention layer: its sliding window (0: full attention); () = every layer full
+    sliding_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
     # rope
     rope_theta: float = 10000.0
     rotary_dim: int = 0
@@ -54,6 +57,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # gpt-oss experts: router with bias, softmax over the top-k logits, biased experts with the
+    # clamped SwiGLU `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, g = min(gate, limit)
+    gpt_oss_moe: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Gated DeltaNet
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -84,9 +92,14 @@ class ModelConfig:
             + self.linear_num_value_heads * self.linear_value_head_dim
         )
 
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (HF's: keys p - W < k <= p), or None (full attention)."""
+        return (self.sliding_windows[layer] if self.sliding_windows else 0) or None
+
     def layer_period(self) -> int:
-        """Smallest p with (layer_types, mlp_types) periodic of period p: layers scan in groups of p."""
-        kinds = list(zip(self.layer_types, self.mlp_types))
+        """Smallest p with (layer_types, mlp_types, windows) periodic of period p: layers scan in groups of p."""
+        windows = self.sliding_windows or (0,) * self.num_layers
+        kinds = list(zip(self.layer_types, self.mlp_types, windows))
         n = len(kinds)
         for p in range(1, n + 1):
             if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
@@ -157,6 +170,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "GptOssForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
@@ -244,6 +258,9 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
 
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss(hf, common, n_layers)
+
     layer_types = tuple(
         hf.get("layer_types")
         or [LINEAR if (i + 1) % int(hf.get("full_attention_interval", 4)) else ATTENTION for i in range(n_layers)]
@@ -279,4 +296,35 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         linear_value_head_dim=int(hf["linear_value_head_dim"]),
         linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
         gdn_fused_qkvz=arch == "Qwen3NextForCausalLM",
+    )
+
+
+GPT_OSS_ROPE = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+)
+
+
+def _gpt_oss(hf: dict, common: dict, n_layers: int) -> ModelConfig:
+    kinds = tuple(hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else ATTENTION for i in range(n_layers)])
+    if len(kinds) != n_layers or set(kinds) - {ATTENTION, "sliding_attention"}:
+        raise ConfigError(f"layer_types must list {n_layers} entries of sliding_attention/full_attention, got {kinds}")
+    window = int(hf.get("sliding_window", 128) or 0)  # HF default 128
+    if "sliding_attention" in kinds and window < 1:
+        raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {hf.get('sliding_window')!r}")
+    # HF's GptOssConfig defaults, for fields a config.json may leave out
+    common = {**common, "intermediate_size": 0, "attention_bias": bool(hf.get("attention_bias", True))}
+    if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+        common.update(_rope({"rope_theta": 150000.0, **hf, "rope_parameters": GPT_OSS_ROPE}, common["head_dim"]))
+    return ModelConfig(
+        **common,
+        layer_types=(ATTENTION,) * n_layers,
+        mlp_types=("moe",) * n_layers,
+        sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+        attention_sinks=True,
+        num_experts=int(hf.get("num_local_experts") or hf.get("num_experts") or 128),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 4)),
+        moe_intermediate_size=int(hf.get("intermediate_size", 2880)),
+        gpt_oss_moe=True,
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
     )

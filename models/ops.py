@@ -136,11 +136,13 @@ def paged_attention(
     sm_scale,
     sliding_window=None,
     soft_cap=None,
+    sinks=None,
 ):
+    """`sinks`: [Hq] (gpt-oss), passed to the back-end only when given (plugins need not know it)."""
     impl = opts.impl("attention")
     backend = ATTENTION_BACKENDS.get(impl)
 
-    def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs):
+    def attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *sink):
         return backend(
             q,
             kv,
@@ -152,13 +154,16 @@ def paged_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             interpret=opts.interpret,
+            **({"sinks": sink[0]} if sink else {}),
         )
 
+    sink_args = () if sinks is None else (sinks,)
     tp = opts.tp
     if tp is not None and _per_shard(impl, backend):
         heads = P(None, tp.axis)  # q [T, Hq, D]
-        attend = _on_mesh(attend, tp, tp.attention, (heads, _kv_specs(kv, tp.axis), P(), P(), P(), P()), heads)
-    return attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs)
+        in_specs = (heads, _kv_specs(kv, tp.axis), P(), P(), P(), P()) + (P(tp.axis),) * len(sink_args)
+        attend = _on_mesh(attend, tp, tp.attention, in_specs, heads)
+    return attend(q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, *sink_args)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, cu_q_lens, slot_ids, has_initial_state, num_seqs, opts: KernelOptions):

@@ -102,6 +102,11 @@ def parse_quantization_config(qc) -> CheckpointQuantization | None:
         return CheckpointQuantization("gptq", _group_size(qc), desc_act=_field(qc, "desc_act", bool, False))
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
+    if method == "mxfp4":
+        raise CheckpointError(
+            "config.json quantization_config.quant_method: MXFP4 checkpoints (gpt-oss as published) are not "
+            "loaded yet; serve a dequantized bf16 copy (experts stored as gate_up_proj / down_proj)"
+        )
     raise CheckpointError(
         f"config.json quantization_config.quant_method: supported are awq, gptq and compressed-tensors, got {method!r}"
     )

@@ -31,7 +31,10 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+from models.random_gpt_oss import GPT_OSS_SPEC
+
+FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
+ALL_FAMILIES = (*FAMILIES, "gpt_oss")  # gpt_oss: tests/test_gpt_oss.py
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -169,6 +172,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         ),
     ),
+    "gpt_oss": GPT_OSS_SPEC,
 }
 
 
@@ -180,7 +184,7 @@ def describe(family: str) -> dict[str, Any]:
 
 def _spec(family: str) -> tuple[str, str, dict[str, Any]]:
     if family not in _SPECS:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {ALL_FAMILIES}")
     return _SPECS[family]
 
 
@@ -398,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m models.random_checkpoint",
         description="Write a random HF checkpoint (tiny awkward defaults; override any config field).",
     )
-    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("family", choices=ALL_FAMILIES)
     parser.add_argument("out_dir", type=Path, nargs="?")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.08)

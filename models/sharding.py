@@ -145,6 +145,7 @@ ATTENTION_RULES = {
     "o_bias": REPLICATED,
     "q_norm": REPLICATED,
     "k_norm": REPLICATED,
+    "sinks": VECTOR,  # one per query head
 }
 GDN_RULES = {
     "in_qkv": COLUMN,
@@ -173,6 +174,9 @@ MOE_RULES = {
     "shared_up_proj": COLUMN,
     "shared_down_proj": ROW,
     "shared_expert_gate": REPLICATED,
+    "router_bias": REPLICATED,
+    "experts_gate_up_bias": REPLICATED,  # [E, 2I]: gathered per row, kept whole
+    "experts_down_bias": REPLICATED,
 }
 NORM_RULES = {"input_norm": REPLICATED, "post_norm": REPLICATED}
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}

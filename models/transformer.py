@@ -22,6 +22,7 @@ from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
+from models.gpt_oss import gpt_oss_moe
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
 from pallas_kernels import cpu_native
@@ -56,7 +57,7 @@ def _linear(x, w, b=None, opts=None, rows=None):
     return y if b is None else y + b
 
 
-def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts):
+def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: ModelConfig, opts, sliding_window=None):
     T, D = x.shape[0], cfg.head_dim
     rows = batch.num_valid_rows
     q = _linear(x, p["q_proj"], p.get("q_bias"), opts, rows)
@@ -78,7 +79,16 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
     kv = ops.write_kv(kv, k, v, slots, opts)
     out = ops.paged_attention(
-        q, kv, batch.kv_lens, batch.block_tables + page_offset, batch.cu_q_lens, batch.num_seqs, opts, sm_scale=D**-0.5
+        q,
+        kv,
+        batch.kv_lens,
+        batch.block_tables + page_offset,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        opts,
+        sm_scale=D**-0.5,
+        sliding_window=sliding_window,
+        sinks=p.get("sinks"),
     )
     out = out.reshape(T, cfg.num_heads * D)
     if cfg.attn_output_gate:
@@ -177,7 +187,9 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.layer_types[layer] == ATTENTION:
             pages_per_layer = kv_list[j].k.shape[0] // n_groups
-            h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts)
+            h, kv_list[j] = attention_layer(
+                p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, cfg.sliding_window(layer)
+            )
         else:
             slots_per_layer = rec_list[j].shape[0] // n_groups
             h, conv_list[j], rec_list[j] = gdn_layer(
@@ -188,7 +200,8 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
         if cfg.mlp_types[layer] == "dense":
             x = x + dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
-            x = x + tokenwise(lambda p_, h_, rows: moe_mlp(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
+            moe = gpt_oss_moe if cfg.gpt_oss_moe else moe_mlp
+            x = x + tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 

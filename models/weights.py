@@ -81,6 +81,8 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
         if cfg.qk_norm:
             p["q_norm"] = get(a + "q_norm.weight", (D,))
             p["k_norm"] = get(a + "k_norm.weight", (D,))
+        if cfg.attention_sinks:
+            p["sinks"] = get(a + "sinks", (cfg.num_heads,))
     else:
         p.update(_gdn_params(cfg, get, lin, f"layers.{i}.linear_attn."))
     m = f"layers.{i}.mlp."
@@ -93,9 +95,27 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
             p["gate_bias"] = get(m + "gate_proj.bias", (I,))
             p["up_bias"] = get(m + "up_proj.bias", (I,))
             p["down_bias"] = get(m + "down_proj.bias", (H,))
+    elif cfg.gpt_oss_moe:
+        p.update(_gpt_oss_moe_params(cfg, get, lin, m))
     else:
         p.update(_moe_params(cfg, get, has, lin, m))
     return p
+
+
+def _gpt_oss_moe_params(cfg: ModelConfig, get: Callable, lin: Callable, m: str) -> dict:
+    """gpt-oss stores experts as x @ W ([E, H, 2I], gate and up interleaved column by column):
+    de-interleaved here into our [gate | up] halves."""
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    gate_up = get(m + "experts.gate_up_proj", (E, H, 2 * I))
+    gate_up_bias = get(m + "experts.gate_up_proj_bias", (E, 2 * I))
+    return {
+        "router": lin(m + "router", E, H),
+        "router_bias": get(m + "router.bias", (E,)),
+        "experts_gate_up": np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1),  # [E, H, 2I]
+        "experts_gate_up_bias": np.concatenate([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], axis=-1),
+        "experts_down": get(m + "experts.down_proj", (E, I, H)),  # [E, I, H]
+        "experts_down_bias": get(m + "experts.down_proj_bias", (E, H)),
+    }
 
 
 def _gdn_params(cfg: ModelConfig, get: Callable, lin: Callable, a: str) -> dict:
@@ -217,6 +237,8 @@ def _attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,), o_bias=(H,))
     if cfg.qk_norm:
         shapes.update(q_norm=(D,), k_norm=(D,))
+    if cfg.attention_sinks:
+        shapes.update(sinks=(cfg.num_heads,))
     return shapes
 
 
@@ -245,6 +267,15 @@ def _mlp_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
         return shapes
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     shapes = {"router": (H, E), "experts_gate_up": (E, H, 2 * I), "experts_down": (E, I, H)}
+    if cfg.gpt_oss_moe:
+        shapes = {
+            "router": (H, E),
+            "router_bias": (E,),
+            "experts_gate_up": (E, H, 2 * I),
+            "experts_gate_up_bias": (E, 2 * I),
+            "experts_down": (E, I, H),
+            "experts_down_bias": (E, H),
+        }
     if Is:
         shapes.update(
             shared_gate_proj=(H, Is), shared_up_proj=(H, Is), shared_down_proj=(Is, H), shared_expert_gate=(H, 1)
