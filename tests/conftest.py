@@ -20,11 +20,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Let the TPU topology lookup (real Mosaic AOT compiles on CPU) work while another JAX process
 # on the machine, e.g. a running server, holds libtpu's lock file.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# One XLA compilation cache for the whole run, child processes included (they inherit the
-# environment): the suite builds engines of the same few shapes in many modules, and a cache hit
-# skips XLA's compile (tracing and lowering still run, so every test still exercises them). Kept
-# under the repository's .cache, so a local rerun is warm; CI's clean clone starts it cold.
+# One XLA compilation cache for the child processes the tests start (engine processes, P/D and
+# multi-host servers, the 8-device subprocesses): they build engines of the same few shapes again
+# and again, and a hit skips XLA's compile (tracing and lowering still run). Set after JAX is
+# imported here, so this process does not use it: serializing some interpret-mode Pallas
+# executables into the cache crashed this process once (a segfault in jax's
+# `put_executable_and_time`), and a crash here ends the whole run. Kept under the repository's
+# .cache, so a local rerun is warm; CI's clean clone starts cold.
 # JAXSERVE_TEST_COMPILE_CACHE=0 turns it off (to time the suite as it was).
+import jax  # noqa: F401 (read this process's JAX config before the variables below exist)
+
 if os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", "1") != "0":
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "xla-tests")
