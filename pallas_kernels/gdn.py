@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_native
-from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_impls import Kernel, ragged_state_args
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -375,22 +375,20 @@ def _reference_chunked(*args, interpret, chunk_size):
     return gated_delta_rule_chunked_reference(*args, chunk_size=chunk_size or 64)
 
 
-def _kernel_args(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs):
-    i32 = lambda x: x.astype(jnp.int32)
-    num_seqs = i32(jnp.reshape(num_seqs, (-1,))[:1])
-    return (q, k, v, g, beta, state, i32(cu_q_lens), i32(state_slot_ids), i32(has_initial_state), num_seqs)
-
-
 def _pallas_tpu(*args, interpret, chunk_size):
     from pallas_kernels import gdn_kernel_tpu
 
-    return gdn_kernel_tpu.gated_delta_rule_tpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return gdn_kernel_tpu.gated_delta_rule_tpu(
+        *ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64
+    )
 
 
 def _pallas_gpu(*args, interpret, chunk_size):
     from pallas_kernels import gdn_kernel_gpu
 
-    return gdn_kernel_gpu.gated_delta_rule_gpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return gdn_kernel_gpu.gated_delta_rule_gpu(
+        *ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64
+    )
 
 
 def _pallas(*args, **options):

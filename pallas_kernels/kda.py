@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn import ragged_chunk_layout, ragged_token_layout, unit_lower_inverse
-from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_impls import Kernel, ragged_state_args
 
 HIGHEST = lax.Precision.HIGHEST
 CPU_CHUNK = 16  # the "chunked" impl's default chunk: the decay tile is [H, C, C, K] per chunk
@@ -230,22 +230,16 @@ def _chunked(*args, interpret, chunk_size):
     return kda_ragged_chunked(*args, chunk_size=chunk_size or CPU_CHUNK)
 
 
-def _kernel_args(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs):
-    i32 = lambda x: x.astype(jnp.int32)
-    num_seqs = i32(jnp.reshape(num_seqs, (-1,))[:1])
-    return (q, k, v, g, beta, state, i32(cu_q_lens), i32(state_slot_ids), i32(has_initial_state), num_seqs)
-
-
 def _pallas_tpu(*args, interpret, chunk_size):
     from pallas_kernels import kda_kernel_tpu
 
-    return kda_kernel_tpu.kda_tpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return kda_kernel_tpu.kda_tpu(*ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
 def _pallas_gpu(*args, interpret, chunk_size):
     from pallas_kernels import kda_kernel_gpu
 
-    return kda_kernel_gpu.kda_gpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return kda_kernel_gpu.kda_gpu(*ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
 def _pallas(*args, **options):

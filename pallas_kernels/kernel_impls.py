@@ -44,3 +44,14 @@ def resolve(kernels: Mapping[str, Kernel], choice: str, platform: str, interpret
         if key in kernel.auto:
             return name
     raise ValueError(f"no implementation is picked by 'auto' on {key!r}; known: {list(kernels)}")
+
+
+def ragged_state_args(args: tuple) -> tuple:
+    """A ragged state op's positional arguments (GDN, KDA, SSD) as their Pallas kernels take them:
+    the last four, cu_q_lens, state slot ids, has_initial_state and num_seqs, as int32, num_seqs
+    as a [1] array."""
+    import jax.numpy as jnp
+
+    *arrays, cu_q_lens, state_slot_ids, has_initial_state, num_seqs = args
+    meta = (cu_q_lens, state_slot_ids, has_initial_state, jnp.reshape(num_seqs, (-1,))[:1])
+    return (*arrays, *(x.astype(jnp.int32) for x in meta))

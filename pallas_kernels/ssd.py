@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn import ragged_chunk_layout, ragged_token_layout
-from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_impls import Kernel, ragged_state_args
 from pallas_kernels.kernel_math import add_skip
 
 HIGHEST = lax.Precision.HIGHEST
@@ -171,22 +171,16 @@ def _chunked(*args, interpret, chunk_size):
     return ssd_ragged_chunked(*args, chunk_size=chunk_size or CPU_CHUNK)
 
 
-def _kernel_args(x, dt, a, b, c, d, state, cu_q_lens, state_slot_ids, has_initial_state, num_seqs):
-    i32 = lambda v: v.astype(jnp.int32)
-    num_seqs = i32(jnp.reshape(num_seqs, (-1,))[:1])
-    return (x, dt, a, b, c, d, state, i32(cu_q_lens), i32(state_slot_ids), i32(has_initial_state), num_seqs)
-
-
 def _pallas_tpu(*args, interpret, chunk_size):
     from pallas_kernels import ssd_kernel_tpu
 
-    return ssd_kernel_tpu.ssd_tpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return ssd_kernel_tpu.ssd_tpu(*ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
 def _pallas_gpu(*args, interpret, chunk_size):
     from pallas_kernels import ssd_kernel_gpu
 
-    return ssd_kernel_gpu.ssd_gpu(*_kernel_args(*args), interpret=interpret, chunk_size=chunk_size or 64)
+    return ssd_kernel_gpu.ssd_gpu(*ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
 def _pallas(*args, **options):
