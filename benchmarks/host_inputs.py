@@ -22,8 +22,7 @@ from pathlib import Path
 
 from benchmarks import write_json
 from runtime.buckets import bucket_for
-from runtime.scheduling.request import PLACEHOLDER_TOKEN
-from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.scheduled import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
 from runtime.steps.inputs import build_batch
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_host import RequestTableHost

@@ -10,6 +10,7 @@ independent reference our JAX models are compared against.
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -28,7 +29,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # `put_executable_and_time`), and a crash here ends the whole run. Kept under the repository's
 # .cache, so a local rerun is warm; CI's clean clone starts cold.
 # JAXSERVE_TEST_COMPILE_CACHE=0 turns it off (to time the suite as it was).
-import jax  # noqa: F401 (read this process's JAX config before the variables below exist)
+import jax  # read this process's JAX config before the variables below exist
 
 if os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", "1") != "0":
     os.environ.setdefault(
@@ -40,6 +41,22 @@ if os.environ.get("JAXSERVE_TEST_COMPILE_CACHE", "1") != "0":
 import pytest
 
 from benchmarks.tiny_checkpoints import CHECKPOINT_CACHE, build_cached_checkpoint, checkpoint_cache_key  # noqa: F401 (tests' import)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """After each test module: drop JAX's caches of compiled programs and collect them.
+
+    XLA:CPU maps about four memory regions per loaded executable and frees them only when the
+    executable is collected. The default run compiles well over ten thousand programs in this one
+    process, which reached Linux's `vm.max_map_count` (65530) near the end of the run: an mmap in
+    LLVM's JIT failed and the process died with a SIGSEGV inside XLA's compile (seen three times in
+    tests/test_ssd_kernel.py, the last module to compile much). Engines and fixtures that a module
+    still holds keep their executables; only programs nothing references are freed.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def _limit_torch_threads():

@@ -16,7 +16,7 @@ from test_engine_hf import assert_all_free
 
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
-from runtime.scheduling.request import PLACEHOLDER_TOKEN
+from runtime.scheduled import PLACEHOLDER_TOKEN
 from runtime.types import EngineRequest, SamplingParams
 
 NUM_TOKENS = 10

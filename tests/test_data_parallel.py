@@ -189,7 +189,8 @@ SCRIPT = textwrap.dedent("""
 
     def engine_for(name, mesh_shape, **kw):
         kw = {"page_size": 16, "num_pages": 32, "max_num_seqs": 4, "max_num_batched_tokens": 32,
-              "token_buckets": (4, 16, 32), "max_model_len": 96, "enable_prefix_caching": False, **kw}
+              "token_buckets": (4, 16, 32), "max_model_len": 96, "enable_prefix_caching": False,
+              "aot_compile": False, **kw}  # compile what runs (a meshed start-up set: test_sharding)
         return LLMEngine(EngineConfig(model=paths[name], load_tokenizer=False, mesh_shape=mesh_shape, **kw))
 
     def mixed(name, mesh_shape, prefix=False):

@@ -46,13 +46,13 @@ MAY_IMPORT = {
 }
 
 # Inside runtime/: each sub-package and the sub-packages it may import. Every one may import runtime/'s
-# top-level modules ("base": types, validation, engine_config, registry, buckets), which import
+# top-level modules ("base": types, validation, engine_config, registry, buckets, scheduled), which import
 # no sub-package; runtime/__init__.py may import anything.
 RUNTIME_MAY_IMPORT = {
     "base": set(),
     "scheduling": {"base"},
     "structured_output": {"base"},
-    "steps": {"base", "scheduling"},
+    "steps": {"base"},  # the scheduler's plan comes through runtime/scheduled.py
     "kv_transfer": {"base", "scheduling"},
     "parallel": {"base", "scheduling", "steps"},
     "aot": {"base", "scheduling", "steps", "parallel"},
@@ -368,12 +368,22 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
 
 
 def test_the_checker_fails_an_upward_import_and_a_cycle(tmp_path):
-    modules = {"models.a", "models.b", "runtime", "runtime.c", "runtime.steps.d", "runtime.scheduling.e"}
+    modules = {
+        "models.a",
+        "models.b",
+        "runtime",
+        "runtime.c",
+        "runtime.steps.d",
+        "runtime.scheduling.e",
+        "runtime.parallel.f",
+    }
     up = _edges_of(tmp_path, "models.a", "def f():\n    from runtime.c import thing\n", modules)
     assert len(layering_violations(up)) == 1
     up_inside = _edges_of(tmp_path, "runtime.scheduling.e", "from runtime.steps import d\n", modules)
     assert len(layering_violations(up_inside)) == 1
-    assert layering_violations(_edges_of(tmp_path, "runtime.steps.d", "import runtime.scheduling.e\n", modules)) == []
+    assert layering_violations(_edges_of(tmp_path, "runtime.parallel.f", "import runtime.steps.d\n", modules)) == []
+    sideways = _edges_of(tmp_path, "runtime.steps.d", "import runtime.scheduling.e\n", modules)
+    assert len(layering_violations(sideways)) == 1  # steps get the scheduler's plan from runtime/scheduled.py
     stale = _edges_of(tmp_path, "models.b", "import importlib\nimportlib.import_module('runtime.gone')\n", modules)
     assert [e.named for e in stale] == ["runtime.gone"]
     loop = _edges_of(tmp_path, "models.a", "import models.b\n", modules) + _edges_of(

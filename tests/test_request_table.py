@@ -21,8 +21,7 @@ import pytest
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.scheduling.request import PLACEHOLDER_TOKEN
-from runtime.scheduling.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.scheduled import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
 from runtime.steps.inputs import build_batch
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_device import apply_write, init_table, prepare, row_sampling

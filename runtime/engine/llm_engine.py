@@ -42,8 +42,8 @@ from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.engine.step_inputs import plain_greedy, sampler_inputs, table_inputs, token_feed
 from runtime.engine_config import EngineConfig
 from runtime.kv_transfer.hooks import KVTransferHooks, build_kv_transfer
+from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request, RequestStatus
-from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.steps.async_step import InFlightStep
 from runtime.steps.executables import StepExecutables, enable_persistent_cache
 from runtime.steps.execution_plan import ExecutionPlan

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
-from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.types import TokenLogprob
 
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from runtime.buckets import bucket_for, seq_bucket
 from runtime.engine.prompt_logprobs import prompt_targets
+from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
-from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.steps.async_step import InFlightStep, no_feed_rows
 from runtime.steps.executables import StepExecutables, TokenFeed
 from runtime.steps.sampling_metadata import SamplingMetadata

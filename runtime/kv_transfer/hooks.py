@@ -51,8 +51,8 @@ from runtime.kv_transfer.layout import (
     pull_specs,
     write_request_state,
 )
+from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
-from runtime.scheduling.scheduler import SchedulerOutput
 from runtime.types import EngineBusy, EngineRequest, FinishReason, RequestDelta, SamplingParams
 
 log = logging.getLogger("jaxserve.kv_transfer")

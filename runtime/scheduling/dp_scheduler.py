@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.engine_config import CacheConfig, SchedulerConfig
+from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
-from runtime.scheduling.scheduler import Scheduler, SchedulerOutput
+from runtime.scheduling.scheduler import Scheduler
 from runtime.types import FinishReason
 
 

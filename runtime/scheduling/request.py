@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import SequenceAllocation
 from paged_kv.state_slots import NULL_SLOT
+from runtime.scheduled import PLACEHOLDER_TOKEN
 from runtime.types import FinishReason, SamplingParams
-
-PLACEHOLDER_TOKEN = -1  # an output token sampled on the device, not yet seen by the host
 
 
 class RequestStatus(enum.Enum):

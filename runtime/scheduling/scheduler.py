@@ -46,51 +46,13 @@ Plain Python, no JAX.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
 from runtime.engine_config import SchedulerConfig
+from runtime.scheduled import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
 from runtime.scheduling.policies import get_policy
-from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from runtime.scheduling.request import Request, RequestStatus
 from runtime.types import FinishReason
-
-
-@dataclass
-class ScheduledSequence:
-    """One row of the step: feed `token_ids` at positions start_position, start_position+1, ..."""
-
-    request: Request
-    token_ids: list[int]
-    start_position: int  # tokens already in the KV cache / state
-    block_table: list[int]
-    state_slot: int  # 0 (null) on pure-attention models
-    has_initial_state: bool  # start_position > 0: continue from the slot (hybrids)
-    sample: bool  # this chunk reaches the last known token: sample the next one
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    sequences: list[ScheduledSequence] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    copy_before: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
-    copy_after: list[tuple[int, int]] = field(default_factory=list)  # (src_slot, dst_slot)
-    external_loads: list[Request] = field(default_factory=list)  # P/D: admitted with pulled KV/state to write
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(seq.num_new_tokens for seq in self.sequences)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.sequences
 
 
 class Scheduler:

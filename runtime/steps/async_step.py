@@ -2,7 +2,7 @@
 
 Asynchronous scheduling keeps one step in flight: step n+1 is scheduled, built and dispatched
 while step n runs, each of its rows that continues a request of step n feeding a placeholder
-(`runtime.scheduling.request.PLACEHOLDER_TOKEN`) that the device replaces with step n's sampled token,
+(`runtime.scheduled.PLACEHOLDER_TOKEN`) that the device replaces with step n's sampled token,
 never a host read: the request table's `prepare` writes step n's token array (`sampled.tokens`)
 into the rows step n ran and reads a placeholder row's `last_token` (runtime/steps/table_device.py);
 attention DP's host-built batch gathers it through a `runtime.steps.executables.TokenFeed` whose rows
@@ -19,12 +19,11 @@ Plain host code: numpy only (the device arrays are held, never computed on, here
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.scheduling.request import PLACEHOLDER_TOKEN, Request
-from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.scheduled import PLACEHOLDER_TOKEN, SchedulerOutput
 
 if TYPE_CHECKING:
     from runtime.steps.sampler import SamplerOutput
@@ -35,7 +34,7 @@ class InFlightStep:
     out: SchedulerOutput
     sampled: SamplerOutput  # device arrays; tokens [max_num_seqs]
     scores: object | None  # TokenScores of a scoring step (prompt logprobs), else None
-    placed: list[tuple[int, Request, int | None]]  # (row, request, output index of its placeholder)
+    placed: list[tuple[int, Any, int | None]]  # (row, Request, output index of its placeholder)
     tokens: np.ndarray | None = None  # host copy, once resolved
     logprobs: tuple | None = None  # (logprobs [S], top_ids [S, n], top_logprobs [S, n]) host copies
     _rows: dict[str, int] = field(default_factory=dict)

@@ -17,7 +17,7 @@ import numpy as np
 
 from models.batch import ForwardBatch
 from runtime.buckets import bucket_for
-from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.scheduled import SchedulerOutput
 
 
 def build_batch(

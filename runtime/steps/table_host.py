@@ -46,8 +46,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from runtime.scheduling.request import PLACEHOLDER_TOKEN
-from runtime.scheduling.scheduler import SchedulerOutput
+from runtime.scheduled import PLACEHOLDER_TOKEN, SchedulerOutput
 from runtime.types import SamplingParams
 
 # A row's sampling parameters in the table, in this order, as int32 bit patterns: six float32
