@@ -223,7 +223,9 @@ def test_shipped_gemma_3_27b_config():
     assert sum(w == 0 for w in cfg.sliding_windows) == 10 and cfg.layer_period() == 62
     full, local = text.rope_parameters["full_attention"], text.rope_parameters["sliding_attention"]
     assert (cfg.rope_theta, cfg.rope_type, dict(cfg.rope_scaling)) == (full["rope_theta"], "linear", {"factor": 8.0})
-    assert (cfg.sliding_rope_theta, cfg.sliding_rope_type) == (local["rope_theta"], local["rope_type"]) == (1e4, "default")
+    assert (
+        (cfg.sliding_rope_theta, cfg.sliding_rope_type) == (local["rope_theta"], local["rope_type"]) == (1e4, "default")
+    )
     assert cfg.attention_scale == pytest.approx(168**-0.5) and cfg.final_logit_softcapping is None
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_act) == (32, 16, 128, text.hidden_activation)
     count = sum(x.size for x in jax.tree.leaves(abstract_params(cfg, "bfloat16")))
