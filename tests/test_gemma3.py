@@ -7,7 +7,8 @@ soft-cap (models/random_gemma3.py). HF runs with eager attention. Prompts run ma
 across pages of 16. Checked: logits within 1e-4 through the paged forward (layer scan and unrolled;
 the CPU's native attention, the jnp paths, the TPU and GPU Pallas kernels interpreted), greedy
 decoding through the paged caches, the engine's greedy output under chunked prefill with its
-sampled-token and prompt logprobs (the soft-cap in the sampler and scoring programs), bf16 logits
+sampled-token and prompt logprobs (the soft-cap in the sampler and scoring programs) and under
+prefix-cache hits and preemptions (nothing leaked), bf16 logits
 as close to HF's fp32 ones as HF's own bf16 model, that each Gemma feature changes the logits far
 beyond the tolerance (so the comparison would catch its omission), the abstract parameter tree, the
 shipped Gemma-3-27B config, and the options we do not support refused at load.
@@ -173,6 +174,45 @@ def test_engine_chunked_prefill_greedy_matches_hf(tiny_checkpoint, hf, layer_loo
     assert scored is not None and scored[0] is None and len(scored) == len(prompts["r2"])
     for i in range(1, len(scored)):
         assert abs(scored[i].logprob - reference[i - 1, prompts["r2"][i]]) < 1e-4, i
+
+
+def test_engine_prefix_hits_and_preemption_match_hf(tiny_checkpoint, hf):
+    """Prefix-cache hits many windows deep and preemptions (a pool of 28 pages of 8 for four
+    requests of ~80-90 tokens): every output still HF's greedy one, and every page comes back."""
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.types import EngineRequest, SamplingParams
+
+    config = small_engine_config(
+        tiny_checkpoint(FAMILY),
+        page_size=8,
+        num_pages=28,
+        max_num_batched_tokens=32,
+        max_model_len=160,
+        enable_prefix_caching=True,
+        load_tokenizer=False,
+    )
+    engine = LLMEngine(config)
+    rng = np.random.default_rng(17)
+    draw = lambda n: rng.integers(3, engine.model.cfg.vocab_size, size=n).tolist()
+    prompt, prompts, done = draw(45), {}, {}
+
+    def wave(max_tokens: int, **new):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts.update(new)
+        for rid, ids in new.items():
+            engine.add_request(EngineRequest(rid, ids, params))
+        done.update(drain(engine))
+
+    wave(10, r0=prompt)
+    wave(30, r1=prompt + done["r0"].outputs[0].token_ids + draw(7), r2=prompt[:30] + draw(12), r3=draw(60), r4=draw(50))
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0, "the pool was meant to force preemptions"
+    assert done["r1"].num_cached_tokens >= 24 and done["r2"].num_cached_tokens == 24
+    assert stats["pages_used"] == 0 and stats["pages_free"] + stats["pages_cached"] == stats["pages_total"], stats
+    for rid, ids in prompts.items():
+        n = len(done[rid].outputs[0].token_ids)
+        expected, scores = hf_greedy(hf, ids, n)
+        assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
 
 
 @pytest.mark.parametrize("layout", ["stacked", "packed"])
