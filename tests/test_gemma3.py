@@ -272,6 +272,24 @@ def test_shipped_gemma_3_27b_config():
     assert abs(count / 27.0e9 - 1) < 0.02, count
 
 
+def test_published_multimodal_layout_serves_its_text_model(ours, tiny_checkpoint, tmp_path):
+    """Google's checkpoints are `Gemma3ForConditionalGeneration`: the config wraps a `text_config`
+    and the language model's tensors live under `language_model.model.` beside the vision tower's."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_checkpoint(FAMILY)
+    tensors = {"language_model." + k: v for k, v in load_file(src / "model.safetensors").items()}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    text = {k: v for k, v in read_json(src / "config.json").items() if k != "architectures"}
+    wrapper = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    model = load_model(tmp_path, dtype="float32")
+    assert model.cfg == dataclasses.replace(ours.cfg, eos_token_ids=model.cfg.eos_token_ids)
+    ids = _prompt(ours.cfg.vocab_size, 23, seed=23)
+    np.testing.assert_array_equal(model.logits(ids), ours.logits(ids))
+
+
 def test_hf_ignores_attn_logit_softcapping(hf):
     """Why a config with attn_logit_softcapping is refused rather than served: HF transformers'
     Gemma3 attention never applies it, so there is no reference behaviour to match."""
