@@ -8,17 +8,22 @@ across pages of 16. Checked: logits within 1e-4 through the paged forward (layer
 the CPU's native attention, the jnp paths, the TPU and GPU Pallas kernels interpreted), greedy
 decoding through the paged caches, the engine's greedy output under chunked prefill with its
 sampled-token and prompt logprobs (the soft-cap in the sampler and scoring programs) and under
-prefix-cache hits and preemptions (nothing leaked), bf16 logits
-as close to HF's fp32 ones as HF's own bf16 model, that each Gemma feature changes the logits far
-beyond the tolerance (so the comparison would catch its omission), the abstract parameter tree, the
-shipped Gemma-3-27B config, and the options we do not support refused at load.
+prefix-cache hits and preemptions (nothing leaked), bf16 logits as close to HF's fp32 ones as
+HF's own bf16 model, that each Gemma feature changes the logits far beyond the tolerance (so the
+comparison would catch its omission), the abstract parameter tree, tensor parallelism on a
+2-device CPU mesh, Google's multimodal checkpoint layout, the shipped Gemma-3-27B config, and the
+options we do not support refused at load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -288,6 +293,42 @@ def test_published_multimodal_layout_serves_its_text_model(ours, tiny_checkpoint
     assert model.cfg == dataclasses.replace(ours.cfg, eos_token_ids=model.cfg.eos_token_ids)
     ids = _prompt(ours.cfg.vocab_size, 23, seed=23)
     np.testing.assert_array_equal(model.logits(ids), ours.logits(ids))
+
+
+TP_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from models.model import load_model
+from models.sharding import shard_model
+from runtime.parallel.mesh import make_mesh
+
+ids = np.random.default_rng(0).integers(3, 1031, size=40).tolist()
+ref = load_model(sys.argv[1]).logits(ids)
+model = shard_model(load_model(sys.argv[1]), make_mesh(1, 2, devices=jax.devices()[:2]))
+norm = model.params["groups"][0]["attn_out_norm"]
+assert model.tp.attention and len(norm.sharding.device_set) == 2, model.tp
+print("ERR", float(np.abs(model.logits(ids) - ref).max()))
+"""
+
+
+def test_tensor_parallel_logits_match_single_device(tiny_checkpoint):
+    """Heads split over a 2-device CPU mesh (a subprocess: the device count must not leak): the same
+    logits as one device, the sandwich norms placed by their sharding rule."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, str(tiny_checkpoint(FAMILY))],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ERR ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    assert float(line.split()[1]) <= 1e-5, line
 
 
 def test_hf_ignores_attn_logit_softcapping(hf):
