@@ -1,6 +1,6 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
-Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss) maps onto the same fields; the
+Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3) maps onto the same fields; the
 forward pass reads only this object. RoPE variants found in HF configs (default, linear,
 llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
@@ -46,11 +46,24 @@ class ModelConfig:
     # per attention layer: its sliding window (0: full attention); () = every layer full
     sliding_windows: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
+    # Gemma 3: post-attention and post-MLP norms on the branch outputs (`attn_out_norm`,
+    # `mlp_out_norm`; `post_norm` is then HF's pre_feedforward_layernorm), gelu-tanh MLP,
+    # embeddings times sqrt(hidden_size), attention scale query_pre_attn_scalar**-0.5 (0: head_dim),
+    # logits soft-capped `c * tanh(logits / c)` (None: not)
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float | None = None
     # rope
     rope_theta: float = 10000.0
     rotary_dim: int = 0
     rope_type: str = "default"
     rope_scaling: tuple[tuple[str, float], ...] = ()
+    # sliding-window layers' own RoPE (Gemma 3's local base); sliding_rope_theta 0: the same as above
+    sliding_rope_theta: float = 0.0
+    sliding_rope_type: str = "default"
+    sliding_rope_scaling: tuple[tuple[str, float], ...] = ()
     # MoE
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -106,17 +119,30 @@ class ModelConfig:
                 return p
         return n
 
-    def inv_freq(self) -> tuple[np.ndarray, float]:
-        """RoPE inverse frequencies [rotary_dim // 2] (float32) and the cos/sin scale."""
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def has_sliding_rope(self) -> bool:
+        """Whether sliding-window layers take their own RoPE tables (`inv_freq(sliding=True)`)."""
+        return bool(self.sliding_rope_theta) and any(self.sliding_windows)
+
+    def inv_freq(self, sliding: bool = False) -> tuple[np.ndarray, float]:
+        """RoPE inverse frequencies [rotary_dim // 2] (float32) and the cos/sin scale; `sliding`:
+        those of the sliding-window layers (the same unless `sliding_rope_theta` is set)."""
+        theta, rope_type, scaling = self.rope_theta, self.rope_type, self.rope_scaling
+        if sliding and self.sliding_rope_theta:
+            theta, rope_type, scaling = self.sliding_rope_theta, self.sliding_rope_type, self.sliding_rope_scaling
         dim = self.rotary_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        s = dict(self.rope_scaling)
+        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        s = dict(scaling)
         scale = 1.0
-        if self.rope_type == "default":
+        if rope_type == "default":
             pass
-        elif self.rope_type == "linear":
+        elif rope_type == "linear":
             inv = inv / s["factor"]
-        elif self.rope_type == "llama3":
+        elif rope_type == "llama3":
             factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
             old = s["original_max_position_embeddings"]
             low_wavelen, high_wavelen = old / lo, old / hi
@@ -126,10 +152,10 @@ class ModelConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(medium, smoothed, scaled)
-        elif self.rope_type == "yarn":
-            inv, scale = _yarn(inv, dim, self.rope_theta, s, self.max_position_embeddings)
+        elif rope_type == "yarn":
+            inv, scale = _yarn(inv, dim, theta, s, self.max_position_embeddings)
         else:
-            raise ConfigError(f"rope_type {self.rope_type!r} is not supported (default, linear, llama3, yarn)")
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn)")
         return inv.astype(np.float32), float(scale)
 
 
@@ -171,12 +197,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",
     "Qwen3NextForCausalLM",
     "GptOssForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
 TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 }
 
 
@@ -223,6 +251,8 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         )
     if "text_config" in hf and "hidden_size" not in hf:
         hf = {**hf["text_config"], "architectures": archs}
+    if arch == "Gemma3ForCausalLM":  # Gemma 3's published text_config leaves most fields to HF's defaults
+        hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     try:
         n_layers = int(hf["num_hidden_layers"])
         heads = int(hf["num_attention_heads"])
@@ -260,6 +290,8 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
 
     if arch == "GptOssForCausalLM":
         return _gpt_oss(hf, common, n_layers)
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3(hf, common, n_layers)
 
     layer_types = tuple(
         hf.get("layer_types")
@@ -328,3 +360,82 @@ def _gpt_oss(hf: dict, common: dict, n_layers: int) -> ModelConfig:
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
     )
+
+
+# HF's Gemma3TextConfig defaults, for the fields a config.json leaves out
+GEMMA3_DEFAULTS = dict(
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    sliding_window_pattern=6,
+)
+GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _gemma3_rope(hf: dict, head_dim: int) -> tuple[dict, dict]:
+    """(full-attention, sliding-window) RoPE fields: HF 5.x's `rope_parameters` per layer type, or
+    the legacy `rope_theta` + `rope_scaling` (global layers) and `rope_local_base_freq` (local ones)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = {**(hf.get("rope_scaling") or {}), **params}, {}
+    full.setdefault("rope_theta", hf["rope_theta"])
+    local.setdefault("rope_theta", hf["rope_local_base_freq"])
+    return _rope({"rope_parameters": full}, head_dim), _rope({"rope_parameters": local}, head_dim)
+
+
+def _gemma3(hf: dict, common: dict, n_layers: int) -> ModelConfig:
+    """Gemma 3 (text): local (sliding-window) and global layers with their own RoPE, QK norm, four
+    zero-centred norms per layer, gelu-tanh MLP, scaled embeddings, final logit soft-capping."""
+    pattern = int(hf["sliding_window_pattern"])
+    kinds = tuple(
+        hf.get("layer_types") or [ATTENTION if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    )
+    if len(kinds) != n_layers or set(kinds) - {ATTENTION, "sliding_attention"}:
+        raise ConfigError(f"layer_types must list {n_layers} entries of sliding_attention/full_attention, got {kinds}")
+    window = int(hf.get("sliding_window") or 0)
+    if "sliding_attention" in kinds and window < 1:
+        raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {hf.get('sliding_window')!r}")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ConfigError(
+            "Gemma 3 attn_logit_softcapping is not supported: HF transformers' Gemma3 attention does not apply it "
+            f"(got {hf['attn_logit_softcapping']!r}; published Gemma 3 configs leave it null)"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma 3 use_bidirectional_attention is not supported (causal decoding only)")
+    act = hf["hidden_activation"]
+    if act not in GEMMA3_ACTIVATIONS:
+        raise ConfigError(f"Gemma 3 hidden_activation {act!r} is not supported ({', '.join(GEMMA3_ACTIVATIONS)})")
+    full, local = _gemma3_rope(hf, common["head_dim"])
+    softcap = hf.get("final_logit_softcapping")
+    cfg = ModelConfig(
+        **{**common, **full},
+        layer_types=(ATTENTION,) * n_layers,
+        mlp_types=("dense",) * n_layers,
+        zero_centred_norm=True,
+        qk_norm=True,
+        sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
+        sliding_rope_theta=local["rope_theta"],
+        sliding_rope_type=local["rope_type"],
+        sliding_rope_scaling=local["rope_scaling"],
+        sandwich_norms=True,
+        hidden_act=act,
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+    cfg.inv_freq(), cfg.inv_freq(sliding=True)  # an unsupported rope_type is refused here, at start-up
+    return cfg

@@ -218,7 +218,7 @@ class Model:
 def _logits_fn(cfg: ModelConfig, opts: KernelOptions):
     def run(params, caches, batch):
         hidden, _ = forward(params, caches, batch, cfg=cfg, opts=opts)
-        return compute_logits(params, hidden)
+        return compute_logits(params, hidden, cfg.final_logit_softcapping)
 
     return jax.jit(run)
 
@@ -227,7 +227,7 @@ def _logits_fn(cfg: ModelConfig, opts: KernelOptions):
 def _step_fn(cfg: ModelConfig, opts: KernelOptions):
     def run(params, caches, batch):
         hidden, caches = forward(params, caches, batch, cfg=cfg, opts=opts)
-        return caches, jnp.argmax(compute_logits(params, hidden), axis=-1)
+        return caches, jnp.argmax(compute_logits(params, hidden, cfg.final_logit_softcapping), axis=-1)
 
     return jax.jit(run, donate_argnums=1)
 

@@ -31,10 +31,11 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss")  # gpt_oss: tests/test_gpt_oss.py
+ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3")  # tests/test_gpt_oss.py, tests/test_gemma3.py
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -173,6 +174,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         ),
     ),
     "gpt_oss": GPT_OSS_SPEC,
+    "gemma3": GEMMA3_SPEC,
 }
 
 

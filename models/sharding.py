@@ -178,7 +178,12 @@ MOE_RULES = {
     "experts_gate_up_bias": REPLICATED,  # [E, 2I]: gathered per row, kept whole
     "experts_down_bias": REPLICATED,
 }
-NORM_RULES = {"input_norm": REPLICATED, "post_norm": REPLICATED}
+NORM_RULES = {
+    "input_norm": REPLICATED,
+    "post_norm": REPLICATED,
+    "attn_out_norm": REPLICATED,
+    "mlp_out_norm": REPLICATED,
+}
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from models import ops
@@ -36,8 +37,9 @@ def rms_norm(x, w, eps: float, zero_centred: bool):
     return w * y.astype(x.dtype)
 
 
-def rope_tables(positions, cfg: ModelConfig):
-    inv_freq, scale = cfg.inv_freq()
+def rope_tables(positions, cfg: ModelConfig, sliding: bool = False):
+    """cos, sin [T, rotary_dim] at `positions`; `sliding`: the sliding-window layers' (Gemma 3's local base)."""
+    inv_freq, scale = cfg.inv_freq(sliding)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, rd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale  # [T, rd]
@@ -86,7 +88,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
         batch.cu_q_lens,
         batch.num_seqs,
         opts,
-        sm_scale=D**-0.5,
+        sm_scale=cfg.attention_scale,
         sliding_window=sliding_window,
         sinks=p.get("sinks"),
     )
@@ -136,11 +138,19 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     return out, conv_state, rec_state
 
 
-def dense_mlp(p, x, prefix: str = "", opts=None, rows=None):
-    """`rows`: x's leading real rows (`ForwardBatch.num_valid_rows`; None: all)."""
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def dense_mlp(p, x, prefix: str = "", opts=None, rows=None, act: str = "silu"):
+    """`rows`: x's leading real rows (`ForwardBatch.num_valid_rows`; None: all). `act`: the gate's
+    activation (`ModelConfig.hidden_act`)."""
     gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts, rows)
     up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts, rows)
-    return _linear(jax.nn.silu(gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts, rows)
+    return _linear(ACTIVATIONS[act](gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts, rows)
 
 
 def _routed_experts(x, weights, experts, w_gate_up, w_down, num_experts: int):
@@ -176,8 +186,10 @@ def moe_mlp(p, x, cfg: ModelConfig, opts=None, rows=None):
     return out
 
 
-def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
-    """Run one repetition of the layer pattern (layers g*period + j for each j)."""
+def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
+    """Run one repetition of the layer pattern (layers g*period + j for each j). `ropes`: the
+    (full-attention, sliding-window) layers' RoPE tables. With `cfg.sandwich_norms` (Gemma 3) the
+    attention and MLP outputs are normed before the residual adds (`post_norm` is the pre-MLP norm)."""
     period = len(params_g)
     n_groups = cfg.num_layers // period
     kv_list, conv_list, rec_list = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
@@ -187,21 +199,26 @@ def _group_step(params_g, x, caches, g, batch, rope, cfg: ModelConfig, opts):
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.layer_types[layer] == ATTENTION:
             pages_per_layer = kv_list[j].k.shape[0] // n_groups
-            h, kv_list[j] = attention_layer(
-                p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, cfg.sliding_window(layer)
-            )
+            window = cfg.sliding_window(layer)
+            rope = ropes[window is not None]
+            h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, window)
         else:
             slots_per_layer = rec_list[j].shape[0] // n_groups
             h, conv_list[j], rec_list[j] = gdn_layer(
                 p, h, conv_list[j], rec_list[j], batch, g * slots_per_layer, cfg, opts
             )
+        if cfg.sandwich_norms:
+            h = rms_norm(h, p["attn_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.mlp_types[layer] == "dense":
-            x = x + dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows)
+            h = dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows, act=cfg.hidden_act)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
             moe = gpt_oss_moe if cfg.gpt_oss_moe else moe_mlp
-            x = x + tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
+            h = tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
+        if cfg.sandwich_norms:
+            h = rms_norm(h, p["mlp_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        x = x + h
     return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
 
 
@@ -211,23 +228,26 @@ def forward(
     """-> (hidden [R, H] at batch.logits_indices, new caches). Every projection gets
     `batch.num_valid_rows`: the native CPU matmul skips the bucket's padding rows after them."""
     x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
+    if cfg.scale_embeddings:  # Gemma: times sqrt(hidden_size), the scale rounded to the model dtype as HF does
+        x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5), x.dtype)
     rope = rope_tables(batch.positions, cfg)
+    ropes = (rope, rope_tables(batch.positions, cfg, sliding=True) if cfg.has_sliding_rope else rope)
     n_groups = cfg.num_layers // cfg.layer_period()
     if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
         for g, params_g in enumerate(params["layers"]):
-            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+            x, caches = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
     elif scan_layers and n_groups > 1:
 
         def body(carry, xs):
             x, caches = carry
             params_g, g = xs
-            return _group_step(params_g, x, caches, g, batch, rope, cfg, opts), None
+            return _group_step(params_g, x, caches, g, batch, ropes, cfg, opts), None
 
         (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
     else:
         for g in range(n_groups):
             params_g = jax.tree.map(lambda a: a[g], params["groups"])
-            x, caches = _group_step(params_g, x, caches, g, batch, rope, cfg, opts)
+            x, caches = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
 
@@ -285,9 +305,15 @@ def out_in_projections(params: dict, hold=out_in) -> dict:
     return out
 
 
-def compute_logits(params, hidden):
+def compute_logits(params, hidden, softcap: float | None = None):
     """hidden [R, H] -> float32 logits [R, V] (tied embeddings when there is no lm_head; `head_packed`:
-    the tied embedding's copy packed for the native CPU matmul, Model.hold_packed)."""
+    the tied embedding's copy packed for the native CPU matmul, Model.hold_packed). `softcap`:
+    `ModelConfig.final_logit_softcapping`, logits -> softcap * tanh(logits / softcap)."""
+    logits = _logits(params, hidden)
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def _logits(params, hidden):
     head = params.get("head_packed")
     if head is not None and hidden.dtype == jnp.bfloat16 and cpu_native.available():
         return cpu_native.bf16_matmul(hidden, head.p, head.n, out_dtype=jnp.float32)

@@ -53,7 +53,7 @@ class DictSource:
 
 
 def _prefix(src: TensorSource) -> str:
-    for p in ("model.language_model.", "model."):
+    for p in ("model.language_model.", "language_model.model.", "model."):
         if f"{p}embed_tokens.weight" in src:
             return p
     return "model."
@@ -61,10 +61,13 @@ def _prefix(src: TensorSource) -> str:
 
 def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
     H, D = cfg.hidden_size, cfg.head_dim
-    p: dict[str, np.ndarray] = {
-        "input_norm": get(f"layers.{i}.input_layernorm.weight", (H,)),
-        "post_norm": get(f"layers.{i}.post_attention_layernorm.weight", (H,)),
-    }
+    p: dict[str, np.ndarray] = {"input_norm": get(f"layers.{i}.input_layernorm.weight", (H,))}
+    if cfg.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm norms the attention output
+        p["attn_out_norm"] = get(f"layers.{i}.post_attention_layernorm.weight", (H,))
+        p["post_norm"] = get(f"layers.{i}.pre_feedforward_layernorm.weight", (H,))
+        p["mlp_out_norm"] = get(f"layers.{i}.post_feedforward_layernorm.weight", (H,))
+    else:
+        p["post_norm"] = get(f"layers.{i}.post_attention_layernorm.weight", (H,))
     if cfg.layer_types[i] == ATTENTION:
         a = f"layers.{i}.self_attn."
         q_out = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
@@ -294,6 +297,8 @@ def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
     groups = []
     for j in range(period):
         shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
+        if cfg.sandwich_norms:
+            shapes.update(attn_out_norm=(cfg.hidden_size,), mlp_out_norm=(cfg.hidden_size,))
         shapes.update(_attention_shapes(cfg) if cfg.layer_types[j] == ATTENTION else _gdn_shapes(cfg))
         shapes.update(_mlp_shapes(cfg, cfg.mlp_types[j]))
         groups.append({name: leaf(name, (G, *shape)) for name, shape in shapes.items()})

@@ -28,7 +28,12 @@ from models.weights import abstract_params
 from runtime.aot.chip_report import PlanError, model_config_json, plan_config
 
 # Parameter counts the model cards publish (language model incl. embeddings; 9B / 27B / 80B).
-PUBLISHED_PARAMS = {"qwen3_5-9b.json": 9e9, "qwen3_5-27b.json": 27e9, "qwen3-next-80b-a3b.json": 80e9}
+PUBLISHED_PARAMS = {
+    "qwen3_5-9b.json": 9e9,
+    "qwen3_5-27b.json": 27e9,
+    "qwen3-next-80b-a3b.json": 80e9,
+    "gemma-3-27b.json": 27e9,
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

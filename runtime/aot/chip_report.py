@@ -57,6 +57,8 @@ SHIPPED_MODEL_CONFIGS = {
     "Qwen3.5-27B": "qwen3_5-27b.json",
     "Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b.json",
     "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b.json",
+    "gemma-3-27b-it": "gemma-3-27b.json",
+    "gemma-3-27b-pt": "gemma-3-27b.json",
 }
 ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
 

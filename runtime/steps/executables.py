@@ -171,7 +171,12 @@ class StepExecutables:
         """The jitted program `name` (runtime/steps/programs.py) with this engine's statics bound."""
         if name not in self._jitted:
             statics = programs.Statics(
-                self.forward, self.max_num_seqs, self.page_size, self.max_top_k, self.model.num_groups
+                self.forward,
+                self.max_num_seqs,
+                self.page_size,
+                self.max_top_k,
+                self.model.num_groups,
+                self.model.cfg.final_logit_softcapping,
             )
             self._jitted[name] = programs.jit_program(name, statics, self._cache_shardings, self._replicated)
         return self._jitted[name]

@@ -75,41 +75,56 @@ def backbone(params, caches, batch: ForwardBatch, feed: TokenFeed | None = None,
     return caches, hidden
 
 
-def greedy_backbone(params, caches, batch: ForwardBatch, feed: TokenFeed | None = None, *, forward, max_num_seqs: int):
+def greedy_backbone(
+    params, caches, batch: ForwardBatch, feed: TokenFeed | None = None, *, forward, max_num_seqs: int, softcap=None
+):
     """The backbone with the argmax of the first min(T, max_num_seqs) rows' logits fused in."""
     caches, hidden = backbone(params, caches, batch, feed, forward=forward)
     rows = min(batch.input_ids.shape[0], max_num_seqs)
-    tokens = jnp.argmax(compute_logits(params, hidden[:rows]), axis=-1).astype(jnp.int32)
+    tokens = jnp.argmax(compute_logits(params, hidden[:rows], softcap), axis=-1).astype(jnp.int32)
     return caches, pad_tokens(tokens, max_num_seqs)
 
 
 def table_backbone(
-    params, caches, table, step, prev_tokens, *, greedy: bool, forward, max_num_seqs: int, page_size: int
+    params, caches, table, step, prev_tokens, *, greedy: bool, forward, max_num_seqs: int, page_size: int, softcap=None
 ):
     """prepare fused into the (greedy) backbone: one dispatch a step instead of two."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
     if greedy:
-        caches, out = greedy_backbone(params, caches, batch, forward=forward, max_num_seqs=max_num_seqs)
+        caches, out = greedy_backbone(
+            params, caches, batch, forward=forward, max_num_seqs=max_num_seqs, softcap=softcap
+        )
     else:
         caches, out = backbone(params, caches, batch, forward=forward)
     return caches, table, out
 
 
-def scoring_backbone(params, caches, batch: ForwardBatch, targets, *, forward):
+def scoring_backbone(params, caches, batch: ForwardBatch, targets, *, forward, softcap=None):
     """The backbone that also keeps every token row's hidden state and scores its target."""
     S, T = batch.logits_indices.shape[0], batch.input_ids.shape[0]
     rows = jnp.concatenate([batch.logits_indices, jnp.arange(T, dtype=jnp.int32)])  # [S + T]
     hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=rows))
-    return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets)
+    return caches, hidden[:S], score_hidden_rows(params, hidden[S:], targets, softcap=softcap)
 
 
 def sample_rows(
-    params, hidden, meta, bitmask, table, *, num_rows, num_logprobs, all_greedy, max_top_k: int, max_num_seqs: int
+    params,
+    hidden,
+    meta,
+    bitmask,
+    table,
+    *,
+    num_rows,
+    num_logprobs,
+    all_greedy,
+    max_top_k: int,
+    max_num_seqs: int,
+    softcap=None,
 ):
     """The sampler over the first `num_rows` hidden rows; tokens padded to max_num_seqs (one feed shape)."""
     if not meta.has_row_params:  # the request table holds them: gather the step's rows
         meta = dataclasses.replace(meta, **row_sampling(table, num_rows))
-    logits = compute_logits(params, hidden[:num_rows])
+    logits = compute_logits(params, hidden[:num_rows], softcap)
     out = sample(logits, meta, bitmask, max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy)
     return dataclasses.replace(out, tokens=pad_tokens(out.tokens, max_num_seqs))
 
@@ -144,22 +159,31 @@ class Statics:
     page_size: int
     max_top_k: int
     num_groups: int  # layer groups of the GDN state caches (copy_states)
+    softcap: float | None = None  # the model's final_logit_softcapping (compute_logits)
 
 
 def jit_program(name: str, statics: Statics, cache_shardings=None, replicated=None):
     """The jitted program `name` with its statics bound, caches donated; under a mesh (shardings
     given) the outputs are pinned: caches keep their input layout, everything else is replicated."""
-    fwd, S, rep, caches = statics.forward, statics.max_num_seqs, replicated, cache_shardings
+    fwd, S, rep, caches, cap = statics.forward, statics.max_num_seqs, replicated, cache_shardings, statics.softcap
     fn, donate, out = {
         "backbone": (functools.partial(backbone, forward=fwd), 1, (caches, rep)),
-        "greedy_backbone": (functools.partial(greedy_backbone, forward=fwd, max_num_seqs=S), 1, (caches, rep)),
+        "greedy_backbone": (
+            functools.partial(greedy_backbone, forward=fwd, max_num_seqs=S, softcap=cap),
+            1,
+            (caches, rep),
+        ),
         "table_backbone": (
-            functools.partial(table_backbone, forward=fwd, max_num_seqs=S, page_size=statics.page_size),
+            functools.partial(table_backbone, forward=fwd, max_num_seqs=S, page_size=statics.page_size, softcap=cap),
             1,
             (caches, rep, rep),
         ),
-        "scoring_backbone": (functools.partial(scoring_backbone, forward=fwd), 1, (caches, rep, rep)),
-        "sampler": (functools.partial(sample_rows, max_top_k=statics.max_top_k, max_num_seqs=S), (), rep),
+        "scoring_backbone": (functools.partial(scoring_backbone, forward=fwd, softcap=cap), 1, (caches, rep, rep)),
+        "sampler": (
+            functools.partial(sample_rows, max_top_k=statics.max_top_k, max_num_seqs=S, softcap=cap),
+            (),
+            rep,
+        ),
         "prepare": (functools.partial(prepare, page_size=statics.page_size), (), rep),
         "write_table": (apply_write, (), rep),
         "copy_states": (functools.partial(copy_states, num_groups=statics.num_groups), 0, caches),

@@ -349,13 +349,15 @@ def hlo_has_full_sort(hlo_text: str, vocab: int) -> bool:
 SCORE_BLOCK = 256  # token rows whose [rows, vocab] logits the scoring backbone holds at once
 
 
-def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK):
+def score_hidden_rows(params, hidden, targets, block: int = SCORE_BLOCK, softcap=None):
     """hidden [T, H], targets [T] -> TokenScores [T]: logits `block` rows at a time (lax.map), so
-    a large prefill bucket never holds [T, V] floats."""
+    a large prefill bucket never holds [T, V] floats. `softcap`: as `compute_logits`."""
     T = hidden.shape[0]
     block = min(T, block)
     padded = -(-T // block) * block
     hidden = jnp.pad(hidden, ((0, padded - T), (0, 0))).reshape(padded // block, block, -1)
     targets = jnp.pad(targets, (0, padded - T), constant_values=-1).reshape(padded // block, block)
-    scores = lax.map(lambda xs: score_tokens(compute_logits(params, xs[0]), xs[1], MAX_LOGPROBS), (hidden, targets))
+    scores = lax.map(
+        lambda xs: score_tokens(compute_logits(params, xs[0], softcap), xs[1], MAX_LOGPROBS), (hidden, targets)
+    )
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:T], scores)
