@@ -25,13 +25,14 @@ def abstract_model(cfg: ModelConfig, dtype: str, path: str | Path = "<abstract>"
 
 
 def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> Model:
-    """`models.sharding.shard_model` for abstract params: attach each leaf's NamedSharding (the GDN
-    channel reorder changes no shape, so there is nothing else to do)."""
+    """`models.sharding.shard_model` for abstract params: KV heads repeated where fewer than the
+    devices, then each leaf's NamedSharding attached (the GDN channel reorder changes no shape)."""
     from jax.sharding import NamedSharding
 
-    from models.sharding import param_specs, tensor_parallel_plan
+    from models.sharding import param_specs, repeat_kv_heads, tensor_parallel_plan
 
     plan = tensor_parallel_plan(model.cfg, mesh, expert_parallel)
+    model.params = jax.eval_shape(lambda p: repeat_kv_heads(p, model.cfg, plan), model.params)
     specs = param_specs(model.params, model.cfg, plan)
     model.params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), model.params, specs
@@ -46,8 +47,9 @@ def abstract_caches(
     """ShapeDtypeStructs of `model.init_caches(...)`, with the cache shardings of a sharded model."""
     from models.sharding import cache_shardings
 
-    unsharded = Model(model.cfg, model.params, model.dtype, model.path)
-    shapes = jax.eval_shape(lambda: unsharded.init_caches(num_pages, page_size, num_slots, kv_dtype, bit_storage))
+    shapes = jax.eval_shape(
+        lambda: model.init_caches(num_pages, page_size, num_slots, kv_dtype, bit_storage, place=False)
+    )
     if model.tp is None:
         return shapes
     shardings = cache_shardings(shapes, model.cfg, model.tp)

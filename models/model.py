@@ -27,7 +27,7 @@ from models.prequantized import parse_quantization_config
 from models.quant_rules import QuantizationConfig, log_report, quantize_params
 from models.quantization import OutInWeight, PackedWeight, QuantizedWeight, packed, param_bytes
 from models.safetensors_io import CheckpointError, SafetensorsDir, read_json
-from models.sharding import shard_caches, shard_model
+from models.sharding import kv_heads_held, shard_caches, shard_model
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
 from pallas_kernels.kv_cache import KVPages
@@ -112,13 +112,20 @@ class Model:
             self.params = unstack_layers(self.params)
 
     def init_caches(
-        self, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto", bit_storage: bool = False
+        self,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        kv_dtype: str = "auto",
+        bit_storage: bool = False,
+        place: bool = True,
     ) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
         `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
-        (`KVPages.create`); the Pallas kernels need it off.
+        (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
+        weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -127,7 +134,12 @@ class Model:
             if cfg.layer_types[j] == ATTENTION:
                 kv.append(
                     KVPages.create(
-                        G * num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, bit_storage=bit_storage
+                        G * num_pages,
+                        page_size,
+                        kv_heads_held(cfg, self.tp),
+                        cfg.head_dim,
+                        dtype,
+                        bit_storage=bit_storage,
                     )
                 )
                 conv.append(None)
@@ -143,11 +155,13 @@ class Model:
                     )
                 )
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
-        return caches if self.tp is None else shard_caches(caches, cfg, self.tp.mesh)
+        return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
     def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
+        """KV bytes per token over all layers and all devices (repeated KV heads counted)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
-        return 2 * self.cfg.num_attention_layers * self.cfg.num_kv_heads * self.cfg.head_dim * itemsize
+        heads = kv_heads_held(self.cfg, self.tp)
+        return 2 * self.cfg.num_attention_layers * heads * self.cfg.head_dim * itemsize
 
     def state_bytes_per_slot(self) -> int:
         c = self.cfg

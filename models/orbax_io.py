@@ -9,7 +9,8 @@ layer group), the HF side files (config.json, generation_config.json, tokenizer 
 template) and `jaxserve_orbax.json` (the saved dtype). Parameters are saved in their canonical
 layout (GDN qkv channels in HF order), so any mesh restores them. With a mesh, each leaf is
 restored straight into its tensor-parallel sharding: every process reads only the byte ranges of
-its own shards; the GDN channel reorder of models/sharding.py then runs on the devices.
+its own shards; the KV-head repeat and GDN channel reorder of models/sharding.py then run on the
+devices.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError
-from models.sharding import TensorParallel, _reorder_gdn, param_specs, tensor_parallel_plan
+from models.sharding import (
+    TensorParallel,
+    _reorder_gdn,
+    canonical_param_specs,
+    param_specs,
+    repeat_kv_heads,
+    tensor_parallel_plan,
+)
 from models.weights import abstract_params
 
 MARKER = "jaxserve_orbax.json"
@@ -44,7 +52,7 @@ def write_checkpoint(
     process writes its shards)."""
     src, out_dir = Path(src), Path(out_dir)
     if mesh is not None:  # canonical layout, sharded: the same split restore uses, without the GDN reorder
-        specs = param_specs(params, cfg, tensor_parallel_plan(cfg, mesh))
+        specs = canonical_param_specs(params, cfg, tensor_parallel_plan(cfg, mesh))
         params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     out_dir.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp
@@ -78,7 +86,7 @@ def restore_params(
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
     else:
         plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
-        specs = param_specs(abstract, cfg, plan)
+        specs = canonical_param_specs(abstract, cfg, plan)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), abstract, specs
         )
@@ -88,8 +96,12 @@ def restore_params(
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise CheckpointError(f"{path}: orbax checkpoint does not match config.json: {err}") from None
     shardings = jax.tree.map(lambda x: x.sharding, target)
+    if plan is not None and plan.kv_repeat > 1:  # the held layout's shardings (KV heads repeated)
+        held = jax.eval_shape(lambda p: repeat_kv_heads(p, cfg, plan), abstract)
+        shardings = jax.tree.map(lambda _, s: NamedSharding(mesh, s), held, param_specs(held, cfg, plan))
 
     def finish(p):
+        p = repeat_kv_heads(p, cfg, plan)
         p = _reorder_gdn(p, cfg, plan) if plan is not None else p
         return jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.dtype(stored) else a, p)
 

@@ -20,6 +20,14 @@ state's channels are *reordered* to `[Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]` (`qkv_pe
 so shard i holds exactly its own q, k and v heads; `models/ops.causal_conv1d` restores the
 canonical order of its output (`unpermute_qkv`). A tensor whose heads (or columns) do not divide
 by the model axis is replicated instead, and logged.
+
+Fewer KV heads than chips (Qwen3.5-27B: 4 KV heads on 8 chips): when the model axis is a multiple
+of Hkv (and Hq divides by it), every KV head is *repeated* `kv_repeat = model / Hkv` times at load,
+as vLLM and tpu-inference do: k_proj / v_proj columns (and biases) of head j become heads
+`j*r .. j*r+r-1` (`repeat_kv_heads`), so the model holds `model` KV heads, one per chip, and the KV
+cache is split `model` ways. Query head h then reads held KV head `h // (Hq/model)`, a copy of
+original head `h // (Hq/Hkv)`: the same arithmetic as one device. k_norm is per head_dim, unchanged.
+A model axis that Hkv does not divide (Hkv=4 on 6 chips) keeps attention replicated.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class TensorParallel:
     gdn_qkv_widths: tuple[int, int, int] = (0, 0, 0)  # (Hk*K, Hk*K, H*V) conv channels
     axis: str = MODEL_AXIS
     expert: bool = False  # routed experts split on the expert index (expert parallelism)
+    kv_repeat: int = 1  # each KV head held this many times (repeat_kv_heads): Hkv * kv_repeat divides the axis
 
     @property
     def size(self) -> int:
@@ -71,14 +80,13 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
     expert = _expert_parallel(cfg, m, expert_parallel)
-    attention = _divides(cfg.num_heads, m) and _divides(cfg.num_kv_heads, m)
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 else 1
+    attention = _divides(hq, m) and _divides(hkv * kv_repeat, m)
     if m > 1 and cfg.num_attention_layers and not attention:
-        log.warning(
-            "attention replicated: %d query / %d KV heads do not divide by model axis %d",
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            m,
-        )
+        log.warning("attention replicated: %d query / %d KV heads do not divide by model axis %d", hq, hkv, m)
+    if m > 1 and cfg.num_attention_layers and kv_repeat > 1:
+        log.info("attention split: each of %d KV heads repeated on %d of %d devices", hkv, kv_repeat, m)
     gdn, widths = False, (0, 0, 0)
     if cfg.is_hybrid:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -88,8 +96,18 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
         if m > 1 and not gdn:
             log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
     return TensorParallel(
-        mesh=mesh, attention=attention and m > 1, gdn=gdn and m > 1, gdn_qkv_widths=widths, expert=expert
+        mesh=mesh,
+        attention=attention and m > 1,
+        gdn=gdn and m > 1,
+        gdn_qkv_widths=widths,
+        expert=expert,
+        kv_repeat=kv_repeat if attention and m > 1 else 1,
     )
+
+
+def kv_heads_held(cfg: ModelConfig, plan: TensorParallel | None) -> int:
+    """KV heads the model holds (its weights' and caches' head count): Hkv, or Hkv * kv_repeat."""
+    return cfg.num_kv_heads * (1 if plan is None else plan.kv_repeat)
 
 
 def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
@@ -307,9 +325,41 @@ def _reorder_gdn(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     return {**params, "groups": tuple(groups)}
 
 
+KV_HEAD_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # output columns = KV heads x head_dim
+
+
+def repeat_kv_heads(params: dict, cfg: ModelConfig, plan: TensorParallel | None) -> dict:
+    """k/v projection columns (and biases) with every KV head repeated `plan.kv_repeat` times,
+    consecutively: held head i is original head i // kv_repeat (see module docstring)."""
+    if plan is None or plan.kv_repeat == 1:
+        return params
+    D = cfg.head_dim
+    heads = np.repeat(np.arange(cfg.num_kv_heads), plan.kv_repeat)
+    columns = (heads[:, None] * D + np.arange(D)[None]).reshape(-1)
+    groups = tuple(
+        {**g, **{n: take_columns(g[n], columns) for n in KV_HEAD_PARAMS if n in g}} for g in params["groups"]
+    )
+    return {**params, "groups": groups}
+
+
+def canonical_param_specs(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    """Specs for the checkpoint's own layout (KV heads not repeated yet): `param_specs` of the
+    repeated tree, with the KV-head leaves replicated while they are to be repeated."""
+    specs = param_specs(jax.eval_shape(lambda p: repeat_kv_heads(p, cfg, plan), params), cfg, plan)
+    if plan.kv_repeat == 1:
+        return specs
+    groups = tuple(
+        {n: _leaf_spec(REPLICATED, g[n], plan.size, plan.axis) if n in KV_HEAD_PARAMS else s[n] for n in s}
+        for g, s in zip(params["groups"], specs["groups"])
+    )
+    return {**specs, "groups": groups}
+
+
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False) -> dict:
-    """Place every parameter on `mesh` with its Megatron split (GDN qkv channels reordered)."""
+    """Place every parameter on `mesh` with its Megatron split (KV heads repeated where fewer than
+    the devices, GDN qkv channels reordered)."""
     plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
+    params = repeat_kv_heads(params, cfg, plan)
     specs = param_specs(params, cfg, plan)
     params = _reorder_gdn(params, cfg, plan)
     return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
@@ -329,7 +379,7 @@ def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
 # ---- caches ----------------------------------------------------------------------------------------
 def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     """PartitionSpecs matching `caches` (arrays or ShapeDtypeStructs): KV pages [P, Hkv, ps, D] and
-    scales [P, Hkv] on the KV heads, conv state [N, W-1, C] on channels, rec [N, H, K, V] on value heads."""
+    scales [P, Hkv] on the (held: `kv_heads_held`) KV heads, conv state [N, W-1, C] on channels, rec [N, H, K, V] on value heads."""
     axis = plan.axis
     head = P(None, axis) if plan.attention else P()
     kv = tuple(None if pages is None else jax.tree.map(lambda _: head, pages) for pages in caches["kv"])

@@ -68,8 +68,9 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
         gate = gate.reshape(T, cfg.num_heads * D)
     else:
         q = q.reshape(T, cfg.num_heads, D)
-    k = _linear(x, p["k_proj"], p.get("k_bias"), opts, rows).reshape(T, cfg.num_kv_heads, D)
-    v = _linear(x, p["v_proj"], p.get("v_bias"), opts, rows).reshape(T, cfg.num_kv_heads, D)
+    # k, v: [T, Hkv held, D]: Hkv, or Hkv * kv_repeat after models.sharding.repeat_kv_heads
+    k = _linear(x, p["k_proj"], p.get("k_bias"), opts, rows).reshape(T, -1, D)
+    v = _linear(x, p["v_proj"], p.get("v_bias"), opts, rows).reshape(T, -1, D)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

@@ -74,6 +74,14 @@ SCRIPT = textwrap.dedent("""
         "q_proj": [list(g["q_proj"].shape), list(g["q_proj"].addressable_shards[0].data.shape)],
         "tp": model.tp is not None and model.tp.attention and model.tp.gdn,
     }
+    # 8 devices, 4 KV heads: each restored KV head repeated twice (models.sharding.repeat_kv_heads)
+    model = load_model(out, mesh=make_mesh(1, 8, devices=jax.devices()[:8]))
+    k_proj = model.params["groups"][1]["k_proj"]
+    report["repeat_8"] = {
+        "logits_err": float(np.abs(model.logits(ids) - ref.logits(ids)).max()),
+        "kv_repeat": model.tp.kv_repeat,
+        "k_proj": [list(k_proj.shape), list(k_proj.addressable_shards[0].data.shape)],
+    }
     print("REPORT " + json.dumps(report))
 """)
 
@@ -84,7 +92,7 @@ def test_sharded_restore_on_8_simulated_devices(tmp_path):
     src = write_random_checkpoint(
         "qwen3_5",
         tmp_path / "hybrid",
-        num_attention_heads=4,
+        num_attention_heads=8,
         num_key_value_heads=4,
         linear_num_key_heads=4,
         linear_num_value_heads=8,
@@ -108,3 +116,6 @@ def test_sharded_restore_on_8_simulated_devices(tmp_path):
     for name in ("in_qkv", "q_proj"):
         full, shard = report[name]
         assert shard[:-1] == full[:-1] and shard[-1] * 4 == full[-1], (name, report[name])
+    repeat = report["repeat_8"]  # head_dim 32: 4 KV heads held as 8, one per device
+    assert repeat["kv_repeat"] == 2 and repeat["logits_err"] < 1e-4, repeat
+    assert repeat["k_proj"] == [[1, 64, 8 * 32], [1, 64, 32]], repeat

@@ -87,7 +87,7 @@ def test_multihost_config_budget_without_compiling():
     name = "tpu-v5p-16-qwen3-next-80b-multihost.yaml"
     report = plan_config(load_config(CONFIG_DIR / name), name, token_buckets=(), compile_sampler=False)
     assert report.fits and report.num_processes == 2 and report.num_devices == 8, report.problems
-    # 80B bf16 parameters over the model axis of 4 (attention replicated: 2 KV heads)
+    # 80B bf16 parameters over the model axis of 4 (2 KV heads: each held on 2 devices)
     assert 2 * report.param_count / 4 <= report.weight_bytes <= 2 * report.param_count / 4 * 1.1
     assert report.kv_bytes >= report.max_model_len * report.kv_bytes_per_token
 

@@ -4,7 +4,9 @@ The multi-device checks run in ONE subprocess (`jax_num_cpu_devices=8` must be s
 JAX op, and must not leak into other tests); it prints a JSON report that the tests below read.
 References are the same checkpoint on one device, no mesh (fp32): logits to ~1e-5, greedy tokens
 exactly. Checkpoints have head counts that divide by the model axis (4); a (1, 3) mesh checks the
-fall-back to replication of tensors whose heads / columns do not divide.
+fall-back to replication of tensors whose heads / columns do not divide. The hybrid is
+Qwen3.5-27B-shaped GQA (24 query / 4 KV heads): on a (1, 8) mesh its KV heads are repeated twice
+(models.sharding.repeat_kv_heads), one per device, in bf16- and FP8-KV logits and through the engine.
 """
 
 from __future__ import annotations
@@ -47,12 +49,12 @@ SCRIPT = textwrap.dedent("""
 
     refs = {}
 
-    def logits_error(name, shape, opts=None):
-        if name not in refs:
-            refs[name] = load_model(paths[name]).logits(ids)
-        ref = refs[name]
+    def logits_error(name, shape, opts=None, kv_dtype="auto"):
+        if (name, kv_dtype) not in refs:
+            refs[name, kv_dtype] = load_model(paths[name]).logits(ids, kv_dtype=kv_dtype)
+        ref = refs[name, kv_dtype]
         model = shard_model(load_model(paths[name]), mesh(*shape))
-        out = model.logits(ids, opts)
+        out = model.logits(ids, opts, kv_dtype=kv_dtype)
         g = model.params["groups"]
         leaves = {k: describe(v) for j in range(len(g)) for k, v in g[j].items()}
         leaves["embed"] = describe(model.params["embed"])
@@ -60,7 +62,7 @@ SCRIPT = textwrap.dedent("""
         leaves.update({f"cache_{k}_{j}": describe(c.k if k == "kv" else c)
                        for k in ("kv", "conv", "rec") for j, c in enumerate(caches[k]) if c is not None})
         return {"err": float(np.abs(out - ref).max()), "scale": float(np.abs(ref).max()),
-                "leaves": leaves, "tp": [model.tp.attention, model.tp.gdn]}
+                "leaves": leaves, "tp": [model.tp.attention, model.tp.gdn, model.tp.kv_repeat]}
 
     import time
     t0 = time.perf_counter()
@@ -68,6 +70,8 @@ SCRIPT = textwrap.dedent("""
     report["fallback_1x3"] = logits_error("dense", (1, 3))
     print(f"dense done {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     report["hybrid_2x4"] = logits_error("hybrid", (2, 4))
+    report["gqa_1x8"] = logits_error("hybrid", (1, 8))
+    report["gqa_fp8_1x8"] = logits_error("hybrid", (1, 8), kv_dtype="fp8_e4m3")
     print(f"hybrid done {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     report["pallas_1x4"] = logits_error(
         "hybrid", (1, 4), KernelOptions(attention="pallas", gdn="pallas", interpret=True))
@@ -86,11 +90,13 @@ SCRIPT = textwrap.dedent("""
             for out in engine.step():
                 done.setdefault(out.request_id, []).extend(out.new_token_ids)  # deltas add up
         rec = next(r for r in engine.caches["rec"] if r is not None)
-        return done, describe(rec) if mesh_shape else None
+        kv = next(c for c in engine.caches["kv"] if c is not None)
+        return done, {"rec": describe(rec), "kv": describe(kv.k)} if mesh_shape else None
 
     print(f"pallas done {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     report["engine_single"], _ = generate(None)
     report["engine_2x4"], report["engine_rec"] = generate((2, 4))
+    report["engine_1x8"], report["engine_1x8_caches"] = generate((1, 8))
     print(f"subprocess wall {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print("REPORT " + json.dumps(report))
 """)
@@ -108,10 +114,10 @@ def report(tmp_path_factory):
         "hybrid": write_random_checkpoint(
             "qwen3_5",
             root / "qwen3_5",
-            num_attention_heads=4,
+            num_attention_heads=24,  # Qwen3.5-27B's GQA: 24 query / 4 KV heads
             num_key_value_heads=4,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
+            linear_num_key_heads=8,
+            linear_num_value_heads=16,
             vocab_size=1032,
         ),
     }
@@ -142,7 +148,7 @@ def test_dense_sharded_logits_match_single_device(report):
 
 def test_hybrid_sharded_logits_match_single_device(report):
     case = report["hybrid_2x4"]
-    assert case["tp"] == [True, True]
+    assert case["tp"] == [True, True, 1]
     _assert_close(case)
 
 
@@ -152,7 +158,7 @@ def test_pallas_under_shard_map_matches(report):
 
 def test_heads_that_do_not_divide_fall_back_to_replication(report):
     case = report["fallback_1x3"]  # 8 query / 4 KV heads, FFN 160: replicated; vocab 1032: split 3 ways
-    assert case["tp"] == [False, False]
+    assert case["tp"] == [False, False, 1]
     leaves = case["leaves"]
     assert leaves["q_proj"]["shard"] == leaves["q_proj"]["shape"]
     assert leaves["gate_proj"]["shard"] == leaves["gate_proj"]["shape"]
@@ -188,9 +194,31 @@ def test_engine_on_a_mesh_generates_the_same_greedy_tokens(report):
     single, sharded = report["engine_single"], report["engine_2x4"]
     assert len(single) == 3 and all(len(t) == 5 for t in single.values())
     assert sharded == single
-    rec = report["engine_rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/parallel/data_parallel.py)
+    rec = report["engine_rec"]["rec"]  # [D, slots, H, K, V]: data 2 is attention DP (runtime/parallel/data_parallel.py)
     assert rec["shard"][0] * 2 == rec["shape"][0]  # each rank's slots on its own devices
     assert rec["shard"][2] * 4 == rec["shape"][2]  # engine caches split by value heads
+
+
+@pytest.mark.parametrize("case", ["gqa_1x8", "gqa_fp8_1x8"])
+def test_fewer_kv_heads_than_devices_repeat_each_head_and_match_one_device(report, case):
+    """4 KV heads on 8 devices: each head repeated twice, so every device holds one KV head of the
+    weights and of the cache (1/4 of the KV: attention was replicated before), 3 query heads."""
+    case = report[case]
+    assert case["tp"] == [True, True, 2]
+    leaves = case["leaves"]
+    D = 32
+    assert leaves["k_proj"]["shape"][-1] == 8 * D and leaves["k_proj"]["shard"][-1] == D
+    assert leaves["v_proj"]["shard"][-1] == D
+    assert leaves["q_proj"]["shard"][-1] * 8 == leaves["q_proj"]["shape"][-1]  # 3 query heads (x2: gate)
+    assert leaves["o_proj"]["shard"][1] * 8 == leaves["o_proj"]["shape"][1]
+    assert leaves["cache_kv_1"]["shape"][1] == 8 and leaves["cache_kv_1"]["shard"][1] == 1
+    _assert_close(case)
+
+
+def test_engine_with_repeated_kv_heads_generates_the_same_greedy_tokens(report):
+    assert report["engine_1x8"] == report["engine_single"]
+    kv = report["engine_1x8_caches"]["kv"]  # [P, 8 held heads, ps, D]: one per device
+    assert kv["shape"][1] == 8 and kv["shard"][1] == 1
 
 
 # ---- in-process: layout helpers and config errors (one device is enough) ------------------------------

@@ -6,7 +6,9 @@ this model (any difference is a TransferError), and `write_request_state` copies
 FP8 scales) verbatim into this engine's block table when both sides hold the same KV dtype and
 page size, and otherwise maps them token by token through the model's own KV write op: so the
 decode side's page size, KV dtype (FP8: quantized with this side's per-page scales) and
-tensor-parallel sharding all apply, whatever the prefill side used. Page and token counts are padded to powers of two (one compile per size).
+tensor-parallel sharding all apply, whatever the prefill side used. The wire holds the
+checkpoint's KV heads: a side that repeats them (fewer KV heads than chips, models/sharding.py)
+sends one copy of each and repeats what it receives. Page and token counts are padded to powers of two (one compile per size).
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ def _to_wire(x, dtype):
     return x if jnp.dtype(dtype) == jnp.float32 else jax.lax.bitcast_convert_type(x, _bits(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "num_slots"))
-def _gather(caches, pages, slot, *, num_pages: int, num_slots: int):
+@functools.partial(jax.jit, static_argnames=("num_pages", "num_slots", "kv_repeat"))
+def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: int):
     out = []
     for kv, conv, rec in zip(caches["kv"], caches["conv"], caches["rec"]):
         if kv is not None:
             G = kv.k.shape[0] // num_pages
             idx = (jnp.arange(G)[:, None] * num_pages + pages[None]).reshape(-1)  # [G*n]
-            out += [_to_wire(kv.load(kv.k[idx]), kv.dtype), _to_wire(kv.load(kv.v[idx]), kv.dtype)]
+            heads = slice(None, None, kv_repeat)  # one copy of each repeated KV head
+            k, v = kv.load(kv.k[idx])[:, heads], kv.load(kv.v[idx])[:, heads]
+            out += [_to_wire(k, kv.dtype), _to_wire(v, kv.dtype)]
             if kv.k_scale is not None:
-                out += [kv.k_scale[idx], kv.v_scale[idx]]
+                out += [kv.k_scale[idx][:, heads], kv.v_scale[idx][:, heads]]
         else:
             G = rec.shape[0] // num_slots
             idx = jnp.arange(G) * num_slots + slot
@@ -96,13 +100,20 @@ def gather_request_state(
     signature: dict | None = None,
 ) -> tuple[list, dict]:
     """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
-    The wire format is canonical: unsharded, conv channels in checkpoint order (`conv_perm`
-    undone)."""
+    The wire format is canonical: unsharded, the checkpoint's KV heads (a repeat undone), conv
+    channels in checkpoint order (`conv_perm` undone)."""
     n = _pow2(-(-num_tokens // page_size))
     pages = np.zeros(n, np.int32)
     used = list(block_table)[: -(-num_tokens // page_size)]
     pages[: len(used)] = used
-    arrays = _gather(caches, jnp.asarray(pages), jnp.int32(state_slot), num_pages=num_pages, num_slots=num_slots)
+    arrays = _gather(
+        caches,
+        jnp.asarray(pages),
+        jnp.int32(state_slot),
+        num_pages=num_pages,
+        num_slots=num_slots,
+        kv_repeat=kv_repeat_of(caches, cfg),
+    )
     device = jax.devices()[0]  # TP bridging: the wire format is unsharded
     arrays = [jax.device_put(a, device) for a in arrays]
     arrays = _reorder_conv(arrays, _names(caches), None if conv_perm is None else np.argsort(conv_perm))
@@ -122,6 +133,12 @@ def gather_request_state(
         arrays=entries,
     )
     return arrays, desc
+
+
+def kv_repeat_of(caches, cfg) -> int:
+    """How many times the caches hold each of the checkpoint's KV heads (models.sharding.repeat_kv_heads)."""
+    kv = next((x for x in caches["kv"] if x is not None), None)
+    return 1 if kv is None else kv.num_kv_heads // cfg.num_kv_heads
 
 
 def model_groups(caches, num_pages: int, num_slots: int) -> int:
@@ -210,6 +227,10 @@ def _write(
             continue
         k, v = arrays.pop(0), arrays.pop(0)
         scales = (arrays.pop(0), arrays.pop(0)) if logical.itemsize == 1 else (None, None)
+        r = kv.num_kv_heads // k.shape[1]  # this side repeats each KV head r times: so does the copy
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
+            scales = tuple(None if x is None else jnp.repeat(x, r, axis=1) for x in scales)
         if verbatim:
             kv_out[j] = _copy_pages(kv, k, v, scales, page_mapping)
             continue
