@@ -10,6 +10,7 @@ colocated engine with the decode side's configuration, and HF for that engine (t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import textwrap
@@ -492,3 +493,72 @@ def test_hooks_ask_the_engine_and_never_set_a_request_status():
                         assigned.add(leaf.attr)
     assert asked and asked <= allowed, asked - allowed
     assert not assigned & {"status", "finish_reason", "stop_reason"}
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8_e4m3fn"])
+def test_repeated_kv_heads_travel_as_the_checkpoints_heads(tiny_checkpoint, kv_dtype):
+    """A TP engine that repeats each KV head (fewer KV heads than chips: models/sharding.py) sends
+    one copy of each, so its descriptor and arrays are a plain engine's, and repeats what it
+    receives: verbatim pages (FP8 scales too) and, into another page size, token by token."""
+    import jax.numpy as jnp
+
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from pallas_kernels.kv_cache import KVPages
+    from runtime.kv_transfer.layout import expected_arrays, gather_request_state, write_request_state
+
+    cfg = parse_config(read_json(tiny_checkpoint("llama") / "config.json"))
+    H, D, r, num_pages = cfg.num_kv_heads, cfg.head_dim, 2, 8
+    G = cfg.num_layers // cfg.layer_period()
+    rng = np.random.default_rng(0)
+
+    def caches(heads, page_size, filled=None):
+        kv = []
+        for j in range(cfg.layer_period()):
+            pages = KVPages.create(G * num_pages, page_size, heads, D, jnp.dtype(kv_dtype))
+            if filled is not None:  # the canonical pages' values, each head repeated heads // H times
+                src = filled[j]
+                rep = lambda x: jnp.repeat(x, heads // H, axis=1)
+                pages = dataclasses.replace(
+                    pages,
+                    k=rep(src.k),
+                    v=rep(src.v),
+                    **({} if src.k_scale is None else {"k_scale": rep(src.k_scale), "v_scale": rep(src.v_scale)}),
+                )
+            kv.append(pages)
+        n = cfg.layer_period()
+        return {"kv": tuple(kv), "conv": (None,) * n, "rec": (None,) * n}
+
+    shape = (G * num_pages, H, 16, D)
+    canonical = caches(H, 16)
+    canonical["kv"] = tuple(
+        dataclasses.replace(
+            p,
+            k=jnp.asarray(rng.standard_normal(shape), p.k.dtype),
+            v=jnp.asarray(rng.standard_normal(shape), p.v.dtype),
+            **(
+                {}
+                if p.k_scale is None
+                else {"k_scale": jnp.asarray(rng.uniform(0.5, 2, shape[:2]), jnp.float32), "v_scale": p.v_scale * 3}
+            ),
+        )
+        for p in canonical["kv"]
+    )
+    prompt, kw = list(range(3, 43)), dict(num_tokens=37, state_slot=0, num_pages=num_pages, num_slots=2)
+    sent = gather_request_state(canonical, cfg, prompt_token_ids=prompt, block_table=[3, 5, 1], page_size=16, **kw)
+    sent_r = gather_request_state(
+        caches(H * r, 16, canonical["kv"]), cfg, prompt_token_ids=prompt, block_table=[3, 5, 1], page_size=16, **kw
+    )
+    assert sent_r[1] == sent[1] and expected_arrays(sent[1], cfg) == sent[1]["arrays"]
+    for a, b in zip(sent[0], sent_r[0]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kw.pop("num_tokens")
+    for page_size, table in ((16, [2, 7, 4]), (32, [6, 1])):  # verbatim; token by token
+        args = dict(block_table=table, page_size=page_size, opts=KernelOptions(), **kw)
+        want = write_request_state(caches(H, page_size), list(sent[0]), sent[1], **args)
+        got = write_request_state(caches(H * r, page_size), list(sent[0]), sent[1], **args)
+        for w, g in zip(want["kv"], got["kv"]):
+            for name in ("k", "v", "k_scale", "v_scale"):
+                if getattr(w, name) is not None:
+                    expected = np.repeat(np.asarray(getattr(w, name), np.float32), r, axis=1)
+                    np.testing.assert_array_equal(np.asarray(getattr(g, name), np.float32), expected, name)
