@@ -236,6 +236,8 @@ def plan_config(
     cfg = parse_config(read_json(model_config_json(launch)))
     dtype = launch.model.dtype
     model = abstract_model(cfg, dtype, launch.model.path)
+    # the checkpoint's count, taken before sharding may repeat KV heads (models.sharding.repeat_kv_heads)
+    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
     gpu = chip.platform == "gpu"
     mesh = None if gpu else target_mesh(launch)
     if mesh is not None:
@@ -247,6 +249,7 @@ def plan_config(
     slots = num_state_slots(launch, cfg.is_hybrid)
     kv_dtype = cache.kv_cache_dtype
     per_token = model.cache_bytes_per_token(kv_dtype)
+    # per_token counts the KV heads the model holds (repeated where fewer than the devices): split over all
     per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
     state_device = slots * model.state_bytes_per_slot() // (tp_size if model.tp is not None and model.tp.gdn else 1)
     weights_device = per_device_bytes(model.params)
@@ -330,7 +333,6 @@ def plan_config(
             f"{_gib(worst.alias_bytes)} + temp {_gib(worst.temp_bytes)}) > HBM {_gib(chip.hbm_bytes)}"
         )
     processes = 1 if par.multihost is None else par.multihost.num_processes
-    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
     return PlanReport(
         config_name,
         Path(launch.model.path).name,
