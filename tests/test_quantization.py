@@ -234,7 +234,7 @@ def test_model_through_the_pallas_kernel_interpret(family, scheme, tiny_checkpoi
 _TP_SCRIPT = """
 import json, sys
 import jax
-jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_num_cpu_devices", int(sys.argv[3]))
 import numpy as np
 from models import load_model
 from models.quant_rules import QuantizationConfig
@@ -243,15 +243,25 @@ from runtime.parallel.mesh import make_mesh
 qcfg = QuantizationConfig(sys.argv[2], group_size=32)
 ids = [5, 17, 300, 2, 999, 41, 7, 8, 9, 10, 11]
 ref = load_model(sys.argv[1], quantization=qcfg).logits(ids)
-model = shard_model(load_model(sys.argv[1], quantization=qcfg), make_mesh(1, 2, devices=jax.devices()))
+model = shard_model(load_model(sys.argv[1], quantization=qcfg), make_mesh(1, len(jax.devices())))
 g = next(g for g in model.params["groups"] if "in_qkv" in g)
 specs = {name: [str(tuple(a.sharding.spec)) for a in (g[name].q, g[name].scale)] for name in ("in_qkv", "out_proj")}
-print(json.dumps({"error": float(np.abs(model.logits(ids) - ref).max()), "specs": specs}))
+k = next(g for g in model.params["groups"] if "k_proj" in g)["k_proj"]
+k_shards = [list(a.addressable_shards[0].data.shape) for a in (k.q, k.scale)]
+print(json.dumps({"error": float(np.abs(model.logits(ids) - ref).max()), "specs": specs,
+                  "kv_repeat": model.tp.kv_repeat, "k_proj": [list(k.q.shape), k_shards]}))
 """
 
 
-@pytest.mark.parametrize("scheme", ["int4-zp", "w8a8-int8"])
-def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint):
+@pytest.mark.parametrize(
+    "family, scheme, devices",
+    [
+        ("qwen3_5", "int4-zp", 2),
+        ("qwen3_5", "w8a8-int8", 2),
+        ("qwen3_next", "int4-zp", 4),  # 2 KV heads on 4 devices: quantized k/v columns repeated
+    ],
+)
+def test_tensor_parallel_quantized_equals_single_device(family, scheme, devices, tiny_checkpoint):
     import json
     import os
     import subprocess
@@ -260,7 +270,7 @@ def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint)
 
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("qwen3_5")), scheme],
+        [sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint(family)), scheme, str(devices)],
         capture_output=True,
         text=True,
         cwd=repo,
@@ -270,8 +280,11 @@ def test_tensor_parallel_quantized_equals_single_device(scheme, tiny_checkpoint)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["error"] <= 1e-4
-    assert "model" in report["specs"]["in_qkv"][0] and "model" in report["specs"]["in_qkv"][1]  # scales follow columns
-    assert "model" in report["specs"]["out_proj"][0]  # row split codes
+    if family == "qwen3_5":  # (the tiny Qwen3-Next's GDN heads do not divide by 4: replicated)
+        assert "model" in report["specs"]["in_qkv"][0] and "model" in report["specs"]["in_qkv"][1]  # scales: columns
+        assert "model" in report["specs"]["out_proj"][0]  # row split codes
+    shape, (codes, scales) = report["k_proj"]  # [.., H, Hkv held * D]: one held KV head per device
+    assert report["kv_repeat"] == devices // 2 and codes[-1] * devices == shape[-1] and scales[-1] == codes[-1]
 
 
 def test_metrics_export_weight_bytes():
