@@ -93,6 +93,7 @@ class Layout:
 
 FP8 = ("--set", "cache.kv_cache_dtype=fp8_e4m3")
 TP2 = (("--set", "parallel.mesh.model=2"), (("JAX_NUM_CPU_DEVICES", "2"),))
+TP4 = (("--set", "parallel.mesh.model=4"), (("JAX_NUM_CPU_DEVICES", "4"),))
 PAGE32 = ("--set", "cache.page_size=32")
 LAYOUTS = {
     "llama": Layout("llama"),
@@ -131,6 +132,9 @@ LAYOUTS = {
     "qwen3_5_moe-tp2-page32": Layout("qwen3_5_moe", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1], decode_page=32),
     "qwen3_next": Layout("qwen3_next"),
     "qwen3_next-tp2-page32": Layout("qwen3_next", prefill=TP2[0], decode=PAGE32, prefill_env=TP2[1], decode_page=32),
+    # 2 KV heads on a decode side of 4 devices: it repeats each head twice (models/sharding.py)
+    # and the received pages' heads with them
+    "qwen3_next-decode-tp4": Layout("qwen3_next", decode=TP4[0], decode_env=TP4[1]),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
@@ -143,6 +147,7 @@ SLOW_LAYOUTS = {
     "qwen3_5_moe-tp2-page32",
     "qwen3_next",
     "qwen3_next-tp2-page32",
+    "qwen3_next-decode-tp4",
 }
 EXACTNESS = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name

@@ -268,6 +268,11 @@ def write_request_state(
     prefill side's pages are then bit for bit what this side would have computed). Otherwise
     token by token through this side's KV write (dequantized, requantized with its own scales)."""
     arrays = _reorder_conv(arrays, [name for name, _, _ in desc["arrays"]], conv_perm)
+    shardings = jax.tree.map(lambda x: x.sharding, caches)
+    mesh = getattr(jax.tree.leaves(shardings)[0], "mesh", None)
+    if mesh is not None and mesh.size > 1:  # a TP decode side: the pulled (one-device) arrays replicated on its mesh
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        arrays = [jax.device_put(a, replicated) for a in arrays]
     K, G = desc["num_tokens"], desc["model"]["num_groups"]
     kv = next((x for x in caches["kv"] if x is not None), None)
     verbatim = kv is not None and desc["page_size"] == page_size and desc["kv_dtype"] == jnp.dtype(kv.dtype).name
@@ -285,7 +290,7 @@ def write_request_state(
     local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size  # [T]
     group_offset = (np.arange(G) * num_pages * page_size)[:, None]  # [G, 1]
     slots = np.where(t[None] < K, group_offset + local[None], -1).astype(np.int32).reshape(-1)
-    return _write(
+    caches = _write(
         caches,
         tuple(arrays),
         jnp.asarray(slots),
@@ -298,3 +303,4 @@ def write_request_state(
         opts=opts,
         verbatim=verbatim,
     )
+    return jax.device_put(caches, shardings)  # the layout the step executables were compiled for
