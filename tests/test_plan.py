@@ -165,3 +165,53 @@ def test_a_config_that_does_not_fit_names_the_numbers():
 def test_plan_needs_a_target_chip():
     with pytest.raises(PlanError, match="parallel.chip"):
         plan_config(load_config(CONFIG_DIR / "gpu-h200-qwen3_5-9b.yaml", {"parallel.chip": None}))
+
+
+@pytest.mark.parametrize(
+    "overrides,checkpoints",
+    [
+        ({}, "budget"),  # the default: 0.25 of the cache memory, fewer than 2 per sequence here
+        ({"cache.hybrid_checkpoint_budget": 0.1}, "budget"),
+        ({"cache.hybrid_checkpoint_budget": 0.9}, 2 * 32),  # capped at 2 per sequence
+        ({"cache.hybrid_checkpoint_budget": None}, None),  # 2 x max_num_seqs shared, no budget
+        ({"cache.enable_prefix_caching": False}, None),
+    ],
+)
+def test_checkpoint_slots_follow_the_memory_budget(overrides, checkpoints):
+    """The plan sizes GDN checkpoint slots by the engine's rule: `cache.hybrid_checkpoint_budget` x
+    (memory_fraction x HBM - weights) per device, over one slot's bytes on a device (GDN heads split
+    8 ways), at most 2 per sequence; the table and the JSON show the budget."""
+    from runtime.aot.plan_report import format_report, report_json
+
+    name = "tpu-v5e-8-qwen3_5-27b.yaml"
+    launch = load_config(CONFIG_DIR / name, overrides)
+    r = plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    cfg = parse_config(read_json(model_config_json(launch)))
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    slot = 4 * cfg.num_linear_layers * ((cfg.linear_conv_kernel_dim - 1) * conv_dim + recurrent) // 8
+    cache_bytes = int(16 * 2**30 * 0.78) - r.weight_bytes
+    assert r.cache_bytes == cache_bytes
+    fraction = launch.cache.hybrid_checkpoint_budget
+    if checkpoints == "budget":
+        checkpoints = int(fraction * cache_bytes // slot)
+        assert checkpoints < 2 * 32  # the memory budget binds, not the per-sequence cap
+    running = 1 + 32 + (2 * 32 if overrides == {"cache.hybrid_checkpoint_budget": None} else 0)
+    assert r.num_checkpoint_slots == checkpoints
+    assert r.num_state_slots == running + (checkpoints or 0)
+    assert r.state_bytes == r.num_state_slots * slot
+    data = report_json(r)["checkpoints"]
+    if checkpoints is None:
+        assert data == {"num_slots": None, "bytes": None, "budget_fraction": None, "budget_bytes": None}
+        assert f"({r.num_state_slots} slots)" in format_report(r)
+    else:
+        assert data == {
+            "num_slots": checkpoints,
+            "bytes": checkpoints * slot,
+            "budget_fraction": fraction,
+            "budget_bytes": int(fraction * cache_bytes),
+        }
+        assert checkpoints * slot <= data["budget_bytes"]
+        assert f"{checkpoints} checkpoints within cache.hybrid_checkpoint_budget {fraction}" in format_report(r)

@@ -72,6 +72,8 @@ def test_plan_json_is_the_report_and_the_compilers_figures(tiny_checkpoint, tmp_
         r.page_size,
         r.num_state_slots,
     )
+    assert data["checkpoints"]["num_slots"] == r.num_checkpoint_slots
+    assert data["checkpoints"]["budget_bytes"] == r.checkpoint_budget_bytes
     # the weights: the real checkpoint's bytes in the config's dtype (bf16), read by the real loader
     loaded = load_model(path, dtype="bfloat16").params
     assert data["weight_bytes"] == sum(x.nbytes for x in jax.tree.leaves(loaded))

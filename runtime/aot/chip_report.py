@@ -8,7 +8,9 @@ The model is built from its `config.json` (the checkpoint's, else the shipped co
 bucket's backbone and the sampler with libtpu's real compiler through
 `jax.experimental.topologies` (any slice, multi-host included) on this CPU-only host; the
 compiler's `memory_analysis()` and `cost_analysis()` are per device. The KV pool is sized the way
-the engine sizes it (`memory_fraction` of HBM minus the weights, minus the GDN state slots).
+the engine sizes it (`memory_fraction` of HBM minus the weights, minus the GDN state slots), and
+the state slots by the engine's rule: one per sequence and, with prefix caching, checkpoint slots
+within `cache.hybrid_checkpoint_budget` of that memory (`state_slots`).
 
 GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile-only client):
 the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
@@ -38,11 +40,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from configs.chips import CHIPS
-from configs.schema import CONFIG_DIR, LaunchConfig
+from configs.schema import CONFIG_DIR, DEFAULT_MEMORY_FRACTION, LaunchConfig
 from models.abstract import abstract_caches, abstract_model, shard_abstract_model
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
+from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
 from runtime.aot.plan_report import ROOFLINE_CONTEXT, PlanError, PlanReport, format_report, gib, report_json
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
@@ -125,18 +128,25 @@ def target_mesh(launch: LaunchConfig) -> Mesh:
 
 
 # ---- sizing: the engine's rule ---------------------------------------------------------------------
-def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
-    """runtime/engine/llm_engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
-    if not is_hybrid:
-        return 0
-    s = launch.scheduler.max_num_seqs
-    return 1 + s + (2 * s if launch.cache.enable_prefix_caching else 0)
+def state_slots(launch: LaunchConfig, model, cache_bytes: int) -> tuple[int, int | None]:
+    """(state slots incl. the null slot, checkpoint slots or None): the engine's rule
+    (runtime/engine/construction.py `size_cache`), paged_kv's `plan_state_slots` over one device's
+    cache memory (`cache_bytes`: KV pages + state slots) and one slot's bytes on a device."""
+    if not model.cfg.is_hybrid:
+        return 0, None
+    return plan_state_slots(
+        max_num_seqs=launch.scheduler.max_num_seqs,
+        prefix_caching=launch.cache.enable_prefix_caching,
+        budget_fraction=launch.cache.hybrid_checkpoint_budget,
+        cache_bytes=cache_bytes,
+        state_bytes_per_slot=model.state_bytes_per_slot_per_device(),
+    )
 
 
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
     if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
         return launch.cache.num_pages // launch.parallel.mesh.data, []
-    fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_config.py)
+    fraction = launch.cache.memory_fraction or DEFAULT_MEMORY_FRACTION
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
     if budget < 2 * per_page:
@@ -177,12 +187,14 @@ def plan_config(
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
     blocks_per_seq = -(-max_model_len // page_size)
-    slots = num_state_slots(launch, cfg.is_hybrid)
     kv_dtype = cache.kv_cache_dtype
     per_token = model.cache_bytes_per_token(kv_dtype)
     per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
-    state_device = slots * model.state_bytes_per_slot() // (tp_size if model.tp is not None and model.tp.gdn else 1)
     weights_device = per_device_bytes(model.params)
+    # what the engine's cache_budget_bytes is on the device once the weights are loaded
+    cache_bytes = int(chip.hbm_bytes * (cache.memory_fraction or DEFAULT_MEMORY_FRACTION)) - weights_device
+    slots, checkpoint_slots = state_slots(launch, model, cache_bytes)
+    state_device = slots * model.state_bytes_per_slot_per_device()
     num_pages, problems = _pool_size(
         launch,
         chip,
@@ -281,8 +293,11 @@ def plan_config(
         slots,
         sched.max_num_seqs,
         max_model_len,
-        0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9,
+        0.0 if cache.num_pages is not None else cache.memory_fraction or DEFAULT_MEMORY_FRACTION,
         steps,
         problems,
         expert_parallel=model.tp is not None and model.tp.expert,
+        num_checkpoint_slots=checkpoint_slots,
+        checkpoint_budget=cache.hybrid_checkpoint_budget if cfg.is_hybrid and cache.enable_prefix_caching else None,
+        cache_bytes=cache_bytes,
     )

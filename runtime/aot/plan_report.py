@@ -39,6 +39,17 @@ class PlanReport:
     steps: list[StepFigures]
     problems: list[str]
     expert_parallel: bool = False  # MoE experts split by expert index (parallel.expert)
+    num_checkpoint_slots: int | None = None  # of num_state_slots; None: no checkpoints, or shared (no budget)
+    checkpoint_budget: float | None = None  # cache.hybrid_checkpoint_budget, when checkpoints are kept
+    cache_bytes: int = 0  # per device: memory_fraction x HBM - weights (KV pages + state slots)
+
+    @property
+    def checkpoint_budget_bytes(self) -> int | None:
+        return None if self.checkpoint_budget is None else int(self.checkpoint_budget * self.cache_bytes)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return self.state_bytes // self.num_state_slots if self.num_state_slots else 0
 
     @property
     def fits(self) -> bool:
@@ -98,7 +109,7 @@ def format_report(r: PlanReport) -> str:
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
         f"  per device{scope}: weights {gib(r.weight_bytes)}, KV {gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
-        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({r.num_state_slots} slots); "
+        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
         f"memory_fraction {r.memory_fraction} of HBM {gib(r.chip.hbm_bytes)}",
         f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
         f"{'GFLOP':>12}{'GB (XLA)':>11}",
@@ -117,6 +128,17 @@ def format_report(r: PlanReport) -> str:
     lines += [line for _, _, line in roofline_lines(r)]
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
     return "\n".join(lines)
+
+
+def state_slot_text(r: PlanReport) -> str:
+    """ "97 slots", or with a checkpoint budget "81 slots: 1 null, 32 running, 48 checkpoints within ..."."""
+    if r.num_checkpoint_slots is None or r.checkpoint_budget_bytes is None:
+        return f"{r.num_state_slots} slots"
+    running = r.num_state_slots - r.num_checkpoint_slots - 1
+    return (
+        f"{r.num_state_slots} slots: 1 null, {running} running, {r.num_checkpoint_slots} checkpoints within "
+        f"cache.hybrid_checkpoint_budget {r.checkpoint_budget} x {gib(r.cache_bytes)} = {gib(r.checkpoint_budget_bytes)}"
+    )
 
 
 def roofline_lines(r: PlanReport) -> list[tuple[str, dict[str, float], str]]:
@@ -157,7 +179,15 @@ def report_json(r: PlanReport) -> dict:
         "num_pages": r.num_pages,
         "page_size": r.page_size,
         "state_bytes": r.state_bytes,
-        "num_state_slots": r.num_state_slots,
+        "num_state_slots": r.num_state_slots,  # incl. the null slot and the checkpoint slots
+        "state_bytes_per_slot": r.state_bytes_per_slot,
+        "cache_bytes": r.cache_bytes,
+        "checkpoints": {
+            "num_slots": r.num_checkpoint_slots,
+            "bytes": None if r.num_checkpoint_slots is None else r.num_checkpoint_slots * r.state_bytes_per_slot,
+            "budget_fraction": r.checkpoint_budget,
+            "budget_bytes": r.checkpoint_budget_bytes,
+        },
         "executables": [
             {
                 "name": s.name,
