@@ -5,10 +5,13 @@
     python -m benchmarks.quantization --prompts 16 --tokens 32          # scaled down
 
 Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128, int4-zp-g32 (online
-RTN, default keep-float rules), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
+RTN, default keep-float rules: embedding and lm_head in float), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
 reference is the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) dequantized to float32: the
 real float checkpoint is not on PyPI, so online schemes quantize those float32 weights and
 gguf-q4_1 *is* the reference's weights (its rows measure the kept-quantized path, not a loss).
+`--schemes` picks quality rows among those and the int4 recipe grid (int4-g32 / g64 / g128,
+int4-zp-g32 / g64 / g128) and `int8+embed`, `int4-g128+embed`, `int4-zp-g32+embed` (the embedding
+/ tied lm_head quantized too, as the default rules did before).
 
 quality     greedy agreement over P prompts x N tokens through `LLM.generate` (share of
             positions equal to fp32's, and mean common prefix), and mean KL(fp32 || scheme) of
@@ -34,16 +37,27 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-# row name -> (model.quantization, group size)
+# the default keep-float rules less embed_tokens / lm_head (the defaults before issue 32)
+_EMBED = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# row name -> (model.quantization, group size[, keep_float]); without keep_float: the default rules
+# (embedding and lm_head in float). `+embed` rows quantize the embedding / tied lm_head as well.
 ONLINE = {
     "int8": ("int8", 128),
     "fp8": ("fp8", 128),
     "w8a8-int8": ("w8a8-int8", 128),
     "w8a8-fp8": ("w8a8-fp8", 128),
-    "int4-g128": ("int4", 128),
+    "int4-g128": ("int4-sym", 128),
     "int4-zp-g32": ("int4-zp", 32),
 }
-SCHEMES = ("fp32", *ONLINE, "gguf-q4_1")
+# the int4 recipe grid (--schemes ...): symmetric vs zero point, groups of 32 / 64 / 128
+ONLINE.update({f"int4-g{g}": ("int4-sym", g) for g in (32, 64)} | {f"int4-zp-g{g}": ("int4-zp", g) for g in (64, 128)})
+_INT4_GRID = ("int4-g32", "int4-g64", "int4-g128", "int4-zp-g32", "int4-zp-g64", "int4-zp-g128")
+ONLINE.update({f"{row}+embed": (*ONLINE[row], _EMBED) for row in ("int8", "int4-g128", "int4-zp-g32")})
+# only the embedding / tied lm_head quantized: SmolLM2's GGUF stores it as Q8_0, nearly float, so
+# unlike its Q4_1 layers (which int4-zp-g32 reproduces exactly) it compares the int4 recipes fairly
+_LAYERS = ("self_attn.*", "mlp.*", "linear_attn.*")
+ONLINE.update({f"{row}@embed-only": (*ONLINE[row][:2], _LAYERS) for row in _INT4_GRID})
+SCHEMES = ("fp32", "int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4-g128", "int4-zp-g32", "gguf-q4_1")
 
 
 def _model(name: str, path):
@@ -55,6 +69,8 @@ def _model(name: str, path):
     model = load_model(path, keep_gguf_quantized=False)
     if name in ONLINE:
         model.quantize(QuantizationConfig(*ONLINE[name]))
+    elif name != "fp32":
+        raise ValueError(f"unknown scheme row {name!r}: fp32, gguf-q4_1 or one of {sorted(ONLINE)}")
     return model
 
 
@@ -93,7 +109,8 @@ def _generate(model, prompts, tokens: int):
         max_num_seqs=len(prompts),
         max_num_batched_tokens=256,
         token_buckets=(16, 64, 256),
-        num_pages=len(prompts) * 8 + 1,
+        num_pages=len(prompts) * 16 + 1,
+        max_model_len=256,  # prompts of at most 40 words (up to ~130 tokens) + up to 64 tokens
         enable_prefix_caching=False,
         aot_compile=False,
     )
