@@ -230,6 +230,17 @@ def test_int4_default_logits_stay_near_fp32_and_nearer_than_the_old_default(tiny
     assert _mean_kl(fp32, new) <= 0.8 * _mean_kl(fp32, old)
 
 
+def test_int4_default_recipe_is_zero_point_groups_of_32_everywhere():
+    from configs.schema import DEFAULTS
+    from models.quantization import get_scheme
+
+    assert DEFAULTS.model.quantization_group_size == QuantizationConfig("int4").group_size == 32
+    assert get_scheme("int4").zero_point and get_scheme("int4-zp").zero_point
+    assert not get_scheme("int4-sym").zero_point
+    w = quantize_weight(_weights(8), "int4", group_size=32)
+    assert w.offset is not None and w.scale.shape == (K // 32, N)
+
+
 def test_bad_quantization_config_names_the_field():
     with pytest.raises(ValueError, match="quantization must be one of"):
         QuantizationConfig("int3")
