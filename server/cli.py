@@ -115,7 +115,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag(
         "--quantization",
         "model.quantization",
-        "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp",
+        "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp | int4-sym",
     ),
     ConfigFlag(
         "--role",
