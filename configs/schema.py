@@ -107,8 +107,8 @@ class ModelSection(_Section):
     max_model_len: Annotated[int | None, AfterValidator(rules.optional(rules.max_model_len))] = None
     served_model_name: str | None = None  # None: the checkpoint directory's name
     # online weight quantization (docs/quantization.md); None: weights as the checkpoint stores them
-    quantization: Literal["int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4", "int4-zp"] | None = None
-    quantization_group_size: Literal[32, 64, 128] = 128  # int4 schemes
+    quantization: Literal["int8", "fp8", "w8a8-int8", "w8a8-fp8", "int4", "int4-zp", "int4-sym"] | None = None
+    quantization_group_size: Literal[32, 64, 128] = 32  # int4 schemes; 32 measured best (docs/quantization.md)
     quantization_keep_float: list[str] | None = None  # module-path globs kept in float; None: the defaults
     # GGUF Q4_0 / Q4_1 / Q8_0 blocks stay quantized (4-8x less memory). On CPU the quantized matmuls
     # decode 0.2-0.7x as fast (docs/quantization.md): false dequantizes them at load instead.

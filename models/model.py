@@ -170,6 +170,11 @@ class Model:
         ) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         return 4 * per_layer * c.num_linear_layers
 
+    def state_bytes_per_slot_per_device(self) -> int:
+        """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""
+        per_slot = self.state_bytes_per_slot()
+        return per_slot // self.tp.size if self.tp is not None and self.tp.gdn else per_slot
+
     def logits(
         self, token_ids, opts: KernelOptions | None = None, page_size: int = 16, kv_dtype: str = "auto"
     ) -> np.ndarray:

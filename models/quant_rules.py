@@ -1,13 +1,14 @@
 """Online quantization of a loaded float model: which module gets which scheme.
 
-    qcfg = QuantizationConfig("int4", group_size=64, keep_float=("lm_head",))
+    qcfg = QuantizationConfig("int4", group_size=32, keep_float=("lm_head",))
     params, report = quantize_params(params, qcfg)
     log_report(report)   # one start-up line per module group: scheme, or float and why
 
 Rules are glob patterns over HF-style module paths without the layer index (`embed_tokens`,
 `lm_head`, `self_attn.q_proj`, `linear_attn.in_proj_a`, `mlp.experts.gate_up_proj`, ...); a
 pattern matches the whole path or its trailing components (`in_proj_a` matches
-`linear_attn.in_proj_a`). Matching modules stay in float. Norms, biases, the GDN conv and decay
+`linear_attn.in_proj_a`). Matching modules stay in float; a tied embedding is also the lm_head, so
+a rule keeping either keeps it. Norms, biases, the GDN conv and decay
 parameters are never quantized. int4 groups run along the input dim; a module whose input
 dim is not a multiple of the group size takes the largest smaller group size that divides it
 (32 at least), as the start-up log says.
@@ -49,15 +50,24 @@ MODULE_PATHS = {
     "embed": "embed_tokens",
     "lm_head": "lm_head",
 }
-# Tiny, precision-sensitive matmuls kept in float unless the user's rules say otherwise: the MoE
-# router and shared-expert gate (routing flips), GDN's decay / beta inputs (a, b: a few columns).
-DEFAULT_KEEP_FLOAT = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# Kept in float unless the user's rules say otherwise: the embedding and lm_head (as vLLM's AWQ /
+# GPTQ / FP8 checkpoints do; quantizing SmolLM2's tied one to int4 drops greedy agreement with fp32
+# from 0.69 to 0.03, docs/quantization.md), and tiny, precision-sensitive matmuls: the MoE router
+# and shared-expert gate (routing flips), GDN's decay / beta inputs (a, b: a few columns).
+DEFAULT_KEEP_FLOAT = (
+    "embed_tokens",
+    "lm_head",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     scheme: str
-    group_size: int = 128  # int4 only
+    group_size: int = 32  # int4 only (configs/schema.py's default)
     keep_float: tuple[str, ...] = DEFAULT_KEEP_FLOAT
 
     def __post_init__(self):
@@ -77,9 +87,11 @@ def rule_match(path: str, patterns) -> str | None:
     return None
 
 
-def _quantize_leaf(name: str, arr, qcfg: QuantizationConfig, report: dict) -> object:
+def _quantize_leaf(name: str, arr, qcfg: QuantizationConfig, report: dict, tied: bool = False) -> object:
     path = MODULE_PATHS[name]
     kept = rule_match(path, qcfg.keep_float)
+    if kept is None and tied:  # the tied lm_head is the embedding: a rule keeping either keeps both
+        kept = rule_match("lm_head", qcfg.keep_float)
     if kept is not None:
         report[path] = f"float (rule {kept!r})"
         return arr
@@ -113,7 +125,10 @@ def quantize_params(params: dict, qcfg: QuantizationConfig) -> tuple[dict, dict[
     -> (new params, {module path: what it got})."""
     report: dict[str, str] = {}
     out = dict(params)
-    out["embed"] = _quantize_leaf("embed", params["embed"], qcfg, report)
+    tied = "lm_head" not in params
+    out["embed"] = _quantize_leaf("embed", params["embed"], qcfg, report, tied)
+    if tied:
+        report["lm_head"] = f"{report['embed_tokens']} (tied to embed_tokens)"
     if "lm_head" in params:
         out["lm_head"] = _quantize_leaf("lm_head", params["lm_head"], qcfg, report)
     out["groups"] = tuple(

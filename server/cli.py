@@ -3,7 +3,7 @@
     jaxserve serve [MODEL] [--config FILE] [--set KEY=VALUE ...] [CONFIG FLAGS ...] [--fake-engine]
     jaxserve config [MODEL] [--config FILE] [--set KEY=VALUE ...] [CONFIG FLAGS ...]   # print the validated config
     jaxserve convert HF_DIR OUT_DIR [--dtype bfloat16] [--mesh data=1,model=8]   # orbax checkpoint
-    jaxserve plan --config FILE [--set KEY=VALUE ...] [--buckets 16,4096]   # compile for the target chip
+    jaxserve plan --config FILE [--set KEY=VALUE ...] [--buckets 16,4096] [--json PATH]   # compile for the target chip
 
 CONFIG FLAGS are the flags users type from habit (vLLM's names: `--dtype`, `--max-num-seqs`,
 `--gpu-memory-utilization`, `--enable-prefix-caching`, ...); each maps onto one config key in
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag(
         "--quantization",
         "model.quantization",
-        "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp",
+        "quantize float weights at load: int8 | fp8 | w8a8-int8 | w8a8-fp8 | int4 | int4-zp | int4-sym",
     ),
     ConfigFlag(
         "--role",
@@ -264,6 +265,15 @@ def _parser() -> argparse.ArgumentParser:
                 metavar="T,T,...",
                 help="compile only these token buckets (default: every bucket)",
             )
+            sub.add_argument(
+                "--json",
+                dest="json_path",
+                default=None,
+                metavar="PATH",
+                help="also write the report as JSON to PATH (per device: max_num_seqs, kv_cache_bytes, "
+                "state_bytes, weight_bytes, each executable's memory and cost, the roofline, the "
+                "state-slot budget); the table stays on stdout",
+            )
         if name == "serve":
             sub.add_argument(
                 "--fake-engine", action="store_true", help="serve the hand-computable FakeEngine instead of a model"
@@ -398,12 +408,23 @@ def _plan(args, config: LaunchConfig) -> int:
     from runtime.aot import chip_report as plan  # JAX: imported only for this command
 
     buckets = None if args.buckets is None else tuple(int(b) for b in args.buckets.split(","))
+    if args.json_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
+        print(f"jaxserve plan: --json {args.json_path}: its directory does not exist", file=sys.stderr)
+        return 2
     try:
         report = plan.plan_config(config, args.config or "cpu-demo.yaml", token_buckets=buckets)
     except plan.PlanError as err:
         print(f"jaxserve plan: {err}", file=sys.stderr)
         return 2
     print(plan.format_report(report))
+    if args.json_path is not None:
+        try:
+            with open(args.json_path, "w") as out:
+                json.dump(plan.report_json(report), out, indent=2)
+                out.write("\n")
+        except OSError as err:
+            print(f"jaxserve plan: cannot write --json {args.json_path}: {err}", file=sys.stderr)
+            return 2
     return 0 if report.fits else 1
 
 

@@ -71,3 +71,54 @@ def test_hybrid_prefix_hits_at_request_ends_and_divergence_points_match_hf(famil
     for rid, p in prompts.items():
         expected, scores = hf_greedy(hf, p, MAX_TOKENS)
         assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"{family} {rid}")
+
+
+def _state_bytes_per_slot(cfg) -> int:
+    """fp32 conv state [K-1, conv_dim] + recurrent state [Hv, dk, dv] per GDN layer, from the config."""
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return 4 * cfg.num_linear_layers * ((cfg.linear_conv_kernel_dim - 1) * conv_dim + recurrent)
+
+
+def test_checkpoint_slots_sized_by_the_memory_budget_still_serve_hits(tiny_checkpoint, hf_model):
+    """`cache.hybrid_checkpoint_budget` of the cache memory buys the checkpoint slots (here 3, fewer
+    than the 2 per sequence a larger budget gives); a chat continuation still resumes from its
+    predecessor's request-end checkpoint and matches HF."""
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+
+    path = tiny_checkpoint("qwen3_5")
+    slot = _state_bytes_per_slot(parse_config(read_json(path / "config.json")))
+    budget = 13 * slot  # 0.25 x 13 slots of memory: 3 checkpoint slots
+    engine = LLMEngine(
+        EngineConfig(
+            aot_compile=False,
+            model=str(path),
+            dtype="float32",
+            page_size=8,
+            num_pages=80,
+            kv_cache_memory_bytes=budget,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=256,
+            hybrid_checkpoint_budget=0.25,
+            load_tokenizer=False,
+        )
+    )
+    assert engine.cache_config.num_checkpoint_slots == 3 < 2 * 4
+    assert engine.cache_config.num_state_slots == 1 + 4 + 3
+    rng = np.random.default_rng(5)
+    draw = lambda n: rng.integers(3, engine.model.cfg.vocab_size, size=n).tolist()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    prompt = draw(45)
+    engine.add_request(EngineRequest("r0", prompt, params))
+    first = drain(engine)["r0"].outputs[0].token_ids
+    follow_up = prompt + first + draw(7)
+    engine.add_request(EngineRequest("r1", follow_up, params))
+    done = drain(engine)["r1"]
+    assert done.num_cached_tokens == 48  # r0's request-end checkpoint (54 tokens computed, page 8)
+    assert 0 < engine.stats()["slots_cached"] <= 3
+    expected, scores = hf_greedy(hf_model("qwen3_5"), follow_up, MAX_TOKENS)
+    assert_greedy_match(done.outputs[0].token_ids, expected, scores, "qwen3_5 r1, budgeted checkpoints")

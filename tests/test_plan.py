@@ -5,8 +5,9 @@ shipped real-model config.json files against the parameter counts their model ca
 each shipped accelerator config is compiled for its chip (TPU: libtpu, no TPU attached; GPU:
 lowered for CUDA) with its real shapes and sizes, and must fit; an oversized config is refused
 naming the numbers. CI cost: the decode bucket only (`jaxserve plan` compiles every bucket); the
-Qwen3-Next-80B compile (~2.5 min per bucket on 2 busy cores: 512 experts) is `slow`, CI checks its
-memory budget arithmetic without compiling. The whole-model cost extrapolation is checked on a tiny
+Qwen3-Next-80B compile (~2.5 min per bucket on 2 busy cores: 512 experts) and the P/D configs'
+compiles (~25 s each) are `slow`; CI plans every shipped YAML up to the compile (chip, topology,
+mesh, memory budget) instead. The whole-model cost extrapolation is checked on a tiny
 model against the fully unrolled compile.
 """
 
@@ -65,6 +66,10 @@ def _decode_bucket(launch):
         ("gpu-h200-qwen3_5-9b.yaml", True),
         ("tpu-v5e-8-qwen3_5-27b.yaml", False),
         pytest.param("tpu-v5p-16-qwen3-next-80b-multihost.yaml", True, marks=pytest.mark.slow),
+        pytest.param("gpu-h200-qwen3_5-9b-prefill.yaml", False, marks=pytest.mark.slow),  # the P/D pairs
+        pytest.param("gpu-h200-qwen3_5-9b-decode.yaml", False, marks=pytest.mark.slow),
+        pytest.param("tpu-v5e-8-qwen3_5-27b-prefill.yaml", False, marks=pytest.mark.slow),
+        pytest.param("tpu-v5e-8-qwen3_5-27b-decode.yaml", False, marks=pytest.mark.slow),
     ],
 )
 def test_shipped_config_fits_its_chip(name, cost):
@@ -81,6 +86,32 @@ def test_shipped_config_fits_its_chip(name, cost):
     if cost:  # ~2 flops per parameter per token of what one device holds (MoE: far fewer are active)
         assert 0 < step.flops <= 2.2 * report.param_count * decode / report.mesh[1]
         assert report.roofline("decode")["tokens_per_s_per_chip"] > 0
+
+
+# Shipped configs `jaxserve plan` cannot plan, each with its reason: the CPU configs run the default
+# model (`model.path: null`) on the local CPU devices, which is no chip of configs/chips.py. Every
+# other YAML under configs/ must plan and fit its chip (a new config without `parallel.chip` fails).
+NOT_PLANNABLE = {
+    "cpu-demo.yaml": "CPU: the local devices, no target chip",
+    "cpu-multihost-2x4.yaml": "CPU: simulated local devices, no target chip",
+}
+SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_plans_up_to_the_compile(name):
+    """Target chip, topology and mesh, the model's shapes, the weights / state / KV budget: all but
+    the compile (the compile of each config's decode bucket: test_shipped_config_fits_its_chip)."""
+    launch = load_config(CONFIG_DIR / name)
+    if name in NOT_PLANNABLE:
+        assert launch.parallel.chip is None and launch.model.path is None, NOT_PLANNABLE[name]
+        with pytest.raises(PlanError, match="parallel.chip is not set"):
+            plan_config(launch, name, token_buckets=(), compile_sampler=False)
+        return
+    report = plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    assert report.fits, report.problems
+    assert report.num_devices == launch.parallel.mesh.num_devices
+    assert report.kv_bytes >= report.max_model_len * report.kv_bytes_per_token
 
 
 def test_multihost_config_budget_without_compiling():
@@ -134,3 +165,53 @@ def test_a_config_that_does_not_fit_names_the_numbers():
 def test_plan_needs_a_target_chip():
     with pytest.raises(PlanError, match="parallel.chip"):
         plan_config(load_config(CONFIG_DIR / "gpu-h200-qwen3_5-9b.yaml", {"parallel.chip": None}))
+
+
+@pytest.mark.parametrize(
+    "overrides,checkpoints",
+    [
+        ({}, "budget"),  # the default: 0.25 of the cache memory, fewer than 2 per sequence here
+        ({"cache.hybrid_checkpoint_budget": 0.1}, "budget"),
+        ({"cache.hybrid_checkpoint_budget": 0.9}, 2 * 32),  # capped at 2 per sequence
+        ({"cache.hybrid_checkpoint_budget": None}, None),  # 2 x max_num_seqs shared, no budget
+        ({"cache.enable_prefix_caching": False}, None),
+    ],
+)
+def test_checkpoint_slots_follow_the_memory_budget(overrides, checkpoints):
+    """The plan sizes GDN checkpoint slots by the engine's rule: `cache.hybrid_checkpoint_budget` x
+    (memory_fraction x HBM - weights) per device, over one slot's bytes on a device (GDN heads split
+    8 ways), at most 2 per sequence; the table and the JSON show the budget."""
+    from runtime.aot.plan_report import format_report, report_json
+
+    name = "tpu-v5e-8-qwen3_5-27b.yaml"
+    launch = load_config(CONFIG_DIR / name, overrides)
+    r = plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    cfg = parse_config(read_json(model_config_json(launch)))
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    slot = 4 * cfg.num_linear_layers * ((cfg.linear_conv_kernel_dim - 1) * conv_dim + recurrent) // 8
+    cache_bytes = int(16 * 2**30 * launch.cache.memory_fraction) - r.weight_bytes
+    assert r.cache_bytes == cache_bytes
+    fraction = launch.cache.hybrid_checkpoint_budget
+    if checkpoints == "budget":
+        checkpoints = int(fraction * cache_bytes // slot)
+        assert checkpoints < 2 * 32  # the memory budget binds, not the per-sequence cap
+    running = 1 + 32 + (2 * 32 if overrides == {"cache.hybrid_checkpoint_budget": None} else 0)
+    assert r.num_checkpoint_slots == checkpoints
+    assert r.num_state_slots == running + (checkpoints or 0)
+    assert r.state_bytes == r.num_state_slots * slot
+    data = report_json(r)["checkpoints"]
+    if checkpoints is None:
+        assert data == {"num_slots": None, "bytes": None, "budget_fraction": None, "budget_bytes": None}
+        assert f"({r.num_state_slots} slots)" in format_report(r)
+    else:
+        assert data == {
+            "num_slots": checkpoints,
+            "bytes": checkpoints * slot,
+            "budget_fraction": fraction,
+            "budget_bytes": int(fraction * cache_bytes),
+        }
+        assert checkpoints * slot <= data["budget_bytes"]
+        assert f"{checkpoints} checkpoints within cache.hybrid_checkpoint_budget {fraction}" in format_report(r)

@@ -20,7 +20,7 @@ from models.quantization import quantize_weight
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
 
 # (scheme, group): int8 / fp8 per channel, int8 groups (GGUF Q8_0), int4 symmetric and with offsets
-CODES = [("int8", 0), ("fp8", 0), ("int8", 32), ("int4", 32), ("int4", 64), ("int4-zp", 32), ("int4-zp", 128)]
+CODES = [("int8", 0), ("fp8", 0), ("int8", 32), ("int4-sym", 32), ("int4-sym", 64), ("int4-zp", 32), ("int4-zp", 128)]
 
 
 def _codes(scheme, group, k, n, seed=0):
@@ -65,7 +65,7 @@ def test_bf16_activations_interpret():
 
 
 def test_reference_equals_hand_dequantized_product():
-    args, bits = _args("int4", 32, 5, 96, 40)
+    args, bits = _args("int4-sym", 32, 5, 96, 40)
     x, q, scale, _ = (np.asarray(a) if a is not None else None for a in args)
     codes = np.empty((96, 40), np.float64)
     codes[0::2], codes[1::2] = q & 15, q >> 4
@@ -75,7 +75,7 @@ def test_reference_equals_hand_dequantized_product():
 
 
 def test_bad_shapes_raise():
-    args, bits = _args("int4", 32, 4, 96, 40)
+    args, bits = _args("int4-sym", 32, 4, 96, 40)
     with pytest.raises(ValueError, match="group_size"):
         quantized_matmul(*args, bits=bits, group_size=40)
     with pytest.raises(ValueError, match="scale must be"):
@@ -86,7 +86,7 @@ def test_bad_shapes_raise():
 
 # ---- real compilers -----------------------------------------------------------------------------
 SERVED = [
-    ("int4", 128, 4096, 4096, 8),
+    ("int4-sym", 128, 4096, 4096, 8),
     ("int4-zp", 64, 2048, 1536, 256),
     ("int8", 0, 2048, 2048, 16),
     ("fp8", 0, 1024, 4096, 64),
@@ -97,7 +97,7 @@ SERVED = [
 def _abstract(scheme, group, m, k, n, sharding=None):
     sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
     bits = 4 if scheme.startswith("int4") else 8
-    code_dtype = {"int4": np.uint8, "int4-zp": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}[scheme]
+    code_dtype = {"int4-sym": np.uint8, "int4-zp": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}[scheme]
     groups = k // group if group else 1
     offset = sd((groups, n), jnp.float32) if scheme == "int4-zp" else None
     return (

@@ -8,7 +8,9 @@ The model is built from its `config.json` (the checkpoint's, else the shipped co
 bucket's backbone and the sampler with libtpu's real compiler through
 `jax.experimental.topologies` (any slice, multi-host included) on this CPU-only host; the
 compiler's `memory_analysis()` and `cost_analysis()` are per device. The KV pool is sized the way
-the engine sizes it (`memory_fraction` of HBM minus the weights, minus the GDN state slots).
+the engine sizes it (`memory_fraction` of HBM minus the weights, minus the GDN state slots), and
+the state slots by the engine's rule: one per sequence and, with prefix caching, checkpoint slots
+within `cache.hybrid_checkpoint_budget` of that memory (`state_slots`).
 
 GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile-only client):
 the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
@@ -37,17 +39,29 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from configs.chips import CHIPS, ChipSpec
-from configs.schema import CONFIG_DIR, LaunchConfig
+from configs.chips import CHIPS
+from configs.schema import CONFIG_DIR, DEFAULT_MEMORY_FRACTION, LaunchConfig
 from models.abstract import abstract_caches, abstract_model, shard_abstract_model
 from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
+from paged_kv.checkpoint_policy import plan_state_slots
 from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
+from runtime.aot.plan_report import ROOFLINE_CONTEXT, PlanError, PlanReport, format_report, gib, report_json
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
 from runtime.steps.executables import StepExecutables, StepKey
 from runtime.steps.execution_plan import plan_buckets
 
+__all__ = [  # the report's names, from runtime/aot/plan_report.py, for this module's callers
+    "ROOFLINE_CONTEXT",
+    "PlanError",
+    "PlanReport",
+    "format_report",
+    "model_config_json",
+    "plan_config",
+    "report_json",
+    "target_mesh",
+]
 log = logging.getLogger("jaxserve.plan")
 
 MODELS_DIR = CONFIG_DIR / "models"
@@ -60,80 +74,6 @@ SHIPPED_MODEL_CONFIGS = {
     "gemma-3-27b-it": "gemma-3-27b.json",
     "gemma-3-27b-pt": "gemma-3-27b.json",
 }
-ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
-
-
-class PlanError(ValueError):
-    """A launch config does not fit its chip (the message names the numbers) or cannot be planned."""
-
-
-@dataclasses.dataclass
-class PlanReport:
-    config_name: str
-    model_name: str
-    chip: ChipSpec
-    num_devices: int
-    num_processes: int
-    mesh: tuple[int, int]
-    param_count: int
-    weight_bytes: int  # per device
-    kv_bytes: int  # per device
-    num_pages: int
-    page_size: int
-    kv_bytes_per_token: int  # per device, all layers
-    state_bytes: int  # per device
-    num_state_slots: int
-    max_num_seqs: int
-    max_model_len: int
-    memory_fraction: float
-    steps: list[StepFigures]
-    problems: list[str]
-    expert_parallel: bool = False  # MoE experts split by expert index (parallel.expert)
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    def raise_if_unfit(self) -> None:
-        if self.problems:
-            raise PlanError(f"{self.config_name}: does not fit {self.chip.name}: " + "; ".join(self.problems))
-
-    def step(self, kind: str) -> StepFigures:
-        """ "decode": the smallest token bucket holding max_num_seqs; "prefill": the largest bucket."""
-        backbones = [s for s in self.steps if s.name.startswith("backbone")]
-        if kind == "prefill":
-            return backbones[-1]
-        return next((s for s in backbones if s.tokens >= self.max_num_seqs), backbones[-1])
-
-    def hbm_traffic(self, kind: str, context: int = ROOFLINE_CONTEXT) -> float:
-        """Bytes one device must move per step: every weight once, plus for a decode step the KV of
-        max_num_seqs sequences at mean `context` and their GDN states (read and written). The
-        compiler's "bytes accessed" is not used: it counts each in-place cache update as a read and
-        a write of the whole pool."""
-        if kind != "decode":
-            return float(self.weight_bytes)
-        seqs = self.max_num_seqs
-        state = 2 * self.state_bytes / max(self.num_state_slots, 1) * seqs
-        return float(self.weight_bytes + seqs * context * self.kv_bytes_per_token + state)
-
-    def roofline(self, kind: str, context: int = ROOFLINE_CONTEXT) -> dict[str, float]:
-        """Tokens/s per chip of a full decode step (max_num_seqs sequences at mean `context`) or of a
-        full prefill bucket, at the chip's HBM bandwidth and peak FLOP/s."""
-        s = self.step(kind)
-        tokens = min(s.tokens, self.max_num_seqs) if kind == "decode" else s.tokens
-        moved = self.hbm_traffic(kind, context)
-        seconds = max(moved / self.chip.hbm_bytes_per_s, s.flops / self.chip.peak_bf16_flops)
-        bound = "memory" if moved / self.chip.hbm_bytes_per_s >= s.flops / self.chip.peak_bf16_flops else "compute"
-        # each of the mesh's data ranks runs its own batch of `tokens` in the same step (attention DP)
-        per_chip = tokens * self.mesh[0] / seconds / self.num_devices if seconds else float("inf")
-        return {
-            "tokens": tokens,
-            "seconds": seconds,
-            "tokens_per_s_per_chip": per_chip,
-            "bound": bound,
-            "bytes": moved,
-            "flops": s.flops,
-        }
 
 
 # ---- the model and the target ----------------------------------------------------------------------
@@ -188,30 +128,33 @@ def target_mesh(launch: LaunchConfig) -> Mesh:
 
 
 # ---- sizing: the engine's rule ---------------------------------------------------------------------
-def num_state_slots(launch: LaunchConfig, is_hybrid: bool) -> int:
-    """runtime/engine/llm_engine.py: the null slot, one per sequence, two more per sequence for prefix caching."""
-    if not is_hybrid:
-        return 0
-    s = launch.scheduler.max_num_seqs
-    return 1 + s + (2 * s if launch.cache.enable_prefix_caching else 0)
+def state_slots(launch: LaunchConfig, model, cache_bytes: int) -> tuple[int, int | None]:
+    """(state slots incl. the null slot, checkpoint slots or None): the engine's rule
+    (runtime/engine/construction.py `size_cache`), paged_kv's `plan_state_slots` over one device's
+    cache memory (`cache_bytes`: KV pages + state slots) and one slot's bytes on a device."""
+    if not model.cfg.is_hybrid:
+        return 0, None
+    return plan_state_slots(
+        max_num_seqs=launch.scheduler.max_num_seqs,
+        prefix_caching=launch.cache.enable_prefix_caching,
+        budget_fraction=launch.cache.hybrid_checkpoint_budget,
+        cache_bytes=cache_bytes,
+        state_bytes_per_slot=model.state_bytes_per_slot_per_device(),
+    )
 
 
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
     if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
         return launch.cache.num_pages // launch.parallel.mesh.data, []
-    fraction = launch.cache.memory_fraction or 0.9  # the engine's default (runtime/engine_config.py)
+    fraction = launch.cache.memory_fraction or DEFAULT_MEMORY_FRACTION
     budget = int(chip.hbm_bytes * fraction) - weight_bytes - state_bytes
     problems = []
     if budget < 2 * per_page:
         problems.append(
-            f"weights {_gib(weight_bytes)} + state slots {_gib(state_bytes)} per device exceed "
-            f"memory_fraction {fraction} x HBM {_gib(chip.hbm_bytes)} = {_gib(int(chip.hbm_bytes * fraction))}"
+            f"weights {gib(weight_bytes)} + state slots {gib(state_bytes)} per device exceed "
+            f"memory_fraction {fraction} x HBM {gib(chip.hbm_bytes)} = {gib(int(chip.hbm_bytes * fraction))}"
         )
     return int(max(2, min(want, budget // per_page))), problems
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def plan_config(
@@ -246,13 +189,15 @@ def plan_config(
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
     blocks_per_seq = -(-max_model_len // page_size)
-    slots = num_state_slots(launch, cfg.is_hybrid)
     kv_dtype = cache.kv_cache_dtype
     per_token = model.cache_bytes_per_token(kv_dtype)
     # per_token counts the KV heads the model holds (repeated where fewer than the devices): split over all
     per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
-    state_device = slots * model.state_bytes_per_slot() // (tp_size if model.tp is not None and model.tp.gdn else 1)
     weights_device = per_device_bytes(model.params)
+    # what the engine's cache_budget_bytes is on the device once the weights are loaded
+    cache_bytes = int(chip.hbm_bytes * (cache.memory_fraction or DEFAULT_MEMORY_FRACTION)) - weights_device
+    slots, checkpoint_slots = state_slots(launch, model, cache_bytes)
+    state_device = slots * model.state_bytes_per_slot_per_device()
     num_pages, problems = _pool_size(
         launch,
         chip,
@@ -266,7 +211,7 @@ def plan_config(
     if (num_pages - 1) * page_size < max_model_len:
         problems.append(
             f"the KV pool ({num_pages - 1} pages x {page_size} = {(num_pages - 1) * page_size} tokens, "
-            f"{_gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence"
+            f"{gib(kv_device)} per device) cannot hold one max_model_len ({max_model_len}) sequence"
         )
     impl = f"pallas_{chip.platform}"
     opts = KernelOptions(attention=impl, gdn=impl, tp=model.tp)
@@ -300,8 +245,8 @@ def plan_config(
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
             problems.append(
-                f"the {chip.name} compiler: {str(err).splitlines()[0]} (weights {_gib(weights_device)}, "
-                f"KV {_gib(kv_device)}, GDN state {_gib(state_device)} per device)"
+                f"the {chip.name} compiler: {str(err).splitlines()[0]} (weights {gib(weights_device)}, "
+                f"KV {gib(kv_device)}, GDN state {gib(state_device)} per device)"
             )
     if steps and compile_cost:
         decode_T = next((T for T in buckets if sched.max_num_seqs <= T), buckets[-1])
@@ -328,9 +273,9 @@ def plan_config(
     worst = max(steps, key=lambda s: s.peak_bytes, default=None)
     if worst is not None and worst.peak_bytes > chip.hbm_bytes:
         problems.append(
-            f"{worst.name} needs {_gib(worst.peak_bytes)} per device (arguments "
-            f"{_gib(worst.argument_bytes)} + outputs {_gib(worst.output_bytes)} - aliased "
-            f"{_gib(worst.alias_bytes)} + temp {_gib(worst.temp_bytes)}) > HBM {_gib(chip.hbm_bytes)}"
+            f"{worst.name} needs {gib(worst.peak_bytes)} per device (arguments "
+            f"{gib(worst.argument_bytes)} + outputs {gib(worst.output_bytes)} - aliased "
+            f"{gib(worst.alias_bytes)} + temp {gib(worst.temp_bytes)}) > HBM {gib(chip.hbm_bytes)}"
         )
     processes = 1 if par.multihost is None else par.multihost.num_processes
     return PlanReport(
@@ -350,46 +295,11 @@ def plan_config(
         slots,
         sched.max_num_seqs,
         max_model_len,
-        0.0 if cache.num_pages is not None else cache.memory_fraction or 0.9,
+        0.0 if cache.num_pages is not None else cache.memory_fraction or DEFAULT_MEMORY_FRACTION,
         steps,
         problems,
         expert_parallel=model.tp is not None and model.tp.expert,
+        num_checkpoint_slots=checkpoint_slots,
+        checkpoint_budget=cache.hybrid_checkpoint_budget if cfg.is_hybrid and cache.enable_prefix_caching else None,
+        cache_bytes=cache_bytes,
     )
-
-
-# ---- report ----------------------------------------------------------------------------------------
-def format_report(r: PlanReport) -> str:
-    mesh = f"data {r.mesh[0]} x model {r.mesh[1]}" + (", experts split by index (EP)" if r.expert_parallel else "")
-    scope = " (its DP rank's own pages and slots)" if r.mesh[0] > 1 else ""
-    lines = [
-        f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
-        f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
-        f"  per device{scope}: weights {_gib(r.weight_bytes)}, KV {_gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
-        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {_gib(r.state_bytes)} ({r.num_state_slots} slots); "
-        f"memory_fraction {r.memory_fraction} of HBM {_gib(r.chip.hbm_bytes)}",
-        f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
-        f"{'GFLOP':>12}{'GB (XLA)':>11}",
-    ]
-    for s in r.steps:
-        lines.append(
-            f"  {s.name:<22}{_gib(s.argument_bytes):>12}{_gib(s.output_bytes):>12}{_gib(s.alias_bytes):>12}"
-            f"{(_gib(s.temp_bytes) if not s.analytic else 'n/a'):>12}{_gib(s.peak_bytes):>12}"
-            + (f"{s.flops / 1e9:>12.1f}{s.bytes_accessed / 1e9:>11.2f}" if s.flops else f"{'-':>12}{'-':>11}")
-        )
-    if any(s.analytic for s in r.steps):
-        lines.append(
-            "  (GPU: lowered for CUDA, not compiled -- jax cannot compile for CUDA without a CUDA device; "
-            "memory = array sizes, no temp)"
-        )
-    for kind in ("decode", "prefill"):
-        if r.steps and (r.step(kind).flops or r.step(kind).bytes_accessed):
-            f = r.roofline(kind)
-            ctx = f" at mean context {ROOFLINE_CONTEXT}" if kind == "decode" else ""
-            ranks = f" per DP rank x {r.mesh[0]}" if r.mesh[0] > 1 else ""
-            lines.append(
-                f"  roofline {kind} ({f['tokens']} tokens{ranks}{ctx}, {f['bytes'] / 1e9:.1f} GB moved): "
-                f"{f['seconds'] * 1e3:.2f} ms/step, "
-                f"{f['tokens_per_s_per_chip']:,.0f} tokens/s per chip ({f['bound']}-bound)"
-            )
-    lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
-    return "\n".join(lines)

@@ -84,7 +84,7 @@ def size_cache(
             prefix_caching=config.enable_prefix_caching,
             budget_fraction=config.hybrid_checkpoint_budget,
             cache_bytes=cache_budget_bytes(config),
-            state_bytes_per_slot=model.state_bytes_per_slot(),
+            state_bytes_per_slot=model.state_bytes_per_slot_per_device(),  # cache_bytes is per device too
         )
         if config.num_state_slots:
             num_slots, num_checkpoint_slots = config.num_state_slots, None
@@ -101,12 +101,10 @@ def default_num_pages(config: EngineConfig, model: Model, max_blocks_per_seq: in
     the GDN state slots (pages and slots are budgeted together)."""
     want = config.max_num_seqs * max_blocks_per_seq + 1
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype), 1) * config.page_size  # all layers
-    state_bytes = num_slots * model.state_bytes_per_slot()
+    state_bytes = num_slots * model.state_bytes_per_slot_per_device()
     tp = model.tp
     if tp is not None and tp.attention:
         per_page = -(-per_page // tp.size)  # each device holds its KV heads only
-    if tp is not None and tp.gdn:
-        state_bytes //= tp.size
     budget = cache_budget_bytes(config)
     return int(max(2, min(want, (budget - state_bytes) // per_page)))
 
