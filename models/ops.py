@@ -115,11 +115,13 @@ def _kv_specs(kv, axis: str):
 
 
 def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
+    # TPU: whole pages written back, no scatter into the pool (its layout would cost a pool copy)
+    write = functools.partial(_write_kv, whole_pages=opts.impl("attention") == "pallas_tpu")
     tp = opts.tp
     if tp is None or not tp.attention:
-        return _write_kv(kv, k, v, slot_mapping)
+        return write(kv, k, v, slot_mapping)
     heads = P(None, tp.axis)
-    return _on_mesh(_write_kv, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()), _kv_specs(kv, tp.axis))(
+    return _on_mesh(write, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()), _kv_specs(kv, tp.axis))(
         kv, k, v, slot_mapping
     )
 

@@ -65,16 +65,17 @@ def step_slots(rng):
     ]
 
 
+@pytest.mark.parametrize("whole_pages", [False, True], ids=["token-scatter", "whole-pages"])
 @pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plain_write_round_trip(dtype, bit_storage):
+def test_plain_write_round_trip(dtype, bit_storage, whole_pages):
     rng = np.random.default_rng(0)
     kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
     stored = jnp.uint16 if bit_storage and dtype == "bfloat16" else jnp.dtype(dtype)
     model = PageModel()
     for slots in step_slots(rng):
         k, v = random_tokens(rng, len(slots), 3.0)
-        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32), whole_pages=whole_pages)
         model.write(k.astype(jnp.dtype(dtype)).astype(np.float64), v.astype(jnp.dtype(dtype)).astype(np.float64), slots)
     assert kv.k_scale is None and kv.dtype == jnp.dtype(dtype) and kv.k.dtype == stored
     got_k, got_v = (np.asarray(x, np.float64) for x in kv.dequantized())
