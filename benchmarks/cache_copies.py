@@ -68,7 +68,7 @@ def checkpoint(name: str) -> Path:
     return path
 
 
-def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir: Path | None) -> dict:
+def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir: Path | None, bucket: int = 16) -> dict:
     from configs.schema import load_config
     from runtime.aot import chip_report
 
@@ -82,6 +82,7 @@ def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir:
             "cache.page_size": page_size,
             "cache.num_pages": num_pages,
             "scheduler.max_num_seqs": 16,
+            "scheduler.max_num_batched_tokens": max(bucket, 16),
         }
     )
     compiled = {}
@@ -94,11 +95,13 @@ def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir:
     chip_report.figures = keep
     try:
         start = time.perf_counter()
-        report = chip_report.plan_config(launch, name, token_buckets=(16,), compile_sampler=False, compile_cost=False)
+        report = chip_report.plan_config(
+            launch, name, token_buckets=(bucket,), compile_sampler=False, compile_cost=False
+        )
         seconds = time.perf_counter() - start
     finally:
         chip_report.figures = figures
-    label = f"{name}-{kv_dtype}-ps{page_size}"
+    label = f"{name}-{kv_dtype}-ps{page_size}-T{bucket}"
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         for step_name, exe in compiled.items():
@@ -131,18 +134,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--hlo", type=Path, help="write each compiled module's HLO text into this directory")
     parser.add_argument("--only", help="run only the cases whose label contains this")
+    parser.add_argument("--bucket", type=int, default=16, help="the token bucket compiled (16: decode)")
     args = parser.parse_args(argv)
     import jax
 
     rows = []
-    print(f"{'case':<36}{'KV':>10}{'state':>10}{'max temp':>10}{'temp/(KV+state)':>17}")
+    print(f"{'case':<40}{'KV':>10}{'state':>10}{'max temp':>10}{'temp/(KV+state)':>17}")
     for name, kv_dtype, page_size, num_pages in CASES:
         if args.only and args.only not in f"{name}-{kv_dtype}-ps{page_size}":
             continue
-        row = plan_case(name, kv_dtype, page_size, num_pages, args.hlo)
+        row = plan_case(name, kv_dtype, page_size, num_pages, args.hlo, args.bucket)
         rows.append(row)
         print(
-            f"{row['case']:<36}{row['kv_bytes'] / GIB:>9.2f}G{row['state_bytes'] / GIB:>9.2f}G"
+            f"{row['case']:<40}{row['kv_bytes'] / GIB:>9.2f}G{row['state_bytes'] / GIB:>9.2f}G"
             f"{row['max_temp_bytes'] / GIB:>9.2f}G{row['temp_over_caches']:>17.2f}"
             + (f"  ({'; '.join(row['problems'])})" if row["problems"] else "")
         )
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"target": "tpu-v5e 1x1 (libtpu compile-only, this CPU host)", "jax": jax.__version__}
         meta["jaxlib"] = jaxlib.__version__
-        meta["command"] = "python -m benchmarks.cache_copies --out " + str(args.out)
+        meta["command"] = f"python -m benchmarks.cache_copies --bucket {args.bucket} --out {args.out}"
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 

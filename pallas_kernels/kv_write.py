@@ -24,40 +24,46 @@ from pallas_kernels.kv_cache import KVPages, fp8_max, quantize
 _MIN_SCALE = 1e-30
 
 
-def _write_pages(pages: jax.Array, merged: jax.Array, page: jax.Array, first: jax.Array, valid: jax.Array):
-    """Writes back `merged[t]` (a whole page) to `page[t]` for each token t that is the first of
-    its page (`first[t] == t`), by dynamic-update-slice: one per distinct page written.
+def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int):
+    """Writes this step's `tokens` [T, Hkv, D] (already in the pages' stored form) into `pages`
+    a whole page at a time: each distinct page written is gathered once, `refresh(page_copies,
+    page_ids)` applied (FP8: requantized to the grown scale), the tokens set into it, and the page
+    put back by dynamic-update-slice. At most `max_pages` pages are gathered at once (a bound on
+    the distinct pages of one step; more are done in further rounds, never dropped).
 
     No scatter touches the pool. On TPU a scatter picks its own layout for the pool (token rows:
     offset-major; FP8: (8, 128) tiles against the pool's (32, 128)), and XLA copied the whole pool
-    into it and back, every layer inside the layer scan (docs/scaling.md)."""
-    T = page.shape[0]
-    owns = valid & (first == jnp.arange(T))
-    owners = jnp.nonzero(owns, size=T, fill_value=0)[0]  # the owning tokens first
+    into that layout and back, inside the layer scan every layer (docs/scaling.md)."""
+    T, num_pages = page.shape[0], pages.shape[0]
+    n = max(1, min(max_pages, T))
+    rounds = -(-T // n)
+    first = jnp.full((num_pages + 1,), T, jnp.int32).at[page].min(jnp.arange(T, dtype=jnp.int32))[page]
+    owns = valid & (first == jnp.arange(T))  # one token per distinct page written
+    rank = jnp.cumsum(owns) - 1  # an owner's index among the distinct pages
+    target = jnp.where(valid, rank[jnp.minimum(first, T - 1)], rounds * n)  # [T]: token -> its page's index
+    owners = jnp.nonzero(owns, size=rounds * n, fill_value=0)[0]
+    count = jnp.sum(owns)
 
-    def put(j, pages):
-        t = owners[j]
-        return lax.dynamic_update_slice_in_dim(pages, merged[t][None], page[t], axis=0)
+    def one_round(r, pages):
+        ids = page[lax.dynamic_slice_in_dim(owners, r * n, n)]  # [n] page ids (past count: unused)
+        copies = refresh(pages[jnp.minimum(ids, num_pages - 1)], ids)  # [n, Hkv, ps, D]
+        at = target - r * n
+        at = jnp.where((at >= 0) & (at < n), at, n)  # other rounds' tokens (and padding) dropped
+        copies = copies.at[at, :, offset].set(tokens, mode="drop")
 
-    return lax.fori_loop(0, jnp.sum(owns), put, pages)
+        def put(j, pages):
+            return lax.dynamic_update_slice_in_dim(pages, copies[j][None], ids[j], axis=0)
+
+        return lax.fori_loop(0, jnp.minimum(n, count - r * n), put, pages)
+
+    return lax.fori_loop(0, (count + n - 1) // n, one_round, pages)
 
 
-def _first_of_page(page: jax.Array, num_pages: int) -> jax.Array:
-    """[T]: the first token index writing the same page as token t."""
-    T = page.shape[0]
-    first = jnp.full((num_pages + 1,), T, jnp.int32).at[page].min(jnp.arange(T, dtype=jnp.int32))
-    return first[page]
-
-
-def _write_plain(kv: KVPages, pages, new, page, offset, valid, whole_pages: bool):
+def _write_plain(kv: KVPages, pages, new, page, offset, valid, max_pages: int | None):
     # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
-    if not whole_pages:
+    if max_pages is None:
         return pages.at[page, :, offset].set(kv.store(new), mode="drop")
-    num_pages = pages.shape[0]
-    first = _first_of_page(page, num_pages)
-    merged = pages[jnp.minimum(page, num_pages - 1)]  # [T, Hkv, ps, D]
-    merged = merged.at[first, :, offset].set(kv.store(new), mode="drop")
-    return _write_pages(pages, merged, page, first, valid)
+    return _write_pages(pages, page, offset, valid, kv.store(new), lambda copies, ids: copies, max_pages)
 
 
 def _write_fp8(
@@ -68,6 +74,7 @@ def _write_fp8(
     page: jax.Array,
     offset: jax.Array,
     valid: jax.Array,
+    max_pages: int,
 ):
     num_pages = pages.shape[0]
     limit = fp8_max(kv.dtype)
@@ -84,25 +91,33 @@ def _write_fp8(
     grown = jnp.where(starts_fresh[:, None], needed, jnp.maximum(scale, needed))
     new_scale = jnp.where(written[:, None], grown, scale)
 
-    # Every written page is gathered once per token that hits it and requantized to the grown
-    # scale; this step's tokens go into the first of those copies, which alone goes back.
-    safe_page = jnp.minimum(page, num_pages - 1)
-    first = _first_of_page(page, num_pages)
-    old_pages = kv.load(pages[safe_page]).astype(jnp.float32)  # [T, Hkv, ps, D]
-    ratio = scale[safe_page] / new_scale[safe_page]  # [T, Hkv]
-    merged = kv.store(jnp.clip(old_pages * ratio[:, :, None, None], -limit, limit))
-    token_scale = new_scale[safe_page][:, :, None]  # [T, Hkv, 1]
-    merged = merged.at[first, :, offset].set(kv.store(quantize(new, token_scale, kv.dtype)), mode="drop")
-    return _write_pages(pages, merged, page, first, valid), new_scale
+    def requantize(copies, ids):  # the entries already in a written page, to its grown scale
+        ids = jnp.minimum(ids, num_pages - 1)
+        ratio = (scale[ids] / new_scale[ids])[:, :, None, None]  # [n, Hkv, 1, 1]
+        return kv.store(jnp.clip(kv.load(copies).astype(jnp.float32) * ratio, -limit, limit))
+
+    token_scale = new_scale[jnp.minimum(page, num_pages - 1)][:, :, None]  # [T, Hkv, 1]
+    tokens = kv.store(quantize(new, token_scale, kv.dtype))
+    return _write_pages(pages, page, offset, valid, tokens, requantize, max_pages), new_scale
 
 
-@functools.partial(jax.jit, static_argnames="whole_pages")
-def write_kv(kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *, whole_pages: bool = False) -> KVPages:
+@functools.partial(jax.jit, static_argnames=("whole_pages", "max_seqs"))
+def write_kv(
+    kv: KVPages,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    whole_pages: bool = False,
+    max_seqs: int | None = None,
+) -> KVPages:
     """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
 
     kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
     `whole_pages`: float pages too are written back a whole page at a time, without a scatter
     into the pool (the TPU path; FP8 pages always are). Same result either way.
+    `max_seqs`: the most sequences the step's tokens belong to (each a run of consecutive
+    slots), which bounds the pages gathered at once to T // ps + 2 * max_seqs (None: T).
     Returns the updated KVPages (donate `kv` at the call site to update in place).
     """
     if k.shape != v.shape or k.ndim != 3:
@@ -115,12 +130,15 @@ def write_kv(kv: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *
     valid = slot_mapping >= 0
     page = jnp.where(valid, slot_mapping // kv.page_size, kv.num_pages)  # out of range -> dropped
     offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
+    T = k.shape[0]
+    max_pages = T if max_seqs is None else min(T, T // kv.page_size + 2 * max_seqs)
     if not kv.quantized:
+        plain_pages = max_pages if whole_pages else None
         return KVPages(
-            k=_write_plain(kv, kv.k, k, page, offset, valid, whole_pages),
-            v=_write_plain(kv, kv.v, v, page, offset, valid, whole_pages),
+            k=_write_plain(kv, kv.k, k, page, offset, valid, plain_pages),
+            v=_write_plain(kv, kv.v, v, page, offset, valid, plain_pages),
             view=kv.view,
         )
-    k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid)
-    v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid)
+    k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid, max_pages)
+    v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid, max_pages)
     return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale, view=kv.view)
