@@ -1,7 +1,8 @@
 """KV write: scatter this step's K/V into the pages at `slot_mapping`, quantizing to FP8.
 
 Pure jnp: float pages take a token scatter; FP8 pages are gathered, requantized and written back
-whole. FP8 scale rule, per (page, kv head):
+whole; on TPU (`whole_pages`) every page goes back by dynamic-update-slice, no scatter into the
+pool. FP8 scale rule, per (page, kv head):
   * a write at offset 0 starts the page fresh: its scale comes from this step's tokens only;
   * otherwise the scale grows to cover the new tokens (never shrinks while the page lives), and
     the entries already in the page are requantized to the grown scale;
@@ -24,21 +25,27 @@ from pallas_kernels.kv_cache import KVPages, fp8_max, quantize
 _MIN_SCALE = 1e-30
 
 
-def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int):
+def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int | None):
     """Writes this step's `tokens` [T, Hkv, D] (already in the pages' stored form) into `pages`
     a whole page at a time: each distinct page written is gathered once, `refresh(page_copies,
     page_ids)` applied (FP8: requantized to the grown scale), the tokens set into it, and the page
     put back by dynamic-update-slice. At most `max_pages` pages are gathered at once (a bound on
     the distinct pages of one step; more are done in further rounds, never dropped).
+    `max_pages=None` (CPU, GPU): every token's page gathered and one scatter of whole pages
+    puts the pages back (no loop: a GPU runs a loop's iterations one launch at a time).
 
     No scatter touches the pool. On TPU a scatter picks its own layout for the pool (token rows:
     offset-major; FP8: (8, 128) tiles against the pool's (32, 128)), and XLA copied the whole pool
     into that layout and back, inside the layer scan every layer (docs/scaling.md)."""
     T, num_pages = page.shape[0], pages.shape[0]
-    n = max(1, min(max_pages, T))
-    rounds = -(-T // n)
     first = jnp.full((num_pages + 1,), T, jnp.int32).at[page].min(jnp.arange(T, dtype=jnp.int32))[page]
     owns = valid & (first == jnp.arange(T))  # one token per distinct page written
+    if max_pages is None:
+        copies = refresh(pages[jnp.minimum(page, num_pages - 1)], page)  # [T, Hkv, ps, D]
+        copies = copies.at[jnp.where(valid, first, T), :, offset].set(tokens, mode="drop")
+        return pages.at[jnp.where(owns, page, num_pages)].set(copies, mode="drop")
+    n = max(1, min(max_pages, T))
+    rounds = -(-T // n)
     rank = jnp.cumsum(owns) - 1  # an owner's index among the distinct pages
     target = jnp.where(valid, rank[jnp.minimum(first, T - 1)], rounds * n)  # [T]: token -> its page's index
     owners = jnp.nonzero(owns, size=rounds * n, fill_value=0)[0]
@@ -74,7 +81,7 @@ def _write_fp8(
     page: jax.Array,
     offset: jax.Array,
     valid: jax.Array,
-    max_pages: int,
+    max_pages: int | None,
 ):
     num_pages = pages.shape[0]
     limit = fp8_max(kv.dtype)
@@ -114,10 +121,11 @@ def write_kv(
     """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
 
     kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
-    `whole_pages`: float pages too are written back a whole page at a time, without a scatter
-    into the pool (the TPU path; FP8 pages always are). Same result either way.
-    `max_seqs`: the most sequences the step's tokens belong to (each a run of consecutive
-    slots), which bounds the pages gathered at once to T // ps + 2 * max_seqs (None: T).
+    `whole_pages` (the TPU path): no scatter into the pool; each page written is put back whole
+    by dynamic-update-slice. Otherwise float pages take a token scatter and FP8 pages one scatter
+    of whole pages. Same result either way.
+    `max_seqs` (with `whole_pages`): the most sequences the step's tokens belong to (each a run of
+    consecutive slots), which bounds the pages gathered at once to T // ps + 2 * max_seqs (None: T).
     Returns the updated KVPages (donate `kv` at the call site to update in place).
     """
     if k.shape != v.shape or k.ndim != 3:
@@ -132,11 +140,11 @@ def write_kv(
     offset = jnp.where(valid, slot_mapping % kv.page_size, 0)
     T = k.shape[0]
     max_pages = T if max_seqs is None else min(T, T // kv.page_size + 2 * max_seqs)
+    max_pages = max_pages if whole_pages else None
     if not kv.quantized:
-        plain_pages = max_pages if whole_pages else None
         return KVPages(
-            k=_write_plain(kv, kv.k, k, page, offset, valid, plain_pages),
-            v=_write_plain(kv, kv.v, v, page, offset, valid, plain_pages),
+            k=_write_plain(kv, kv.k, k, page, offset, valid, max_pages),
+            v=_write_plain(kv, kv.v, v, page, offset, valid, max_pages),
             view=kv.view,
         )
     k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid, max_pages)
