@@ -114,12 +114,15 @@ def _kv_specs(kv, axis: str):
     return jax.tree.map(lambda _: P(None, axis), kv)  # k, v [P, Hkv, ps, D]; scales [P, Hkv]
 
 
-def write_kv(kv, k, v, slot_mapping, opts: KernelOptions):
+def write_kv(kv, k, v, slot_mapping, opts: KernelOptions, max_seqs: int | None = None):
+    """`max_seqs`: the most sequences the tokens belong to (bounds the pages gathered at once).
+    On TPU whole pages are written back, no scatter into the pool (its layout cost a pool copy)."""
+    write = functools.partial(_write_kv, whole_pages=opts.impl("attention") == "pallas_tpu", max_seqs=max_seqs)
     tp = opts.tp
     if tp is None or not tp.attention:
-        return _write_kv(kv, k, v, slot_mapping)
+        return write(kv, k, v, slot_mapping)
     heads = P(None, tp.axis)
-    return _on_mesh(_write_kv, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()), _kv_specs(kv, tp.axis))(
+    return _on_mesh(write, tp, True, (_kv_specs(kv, tp.axis), heads, heads, P()), _kv_specs(kv, tp.axis))(
         kv, k, v, slot_mapping
     )
 

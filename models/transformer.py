@@ -80,7 +80,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
 
     page_size = kv.k.shape[2]
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
-    kv = ops.write_kv(kv, k, v, slots, opts)
+    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=batch.block_tables.shape[0])
     out = ops.paged_attention(
         q,
         kv,

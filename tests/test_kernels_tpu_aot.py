@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels.gdn import gated_delta_rule
 from pallas_kernels.kv_cache import KVPages
+from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 TOPOLOGIES = {"v5e": "v5e=1x1", "v6e": "v6e=1x1"}
@@ -120,3 +121,47 @@ def test_gdn_compiles(tpu, dtype="bfloat16"):
     compiled = jax.jit(gdn).trace(*args).lower().compile()
     out, state = compiled.out_info
     assert out.shape == (tokens, 4, 128) and state.shape == (slots, 4, 128, 128)
+
+
+# (kv dtype, head dim, page size). A scatter of token rows into the pool wanted its own layouts:
+# offset-major pages inside a loop, and (8, 128) tiles for FP8 where 128-token pages are (32, 128).
+IN_PLACE_CASES = [("bfloat16", 128, 128), ("bfloat16", 256, 16), ("float8_e4m3fn", 256, 128), ("float8_e5m2", 128, 64)]
+
+
+def _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, max_blocks, whole_pages=True):
+    """(pool bytes, compiled memory analysis) of a decode step: KV write, then attention, pages donated."""
+    q, kv, kv_lens, block_tables, cu_q_lens, num_seqs = _attention_args(
+        sharding, kv_dtype, head_dim, page_size, 8, max_blocks=max_blocks
+    )
+    if kv.quantized:  # two scale arrays: one donated buffer cannot be two arguments
+        kv = KVPages(k=kv.k, v=kv.v, k_scale=kv.k_scale, v_scale=_spec(kv.k_scale.shape, jnp.float32, sharding))
+    new = _spec((8, 2, head_dim), jnp.bfloat16, sharding)
+    slots = _spec((8,), jnp.int32, sharding)
+
+    def step(q, kv, k, v, slots, kv_lens, block_tables, cu_q_lens, num_seqs):
+        def layer(_, carry):  # two layers carrying the pool, as the layer scan does
+            out, kv = carry
+            kv = write_kv(kv, k, v, slots, whole_pages=whole_pages)
+            out = out + ragged_paged_attention(
+                q, kv, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=head_dim**-0.5, impl="pallas_tpu"
+            )
+            return out, kv
+
+        return jax.lax.fori_loop(0, 2, layer, (jnp.zeros(q.shape, q.dtype), kv))
+
+    args = (q, kv, new, new, slots, kv_lens, block_tables, cu_q_lens, num_seqs)
+    compiled = jax.jit(step, donate_argnums=1).trace(*args).lower().compile()
+    return 2 * kv.k.size * jnp.dtype(kv_dtype).itemsize, compiled.memory_analysis()
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size", IN_PLACE_CASES)
+def test_kv_write_then_attention_updates_the_pool_in_place(tpu, kv_dtype, head_dim, page_size):
+    """Two layers of KV write + attention over the donated pages, in a loop as the layer scan: the
+    pages are aliased, and the temp does not grow with the pool (the token scatter used to copy
+    it: 0.38 GiB of temp for 0.25 GiB of FP8 KV, benchmarks/cache_copies.py)."""
+    _, sharding = tpu
+    small_pool, small = _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, 32)
+    pool, big = _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, 128)
+    assert big.alias_size_in_bytes >= pool
+    grown = big.temp_size_in_bytes - small.temp_size_in_bytes
+    assert grown < 0.05 * (pool - small_pool), f"temp grew {grown} bytes with {pool - small_pool} bytes of pool"

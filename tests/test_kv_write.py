@@ -65,16 +65,25 @@ def step_slots(rng):
     ]
 
 
+# (whole_pages, max_seqs): "scatter" is the CPU / GPU write, "whole-pages" the TPU one; there
+# max_seqs=0 bounds the pages gathered at once below what a step writes, so the writes go in
+# several rounds (none may be dropped).
+WRITE_MODES = {"scatter": (False, None), "whole-pages": (True, None), "whole-pages-in-rounds": (True, 0)}
+
+
+@pytest.mark.parametrize("mode", sorted(WRITE_MODES))
 @pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plain_write_round_trip(dtype, bit_storage):
+def test_plain_write_round_trip(dtype, bit_storage, mode):
+    whole_pages, max_seqs = WRITE_MODES[mode]
     rng = np.random.default_rng(0)
     kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
     stored = jnp.uint16 if bit_storage and dtype == "bfloat16" else jnp.dtype(dtype)
     model = PageModel()
     for slots in step_slots(rng):
         k, v = random_tokens(rng, len(slots), 3.0)
-        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+        slots_ = jnp.asarray(slots, jnp.int32)
+        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots_, whole_pages=whole_pages, max_seqs=max_seqs)
         model.write(k.astype(jnp.dtype(dtype)).astype(np.float64), v.astype(jnp.dtype(dtype)).astype(np.float64), slots)
     assert kv.k_scale is None and kv.dtype == jnp.dtype(dtype) and kv.k.dtype == stored
     got_k, got_v = (np.asarray(x, np.float64) for x in kv.dequantized())
@@ -83,9 +92,11 @@ def test_plain_write_round_trip(dtype, bit_storage):
     np.testing.assert_array_equal(got_v, model.values["v"])
 
 
+@pytest.mark.parametrize("mode", sorted(WRITE_MODES))
 @pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", list(FP8))
-def test_fp8_write_round_trip_and_scales(dtype, bit_storage):
+def test_fp8_write_round_trip_and_scales(dtype, bit_storage, mode):
+    whole_pages, max_seqs = WRITE_MODES[mode]
     storage, mantissa_bits, min_subnormal = FP8[dtype]
     fmax = float(ml_dtypes.finfo(storage).max)
     rng = np.random.default_rng(1)
@@ -96,7 +107,8 @@ def test_fp8_write_round_trip_and_scales(dtype, bit_storage):
     for step, slots in enumerate(step_slots(rng)):
         # Growing magnitudes force scale growth and requantization of earlier entries.
         k, v = random_tokens(rng, len(slots), 2.0**step)
-        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32))
+        slots_ = jnp.asarray(slots, jnp.int32)
+        kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots_, whole_pages=whole_pages, max_seqs=max_seqs)
         model.write(k.astype(np.float64), v.astype(np.float64), slots)
         for name, scale in (("k", kv.k_scale), ("v", kv.v_scale)):
             scale = np.asarray(scale)
