@@ -172,7 +172,7 @@ def test_plan_needs_a_target_chip():
     [
         ({}, "budget"),  # the default: 0.25 of the cache memory, fewer than 2 per sequence here
         ({"cache.hybrid_checkpoint_budget": 0.1}, "budget"),
-        ({"cache.hybrid_checkpoint_budget": 0.9}, 2 * 32),  # capped at 2 per sequence
+        ({"cache.hybrid_checkpoint_budget": 0.9}, "cap"),  # capped at 2 per sequence
         ({"cache.hybrid_checkpoint_budget": None}, None),  # 2 x max_num_seqs shared, no budget
         ({"cache.enable_prefix_caching": False}, None),
     ],
@@ -195,10 +195,14 @@ def test_checkpoint_slots_follow_the_memory_budget(overrides, checkpoints):
     cache_bytes = int(16 * 2**30 * launch.cache.memory_fraction) - r.weight_bytes
     assert r.cache_bytes == cache_bytes
     fraction = launch.cache.hybrid_checkpoint_budget
+    seqs = launch.scheduler.max_num_seqs
     if checkpoints == "budget":
         checkpoints = int(fraction * cache_bytes // slot)
-        assert checkpoints < 2 * 32  # the memory budget binds, not the per-sequence cap
-    running = 1 + 32 + (2 * 32 if overrides == {"cache.hybrid_checkpoint_budget": None} else 0)
+        assert checkpoints < 2 * seqs  # the memory budget binds, not the per-sequence cap
+    elif checkpoints == "cap":
+        assert int(fraction * cache_bytes // slot) > 2 * seqs
+        checkpoints = 2 * seqs
+    running = 1 + seqs + (2 * seqs if overrides == {"cache.hybrid_checkpoint_budget": None} else 0)
     assert r.num_checkpoint_slots == checkpoints
     assert r.num_state_slots == running + (checkpoints or 0)
     assert r.state_bytes == r.num_state_slots * slot

@@ -36,6 +36,7 @@ def _one_chip(path) -> dict:
         "parallel.chip": "tpu-v5e",
         "parallel.topology": "1x1",
         "parallel.mesh.model": 1,
+        "scheduler.max_num_seqs": 32,
     }
 
 
@@ -61,7 +62,7 @@ def test_plan_json_is_the_report_and_the_compilers_figures(tiny_checkpoint, tmp_
     (r,) = reports
 
     assert data["chip"] == "tpu-v5e" and data["num_devices"] == 1 and data["mesh"] == {"data": 1, "model": 1}
-    assert data["max_num_seqs"] == r.max_num_seqs == 32  # the YAML's
+    assert data["max_num_seqs"] == r.max_num_seqs == 32  # the override's
     assert (data["kv_cache_bytes"], data["state_bytes"], data["weight_bytes"]) == (
         r.kv_bytes,
         r.state_bytes,
