@@ -96,3 +96,30 @@ def hf_model(tiny_checkpoint):
         return loaded[family]
 
     return get
+
+
+# The slowest modules of the default run (benchmarks/results/cpu-2core-tests/default-run-xdist.txt),
+# slowest first. They are collected first, so the two xdist workers (`--dist loadfile` hands out
+# whole modules in collection order) start on them and finish on short ones instead of one worker
+# running a long module alone at the end. Order inside a module is unchanged.
+SLOW_MODULES_FIRST = (
+    "test_disagg.py",
+    "test_gguf.py",
+    "test_engine_hf.py",
+    "test_gpt_oss.py",
+    "test_kernels_engine_pallas.py",
+    "test_multiprocess.py",
+    "test_agent_default_model.py",
+    "test_models_hf.py",
+    "test_gemma3.py",
+    "test_kv_transfer.py",
+    "test_server_engine.py",
+    "test_engine_process.py",
+    "test_sharding.py",
+    "test_expert_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -148,8 +148,9 @@ def test_decode_row_matches_hf_selective_state_update():
 
 def test_op_composes_into_hf_mixer():
     """A tiny NemotronHMamba2Mixer (HF's own forward, no cache) == its in_proj and conv in torch,
-    then our op with A = -exp(A_log) and dt_limit = (time_step_min, inf), then its gated norm
-    and out_proj: the op's contract is the layer's."""
+    then our op with A = -exp(A_log) and dt_limit = the mixer's `time_step_limit` ((time_step_min,
+    inf) up to transformers 5.24, the config's `time_step_limit` from 5.25), then its gated norm and
+    out_proj: the op's contract is the layer's."""
     torch = pytest.importorskip("torch")
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h import modeling_nemotron_h as hf
@@ -176,7 +177,7 @@ def test_op_composes_into_hf_mixer():
         params = [a.numpy(), mixer.D.numpy(), mixer.dt_bias.numpy()]
         for impl in ("reference", "chunked"):
             y, _ = run_single(arrays, params, np.zeros((heads, head_dim, n), np.float32), impl=impl,
-                              dt_limit=(config.time_step_min, float("inf")))  # fmt: skip
+                              dt_limit=tuple(mixer.time_step_limit))  # fmt: skip
             got = mixer.out_proj(mixer.norm(torch.from_numpy(y.reshape(1, 13, inner).copy()), gate))[0].numpy()
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=impl)
 
