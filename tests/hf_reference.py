@@ -30,3 +30,14 @@ def assert_greedy_match(got: list[int], expected: list[int], scores: np.ndarray,
             assert gap < 1e-3, f"{what}: token {i} is {a}, HF gives {b} (top-2 gap {gap:.2e})"
             return
     assert len(got) == len(expected), f"{what}: {len(got)} tokens, HF gave {len(expected)}"
+
+
+def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    """n token ids in [3, vocab), seeded (3: past the tiny checkpoints' special tokens)."""
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def hf_logits(hf, ids: list[int]) -> np.ndarray:
+    """HF's float logits [len(ids), V] for one sequence, no cache."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().numpy()

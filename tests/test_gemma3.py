@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from engine_testing import drain, small_engine_config
-from hf_reference import assert_greedy_match, hf_greedy
+from hf_reference import assert_greedy_match, hf_greedy, hf_logits, random_prompt
 
 from configs import CONFIG_DIR
 from models import load_model
@@ -42,15 +42,6 @@ from models.weights import abstract_params
 
 FAMILY = "gemma3"
 LENGTHS = (1, 7, 8, 23, 70, 150)  # window 7: one window, just past it, many windows, many pages
-
-
-def _prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +77,8 @@ def test_config_parses_windows_ropes_and_gemma_fields(ours, tiny_checkpoint):
 
 def test_hf_eager_and_sdpa_agree(hf, hf_model):
     """The shared `hf_model` fixture (HF's default sdpa attention) is the same oracle as eager."""
-    ids = _prompt(hf.config.vocab_size, 70, seed=7)
-    np.testing.assert_allclose(_hf_logits(hf_model(FAMILY), ids), _hf_logits(hf, ids), atol=1e-5)
+    ids = random_prompt(hf.config.vocab_size, 70, seed=7)
+    np.testing.assert_allclose(hf_logits(hf_model(FAMILY), ids), hf_logits(hf, ids), atol=1e-5)
 
 
 @pytest.mark.parametrize("attention,unrolled", [("auto", False), ("auto", True), ("reference", False)])
@@ -96,8 +87,8 @@ def test_logits_match_hf(ours, hf, attention, unrolled):
     if unrolled:
         model.unstack_layers()
     for n in LENGTHS:
-        ids = _prompt(model.cfg.vocab_size, n, seed=n)
-        expected = _hf_logits(hf, ids)
+        ids = random_prompt(model.cfg.vocab_size, n, seed=n)
+        expected = hf_logits(hf, ids)
         got = model.logits(ids, KernelOptions(attention=attention))
         assert got.shape == expected.shape
         err = np.abs(got - expected).max()
@@ -108,17 +99,17 @@ def test_logits_match_hf(ours, hf, attention, unrolled):
 def test_logits_match_hf_through_the_pallas_kernels_interpreted(ours, hf, kernel):
     """The TPU and GPU attention kernels (interpret mode) with this model's windows and scale."""
     for n in (23, 70):
-        ids = _prompt(ours.cfg.vocab_size, n, seed=n)
+        ids = random_prompt(ours.cfg.vocab_size, n, seed=n)
         got = ours.logits(ids, KernelOptions(attention=kernel, interpret=True))
-        err = np.abs(got - _hf_logits(hf, ids)).max()
+        err = np.abs(got - hf_logits(hf, ids)).max()
         assert err <= 1e-4, f"{kernel} T={n}: max abs logit error {err:.2e}"
 
 
 def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf):
     """Every Gemma 3 feature matters on these prompts: leaving any of them out would fail
     `test_logits_match_hf` by orders of magnitude."""
-    ids = _prompt(ours.cfg.vocab_size, 70, seed=70)
-    expected = _hf_logits(hf, ids)
+    ids = random_prompt(ours.cfg.vocab_size, 70, seed=70)
+    expected = hf_logits(hf, ids)
     cfg = ours.cfg
     variants = {
         "no QK norm": dict(qk_norm=False),
@@ -138,7 +129,7 @@ def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf):
 
 
 def test_greedy_matches_hf_generate(ours, hf):
-    ids = _prompt(ours.cfg.vocab_size, 30, seed=130)
+    ids = random_prompt(ours.cfg.vocab_size, 30, seed=130)
     expected, scores = hf_greedy(hf, ids, 24)  # decode runs past several windows
     assert_greedy_match(ours.greedy(ids, 24), expected, scores, "gemma3 prompt 30")
 
@@ -159,7 +150,7 @@ def test_engine_chunked_prefill_greedy_matches_hf(tiny_checkpoint, hf, layer_loo
     config = small_engine_config(path, max_num_batched_tokens=16, load_tokenizer=False, layer_loop=layer_loop)
     engine = LLMEngine(config)
     vocab = engine.model.cfg.vocab_size
-    prompts = {f"r{i}": _prompt(vocab, n, seed=500 + i) for i, n in enumerate((5, 41, 19, 66))}
+    prompts = {f"r{i}": random_prompt(vocab, n, seed=500 + i) for i, n in enumerate((5, 41, 19, 66))}
     for rid, ids in prompts.items():
         params = SamplingParams(
             max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0 if rid == "r2" else None
@@ -174,7 +165,7 @@ def test_engine_chunked_prefill_greedy_matches_hf(tiny_checkpoint, hf, layer_loo
             reference = _log_softmax(scores)
             for i, entry in enumerate(got.logprobs):
                 assert abs(entry.logprob - reference[i, entry.token_id]) < 1e-4, (rid, i)
-    reference = _log_softmax(_hf_logits(hf, prompts["r2"]))
+    reference = _log_softmax(hf_logits(hf, prompts["r2"]))
     scored = outputs["r2"].prompt_logprobs
     assert scored is not None and scored[0] is None and len(scored) == len(prompts["r2"])
     for i in range(1, len(scored)):
@@ -237,10 +228,10 @@ def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tiny_checkpoint, hf, layout):
         model.hold_packed()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     for n in (1, 65):
-        ids = _prompt(model.cfg.vocab_size, n, seed=300 + n)
-        reference = _hf_logits(hf, ids)
+        ids = random_prompt(model.cfg.vocab_size, n, seed=300 + n)
+        reference = hf_logits(hf, ids)
         ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
-        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
+        hf_err = np.abs(hf_logits(hf_bf16, ids) - reference).max()
         assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
 
 
@@ -291,7 +282,7 @@ def test_published_multimodal_layout_serves_its_text_model(ours, tiny_checkpoint
     (tmp_path / "config.json").write_text(json.dumps(wrapper))
     model = load_model(tmp_path, dtype="float32")
     assert model.cfg == dataclasses.replace(ours.cfg, eos_token_ids=model.cfg.eos_token_ids)
-    ids = _prompt(ours.cfg.vocab_size, 23, seed=23)
+    ids = random_prompt(ours.cfg.vocab_size, 23, seed=23)
     np.testing.assert_array_equal(model.logits(ids), ours.logits(ids))
 
 
@@ -334,11 +325,11 @@ def test_tensor_parallel_logits_match_single_device(tiny_checkpoint):
 def test_hf_ignores_attn_logit_softcapping(hf):
     """Why a config with attn_logit_softcapping is refused rather than served: HF transformers'
     Gemma3 attention never applies it, so there is no reference behaviour to match."""
-    ids = _prompt(hf.config.vocab_size, 23, seed=23)
-    before = _hf_logits(hf, ids)
+    ids = random_prompt(hf.config.vocab_size, 23, seed=23)
+    before = hf_logits(hf, ids)
     hf.config.attn_logit_softcapping = 0.05
     try:
-        np.testing.assert_array_equal(_hf_logits(hf, ids), before)
+        np.testing.assert_array_equal(hf_logits(hf, ids), before)
     finally:
         hf.config.attn_logit_softcapping = None
 

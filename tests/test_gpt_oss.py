@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from engine_testing import drain, small_engine_config
-from hf_reference import assert_greedy_match, hf_greedy
+from hf_reference import assert_greedy_match, hf_greedy, hf_logits, random_prompt
 
 from configs import CONFIG_DIR
 from models import load_model
@@ -35,15 +35,6 @@ from models.weights import abstract_params
 
 FAMILY = "gpt_oss"
 LENGTHS = (1, 7, 8, 23, 70, 150)  # window 7: one window, just past it, many windows, many pages
-
-
-def _prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
-
-
-def _hf_logits(hf, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +62,8 @@ def test_logits_match_hf(ours, hf_model, attention, unrolled):
         model.unstack_layers()
     hf = hf_model(FAMILY)
     for n in LENGTHS:
-        ids = _prompt(model.cfg.vocab_size, n, seed=n)
-        expected = _hf_logits(hf, ids)
+        ids = random_prompt(model.cfg.vocab_size, n, seed=n)
+        expected = hf_logits(hf, ids)
         got = model.logits(ids, KernelOptions(attention=attention))
         assert got.shape == expected.shape
         err = np.abs(got - expected).max()
@@ -93,9 +84,9 @@ def test_logits_match_hf_through_the_pallas_kernels_interpreted(ours, hf_model, 
         model = load_model(path, dtype="float32")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for n in (23, 70):
-        ids = _prompt(model.cfg.vocab_size, n, seed=n)
+        ids = random_prompt(model.cfg.vocab_size, n, seed=n)
         got = model.logits(ids, KernelOptions(attention=kernel, interpret=True))
-        err = np.abs(got - _hf_logits(hf, ids)).max()
+        err = np.abs(got - hf_logits(hf, ids)).max()
         assert err <= 1e-4, f"{kernel} T={n}: max abs logit error {err:.2e}"
 
 
@@ -107,8 +98,8 @@ def _variant_logits(model, ids, cfg=None, params=None) -> np.ndarray:
 def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf_model):
     """Window, sinks, the SwiGLU clamp and the router bias each matter on these prompts: leaving
     any of them out would fail `test_logits_match_hf` by orders of magnitude."""
-    ids = _prompt(ours.cfg.vocab_size, 70, seed=70)
-    expected = _hf_logits(hf_model(FAMILY), ids)
+    ids = random_prompt(ours.cfg.vocab_size, 70, seed=70)
+    expected = hf_logits(hf_model(FAMILY), ids)
     cfg, groups = ours.cfg, ours.params["groups"]
 
     def with_groups(update) -> dict:
@@ -126,7 +117,7 @@ def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf_model):
 
 
 def test_greedy_matches_hf_generate(ours, hf_model):
-    ids = _prompt(ours.cfg.vocab_size, 30, seed=130)
+    ids = random_prompt(ours.cfg.vocab_size, 30, seed=130)
     expected, scores = hf_greedy(hf_model(FAMILY), ids, 24)  # decode runs past 7 windows
     assert_greedy_match(ours.greedy(ids, 24), expected, scores, "gpt_oss prompt 30")
 
@@ -141,7 +132,7 @@ def test_engine_chunked_prefill_greedy_matches_hf(tiny_checkpoint, hf_model, lay
     config = small_engine_config(path, max_num_batched_tokens=16, load_tokenizer=False, layer_loop=layer_loop)
     engine = LLMEngine(config)
     vocab = engine.model.cfg.vocab_size
-    prompts = {f"r{i}": _prompt(vocab, n, seed=500 + i) for i, n in enumerate((5, 41, 19, 66))}
+    prompts = {f"r{i}": random_prompt(vocab, n, seed=500 + i) for i, n in enumerate((5, 41, 19, 66))}
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for rid, ids in prompts.items():
         engine.add_request(EngineRequest(rid, ids, params))
@@ -169,10 +160,10 @@ def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tiny_checkpoint, hf_model, layo
         model.hold_packed()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for n in (1, 65):
-        ids = _prompt(model.cfg.vocab_size, n, seed=300 + n)
-        reference = _hf_logits(hf_model(FAMILY), ids)
+        ids = random_prompt(model.cfg.vocab_size, n, seed=300 + n)
+        reference = hf_logits(hf_model(FAMILY), ids)
         ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
-        hf_err = np.abs(_hf_logits(hf_bf16, ids) - reference).max()
+        hf_err = np.abs(hf_logits(hf_bf16, ids) - reference).max()
         assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
 
 
