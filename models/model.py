@@ -42,6 +42,7 @@ class Model:
         self._tokenizer = None
         self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
         self.quantization: dict[str, str] = {}  # module path -> scheme it got (empty: all float)
+        self.state_dtype = "float32"  # GDN state slots (launch key cache.state_dtype); set before init_caches
 
     @property
     def tokenizer(self):
@@ -147,11 +148,11 @@ class Model:
             else:
                 kv.append(None)
                 W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
-                conv.append(jnp.zeros((G * num_slots, W - 1, C), jnp.float32))
+                conv.append(jnp.zeros((G * num_slots, W - 1, C), self.state_dtype))
                 rec.append(
                     jnp.zeros(
                         (G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                        jnp.float32,
+                        self.state_dtype,
                     )
                 )
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
@@ -168,7 +169,7 @@ class Model:
         per_layer = (
             c.linear_conv_kernel_dim - 1
         ) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        return 4 * per_layer * c.num_linear_layers
+        return jnp.dtype(self.state_dtype).itemsize * per_layer * c.num_linear_layers
 
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""

@@ -55,6 +55,7 @@ def prepare_model(
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
         shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
+    loaded.state_dtype = config.state_dtype  # the GDN state slots' dtype (Model.init_caches)
     backend = jax.default_backend()
     plan = plan or plan_execution(
         config, loaded.cfg, backend, dtype=loaded.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
