@@ -17,6 +17,8 @@ teacher-forced  One prefill of a random prompt, then `--decode` one-token decode
 free-running    The engine (`runtime.LLM`, this machine's plan) generating `--decode` greedy tokens
                 for the same prompts with each state dtype, batched: tokens equal until the first
                 divergence, and the fraction of positions equal.
+reference       (`--reference`, its own file) the yardstick: a bfloat16 model vs the float32 model,
+                both with float32 state, teacher-forced the same way.
 plan            `jaxserve plan`'s memory budget (runtime/aot/chip_report.py, no compile) of the shipped
                 hybrid configs with each state dtype: a slot's bytes per device, state and KV memory.
 
@@ -140,6 +142,22 @@ def teacher_forced(path: Path, dtype: str, prompts: list[list[int]], steps: int)
     }
 
 
+def model_dtype_reference(path: Path, prompts: list[list[int]], steps: int) -> dict:
+    """The yardstick: a bfloat16 model vs the float32 model, both with float32 state, teacher-forced
+    the same way (what bf16 weights and activations alone cost)."""
+    from models.model import load_model
+
+    f32, bf16 = load_model(path, dtype="float32"), load_model(path, dtype="bfloat16")
+    kls, agree = [], []
+    for prompt in prompts:
+        ref = decode_logits(f32, prompt, steps)
+        got = decode_logits(bf16, prompt, steps, forced=[int(t) for t in np.argmax(ref, axis=-1)])
+        kls.append(kl_per_step(ref, got))
+        agree.append(np.argmax(got, axis=-1) == np.argmax(ref, axis=-1))
+    kl, same = np.concatenate(kls), np.concatenate(agree)
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "top1_agreement": float(same.mean())}
+
+
 def free_running(path: Path, dtype: str, prompts: list[list[int]], steps: int) -> dict:
     from runtime import LLM, SamplingParams
 
@@ -216,6 +234,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--decode", type=int, default=512, help="decode steps per prompt")
     parser.add_argument("--no-engine", action="store_true", help="skip the free-running engine runs")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="only the yardstick: bf16 vs f32 model, f32 state (model_dtype_reference)",
+    )
     parser.add_argument("--plan", default=",".join(PLANNED), help="shipped configs to plan ('' for none)")
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
@@ -232,6 +255,11 @@ def main(argv=None) -> int:
         vocab = parse_config(read_json(path / "config.json")).vocab_size
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(args.prompts)]
+        if args.reference:
+            row = {"family": family, "bf16_model_vs_f32_model": model_dtype_reference(path, prompts, args.decode)}
+            print(family, row["bf16_model_vs_f32_model"], flush=True)
+            results.append(row)
+            continue
         for dtype in args.dtypes.split(","):
             start = time.perf_counter()
             row = {
@@ -264,7 +292,7 @@ def main(argv=None) -> int:
         "decode_steps": args.decode,
         "default_model": "SmolLM2-135M-Instruct is a Llama (no recurrent state): not measured",
         "results": results,
-        "plan": plan_rows([c for c in args.plan.split(",") if c]),
+        "plan": [] if args.reference else plan_rows([c for c in args.plan.split(",") if c]),
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
