@@ -1,7 +1,7 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
-Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3) maps onto the same fields; the
-forward pass reads only this object. RoPE variants found in HF configs (default, linear,
+Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3, Nemotron-H) maps onto the
+same fields; the forward pass reads only this object. RoPE variants found in HF configs (default, linear,
 llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
 """
@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from models.mamba2_config import MAMBA, Mamba2Config, nemotron_h_config
 
 ATTENTION = "full_attention"
 LINEAR = "linear_attention"
@@ -35,8 +37,8 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    layer_types: tuple[str, ...]  # ATTENTION | LINEAR per layer
-    mlp_types: tuple[str, ...]  # "dense" | "moe" per layer
+    layer_types: tuple[str, ...]  # ATTENTION | LINEAR | MAMBA | "none" (an MLP-only block) per layer
+    mlp_types: tuple[str, ...]  # "dense" | "moe" | "none" (a mixer-only block) per layer
     # norms and attention flavour
     zero_centred_norm: bool = False  # x/rms(x) * (1 + w)  (Qwen3.5 / Qwen3-Next)
     qk_norm: bool = False
@@ -82,21 +84,22 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     gdn_fused_qkvz: bool = False  # Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba
+    mamba: Mamba2Config | None = None  # Nemotron-H's Mamba-2 mixer (models/mamba2_config.py)
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
-        return LINEAR in self.layer_types
+        return LINEAR in self.layer_types or MAMBA in self.layer_types
 
     @property
     def num_attention_layers(self) -> int:
         return sum(t == ATTENTION for t in self.layer_types)
 
     @property
-    def num_linear_layers(self) -> int:
-        return sum(t == LINEAR for t in self.layer_types)
+    def num_linear_layers(self) -> int:  # recurrent layers (GDN or Mamba-2): one state slot each
+        return sum(t in (LINEAR, MAMBA) for t in self.layer_types)
 
     @property
     def conv_dim(self) -> int:
@@ -198,6 +201,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "GptOssForCausalLM",
     "Gemma3ForCausalLM",
+    "NemotronHForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
@@ -253,6 +257,8 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         hf = {**hf["text_config"], "architectures": archs}
     if arch == "Gemma3ForCausalLM":  # Gemma 3's published text_config leaves most fields to HF's defaults
         hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    if arch == "NemotronHForCausalLM":  # the pattern, HF's defaults, the Mamba-2 mixer
+        hf, nemotron_h = nemotron_h_config(hf, ConfigError)
     try:
         n_layers = int(hf["num_hidden_layers"])
         heads = int(hf["num_attention_heads"])
@@ -288,6 +294,8 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
 
+    if arch == "NemotronHForCausalLM":
+        return ModelConfig(**common, **nemotron_h)
     if arch == "GptOssForCausalLM":
         return _gpt_oss(hf, common, n_layers)
     if arch == "Gemma3ForCausalLM":

@@ -33,9 +33,10 @@ from typing import Any
 
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
+from models.random_nemotron_h import NEMOTRON_H_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3")  # tests/test_gpt_oss.py, tests/test_gemma3.py
+ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", "nemotron_h")  # tests/test_gpt_oss.py, test_gemma3.py, ...
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -175,6 +176,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "gpt_oss": GPT_OSS_SPEC,
     "gemma3": GEMMA3_SPEC,
+    "nemotron_h": NEMOTRON_H_SPEC,
 }
 
 
@@ -298,7 +300,7 @@ def _build_config(family: str, overrides: dict[str, Any], special_ids: dict[str,
     if "num_hidden_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
         del kwargs["layer_types"]  # HF default: 3 linear-attention layers, then 1 full attention
     kwargs.update(overrides)
-    rope = kwargs["rope_parameters"]
+    rope = kwargs.get("rope_parameters") or {}  # Nemotron-H has none
     if "mrope_section" in rope and "rope_parameters" not in overrides:
         rope["mrope_section"] = _mrope_section(int(kwargs["head_dim"] * rope["partial_rotary_factor"]))
     if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:
