@@ -4,8 +4,9 @@ Ten single-mixer blocks "M-M*-M-M*-" (models/random_nemotron_h.py): Mamba-2 mixe
 2 B/C groups, conv bias, gated group RMSNorm; attention without RoPE (GQA 2, head_dim != hidden /
 heads); relu2 MLP blocks without a gate. HF runs its torch Mamba-2 path (mamba_ssm is not
 installed) with eager attention. Checked: logits within 1e-4 through the paged forward (layer scan
-and unrolled; the SSD op's per-token loop, its chunked jnp form, the TPU and GPU Pallas kernels
-interpreted), a dt clamp (`time_step_limit`) that bites, greedy decoding through the paged caches,
+and unrolled; the SSD op's per-token loop, its chunked jnp form, the TPU Pallas kernel interpreted;
+on a second checkpoint with Triton-sized SSM heads and a pattern that never repeats, "M-M*-M", the
+GPU kernel interpreted too), a dt clamp (`time_step_limit`) that bites, greedy decoding through the paged caches,
 and one engine (16-token steps, pages of 8, a small pool, prefix caching) whose greedy output is
 HF's under chunked prefill, prefix-cache hits (state checkpoints) and preemptions, with every page
 and state slot back afterwards; the abstract parameter tree, the shipped Nemotron-H-8B config's
@@ -16,7 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -348,3 +353,57 @@ def test_jaxserve_plan_sizes_nemotron_h_8b_on_an_h200():
     assert report.kv_bytes_per_token == 2 * 4 * 8 * 128  # fp8 K and V of 8 KV heads x 128, 4 layers
     assert report.state_bytes_per_slot == NEMOTRON_H_8B_SLOT_BYTES
     assert report.num_state_slots > launch.scheduler.max_num_seqs
+
+
+DP_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.types import EngineRequest, SamplingParams
+
+def run(mesh_shape):
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], load_tokenizer=False, mesh_shape=mesh_shape, page_size=16,
+                                    num_pages=32, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 16, 32),
+                                    max_model_len=96, enable_prefix_caching=True, aot_compile=False))
+    rng, done = np.random.default_rng(0), {}
+    shared = rng.integers(3, 1000, 48).tolist()
+    for i, n in enumerate([5, 40, 9, 23, 2, 17, 31]):
+        prompt = rng.integers(3, 1000, n).tolist()
+        if i % 2:  # shared 32- and 48-token prefixes: state checkpoints on every rank
+            prompt = shared[: 32 + 16 * (i % 4 == 3)] + prompt[:8]
+        params = SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{i}", prompt, params))
+    while engine.has_unfinished():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stats = engine.stats()
+    return {"tokens": done, **{k: stats[k] for k in ("prefix_cache_hit_tokens", "pages_used", "slots_used")}}
+
+print("REPORT " + json.dumps({"single": run(None), "dp": run((2, 1))}))
+"""
+
+
+@pytest.mark.slow
+def test_data_parallel_engine_matches_single_device(tiny_checkpoint):
+    """Attention DP over 2 simulated CPU devices (data 2, model 1; a subprocess: the device count
+    must not leak): each rank's Mamba-2 states in its own slots, prefix hits on both, the same
+    greedy tokens as the single-device engine (itself HF's above), nothing leaked."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", DP_SCRIPT, str(tiny_checkpoint(FAMILY))],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    report = json.loads(line[len("REPORT ") :])
+    single, dp = report["single"], report["dp"]
+    assert len(single["tokens"]) == 7 and dp["tokens"] == single["tokens"]
+    assert dp["prefix_cache_hit_tokens"] > 0 and dp["pages_used"] == dp["slots_used"] == 0, dp
