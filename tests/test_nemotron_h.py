@@ -407,3 +407,15 @@ def test_data_parallel_engine_matches_single_device(tiny_checkpoint):
     single, dp = report["single"], report["dp"]
     assert len(single["tokens"]) == 7 and dp["tokens"] == single["tokens"]
     assert dp["prefix_cache_hit_tokens"] > 0 and dp["pages_used"] == dp["slots_used"] == 0, dp
+
+
+def test_jaxserve_plan_refuses_a_tensor_parallel_mesh():
+    from configs import load_config
+    from runtime.aot.chip_report import PlanError, plan_config
+
+    name = "tpu-v5e-8-qwen3_5-27b.yaml"
+    launch = load_config(
+        CONFIG_DIR / name, {"model.path": "/models/Nemotron-H-8B-Base-8K", "model.max_model_len": 8192}
+    )
+    with pytest.raises(PlanError, match="not supported for Mamba-2 hybrids"):
+        plan_config(launch, name, token_buckets=(), compile_sampler=False)

@@ -185,7 +185,10 @@ def plan_config(
     gpu = chip.platform == "gpu"
     mesh = None if gpu else target_mesh(launch)
     if mesh is not None:
-        shard_abstract_model(model, mesh, par.expert)
+        try:
+            shard_abstract_model(model, mesh, par.expert)
+        except ValueError as err:  # a split the model refuses (Mamba-2 under TP, experts that do not divide)
+            raise PlanError(f"{config_name}: {err}") from None
     tp_size = 1 if model.tp is None else model.tp.size
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
