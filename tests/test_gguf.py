@@ -449,7 +449,7 @@ def test_default_model_greedy_matches_hf_from_pretrained_gguf(default_gguf, hf_g
 
     from models import load_model
 
-    config, tensors, names = hf_gguf
+    config, tensors, _ = hf_gguf
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).float().eval()
     missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
