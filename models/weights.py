@@ -20,8 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ATTENTION, ModelConfig
+from models.mxfp4 import Mxfp4Source
 from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
-from models.quantization import QuantizedWeight, to_device
+from models.quantization import QuantizedWeight, take_columns, to_device
 from models.safetensors_io import CheckpointError
 
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the model dtype (GDN decay)
@@ -107,15 +108,17 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
 
 def _gpt_oss_moe_params(cfg: ModelConfig, get: Callable, lin: Callable, m: str) -> dict:
     """gpt-oss stores experts as x @ W ([E, H, 2I], gate and up interleaved column by column):
-    de-interleaved here into our [gate | up] halves."""
+    de-interleaved here into our [gate | up] halves. MXFP4 experts come as QuantizedWeights
+    (models/mxfp4.py)."""
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     gate_up = get(m + "experts.gate_up_proj", (E, H, 2 * I))
     gate_up_bias = get(m + "experts.gate_up_proj_bias", (E, 2 * I))
+    halves = np.concatenate([np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)])
     return {
         "router": lin(m + "router", E, H),
         "router_bias": get(m + "router.bias", (E,)),
-        "experts_gate_up": np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1),  # [E, H, 2I]
-        "experts_gate_up_bias": np.concatenate([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], axis=-1),
+        "experts_gate_up": take_columns(gate_up, halves),  # [E, H, 2I]
+        "experts_gate_up_bias": gate_up_bias[:, halves],
         "experts_down": get(m + "experts.down_proj", (E, I, H)),  # [E, I, H]
         "experts_down_bias": get(m + "experts.down_proj_bias", (E, H)),
     }
@@ -194,6 +197,12 @@ def load_params(
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if quantization is not None and quantization.method == "mxfp4":
+        if not cfg.gpt_oss_moe:
+            raise CheckpointError(
+                f"quantization_config.quant_method mxfp4: only gpt-oss's experts are read as MXFP4, not {cfg.architecture}"
+            )
+        src = Mxfp4Source(src)
     pre = _prefix(src)
 
     def get(name, shape=None):
