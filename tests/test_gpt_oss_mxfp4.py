@@ -8,8 +8,9 @@ and HF's `GptOssForCausalLM` loaded from the MXFP4 directory with `Mxfp4Config(d
 every byte value and the exponents that occur (host; in the step for exponents >= 2, see
 `test_unpacking_in_the_step_equals_hf`), the writer's layout is what HF loads and its rounding is to
 the nearest FP4 value, the experts stay int8 (engine accounting), fp32 logits within 1e-4 of HF,
-greedy and the engine's greedy under chunked prefill equal to HF, malformed tensors refused naming
-the tensor.
+bf16 logits as close to them as HF's own bf16 model, greedy and the engine's greedy under chunked
+prefill equal to HF, the same split over a 2-device mesh, malformed tensors refused naming the
+tensor.
 """
 
 from __future__ import annotations
@@ -166,6 +167,31 @@ def test_logits_match_hf(checkpoints, hf_mxfp4, unrolled):
     assert hf_float_logits > 1e-2
 
 
+@pytest.mark.parametrize("layout", ["stacked", "packed"])
+def test_bf16_logits_as_close_to_fp32_as_hf_bf16(checkpoints, hf_mxfp4, layout):
+    """Served in bf16 (the experts dequantized to bf16 in the step; the CPU plan's packed layout for
+    the float projections): as close to HF's fp32 logits as HF's own bf16 MXFP4 model (within 2x)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from pallas_kernels import cpu_native
+
+    if layout == "packed" and not cpu_native.matmul_simd():
+        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
+    model = load_model(checkpoints[1], dtype="bfloat16")
+    if layout == "packed":
+        model.unstack_layers()
+        model.hold_packed()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(
+        checkpoints[1], dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    for n in (1, 65):
+        ids = random_prompt(model.cfg.vocab_size, n, seed=300 + n)
+        reference = hf_logits(hf_mxfp4, ids)
+        ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
+        hf_err = np.abs(hf_logits(hf_bf16, ids) - reference).max()
+        assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
+
+
 def test_greedy_matches_hf_generate(ours, hf_mxfp4):
     ids = random_prompt(ours.cfg.vocab_size, 30, seed=130)
     expected, scores = hf_greedy(hf_mxfp4, ids, 24)
@@ -189,6 +215,48 @@ def test_engine_chunked_prefill_greedy_matches_hf(checkpoints, hf_mxfp4):
     for rid, ids in prompts.items():
         expected, scores = hf_greedy(hf_mxfp4, ids, 10)
         assert_greedy_match(outputs[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
+
+
+TP_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from models.model import load_model
+from models.quantization import QuantizedWeight
+from runtime.parallel.mesh import make_mesh
+
+model = load_model(sys.argv[1], mesh=make_mesh(1, 2, devices=jax.devices()[:2]))
+experts = model.params["groups"][0]["experts_gate_up"]
+assert isinstance(experts, QuantizedWeight) and len(experts.q.sharding.device_set) == 2, experts
+expected = np.load(sys.argv[2])
+ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, size=40).tolist()
+print("ERR", float(np.abs(model.logits(ids) - expected).max()))
+"""
+
+
+def test_tensor_parallel_logits_match_hf(checkpoints, hf_mxfp4, tmp_path):
+    """The int8 experts split over a 2-device CPU mesh (codes and scales by column; a subprocess, so
+    the device count does not leak): logits within 1e-4 of HF's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ids = np.random.default_rng(0).integers(3, hf_mxfp4.config.vocab_size, size=40).tolist()
+    np.save(tmp_path / "hf.npy", hf_logits(hf_mxfp4, ids))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, str(checkpoints[1]), str(tmp_path / "hf.npy")],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ERR ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    assert float(line.split()[1]) <= 1e-4, line
 
 
 def test_quantization_config_parses():
