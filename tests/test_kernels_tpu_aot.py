@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pallas_kernels.gdn import gated_delta_rule
 from pallas_kernels.kv_cache import KVPages
 from pallas_kernels.kv_write import write_kv
+from pallas_kernels.mla import LatentPages, mla_ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 TOPOLOGIES = {"v5e": "v5e=1x1", "v6e": "v6e=1x1"}
@@ -165,3 +166,36 @@ def test_kv_write_then_attention_updates_the_pool_in_place(tpu, kv_dtype, head_d
     assert big.alias_size_in_bytes >= pool
     grown = big.temp_size_in_bytes - small.temp_size_in_bytes
     assert grown < 0.05 * (pool - small_pool), f"temp grew {grown} bytes with {pool - small_pool} bytes of pool"
+
+
+# MLA at DeepSeek-V3's shape: rows W = 512 + 64 = 576 (not a multiple of 128), v_dim 512, all 128
+# heads or one TP-8 shard of 16; (row dtype, heads, page size, tokens): decode- and prefill-sized.
+MLA_CASES = [
+    ("bfloat16", 16, 64, 8),
+    ("bfloat16", 128, 128, 8),
+    ("float8_e4m3fn", 16, 128, 512),
+    ("float8_e5m2", 128, 64, 64),
+]
+
+
+@pytest.mark.parametrize("kv_dtype,heads,page_size,tokens", MLA_CASES)
+def test_mla_compiles(tpu, kv_dtype, heads, page_size, tokens):
+    _, sharding = tpu
+    spec = lambda shape, dtype: _spec(shape, dtype, sharding)
+    seqs, max_blocks = 8, 32
+    pages = seqs * max_blocks + 1
+    scale = spec((pages,), jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
+    args = (
+        spec((tokens, heads, 576), jnp.bfloat16),
+        LatentPages(c=spec((pages, page_size, 576), kv_dtype), c_scale=scale),
+        spec((seqs,), jnp.int32),
+        spec((seqs, max_blocks), jnp.int32),
+        spec((seqs + 1,), jnp.int32),
+        spec((), jnp.int32),
+    )
+
+    def mla(*args):
+        return mla_ragged_paged_attention(*args, sm_scale=192**-0.5, v_dim=512, impl="pallas_tpu")
+
+    compiled = jax.jit(mla).trace(*args).lower().compile()
+    assert compiled.out_info.shape == (tokens, heads, 512)
