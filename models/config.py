@@ -1,7 +1,7 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
-Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3) maps onto the same fields; the
-forward pass reads only this object. RoPE variants found in HF configs (default, linear,
+Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3, DeepSeek-V3) maps onto
+the same fields; the forward pass reads only this object. RoPE variants found in HF configs (default, linear,
 llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
 """
@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from models.deepseek_config import DeepseekMoEConfig, MLAConfig, deepseek_v3_fields
 
 ATTENTION = "full_attention"
 LINEAR = "linear_attention"
@@ -82,6 +84,8 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     gdn_fused_qkvz: bool = False  # Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba
+    mla: MLAConfig | None = None  # DeepSeek-V3's MLA and MoE (models/deepseek_config.py)
+    deepseek_moe: DeepseekMoEConfig | None = None
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -198,6 +202,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "GptOssForCausalLM",
     "Gemma3ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
@@ -292,6 +297,10 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         return _gpt_oss(hf, common, n_layers)
     if arch == "Gemma3ForCausalLM":
         return _gemma3(hf, common, n_layers)
+    if arch == "DeepseekV3ForCausalLM":
+        cfg = ModelConfig(**deepseek_v3_fields(hf, common, n_layers, _rope, ConfigError, ATTENTION))
+        cfg.inv_freq()  # an unsupported rope_type is refused here, at start-up
+        return cfg
 
     layer_types = tuple(
         hf.get("layer_types")

@@ -31,6 +31,7 @@ from models.sharding import kv_heads_held, shard_caches, shard_model
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
 from pallas_kernels.kv_cache import KVPages
+from pallas_kernels.mla import LatentPages
 
 log = logging.getLogger("jaxserve.model")
 
@@ -131,7 +132,11 @@ class Model:
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
-            if cfg.layer_types[j] == ATTENTION:
+            if cfg.mla is not None:  # one latent row per token and layer
+                kv.append(LatentPages.create(G * num_pages, page_size, cfg.mla.latent_width, dtype, bit_storage))
+                conv.append(None)
+                rec.append(None)
+            elif cfg.layer_types[j] == ATTENTION:
                 kv.append(
                     KVPages.create(
                         G * num_pages,
@@ -160,6 +165,8 @@ class Model:
     def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
         """KV bytes per token over all layers and all devices (repeated KV heads counted)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
+        if self.cfg.mla is not None:  # MLA: one row of latent + RoPE key, no heads
+            return self.cfg.num_attention_layers * self.cfg.mla.latent_width * itemsize
         heads = kv_heads_held(self.cfg, self.tp)
         return 2 * self.cfg.num_attention_layers * heads * self.cfg.head_dim * itemsize
 

@@ -22,8 +22,10 @@ from jax import lax
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
+from models.deepseek_moe import deepseek_moe
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.gpt_oss import gpt_oss_moe
+from models.mla_attention import mla_layer
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
 from pallas_kernels import cpu_native
@@ -198,7 +200,10 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         p = params_g[j]
         layer = j  # position in the group; the layer's kind is the same in every group
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        if cfg.layer_types[layer] == ATTENTION:
+        if cfg.mla is not None:  # MLA: one latent row per token (models/mla_attention.py)
+            offset = g * (kv_list[j].num_pages // n_groups)
+            h, kv_list[j] = mla_layer(p, h, kv_list[j], batch, ropes[0], offset, cfg, opts)
+        elif cfg.layer_types[layer] == ATTENTION:
             pages_per_layer = kv_list[j].k.shape[0] // n_groups
             window = cfg.sliding_window(layer)
             rope = ropes[window is not None]
@@ -215,7 +220,7 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         if cfg.mlp_types[layer] == "dense":
             h = dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows, act=cfg.hidden_act)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
-            moe = gpt_oss_moe if cfg.gpt_oss_moe else moe_mlp
+            moe = gpt_oss_moe if cfg.gpt_oss_moe else deepseek_moe if cfg.deepseek_moe is not None else moe_mlp
             h = tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
         if cfg.sandwich_norms:
             h = rms_norm(h, p["mlp_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

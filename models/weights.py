@@ -20,11 +20,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.config import ATTENTION, ModelConfig
+from models.deepseek_moe import ROUTER_PARAMS, deepseek_moe_params, deepseek_moe_shapes
+from models.mla_attention import mla_params, mla_shapes
 from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
 from models.quantization import QuantizedWeight, to_device
 from models.safetensors_io import CheckpointError
 
-FP32_PARAMS = ("A_log", "dt_bias")  # kept in float32 whatever the model dtype (GDN decay)
+# kept in float32 whatever the model dtype (GDN decay, DeepSeek's router as HF keeps it)
+FP32_PARAMS = ("A_log", "dt_bias", *ROUTER_PARAMS)
 
 
 class TensorSource(Protocol):
@@ -68,7 +71,9 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
         p["mlp_out_norm"] = get(f"layers.{i}.post_feedforward_layernorm.weight", (H,))
     else:
         p["post_norm"] = get(f"layers.{i}.post_attention_layernorm.weight", (H,))
-    if cfg.layer_types[i] == ATTENTION:
+    if cfg.mla is not None:
+        p.update(mla_params(cfg, get, lin, f"layers.{i}.self_attn."))
+    elif cfg.layer_types[i] == ATTENTION:
         a = f"layers.{i}.self_attn."
         q_out = cfg.num_heads * D * (2 if cfg.attn_output_gate else 1)
         kv_out = cfg.num_kv_heads * D
@@ -100,6 +105,8 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
             p["down_bias"] = get(m + "down_proj.bias", (H,))
     elif cfg.gpt_oss_moe:
         p.update(_gpt_oss_moe_params(cfg, get, lin, m))
+    elif cfg.deepseek_moe is not None:
+        p.update(deepseek_moe_params(cfg, get, has, lin, m))
     else:
         p.update(_moe_params(cfg, get, has, lin, m))
     return p
@@ -299,8 +306,12 @@ def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
         shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
         if cfg.sandwich_norms:
             shapes.update(attn_out_norm=(cfg.hidden_size,), mlp_out_norm=(cfg.hidden_size,))
-        shapes.update(_attention_shapes(cfg) if cfg.layer_types[j] == ATTENTION else _gdn_shapes(cfg))
-        shapes.update(_mlp_shapes(cfg, cfg.mlp_types[j]))
+        if cfg.mla is not None:
+            shapes.update(mla_shapes(cfg))
+        else:
+            shapes.update(_attention_shapes(cfg) if cfg.layer_types[j] == ATTENTION else _gdn_shapes(cfg))
+        moe = cfg.deepseek_moe is not None and cfg.mlp_types[j] == "moe"
+        shapes.update(deepseek_moe_shapes(cfg) if moe else _mlp_shapes(cfg, cfg.mlp_types[j]))
         groups.append({name: leaf(name, (G, *shape)) for name, shape in shapes.items()})
     V, H = cfg.vocab_size, cfg.hidden_size
     params = {"embed": leaf("embed", (V, H)), "final_norm": leaf("final_norm", (H,)), "groups": tuple(groups)}
