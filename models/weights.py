@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from models import nemotron_h
 from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import ROUTER_PARAMS, deepseek_moe_params, deepseek_moe_shapes
 from models.mla_attention import mla_params, mla_shapes
@@ -55,14 +56,16 @@ class DictSource:
         return arr
 
 
-def _prefix(src: TensorSource) -> str:
-    for p in ("model.language_model.", "language_model.model.", "model."):
-        if f"{p}embed_tokens.weight" in src:
+def _prefix(src: TensorSource, embed: str = "embed_tokens.weight", prefixes=()) -> str:
+    for p in (*prefixes, "model.language_model.", "language_model.model.", "model."):
+        if f"{p}{embed}" in src:
             return p
     return "model."
 
 
 def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
+    if cfg.mamba is not None:  # Nemotron-H: single-mixer blocks
+        return nemotron_h.layer_params(cfg, get, lin, i)
     H, D = cfg.hidden_size, cfg.head_dim
     p: dict[str, np.ndarray] = {"input_norm": get(f"layers.{i}.input_layernorm.weight", (H,))}
     if cfg.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm norms the attention output
@@ -201,7 +204,10 @@ def load_params(
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    pre = _prefix(src)
+    embed, final_norm, prefixes = ("embed_tokens.weight", "norm.weight", ())
+    if cfg.mamba is not None:
+        embed, final_norm, prefixes = nemotron_h.EMBEDDING, nemotron_h.FINAL_NORM, nemotron_h.PREFIXES
+    pre = _prefix(src, embed, prefixes)
 
     def get(name, shape=None):
         return src.get(pre + name, shape)
@@ -226,8 +232,8 @@ def load_params(
         for j in range(period)
     )
     params = {
-        "embed": _cast("embed", read_embedding(src, pre + "embed_tokens.weight", V, H), np_dtype),
-        "final_norm": _cast("final_norm", get("norm.weight", (H,)), np_dtype),
+        "embed": _cast("embed", read_embedding(src, pre + embed, V, H), np_dtype),
+        "final_norm": _cast("final_norm", get(final_norm, (H,)), np_dtype),
         "groups": groups,
     }
     if not cfg.tie_word_embeddings:
@@ -303,6 +309,9 @@ def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
     period, G = cfg.layer_period(), cfg.num_layers // cfg.layer_period()
     groups = []
     for j in range(period):
+        if cfg.mamba is not None:
+            groups.append({name: leaf(name, (G, *shape)) for name, shape in nemotron_h.layer_shapes(cfg, j).items()})
+            continue
         shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
         if cfg.sandwich_norms:
             shapes.update(attn_out_norm=(cfg.hidden_size,), mlp_out_norm=(cfg.hidden_size,))
