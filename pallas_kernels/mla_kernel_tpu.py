@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.layout import Format, Layout
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.rpa_common import MASK_VALUE, build_work_list
@@ -150,6 +151,14 @@ def _kernel(
         out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[pl.ds(q_start, block_q)], io_sem)
         out_copy.start()
         out_copy.wait()
+
+
+def pool_format(sharding) -> Format:
+    """The layout the kernel reads latent pages in, [P, ps, W] with W minor, for `jax.device_put`
+    and jit in/out shardings. TPU's default layout for a W that is not a multiple of 128 may put
+    another dim minor (it did at W = 576 for ps = 128, and for ps = 64 with 2049 pages:
+    benchmarks/mla_kernel_cost.py), and then every call first copies the whole pool into this one."""
+    return Format(Layout(major_to_minor=(0, 1, 2)), sharding)
 
 
 def value_width(v_dim: int, width: int) -> int:
