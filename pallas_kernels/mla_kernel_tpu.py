@@ -11,7 +11,9 @@ dtype; the per-page scale multiplies the scores (K) and the probabilities (V).
 Layouts follow the Mosaic tiling rules (tests/test_kernels_tpu_aot.py): tokens are the leading,
 untiled dim of q [T + bq, H, W] and of the output, a key block is [pages_per_block, ps, W] in
 VMEM (one page per leading index), FP8 scales are [P, 1, 1] rows copied into SMEM. W need not be
-a multiple of 128 (DeepSeek: 576 = 512 + 64): the page is copied whole and VMEM pads its lanes.
+a multiple of 128 (DeepSeek: 576 = 512 + 64): the page is copied whole and VMEM pads its lanes;
+pin the pool rows-minor (`pool_format`): TPU's default layout may not be, and XLA then copies
+all of it before each call.
 The value lanes are the first `value_width(v_dim, W)` (v_dim rounded up to 128, so the slice
 is lane-aligned); the wrapper drops the lanes past v_dim. An item writes all `block_q` tokens;
 rows past its sequence's end belong to later sequences, which the sequential grid writes after.
