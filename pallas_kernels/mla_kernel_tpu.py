@@ -11,7 +11,9 @@ dtype; the per-page scale multiplies the scores (K) and the probabilities (V).
 Layouts follow the Mosaic tiling rules (tests/test_kernels_tpu_aot.py): tokens are the leading,
 untiled dim of q [T + bq, H, W] and of the output, a key block is [pages_per_block, ps, W] in
 VMEM (one page per leading index), FP8 scales are [P, 1, 1] rows copied into SMEM. W need not be
-a multiple of 128 (DeepSeek: 576 = 512 + 64): the page is copied whole and VMEM pads its lanes.
+a multiple of 128 (DeepSeek: 576 = 512 + 64): the page is copied whole and VMEM pads its lanes;
+pin the pool rows-minor (`pool_format`): TPU's default layout may not be, and XLA then copies
+all of it before each call.
 The value lanes are the first `value_width(v_dim, W)` (v_dim rounded up to 128, so the slice
 is lane-aligned); the wrapper drops the lanes past v_dim. An item writes all `block_q` tokens;
 rows past its sequence's end belong to later sequences, which the sequential grid writes after.
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.layout import Format, Layout
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.rpa_common import MASK_VALUE, build_work_list
@@ -150,6 +153,14 @@ def _kernel(
         out_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[pl.ds(q_start, block_q)], io_sem)
         out_copy.start()
         out_copy.wait()
+
+
+def pool_format(sharding) -> Format:
+    """The layout the kernel reads latent pages in, [P, ps, W] with W minor, for `jax.device_put`
+    and jit in/out shardings. TPU's default layout for a W that is not a multiple of 128 may put
+    another dim minor (it did at W = 576 for ps = 128, and for ps = 64 with 2049 pages:
+    benchmarks/mla_kernel_cost.py), and then every call first copies the whole pool into this one."""
+    return Format(Layout(major_to_minor=(0, 1, 2)), sharding)
 
 
 def value_width(v_dim: int, width: int) -> int:

@@ -158,13 +158,17 @@ def test_low_precision_rows(dtype):
 
 
 # (impl, heads, kv_lora_rank, rope dim, v_dim, page size, row dtype, q dtype, kernel options):
-# awkward heads, widths (W not a multiple of 128, and for the TPU kernel not of 8 either), v_dim
+# awkward heads, widths (W not a multiple of 128, and for the TPU kernel not of 16 either), v_dim
 # below L, several pages per key block and several query blocks per sequence.
 KERNEL_CASES = [
     ("pallas_tpu", 3, 37, 8, 37, 8, "float32", "float32", dict(block_q=2, pages_per_block=2)),
     ("pallas_tpu", 4, 40, 8, 33, 16, "bfloat16", "bfloat16", {}),
     ("pallas_tpu", 5, 40, 24, 40, 8, "float8_e4m3fn", "bfloat16", dict(block_q=3, pages_per_block=3)),
     ("pallas_tpu", 2, 48, 16, 48, 32, "float8_e5m2", "float32", dict(pages_per_block=1)),
+    # DeepSeek's rows (576 = 512 + 64, v_dim 512): the TPU kernel's value is a lane slice of the
+    # tile, the GPU kernel's the first of its two lane pieces
+    ("pallas_tpu", 4, 512, 64, 512, 16, "float8_e4m3fn", "bfloat16", {}),
+    ("pallas_gpu", 4, 512, 64, 512, 16, "bfloat16", "bfloat16", {}),
     ("pallas_gpu", 3, 40, 8, 40, 16, "float32", "float32", {}),
     ("pallas_gpu", 5, 64, 16, 64, 16, "bfloat16", "bfloat16", dict(block_h=4)),
     ("pallas_gpu", 4, 40, 8, 33, 32, "float8_e4m3fn", "bfloat16", dict(block_q=8)),
