@@ -73,6 +73,7 @@ SHIPPED_MODEL_CONFIGS = {
     "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b.json",
     "gemma-3-27b-it": "gemma-3-27b.json",
     "gemma-3-27b-pt": "gemma-3-27b.json",
+    "Nemotron-H-8B-Base-8K": "nemotron-h-8b.json",
 }
 
 
