@@ -1,0 +1,152 @@
+"""Window-aware paging (issue 34): the sliding-window layers' second page pool.
+
+Allocator tests are plain Python (paged_kv); the engine tests check greedy output against HF
+transformers on tiny gpt-oss and Gemma 3 checkpoints whose prompts span several windows, under
+chunked prefill, preemption and prefix hits, and that nothing leaks from either pool.
+"""
+
+import pytest
+
+from paged_kv import NULL_PAGE, CacheManager, window_pages_per_sequence, window_pool_pages
+
+PS, W = 4, 6
+
+
+def window_manager(num_pages=40, num_window_pages=12, prefix=True, window=W):
+    return CacheManager(
+        page_size=PS,
+        num_pages=num_pages,
+        enable_prefix_caching=prefix,
+        window=window,
+        num_window_pages=num_window_pages,
+    )
+
+
+def live_blocks(num_computed, window=W, page_size=PS):
+    """Blocks holding a key some query at position >= num_computed sees (HF: p - window < k <= p)."""
+    first_key = max(0, num_computed - window + 1)
+    return set(range(first_key // page_size, 10_000))
+
+
+def run(cache, request_id, tokens, chunk):
+    """Admit `tokens` and compute them `chunk` at a time; checks the window table after each step."""
+    hit = cache.lookup_prefix(tokens)
+    first = min(len(tokens), hit.num_tokens + chunk)
+    admission = cache.allocate(request_id, tokens, first, hit)
+    assert admission is not None
+    done = hit.num_tokens
+    while True:
+        end = min(len(tokens), done + chunk)
+        assert cache.grow(request_id, end)
+        done = end
+        cache.commit(request_id, tokens, done)
+        cache.check_invariants()
+        table = cache.allocations[request_id].window_block_table
+        held = {b for b, page in enumerate(table) if page != NULL_PAGE}
+        assert held == set(range(len(table))) & live_blocks(done), (done, table)
+        if done == len(tokens):
+            return hit
+
+
+def test_window_blocks_are_released_as_the_sequence_advances():
+    cache = window_manager()
+    tokens = list(range(100, 160))
+    run(cache, "a", tokens, chunk=1)
+    stats = cache.stats()
+    assert stats["pages_used"] == 15  # the full layers keep every block
+    assert stats["window_pages_used"] == len(set(range(15)) & live_blocks(60)) == 2
+    cache.free("a")
+    cache.check_invariants()
+    stats = cache.stats()
+    assert stats["pages_used"] == stats["window_pages_used"] == 0
+
+
+def test_window_pages_per_sequence_stay_bounded_under_chunked_prefill():
+    cache = window_manager(num_pages=60, num_window_pages=window_pages_per_sequence(W, PS, 9) + 1, prefix=False)
+    tokens = list(range(200))
+    hit = cache.lookup_prefix(tokens)
+    assert cache.allocate("a", tokens, 9, hit) is not None
+    done = 0
+    while done < len(tokens):
+        end = min(done + 9, len(tokens))
+        assert cache.grow("a", end)
+        assert cache.stats()["window_pages_used"] <= window_pages_per_sequence(W, PS, 9)
+        cache.commit("a", tokens, end)
+        done = end
+        assert cache.stats()["window_pages_used"] <= -(-W // PS) + 1
+        cache.check_invariants()
+    cache.free("a")
+    assert cache.stats()["window_pages_free"] == cache.stats()["window_pages_total"]
+
+
+def test_allocation_needs_both_pools_and_changes_nothing_when_one_is_short():
+    cache = window_manager(num_pages=40, num_window_pages=4, prefix=False)  # 3 window pages
+    before = cache.stats()
+    assert cache.allocate("a", list(range(16)), 16, cache.lookup_prefix(list(range(16)))) is None  # 4 blocks
+    assert cache.stats() == before and not cache.allocations
+    assert cache.allocate("a", list(range(16)), 8, cache.lookup_prefix(list(range(16)))) is not None
+    assert cache.allocate("b", list(range(16)), 8, cache.lookup_prefix(list(range(16)))) is None  # window short
+    snapshot = cache.stats()
+    assert not cache.grow("a", 16)  # needs 2 more of each; the window pool has 1
+    assert cache.stats() == snapshot and len(cache.allocations["a"].block_table) == 2
+    cache.commit("a", list(range(16)), 8)  # blocks below 8 - 6 + 1 = 3 // 4 = 0: none released
+    assert cache.stats()["window_pages_used"] == 2
+    cache.free("a")
+    cache.check_invariants()
+    assert cache.stats()["window_pages_free"] == 3 and cache.stats()["pages_free"] == 39
+
+
+def _expected_hit(cache, tokens, cached_window_blocks):
+    """Deepest page boundary d < len(tokens) whose window blocks are all in `cached_window_blocks`."""
+    for depth in range((len(tokens) - 1) // PS * PS, 0, -PS):
+        needed = set(range(max(0, depth - W + 1) // PS, depth // PS))
+        if needed <= cached_window_blocks:
+            return depth
+    return 0
+
+
+def test_prefix_hit_needs_the_window_pages_below_its_depth():
+    cache = window_manager(num_window_pages=30)
+    tokens = list(range(300, 330))  # 7 full blocks + 2 tokens
+    run(cache, "a", tokens, chunk=5)
+    cache.free("a")
+    cache.check_invariants()
+    assert cache.stats()["window_pages_cached"] == 7 and cache.stats()["pages_cached"] == 7
+    hit = cache.lookup_prefix(tokens + [1, 2])
+    assert hit.num_tokens == _expected_hit(cache, tokens + [1, 2], set(range(7))) == 28
+    # evict the window page of the deepest block: the hit falls back to a boundary that does not need it
+    deepest = cache.window.index.get(hit.block_hashes[6])
+    cache.window.index.remove(deepest)
+    cache.window.pool.put_free(deepest)
+    hit = cache.lookup_prefix(tokens + [1, 2])
+    assert hit.num_tokens == _expected_hit(cache, tokens + [1, 2], set(range(6))) == 24
+    assert len(hit.pages) == 6 and len(hit.window_pages) == len(set(range(6)) & live_blocks(24)) == 2
+    run(cache, "b", tokens + [1, 2], chunk=3)
+    table = cache.allocations["b"].window_block_table
+    assert table[:4] == [NULL_PAGE] * 4
+    cache.free("b")
+    cache.check_invariants()
+    assert cache.stats()["pages_used"] == cache.stats()["window_pages_used"] == 0
+
+
+def test_shared_window_pages_survive_one_holder_sliding_past_them():
+    cache = window_manager(num_window_pages=30)
+    prompt = list(range(500, 520))
+    run(cache, "a", prompt, chunk=20)
+    run(cache, "b", prompt + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], chunk=1)  # hit 20: shares window pages
+    cache.check_invariants()
+    cache.free("b")
+    cache.free("a")
+    cache.check_invariants()
+    assert cache.stats()["window_pages_used"] == 0 and cache.stats()["pages_used"] == 0
+
+
+def test_window_pool_sizing_covers_every_running_sequence():
+    # max_num_seqs x (ceil(window / page) + 2) + ceil(budget / page) + the null page
+    assert window_pool_pages(128, 16, max_num_seqs=4, max_num_batched_tokens=512) == 4 * 10 + 32 + 1
+    assert window_pages_per_sequence(128, 16, 512) == 41
+
+
+def test_zero_window_is_refused():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        window_manager(window=-1)
