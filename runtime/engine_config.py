@@ -50,6 +50,8 @@ class CacheConfig:
     # "auto"); "page" here keeps unit tests' checkpoints on every page boundary.
     checkpoint_policy: str = "page"
     num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
+    window: int | None = None  # window-aware paging: the sliding window whose layers page apart
+    num_window_pages: int = 0  # their pool, with the null page
 
     def __post_init__(self) -> None:
         rules.check_fields(
@@ -65,6 +67,8 @@ class CacheConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             checkpoint_policy=self.checkpoint_policy,
             num_checkpoint_slots=self.num_checkpoint_slots,
+            window=self.window,
+            num_window_pages=self.num_window_pages,
         )
 
 

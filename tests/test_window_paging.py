@@ -5,9 +5,14 @@ transformers on tiny gpt-oss and Gemma 3 checkpoints whose prompts span several 
 chunked prefill, preemption and prefix hits, and that nothing leaks from either pool.
 """
 
+import random
+
 import pytest
+from test_scheduler import VOCAB, FakeDevice, add, reference_generation, step
 
 from paged_kv import NULL_PAGE, CacheManager, window_pages_per_sequence, window_pool_pages
+from runtime.engine_config import CacheConfig, SchedulerConfig
+from runtime.scheduling.scheduler import Scheduler
 
 PS, W = 4, 6
 
@@ -150,3 +155,77 @@ def test_window_pool_sizing_covers_every_running_sequence():
 def test_zero_window_is_refused():
     with pytest.raises(ValueError, match="window must be >= 1"):
         window_manager(window=-1)
+
+
+# ---- the scheduler on a fake device with a window pool -------------------------------------------------
+class WindowFakeDevice(FakeDevice):
+    """FakeDevice plus the window layers' pages: every query's window is read back through the
+    window block table and must equal the record (a released page still in a live window, or a
+    page reused while another sequence sees it, shows up as a wrong token)."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        self.window = cache.window.window
+        self.window_kv = [[None] * cache.page_size for _ in range(cache.window.pool.num_pages)]
+
+    def step(self, out):
+        ps = self.page_size
+        for seq in out.sequences:
+            for pos, token in enumerate(seq.token_ids, start=seq.start_position):
+                page = seq.window_block_table[pos // ps]
+                assert page != NULL_PAGE, f"{seq.request_id}: writes position {pos} to the null window page"
+                self.window_kv[page][pos % ps] = token
+        for seq in out.sequences:
+            truth, table = self.truth[seq.request_id], seq.window_block_table
+            for q in range(seq.start_position, seq.start_position + seq.num_new_tokens):
+                keys = range(max(0, q - self.window + 1), q + 1)
+                seen = [self.window_kv[table[k // ps]][k % ps] for k in keys]
+                assert seen == truth[keys.start : q + 1], f"{seq.request_id}: window of {q} differs"
+        return super().step(out)
+
+
+def window_scheduler(num_pages=40, num_window_pages=None, prefix=True, window=W, **sched):
+    sched.setdefault("max_model_len", 64)
+    sched.setdefault("max_num_batched_tokens", 8)
+    sched.setdefault("max_num_seqs", 3)
+    if num_window_pages is None:
+        num_window_pages = window_pool_pages(window, PS, sched["max_num_seqs"], sched["max_num_batched_tokens"])
+    cache = CacheConfig(PS, num_pages, 0, prefix, window=window, num_window_pages=num_window_pages).build_manager()
+    return Scheduler(SchedulerConfig(**sched), cache), WindowFakeDevice(cache)
+
+
+# the pool that runs short: the full one, or the window one (room for two windows + a chunk)
+SHORT_POOLS = {"full": dict(num_pages=17), "window": dict(num_pages=80, num_window_pages=8)}
+
+
+@pytest.mark.parametrize("short", sorted(SHORT_POOLS))
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scheduler_with_a_window_pool_matches_the_reference_under_preemption(short, prefix, seed):
+    rng = random.Random(seed)
+    scheduler, device = window_scheduler(prefix=prefix, **SHORT_POOLS[short])
+    shared = [rng.randint(1, VOCAB) for _ in range(13)]
+    requests = []
+    for i in range(8):
+        prompt = (shared if i % 2 else []) + [rng.randint(1, VOCAB) for _ in range(rng.randint(2, 20))]
+        requests.append(add(scheduler, device, f"r{i}", prompt, max_tokens=rng.randint(10, 30)))
+    window_pages_in_use = []
+    while scheduler.has_unfinished():
+        step(scheduler, device)
+        window_pages_in_use.append(scheduler.cache.stats()["window_pages_used"])
+    assert scheduler.num_preemptions > 0
+    for request in requests:
+        assert (request.output_token_ids, request.finish_reason) == reference_generation(
+            request.prompt_token_ids, request.params
+        )
+    stats = scheduler.cache.stats()
+    assert stats["pages_used"] == stats["window_pages_used"] == 0
+    if prefix:
+        assert stats["prefix_cache_hit_tokens"] > 0
+    assert max(window_pages_in_use) <= scheduler.cache.window.num_allocatable
+
+
+def test_a_window_pool_too_small_for_one_window_refuses_the_request():
+    scheduler, device = window_scheduler(num_window_pages=3)
+    with pytest.raises(ValueError, match="window pool has only 2"):
+        add(scheduler, device, "a", range(1, 30), max_tokens=4)
