@@ -8,6 +8,8 @@ chunked prefill, preemption and prefix hits, and that nothing leaks from either 
 import random
 
 import pytest
+from engine_testing import Outputs, drain, small_engine_config
+from hf_reference import assert_greedy_match, hf_greedy, random_prompt
 from test_scheduler import VOCAB, FakeDevice, add, reference_generation, step
 
 from paged_kv import NULL_PAGE, CacheManager, window_pages_per_sequence, window_pool_pages
@@ -229,3 +231,95 @@ def test_a_window_pool_too_small_for_one_window_refuses_the_request():
     scheduler, device = window_scheduler(num_window_pages=3)
     with pytest.raises(ValueError, match="window pool has only 2"):
         add(scheduler, device, "a", range(1, 30), max_tokens=4)
+
+
+# ---- the engine against HF ------------------------------------------------------------------------------
+ENGINE_PS = 4  # the tiny checkpoints' window is 7: prompts of 20-60 tokens span many windows and pages
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    """One window-paged engine per family: pages of 4, 8-token steps (chunked prefill), a full pool
+    of 29 pages (the four requests need 43 beside their shared prefix: preemption), prefix caching on."""
+    from runtime.engine.llm_engine import LLMEngine
+
+    built = {}
+
+    def build(family):
+        if family not in built:
+            config = small_engine_config(
+                tiny_checkpoint(family),
+                page_size=ENGINE_PS,
+                num_pages=30,
+                max_num_batched_tokens=8,
+                max_model_len=96,
+                token_buckets=(4, 8),
+                load_tokenizer=False,
+            )
+            built[family] = LLMEngine(config)
+        return built[family]
+
+    return build
+
+
+def _greedy(engine, prompts, max_tokens):
+    from runtime.types import EngineRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(EngineRequest(rid, ids, params))
+    return drain(engine)
+
+
+def _assert_nothing_held(engine):
+    engine.scheduler.check_invariants()
+    stats = engine.stats()
+    assert stats["pages_used"] == 0 and stats["window_pages_used"] == 0, stats
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
+def test_engine_greedy_matches_hf_under_chunked_prefill_preemption_and_prefix_hits(engines, hf_model, family):
+    engine = engines(family)
+    cache = engine.scheduler.cache
+    assert cache.window is not None and cache.window.window == 7  # on by default for window layers
+    assert cache.window.num_allocatable < cache.num_allocatable_pages
+    vocab, hf = engine.model.cfg.vocab_size, hf_model(family)
+    shared = random_prompt(vocab, 29, seed=900)
+    prompts = {f"r{i}": shared + random_prompt(vocab, n, seed=910 + i) for i, n in enumerate((1, 31, 17, 40))}
+    preemptions = engine.stats()["num_preemptions"]
+    outputs = _greedy(engine, prompts, 12)
+    assert engine.stats()["num_preemptions"] > preemptions, "the pool was meant to run short"
+    _assert_nothing_held(engine)
+    # each prompt twice more, alone: the second admission hits its deepest page boundary (the
+    # first left its last window's pages cached, most recently used)
+    again = {}
+    for rid, ids in prompts.items():
+        for twice in ("again", "twice"):
+            hits = engine.stats()["prefix_cache_hit_tokens"]
+            again[f"{twice}-{rid}"] = ids
+            outputs.update(_greedy(engine, {f"{twice}-{rid}": ids}, 12))
+        assert engine.stats()["prefix_cache_hit_tokens"] - hits == (len(ids) - 1) // ENGINE_PS * ENGINE_PS
+        _assert_nothing_held(engine)
+    for rid, ids in {**prompts, **again}.items():
+        expected, scores = hf_greedy(hf, ids, 12)
+        assert_greedy_match(outputs[rid].outputs[0].token_ids, expected, scores, f"{family} {rid} ({len(ids)})")
+
+
+def test_window_pages_in_use_stay_bounded_by_the_window_during_a_long_decode(engines, hf_model):
+    from runtime.types import EngineRequest, SamplingParams
+
+    engine = engines("gpt_oss")
+    ids = random_prompt(engine.model.cfg.vocab_size, 9, seed=77)
+    engine.add_request(EngineRequest("long", ids, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)))
+    outputs, window_used, full_used = Outputs(), [], []
+    while engine.has_unfinished():
+        outputs.step(engine)
+        stats = engine.stats()
+        window_used.append(stats["window_pages_used"])
+        full_used.append(stats["pages_used"])
+    # a window of 7 between steps: keys p-6..p live in at most 3 pages of 4, plus one new page
+    assert max(window_used) <= window_pages_per_sequence(7, ENGINE_PS, 1) == 3
+    assert max(full_used) == -(-(9 + 80 - 1) // ENGINE_PS)  # the full layers keep the whole context
+    _assert_nothing_held(engine)
+    expected, scores = hf_greedy(hf_model("gpt_oss"), ids, 80)
+    assert_greedy_match(outputs["long"].outputs[0].token_ids, expected, scores, "gpt_oss long decode")
