@@ -28,16 +28,16 @@ from pathlib import Path
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from configs.schema import CONFIG_DIR, LaunchConfig  # noqa: E402
-from models.abstract import abstract_model  # noqa: E402
-from models.config import parse_config  # noqa: E402
-from models.safetensors_io import read_json  # noqa: E402
-from paged_kv.window_pages import window_pool_pages  # noqa: E402
-from runtime.engine.construction import page_bytes  # noqa: E402
-from runtime.engine_config import EngineConfig  # noqa: E402
-from runtime.scheduling.request import Request  # noqa: E402
-from runtime.scheduling.scheduler import Scheduler  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from configs.schema import CONFIG_DIR, LaunchConfig
+from models.abstract import abstract_model
+from models.config import parse_config
+from models.safetensors_io import read_json
+from paged_kv.window_pages import window_pool_pages
+from runtime.engine.construction import page_bytes
+from runtime.engine_config import EngineConfig
+from runtime.scheduling.request import Request
+from runtime.scheduling.scheduler import Scheduler
+from runtime.types import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "window-paging"
 MODEL_JSON = CONFIG_DIR / "models" / "gpt-oss-120b.json"
