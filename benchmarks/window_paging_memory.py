@@ -13,7 +13,9 @@
 
     python benchmarks/window_paging_memory.py [--compile]   # --compile: also the smallest backbone
 
-Writes benchmarks/results/window-paging/gpt-oss-120b-32k.json.
+Writes benchmarks/results/window-paging/gpt-oss-120b-32k.json (-compiled.json with --compile: the
+T=16 backbone compiled for v5p reports HLO temporaries over HBM both ways, a plan finding for the
+gpt-oss MoE step, not for paging: the pool sizes and sequence counts are the same).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def main() -> None:
         "max_sequences_at_32k_with": plans["True"]["max_sequences_at_32k"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "gpt-oss-120b-32k.json"
+    out = RESULTS / f"gpt-oss-120b-32k{'-compiled' if args.compile else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("engine_accounting", "plan")}, indent=2))
     print(f"wrote {out}")

@@ -323,3 +323,53 @@ def test_window_pages_in_use_stay_bounded_by_the_window_during_a_long_decode(eng
     _assert_nothing_held(engine)
     expected, scores = hf_greedy(hf_model("gpt_oss"), ids, 80)
     assert_greedy_match(outputs["long"].outputs[0].token_ids, expected, scores, "gpt_oss long decode")
+
+
+# ---- the request table's second block table -------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prepare_gathers_the_window_block_table_as_the_host_builder_does(seed):
+    """test_request_table's random steps (prefill chunks, placeholders, placements with hits that
+    overflow the page writes, ends and readmissions), each sequence given a window block table
+    that is null below its first live block: the device table, after its page writes and null
+    writes, gives the batch `build_batch` builds (window tables and window slots included)."""
+    import dataclasses
+    import functools
+
+    import jax
+    import numpy as np
+    from test_request_table import BUCKETS, MB, PAGE, S, Simulation
+
+    from models.batch import ForwardBatch
+    from runtime.buckets import bucket_for
+    from runtime.steps.inputs import build_batch
+    from runtime.steps.table_device import apply_write, init_table, prepare
+    from runtime.steps.table_host import RequestTableHost
+
+    def with_window_tables(out):
+        for seq in out.sequences:
+            first_live = max(0, seq.start_position - W + 1) // PAGE
+            seq.window_block_table = [0 if b < first_live else 5000 + p for b, p in enumerate(seq.block_table)]
+
+    host = RequestTableHost(S, PAGE, BUCKETS[-1], window_columns=MB)
+    table = init_table(S, MB, window=True)
+    run_prepare, write = jax.jit(functools.partial(prepare, page_size=PAGE)), jax.jit(apply_write)
+    sim, prev_tokens = Simulation(seed), np.zeros(S, np.int32)
+    nulls_written = 0
+    for _ in range(40):
+        sampled = prev_tokens.copy()
+        out, true = sim.step(prev_tokens)
+        if out.is_empty:
+            continue
+        with_window_tables(out)
+        with_window_tables(true)
+        step, writes = host.plan(out, bucket_for(max(out.num_batched_tokens, len(out.sequences)), BUCKETS))
+        for w in writes:
+            table = write(table, w)
+        table, batch = run_prepare(table, step, sampled)
+        expected = build_batch(true, token_buckets=BUCKETS, max_num_seqs=S, max_blocks_per_seq=MB, page_size=PAGE)
+        assert expected.window_block_tables is not None
+        for f in dataclasses.fields(ForwardBatch):
+            np.testing.assert_array_equal(np.asarray(getattr(batch, f.name)), getattr(expected, f.name), err_msg=f.name)
+        released = (expected.window_block_tables == 0) & (expected.block_tables != 0)
+        nulls_written += int(released[:, 1:].sum())  # slid past (a hit's first blocks are null from the start too)
+    assert nulls_written
