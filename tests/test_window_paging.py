@@ -373,3 +373,29 @@ def test_prepare_gathers_the_window_block_table_as_the_host_builder_does(seed):
         released = (expected.window_block_tables == 0) & (expected.block_tables != 0)
         nulls_written += int(released[:, 1:].sum())  # slid past (a hit's first blocks are null from the start too)
     assert nulls_written
+
+
+# ---- the switch ---------------------------------------------------------------------------------------
+def test_window_paging_is_on_by_default_and_refused_where_its_tables_cannot_travel(tiny_checkpoint):
+    from models.abstract import abstract_model
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from runtime.engine.construction import window_paging
+    from runtime.engine_config import EngineConfig, KVTransferConfig
+
+    def model_of(family):
+        path = tiny_checkpoint(family)
+        return path, abstract_model(parse_config(read_json(path / "config.json")), "float32", path)
+
+    path, gpt_oss = model_of("gpt_oss")
+    assert window_paging(EngineConfig(model=str(path)), gpt_oss, dp_size=1) == 7
+    assert window_paging(EngineConfig(model=str(path), window_paging=False), gpt_oss, dp_size=1) is None
+    prefill = KVTransferConfig(role="prefill")
+    assert window_paging(EngineConfig(model=str(path), kv_transfer=prefill), gpt_oss, dp_size=1) is None
+    assert window_paging(EngineConfig(model=str(path)), gpt_oss, dp_size=2) is None
+    with pytest.raises(ValueError, match="cache.window_paging: .* P/D role 'prefill'"):
+        window_paging(EngineConfig(model=str(path), window_paging=True, kv_transfer=prefill), gpt_oss, dp_size=1)
+    with pytest.raises(ValueError, match="cache.window_paging: .* attention data parallelism"):
+        window_paging(EngineConfig(model=str(path), window_paging=True), gpt_oss, dp_size=2)
+    dense_path, dense = model_of("llama")
+    assert window_paging(EngineConfig(model=str(dense_path), window_paging=True), dense, dp_size=1) is None
