@@ -1,4 +1,5 @@
-"""jaxserve paged_kv: device-free bookkeeping for KV pages, prefix caching and GDN state slots."""
+"""jaxserve paged_kv: device-free bookkeeping for KV pages (two pools with window-aware paging),
+prefix caching and GDN state slots."""
 
 from paged_kv.cache_manager import Admission, CacheManager, PrefixHit, SequenceAllocation
 from paged_kv.checkpoint_policy import CheckpointPolicy, num_checkpoint_slots
