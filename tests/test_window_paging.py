@@ -399,3 +399,45 @@ def test_window_paging_is_on_by_default_and_refused_where_its_tables_cannot_trav
         window_paging(EngineConfig(model=str(path), window_paging=True), gpt_oss, dp_size=2)
     dense_path, dense = model_of("llama")
     assert window_paging(EngineConfig(model=str(dense_path), window_paging=True), dense, dp_size=1) is None
+
+
+def test_plan_sizes_both_pools_and_holds_more_long_sequences():
+    """`jaxserve plan` (sizing only, nothing compiled) for Gemma-3-27B on 4 TPU v5p chips: the KV
+    arrays' bytes (from the abstract caches' shapes) are the full layers' pages plus the window
+    layers' pool, within the memory budget, and the pools hold more 32k-token sequences."""
+    from configs.chips import CHIPS
+    from configs.schema import CONFIG_DIR, LaunchConfig
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from runtime.aot.chip_report import plan_config
+
+    cfg = parse_config(read_json(CONFIG_DIR / "models" / "gemma-3-27b.json"))
+    windowed = sum(cfg.sliding_window(i) is not None for i in range(cfg.num_layers))
+    heads, page, seqs, step_tokens = cfg.num_kv_heads // 4, 128, 256, 4096
+    page_bytes = lambda layers: 2 * layers * heads * cfg.head_dim * 2 * page  # K and V, bf16
+
+    def plan(window_paging):
+        launch = LaunchConfig.model_validate(
+            {
+                "model": {"path": "/models/gemma-3-27b-it", "dtype": "bfloat16", "max_model_len": 32768},
+                "cache": {"page_size": page, "memory_fraction": 0.85, "window_paging": window_paging},
+                "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": step_tokens},
+                "parallel": {"mesh": {"data": 1, "model": 4}, "chip": "tpu-v5p", "topology": "2x2x1"},
+            }
+        )
+        return plan_config(launch, token_buckets=(), compile_sampler=False, compile_cost=False)
+
+    without, with_ = plan(False), plan(None)
+    assert (without.window, without.num_window_pages) == (None, 0)
+    assert with_.window == cfg.sliding_window(0) == 1024 and windowed == 52
+    assert with_.num_window_pages == seqs * (1024 // page + 2) + step_tokens // page + 1
+    assert without.kv_bytes == without.num_pages * page_bytes(cfg.num_layers)
+    assert with_.kv_bytes == with_.num_pages * page_bytes(
+        cfg.num_layers - windowed
+    ) + with_.num_window_pages * page_bytes(windowed)
+    budget = 0.85 * CHIPS["tpu-v5p"].hbm_bytes
+    for report in (without, with_):
+        assert report.weight_bytes + report.kv_bytes <= budget and report.fits
+        assert report.weight_bytes + report.kv_bytes > budget - page_bytes(cfg.num_layers)  # the budget is used
+    assert without.max_sequences(32768) == (without.num_pages - 1) // (32768 // page)
+    assert with_.max_sequences(32768) > 2 * without.max_sequences(32768)
