@@ -9,7 +9,8 @@
    the end (32,768 tokens in context).
 2. `jaxserve plan`'s pools for gpt-oss-120b on TPU v5p (4 chips, model axis 4), max_model_len 32k,
    both ways: `runtime.aot.chip_report.plan_config` sizes them as the engine does, and
-   `PlanReport.max_sequences(32768)` is how many 32k-token sequences they hold at once.
+   `PlanReport.max_sequences(32768)` is how many 32k-token sequences they hold at once; the same
+   for Gemma-3-27B (configs/models/gemma-3-27b.json).
 
     python benchmarks/window_paging_memory.py [--compile]   # --compile: also the smallest backbone
 
@@ -104,7 +105,7 @@ def engine_accounting(window_paging: bool) -> dict:
     }
 
 
-def plan(window_paging: bool, compile_one: bool, model_dir: Path) -> dict:
+def plan(window_paging: bool, compile_one: bool, model_dir: Path | str) -> dict:
     from runtime.aot.chip_report import plan_config
 
     launch = LaunchConfig.model_validate(
@@ -118,7 +119,7 @@ def plan(window_paging: bool, compile_one: bool, model_dir: Path) -> dict:
     t0 = time.perf_counter()
     report = plan_config(
         launch,
-        f"gpt-oss-120b v5p-4 window_paging={window_paging}",
+        f"{Path(model_dir).name} v5p-4 window_paging={window_paging}",
         token_buckets=(16,) if compile_one else (),
         compile_sampler=False,
         compile_cost=False,
@@ -153,6 +154,8 @@ def main() -> None:
         model_dir.mkdir()
         shutil.copy(MODEL_JSON, model_dir / "config.json")
         plans = {str(on): plan(on, args.compile, model_dir) for on in (False, True)}
+    # the same launch for Gemma-3-27B (5 local layers of window 1024 per global one; shipped config)
+    gemma = {str(on): plan(on, args.compile, "/models/gemma-3-27b-it") for on in (False, True)}
     result = {
         "model": "gpt-oss-120b (configs/models/gpt-oss-120b.json: 36 layers, 18 with window 128, 8 KV heads x 64)",
         "engine_accounting": engine,
@@ -162,11 +165,18 @@ def main() -> None:
         "plan": plans,
         "max_sequences_at_32k_without": plans["False"]["max_sequences_at_32k"],
         "max_sequences_at_32k_with": plans["True"]["max_sequences_at_32k"],
+        "gemma_3_27b_plan": gemma,
+        "gemma_3_27b_max_sequences_at_32k_without": gemma["False"]["max_sequences_at_32k"],
+        "gemma_3_27b_max_sequences_at_32k_with": gemma["True"]["max_sequences_at_32k"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"gpt-oss-120b-32k{'-compiled' if args.compile else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("engine_accounting", "plan")}, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("engine_accounting", "plan", "gemma_3_27b_plan")}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 
