@@ -61,9 +61,6 @@ class WindowPages:
         evictable_hits = sum(1 for page in excluding_hits if page in self.index.evictable)
         return self.pool.num_free + self.index.num_evictable - evictable_hits
 
-    def new_pages_for(self, table: Sequence[int], num_blocks: int) -> int:
-        return max(0, num_blocks - len(table))
-
     def new_page(self) -> int:
         if not self.pool.num_free:
             evicted = self.index.evict_lru()
