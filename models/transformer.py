@@ -83,13 +83,16 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
     page_size = kv.k.shape[2]
-    slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
-    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=batch.block_tables.shape[0])
+    block_tables, slot_mapping = batch.block_tables, batch.slot_mapping
+    if sliding_window is not None and batch.window_block_tables is not None:  # window-aware paging
+        block_tables, slot_mapping = batch.window_block_tables, batch.window_slot_mapping
+    slots = jnp.where(slot_mapping < 0, -1, slot_mapping + page_offset * page_size)
+    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=block_tables.shape[0])
     out = ops.paged_attention(
         q,
         kv,
         batch.kv_lens,
-        batch.block_tables + page_offset,
+        block_tables + page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
         opts,
