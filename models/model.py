@@ -32,6 +32,7 @@ from models.sharding import kv_heads_held, shard_caches, shard_model
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
 from pallas_kernels.kv_cache import KVPages
+from pallas_kernels.mla import LatentPages
 
 log = logging.getLogger("jaxserve.model")
 
@@ -120,6 +121,7 @@ class Model:
         kv_dtype: str = "auto",
         bit_storage: bool = False,
         place: bool = True,
+        num_window_pages: int | None = None,
     ) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention), conv/recurrent states (GDN,
         Mamba-2: `recurrent_state_shapes`) or nothing (an MLP-only block).
@@ -128,15 +130,21 @@ class Model:
         `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
         (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
         weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
+        `num_window_pages`: window-aware paging, the sliding-window layers' own pool (per layer).
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
-            if cfg.layer_types[j] == ATTENTION:
+            if cfg.mla is not None:  # one latent row per token and layer
+                kv.append(LatentPages.create(G * num_pages, page_size, cfg.mla.latent_width, dtype, bit_storage))
+                conv.append(None)
+                rec.append(None)
+            elif cfg.layer_types[j] == ATTENTION:
+                pages = num_pages if num_window_pages is None or cfg.sliding_window(j) is None else num_window_pages
                 kv.append(
                     KVPages.create(
-                        G * num_pages,
+                        G * pages,
                         page_size,
                         kv_heads_held(cfg, self.tp),
                         cfg.head_dim,
@@ -158,11 +166,17 @@ class Model:
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
-    def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
-        """KV bytes per token over all layers and all devices (repeated KV heads counted)."""
+    def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all") -> int:
+        """KV bytes per token over all devices (repeated KV heads counted) of the attention layers
+        `layers`: "all", "full" (no sliding window) or "window" (window-aware paging's two pools)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
+        if self.cfg.mla is not None:  # MLA: one row of latent + RoPE key, no heads
+            return self.cfg.num_attention_layers * self.cfg.mla.latent_width * itemsize
         heads = kv_heads_held(self.cfg, self.tp)
-        return 2 * self.cfg.num_attention_layers * heads * self.cfg.head_dim * itemsize
+        cfg = self.cfg
+        windowed = sum(t == ATTENTION and cfg.sliding_window(i) is not None for i, t in enumerate(cfg.layer_types))
+        count = {"all": cfg.num_attention_layers, "full": cfg.num_attention_layers - windowed, "window": windowed}
+        return 2 * count[layers] * heads * cfg.head_dim * itemsize
 
     def state_bytes_per_slot(self) -> int:
         """One state slot's bytes (fp32 conv and recurrent states of every GDN / Mamba-2 layer)."""

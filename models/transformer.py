@@ -22,10 +22,12 @@ from jax import lax
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
+from models.deepseek_moe import deepseek_moe
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.gpt_oss import gpt_oss_moe
 from models.mamba2 import mamba2_layer
 from models.mamba2_config import MAMBA, NO_MIXER, NO_MLP
+from models.mla_attention import mla_layer
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
 from pallas_kernels import cpu_native
@@ -81,13 +83,16 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
     page_size = kv.k.shape[2]
-    slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
-    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=batch.block_tables.shape[0])
+    block_tables, slot_mapping = batch.block_tables, batch.slot_mapping
+    if sliding_window is not None and batch.window_block_tables is not None:  # window-aware paging
+        block_tables, slot_mapping = batch.window_block_tables, batch.window_slot_mapping
+    slots = jnp.where(slot_mapping < 0, -1, slot_mapping + page_offset * page_size)
+    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=block_tables.shape[0])
     out = ops.paged_attention(
         q,
         kv,
         batch.kv_lens,
-        batch.block_tables + page_offset,
+        block_tables + page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
         opts,
@@ -206,7 +211,10 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         kind = cfg.layer_types[layer]
         if kind != NO_MIXER:
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-            if kind == ATTENTION:
+            if cfg.mla is not None:  # MLA: one latent row per token (models/mla_attention.py)
+                offset = g * (kv_list[j].num_pages // n_groups)
+                h, kv_list[j] = mla_layer(p, h, kv_list[j], batch, ropes[0], offset, cfg, opts)
+            elif kind == ATTENTION:
                 pages_per_layer = kv_list[j].k.shape[0] // n_groups
                 window = cfg.sliding_window(layer)
                 rope = ropes[window is not None]
@@ -224,7 +232,7 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         if cfg.mlp_types[layer] == "dense":
             h = dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows, act=cfg.hidden_act)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
-            moe = gpt_oss_moe if cfg.gpt_oss_moe else moe_mlp
+            moe = gpt_oss_moe if cfg.gpt_oss_moe else deepseek_moe if cfg.deepseek_moe is not None else moe_mlp
             h = tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
         if cfg.sandwich_norms:
             h = rms_norm(h, p["mlp_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

@@ -109,6 +109,10 @@ class DisaggregationHooks:
     """`KVTransferHooks` for the prefill and decode roles, over a connector from KV_CONNECTORS."""
 
     def __init__(self, config: KVTransferConfig, engine: EngineRequests, *, model, caches: dict, cache_config, opts):
+        if model.cfg.mla is not None:
+            raise ValueError(
+                "P/D disaggregation does not transfer MLA latent pages (DeepSeek-V3) yet: serve the model colocated"
+            )
         self.engine = engine
         self.config = config
         self.model, self.opts, self.page_size = model, opts, cache_config.page_size
