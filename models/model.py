@@ -44,6 +44,7 @@ class Model:
         self._tokenizer = None
         self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
         self.quantization: dict[str, str] = {}  # module path -> scheme it got (empty: all float)
+        self.state_dtype = "float32"  # GDN state slots (launch key cache.state_dtype); set before init_caches
 
     @property
     def tokenizer(self):
@@ -161,8 +162,8 @@ class Model:
             else:
                 kv.append(None)
                 conv_shape, rec_shape = recurrent_state_shapes(cfg)
-                conv.append(jnp.zeros((G * num_slots, *conv_shape), jnp.float32))
-                rec.append(jnp.zeros((G * num_slots, *rec_shape), jnp.float32))
+                conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
+                rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
@@ -179,9 +180,9 @@ class Model:
         return 2 * count[layers] * heads * cfg.head_dim * itemsize
 
     def state_bytes_per_slot(self) -> int:
-        """One state slot's bytes (fp32 conv and recurrent states of every GDN / Mamba-2 layer)."""
+        """One state slot's bytes (conv and recurrent states of every GDN / Mamba-2 layer, in `state_dtype`)."""
         per_layer = sum(np.prod(shape) for shape in recurrent_state_shapes(self.cfg))
-        return int(4 * per_layer * self.cfg.num_linear_layers)
+        return int(jnp.dtype(self.state_dtype).itemsize * per_layer * self.cfg.num_linear_layers)
 
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""

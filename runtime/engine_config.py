@@ -194,6 +194,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; None: memory_fraction of the device
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     kv_cache_dtype: str = _C.kv_cache_dtype  # auto | bfloat16 | float32 | fp8_e4m3 | fp8_e5m2
+    state_dtype: str = _C.state_dtype  # GDN state slots: float32 | bfloat16 (the recurrence computes in f32)
     num_state_slots: int | None = None  # GDN slots incl. null slot; None: from max_num_seqs
     enable_prefix_caching: bool = _C.enable_prefix_caching
     hybrid_checkpoint_policy: str = _C.hybrid_checkpoint_policy  # GDN hybrids: paged_kv.CheckpointPolicy spec
@@ -312,6 +313,7 @@ _ENGINE_RULES = {
     "num_pages": rules.optional(rules.num_pages),
     "memory_fraction": rules.memory_fraction,
     "kv_cache_dtype": rules.one_of(rules.KV_CACHE_DTYPES),
+    "state_dtype": rules.one_of(rules.STATE_DTYPES),
     "num_state_slots": rules.optional(rules.num_state_slots),
     "hybrid_checkpoint_budget": rules.optional(rules.checkpoint_budget),
     **{name: rule for name, rule in _SCHEDULER_RULES.items() if name != "max_model_len"},
@@ -334,6 +336,7 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "num_pages": "cache.num_pages",
     "memory_fraction": "cache.memory_fraction",
     "kv_cache_dtype": "cache.kv_cache_dtype",
+    "state_dtype": "cache.state_dtype",
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "hybrid_checkpoint_policy": "cache.hybrid_checkpoint_policy",
     "hybrid_checkpoint_budget": "cache.hybrid_checkpoint_budget",

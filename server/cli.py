@@ -103,6 +103,12 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
         convert=_KV_DTYPES.get,
     ),
     ConfigFlag(
+        "--state-dtype",
+        "cache.state_dtype",
+        "GDN state slot dtype (vLLM's --mamba-ssm-cache-dtype; the recurrence computes in float32)",
+        choices=rules.STATE_DTYPES,
+    ),
+    ConfigFlag(
         "--enable-prefix-caching", "cache.enable_prefix_caching", "share KV pages of common prefixes", boolean=True
     ),
     ConfigFlag(

@@ -102,8 +102,10 @@ def test_ragged_paged_attention_options_compile(tpu):
     jax.jit(attention).trace(*args).lower().compile()
 
 
-def test_gdn_compiles(tpu, dtype="bfloat16"):
-    """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch."""
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # cache.state_dtype
+def test_gdn_compiles(tpu, state_dtype, dtype="bfloat16"):
+    """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch; state
+    slots in float32 or bfloat16 (the latter staged through a bf16 VMEM buffer)."""
     _, sharding = tpu
     spec = lambda shape, dt: _spec(shape, dt, sharding)
     tokens, seqs, slots = 200, 8, 9
@@ -113,7 +115,7 @@ def test_gdn_compiles(tpu, dtype="bfloat16"):
         spec((tokens, 4, 128), dtype),
         spec((tokens, 4), jnp.float32),
         spec((tokens, 4), jnp.float32),
-        spec((slots, 4, 128, 128), jnp.float32),
+        spec((slots, 4, 128, 128), state_dtype),
         spec((seqs + 1,), jnp.int32),
         spec((seqs,), jnp.int32),
         spec((seqs,), jnp.bool_),
@@ -123,6 +125,7 @@ def test_gdn_compiles(tpu, dtype="bfloat16"):
     compiled = jax.jit(gdn).trace(*args).lower().compile()
     out, state = compiled.out_info
     assert out.shape == (tokens, 4, 128) and state.shape == (slots, 4, 128, 128)
+    assert state.dtype == jnp.dtype(state_dtype)
 
 
 # (kv dtype, head dim, page size). A scatter of token rows into the pool wanted its own layouts:

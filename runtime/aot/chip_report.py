@@ -202,6 +202,7 @@ def plan_config(
     cfg = parse_config(read_json(model_config_json(launch)))
     dtype = launch.model.dtype
     model = abstract_model(cfg, dtype, launch.model.path)
+    model.state_dtype = launch.cache.state_dtype
     # the checkpoint's count, taken before sharding may repeat KV heads (models.sharding.repeat_kv_heads)
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
     gpu = chip.platform == "gpu"
@@ -296,6 +297,7 @@ def plan_config(
                 blocks_per_seq=blocks_per_seq,
                 gpu=gpu,
                 expert_parallel=par.expert,
+                state_dtype=cache.state_dtype,
             )
             steps = [
                 dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from models.config import ConfigError
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
@@ -56,6 +57,12 @@ def prepare_model(
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
         shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
+    loaded.state_dtype = config.state_dtype  # the GDN state slots' dtype (Model.init_caches)
+    if config.state_dtype != "float32" and loaded.cfg.mamba is not None:
+        raise ConfigError(
+            f"cache.state_dtype {config.state_dtype!r} is for GDN hybrids; Mamba-2 (Nemotron-H) state slots are "
+            "float32 only for now (the SSD path does not round its state on store yet)"
+        )
     backend = jax.default_backend()
     plan = plan or plan_execution(
         config, loaded.cfg, backend, dtype=loaded.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
