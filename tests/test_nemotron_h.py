@@ -444,3 +444,11 @@ def test_jaxserve_plan_refuses_a_tensor_parallel_mesh():
     )
     with pytest.raises(PlanError, match="not supported for Mamba-2 hybrids"):
         plan_config(launch, name, token_buckets=(), compile_sampler=False)
+
+
+def test_bfloat16_state_slots_refused_at_start_up(tiny_checkpoint):
+    """cache.state_dtype bfloat16 is for GDN hybrids: a Mamba-2 model refuses it with a message."""
+    from runtime.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="Mamba-2"):
+        LLMEngine(small_engine_config(tiny_checkpoint(FAMILY), state_dtype="bfloat16"))
