@@ -127,12 +127,12 @@ class CacheSection(_Section):
     # way. bfloat16 halves the state per sequence (docs/prefix_caching.md, "State dtype").
     state_dtype: Annotated[str, AfterValidator(rules.one_of(rules.STATE_DTYPES))] = "float32"
     enable_prefix_caching: bool = True
-    # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
-    # align:<tokens>, ends, every_page) and the largest fraction of cache memory their slots
-    # (2 per sequence) may use (null: the original 2 x max_num_seqs slots shared with running
-    # requests). docs/prefix_caching.md.
+    # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py) and the largest fraction
+    # of cache memory their slots may use (null: 2 x max_num_seqs slots shared). docs/prefix_caching.md.
     hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|ends|every_page|align:\d+)(,\w+=\d+)*$")
     hybrid_checkpoint_budget: Annotated[float | None, AfterValidator(rules.optional(rules.checkpoint_budget))] = 0.25
+    # sliding-window layers' KV in a window-sized pool (paged_kv/window_pages.py); null: on where a model has them
+    window_paging: bool | None = None
 
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> CacheSection:

@@ -20,6 +20,7 @@ import numpy as np
 
 from models.batch import single_sequence_batch
 from models.config import ATTENTION, ModelConfig, parse_config
+from models.mamba2_config import NO_MIXER, recurrent_state_shapes
 from models.ops import KernelOptions
 from models.orbax_io import is_orbax_checkpoint, restore_params
 from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
@@ -31,6 +32,7 @@ from models.sharding import kv_heads_held, shard_caches, shard_model
 from models.transformer import compute_logits, forward, out_in_projections, unstack_layers
 from models.weights import DictSource, load_params
 from pallas_kernels.kv_cache import KVPages
+from pallas_kernels.mla import LatentPages
 
 log = logging.getLogger("jaxserve.model")
 
@@ -120,22 +122,30 @@ class Model:
         kv_dtype: str = "auto",
         bit_storage: bool = False,
         place: bool = True,
+        num_window_pages: int | None = None,
     ) -> dict:
-        """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
+        """Zeroed caches: per group position, a KV page pool (attention), conv/recurrent states (GDN,
+        Mamba-2: `recurrent_state_shapes`) or nothing (an MLP-only block).
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
         `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
         (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
         weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
+        `num_window_pages`: window-aware paging, the sliding-window layers' own pool (per layer).
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
-            if cfg.layer_types[j] == ATTENTION:
+            if cfg.mla is not None:  # one latent row per token and layer
+                kv.append(LatentPages.create(G * num_pages, page_size, cfg.mla.latent_width, dtype, bit_storage))
+                conv.append(None)
+                rec.append(None)
+            elif cfg.layer_types[j] == ATTENTION:
+                pages = num_pages if num_window_pages is None or cfg.sliding_window(j) is None else num_window_pages
                 kv.append(
                     KVPages.create(
-                        G * num_pages,
+                        G * pages,
                         page_size,
                         kv_heads_held(cfg, self.tp),
                         cfg.head_dim,
@@ -145,31 +155,34 @@ class Model:
                 )
                 conv.append(None)
                 rec.append(None)
+            elif cfg.layer_types[j] == NO_MIXER:
+                kv.append(None)
+                conv.append(None)
+                rec.append(None)
             else:
                 kv.append(None)
-                W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
-                conv.append(jnp.zeros((G * num_slots, W - 1, C), self.state_dtype))
-                rec.append(
-                    jnp.zeros(
-                        (G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                        self.state_dtype,
-                    )
-                )
+                conv_shape, rec_shape = recurrent_state_shapes(cfg)
+                conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
+                rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
-    def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
-        """KV bytes per token over all layers and all devices (repeated KV heads counted)."""
+    def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all") -> int:
+        """KV bytes per token over all devices (repeated KV heads counted) of the attention layers
+        `layers`: "all", "full" (no sliding window) or "window" (window-aware paging's two pools)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
+        if self.cfg.mla is not None:  # MLA: one row of latent + RoPE key, no heads
+            return self.cfg.num_attention_layers * self.cfg.mla.latent_width * itemsize
         heads = kv_heads_held(self.cfg, self.tp)
-        return 2 * self.cfg.num_attention_layers * heads * self.cfg.head_dim * itemsize
+        cfg = self.cfg
+        windowed = sum(t == ATTENTION and cfg.sliding_window(i) is not None for i, t in enumerate(cfg.layer_types))
+        count = {"all": cfg.num_attention_layers, "full": cfg.num_attention_layers - windowed, "window": windowed}
+        return 2 * count[layers] * heads * cfg.head_dim * itemsize
 
     def state_bytes_per_slot(self) -> int:
-        c = self.cfg
-        per_layer = (
-            c.linear_conv_kernel_dim - 1
-        ) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        return jnp.dtype(self.state_dtype).itemsize * per_layer * c.num_linear_layers
+        """One state slot's bytes (conv and recurrent states of every GDN / Mamba-2 layer, in `state_dtype`)."""
+        per_layer = sum(np.prod(shape) for shape in recurrent_state_shapes(self.cfg))
+        return int(jnp.dtype(self.state_dtype).itemsize * per_layer * self.cfg.num_linear_layers)
 
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""

@@ -1,25 +1,21 @@
 """Tiny random HF checkpoints and a locally trained tokenizer, for tests and benchmarks.
 
-`write_random_checkpoint(family, out_dir)` builds an HF transformers model (torch, CPU) with
-deliberately awkward small dimensions (GQA ratios > 1, head_dim != hidden / heads, odd vocab,
-non-default hybrid layer patterns), fills every weight from a seeded normal distribution and
-saves it in the HF layout: config.json, model.safetensors, generation_config.json,
-tokenizer.json, tokenizer_config.json. HF transformers' PyTorch model of the same directory is
-the oracle our JAX models are tested against.
-
-The tokenizer is a byte-level BPE trained in about a second on the Python standard library's
-own sources, so nothing is downloaded. It carries the ChatML special tokens and chat template.
+`write_random_checkpoint(family, out_dir)` builds an HF transformers model (torch, CPU) with deliberately
+awkward small dimensions (GQA ratios > 1, head_dim != hidden / heads, odd vocab, non-default hybrid layer
+patterns), fills every weight from a seeded normal distribution and saves it in the HF layout: config.json,
+model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json. HF transformers' PyTorch
+model of the same directory is the oracle our JAX models are tested against.
+The tokenizer is a byte-level BPE trained in about a second on the Python standard library's own
+sources (nothing is downloaded), with the ChatML special tokens and chat template.
 
 torch, transformers and tokenizers are imported inside functions: importing this module is free.
 
 CLI (bigger random checkpoints for benchmarks), e.g. a ~0.98B Qwen3.5-shaped model
 (16 layers, HF's 3 GDN : 1 attention pattern when --num-hidden-layers is given):
-    python -m models.random_checkpoint qwen3_5 /tmp/q35-1b --dtype bfloat16 \
-        --hidden-size 2048 --num-hidden-layers 16 --intermediate-size 6144 \
-        --num-attention-heads 8 --num-key-value-heads 2 --head-dim 256 \
-        --linear-num-key-heads 16 --linear-num-value-heads 16 \
-        --linear-key-head-dim 128 --linear-value-head-dim 128 \
-        --vocab-size 32003 --max-position-embeddings 32768 --set tie_word_embeddings=true
+    python -m models.random_checkpoint qwen3_5 /tmp/q35-1b --dtype bfloat16 --hidden-size 2048 \
+        --num-hidden-layers 16 --intermediate-size 6144 --num-attention-heads 8 --num-key-value-heads 2 \
+        --head-dim 256 --linear-num-key-heads 16 --linear-num-value-heads 16 --linear-key-head-dim 128 \
+        --linear-value-head-dim 128 --vocab-size 32003 --max-position-embeddings 32768 --set tie_word_embeddings=true
 """
 
 from __future__ import annotations
@@ -31,11 +27,13 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from models.random_deepseek import DEEPSEEK_SPECS
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
+from models.random_nemotron_h import NEMOTRON_H_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3")  # tests/test_gpt_oss.py, tests/test_gemma3.py
+ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", "nemotron_h", *DEEPSEEK_SPECS)  # each with its own test module
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -173,9 +171,9 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         ),
     ),
-    "gpt_oss": GPT_OSS_SPEC,
-    "gemma3": GEMMA3_SPEC,
+    **dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, nemotron_h=NEMOTRON_H_SPEC, **DEEPSEEK_SPECS),
 }
+RANDOM_BUFFERS = ("e_score_correction_bias",)  # drawn like weights: HF's zeros would hide their omission
 
 
 def describe(family: str) -> dict[str, Any]:
@@ -298,7 +296,7 @@ def _build_config(family: str, overrides: dict[str, Any], special_ids: dict[str,
     if "num_hidden_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
         del kwargs["layer_types"]  # HF default: 3 linear-attention layers, then 1 full attention
     kwargs.update(overrides)
-    rope = kwargs["rope_parameters"]
+    rope = kwargs.get("rope_parameters") or {}  # Nemotron-H has none
     if "mrope_section" in rope and "rope_parameters" not in overrides:
         rope["mrope_section"] = _mrope_section(int(kwargs["head_dim"] * rope["partial_rotary_factor"]))
     if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:
@@ -354,6 +352,8 @@ def _fill_random_(model, *, seed: int, std: float) -> None:
             else:
                 value = normal(0.0, std)
             param.copy_(value.to(param.dtype))
+        for buffer in (b for n, b in model.named_buffers() if n.rpartition(".")[2] in RANDOM_BUFFERS):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator, dtype=torch.float32) * std)
 
 
 def write_random_checkpoint(

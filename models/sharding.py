@@ -79,10 +79,16 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
+    if m > 1 and cfg.mamba is not None:
+        raise ValueError(
+            f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
+            "its in_proj / conv / SSM heads have no split rule yet; serve it with parallel.mesh.model 1"
+        )
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 else 1
-    attention = _divides(hq, m) and _divides(hkv * kv_repeat, m)
+    kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
+    # MLA: query heads split (q_b_proj / kv_b_proj columns, o_proj rows); the latent rows are replicated
+    attention = _divides(hq, m) and (cfg.mla is not None or _divides(hkv * kv_repeat, m))
     if m > 1 and cfg.num_attention_layers and not attention:
         log.warning("attention replicated: %d query / %d KV heads do not divide by model axis %d", hq, hkv, m)
     if m > 1 and cfg.num_attention_layers and kv_repeat > 1:
@@ -202,7 +208,20 @@ NORM_RULES = {
     "attn_out_norm": REPLICATED,
     "mlp_out_norm": REPLICATED,
 }
+# MLA (models/mla_attention.py): per-head projections split, the latent's replicated; DeepSeek's router
+MLA_RULES = {
+    "q_a_proj": REPLICATED,
+    "q_a_norm": REPLICATED,
+    "q_b_proj": COLUMN,
+    "kv_a_proj": REPLICATED,
+    "kv_a_norm": REPLICATED,
+    "kv_b_proj": COLUMN,
+    "ds_router": REPLICATED,
+    "e_score_bias": REPLICATED,
+}
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
+# Mamba-2's own names (the rest are GDN's): whole on one device (`tensor_parallel_plan` refuses m > 1)
+MAMBA2_RULES = dict.fromkeys(("in_proj", "in_bias", "conv_bias", "D", "out_bias"), REPLICATED)
 
 
 def _spec_for(rule: str, ndim: int, axis: str) -> P:
@@ -230,7 +249,8 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
     """PartitionSpecs of one layer-group position's stacked parameters ({name: [G, ...] array})."""
     m, axis = plan.size, plan.axis
     kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
-    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES}
+    kind_ok.update(dict.fromkeys(("q_b_proj", "kv_b_proj"), plan.attention))
+    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES, **MLA_RULES, **MAMBA2_RULES}
     if plan.expert:
         rules.update(EXPERT_PARALLEL_RULES)
     specs = {}
@@ -381,7 +401,7 @@ def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     """PartitionSpecs matching `caches` (arrays or ShapeDtypeStructs): KV pages [P, Hkv, ps, D] and
     scales [P, Hkv] on the (held: `kv_heads_held`) KV heads, conv state [N, W-1, C] on channels, rec [N, H, K, V] on value heads."""
     axis = plan.axis
-    head = P(None, axis) if plan.attention else P()
+    head = P(None, axis) if plan.attention and cfg.mla is None else P()  # MLA's latent rows: replicated
     kv = tuple(None if pages is None else jax.tree.map(lambda _: head, pages) for pages in caches["kv"])
     conv = tuple(None if c is None else (P(None, None, axis) if plan.gdn else P()) for c in caches["conv"])
     rec = tuple(None if r is None else (P(None, axis) if plan.gdn else P()) for r in caches["rec"])

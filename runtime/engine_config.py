@@ -50,6 +50,8 @@ class CacheConfig:
     # "auto"); "page" here keeps unit tests' checkpoints on every page boundary.
     checkpoint_policy: str = "page"
     num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
+    window: int | None = None  # window-aware paging: the sliding window whose layers page apart
+    num_window_pages: int = 0  # their pool, with the null page
 
     def __post_init__(self) -> None:
         rules.check_fields(
@@ -65,6 +67,8 @@ class CacheConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             checkpoint_policy=self.checkpoint_policy,
             num_checkpoint_slots=self.num_checkpoint_slots,
+            window=self.window,
+            num_window_pages=self.num_window_pages,
         )
 
 
@@ -196,6 +200,8 @@ class EngineConfig:
     hybrid_checkpoint_policy: str = _C.hybrid_checkpoint_policy  # GDN hybrids: paged_kv.CheckpointPolicy spec
     # max fraction of cache memory for checkpoints; None: 2 x max_num_seqs shared
     hybrid_checkpoint_budget: float | None = _C.hybrid_checkpoint_budget
+    # window-aware paging for sliding-window layers; None: on where the model has them (one rank, no P/D role)
+    window_paging: bool | None = _C.window_paging
     # ---- scheduler: launch section `scheduler`
     max_num_seqs: int = _S.max_num_seqs
     max_num_batched_tokens: int = _S.max_num_batched_tokens
@@ -232,11 +238,18 @@ class EngineConfig:
             self.quantization_config()  # raises ValueError naming the field
 
     def cache_config(
-        self, num_pages: int, max_model_len: int, num_state_slots: int = 0, num_checkpoint_slots: int | None = None
+        self,
+        num_pages: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
+        num_checkpoint_slots: int | None = None,
+        window: tuple[int, int] | None = None,
     ) -> CacheConfig:
         """The page pool and state slots once the engine has sized them; ValueError if the pool
-        cannot hold one sequence of `max_model_len` tokens."""
+        cannot hold one sequence of `max_model_len` tokens. `window`: window-aware paging's
+        (sliding window, window pool pages)."""
         check_pool_holds_one_sequence(num_pages, self.page_size, max_model_len)
+        window, num_window_pages = window or (None, 0)
         return CacheConfig(
             page_size=self.page_size,
             num_pages=num_pages,
@@ -244,6 +257,8 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             checkpoint_policy=self.hybrid_checkpoint_policy,
             num_checkpoint_slots=num_checkpoint_slots,
+            window=window,
+            num_window_pages=num_window_pages,
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -325,6 +340,7 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "hybrid_checkpoint_policy": "cache.hybrid_checkpoint_policy",
     "hybrid_checkpoint_budget": "cache.hybrid_checkpoint_budget",
+    "window_paging": "cache.window_paging",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "policy": "scheduler.policy",

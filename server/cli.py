@@ -111,6 +111,12 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag(
         "--enable-prefix-caching", "cache.enable_prefix_caching", "share KV pages of common prefixes", boolean=True
     ),
+    ConfigFlag(
+        "--window-paging",
+        "cache.window_paging",
+        "sliding-window layers keep window-sized KV (default: on where the model has them)",
+        boolean=True,
+    ),
     ConfigFlag("--chat-template", "server.chat_template", "a Jinja chat template (or a file) replacing the model's"),
     ConfigFlag(
         "--trust-request-chat-template",

@@ -9,9 +9,10 @@
 
 Arrays: per attention position j of the layer pattern, `kv{j}.k` / `kv{j}.v` `[G*n, Hkv, ps, D]`
 (the request's pages of every layer group g, g-major, padded with the null page) and for FP8
-`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN position j, `conv{j}` `[G, W-1, C]` and
-`rec{j}` `[G, H, K, V]` (the request's slot) in the prefill side's `state_dtype`, bfloat16 as raw
-bits; the decode side casts them to its own state dtype. The decode side checks every field
+`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN (Mamba-2) position j, `conv{j}` `[G, W-1, C]`
+and `rec{j}` `[G, H, K, V]` (`[G, H, P, N]`) (the request's slot) in the prefill side's `state_dtype`,
+bfloat16 as raw bits; the decode side casts them to its own state dtype; an MLP-only position has none.
+The decode side checks every field
 against its own model and the request's prompt before it allocates or pulls a byte
 (`check_descriptor`): types, the dtype allow-list, page size and page count consistent with the
 token count, the model signature including the checkpoint's fingerprint (models/fingerprint.py),
@@ -24,6 +25,7 @@ import hashlib
 import math
 import struct
 
+from models.mamba2_config import recurrent_state_shapes
 from runtime.kv_transfer.base import TransferError
 
 DESCRIPTOR_VERSION = 1
@@ -73,9 +75,9 @@ def model_signature(cfg, num_groups: int, fingerprint: str = "") -> dict:
         "vocab_size": cfg.vocab_size,
         "fingerprint": fingerprint,
     }
-    if cfg.is_hybrid:
-        sig["conv"] = [cfg.linear_conv_kernel_dim - 1, cfg.conv_dim]
-        sig["rec"] = [cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim]
+    if cfg.is_hybrid:  # one slot's states per recurrent layer (GDN or Mamba-2)
+        conv, rec = recurrent_state_shapes(cfg)
+        sig["conv"], sig["rec"] = list(conv), list(rec)
     return sig
 
 

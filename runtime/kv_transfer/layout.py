@@ -22,6 +22,7 @@ import numpy as np
 
 from models import ops
 from models.config import ATTENTION
+from models.mamba2_config import NO_MIXER
 from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
 from runtime.kv_transfer.descriptor import LAST_TOKEN_RULE, build_descriptor, model_signature
@@ -53,7 +54,7 @@ def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: i
             out += [_to_wire(k, kv.dtype), _to_wire(v, kv.dtype)]
             if kv.k_scale is not None:
                 out += [kv.k_scale[idx][:, heads], kv.v_scale[idx][:, heads]]
-        else:
+        elif rec is not None:
             G = rec.shape[0] // num_slots
             idx = jnp.arange(G) * num_slots + slot
             out += [_to_wire(conv[idx], conv.dtype), _to_wire(rec[idx], rec.dtype)]
@@ -62,10 +63,10 @@ def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: i
 
 def _names(caches) -> list[str]:
     names = []
-    for j, kv in enumerate(caches["kv"]):
+    for j, (kv, rec) in enumerate(zip(caches["kv"], caches["rec"])):
         if kv is not None:
             names += [f"kv{j}.k", f"kv{j}.v"] + ([f"kv{j}.k_scale", f"kv{j}.v_scale"] if kv.k_scale is not None else [])
-        else:
+        elif rec is not None:
             names += [f"conv{j}", f"rec{j}"]
     return names
 
@@ -145,7 +146,8 @@ def kv_repeat_of(caches, cfg) -> int:
 
 def model_groups(caches, num_pages: int, num_slots: int) -> int:
     for kv, rec in zip(caches["kv"], caches["rec"]):
-        return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
+        if kv is not None or rec is not None:
+            return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
     return 1
 
 
@@ -164,7 +166,7 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
             want += [[f"kv{j}.k", page, wire], [f"kv{j}.v", page, wire]]
             if kv_dtype.itemsize == 1:
                 want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
-        else:
+        elif kind != NO_MIXER:
             want += [[f"conv{j}", [G] + sig["conv"], state_wire], [f"rec{j}", [G] + sig["rec"], state_wire]]
     if desc["arrays"] != want:
         raise TransferError(f"descriptor arrays {desc['arrays']} differ from what this model expects {want}")
@@ -223,6 +225,8 @@ def _write(
     kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     logical = jnp.dtype(kv_dtype)
     for j, kv in enumerate(caches["kv"]):
+        if kv is None and caches["rec"][j] is None:  # an MLP-only block
+            continue
         if kv is None:
             conv, rec = arrays.pop(0), arrays.pop(0)
             G = conv.shape[0]
