@@ -359,6 +359,8 @@ jax.config.update("jax_num_cpu_devices", 5)
 import numpy as np
 from models.model import load_model
 from models.sharding import shard_model
+from runtime.engine.construction import default_num_pages
+from runtime.engine_config import EngineConfig
 from runtime.parallel.mesh import make_mesh
 
 ids = np.random.default_rng(0).integers(3, 1031, size=40).tolist()
@@ -369,13 +371,16 @@ for path, devices, ep in ((sys.argv[1], 5, False), (sys.argv[2], 2, True)):
     split = "q_b_proj" in model.params["groups"][0] and len(model.params["groups"][0]["q_b_proj"].sharding.device_set) == 5
     print("SPLIT", model.tp.attention, model.tp.expert, split, group["experts_down"].sharding.spec)
     print("ERR", float(np.abs(model.logits(ids) - ref).max()))
+    config = EngineConfig(model=path, page_size=8, kv_cache_memory_bytes=1 << 20, max_num_seqs=64, max_model_len=1024)
+    print("PAGES", default_num_pages(config, model, 128, 0), model.cache_bytes_per_token())
 """
 
 
 def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     """5 devices: the 5 query heads split (q_b_proj / kv_b_proj columns, o_proj rows), the latent
-    rows replicated; 2 devices with expert parallelism: the 6 routed experts 3 per device, attention
-    replicated (5 heads). A subprocess: the device count must not leak. Same logits as one device."""
+    rows replicated (the pool sized from a byte budget counts every row on every device); 2 devices
+    with expert parallelism: the 6 routed experts 3 per device, attention replicated (5 heads). A
+    subprocess: the device count must not leak. Same logits as one device."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     paths = [str(tiny_checkpoint(f)) for f in FAMILIES]
@@ -387,6 +392,8 @@ def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     errs = [float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("ERR ")]
     assert splits[0].startswith("SPLIT True False True") and splits[1].startswith("SPLIT False True"), splits
     assert len(errs) == 2 and max(errs) <= 1e-5, errs
+    pools = [tuple(map(int, x.split()[1:])) for x in proc.stdout.splitlines() if x.startswith("PAGES ")]
+    assert len(pools) == 2 and all(pages == (1 << 20) // (per_token * 8) for pages, per_token in pools), pools
 
 
 def test_pd_is_refused_at_start_up(ours):

@@ -103,8 +103,8 @@ def default_num_pages(config: EngineConfig, model: Model, max_blocks_per_seq: in
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype), 1) * config.page_size  # all layers
     state_bytes = num_slots * model.state_bytes_per_slot_per_device()
     tp = model.tp
-    if tp is not None and tp.attention:
-        per_page = -(-per_page // tp.size)  # each device holds its KV heads only
+    if tp is not None and tp.attention and model.cfg.mla is None:
+        per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA's latent rows: all)
     budget = cache_budget_bytes(config)
     return int(max(2, min(want, (budget - state_bytes) // per_page)))
 
