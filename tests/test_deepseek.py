@@ -425,3 +425,23 @@ def test_unsupported_options_are_refused_at_load(tiny_checkpoint, tmp_path, fiel
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     with pytest.raises(ConfigError, match=match):
         load_model(tmp_path)
+
+
+def test_mla_impl_follows_the_attention_back_end():
+    """The MLA op's implementation: the attention back-end's name where the op has it, else the
+    op's "auto" on the platform (the target one for a named Pallas kernel: `jaxserve plan` compiles
+    for a TPU from this CPU host, where the native C++ call does not exist), else "chunked"."""
+    from models.mla_attention import mla_impl
+    from pallas_kernels.mla import LatentPages
+
+    floats, bits = LatentPages.create(2, 8, 28, "float32"), LatentPages.create(2, 8, 28, "bfloat16", bit_storage=True)
+    cases = [
+        ("auto", False, floats, "native"),
+        ("reference", False, bits, "reference"),
+        ("chunked", False, bits, "chunked"),
+        ("pallas_tpu", False, floats, "chunked"),
+        ("pallas_gpu", False, floats, "chunked"),
+        ("pallas", True, floats, "chunked"),  # interpret mode on CPU: no MLA entry picked
+    ]
+    for attention, interpret, latent, want in cases:
+        assert mla_impl(KernelOptions(attention=attention, interpret=interpret), latent) == want, attention
