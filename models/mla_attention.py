@@ -30,6 +30,8 @@ from pallas_kernels.kernel_impls import resolve
 from pallas_kernels.kv_cache import KVPages
 from pallas_kernels.kv_write import write_kv
 
+# attention back-ends that name their target platform (pallas_kernels/ragged_paged_attention.py)
+TARGETS = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 # HF builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not `rms_norm_eps`
 LATENT_NORM_EPS = 1e-6
 
@@ -73,12 +75,14 @@ def mla_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def mla_impl(opts: ops.KernelOptions, latent: mla.LatentPages) -> str:
     """The MLA op's implementation: the attention back-end's name where the MLA op has one (the
-    execution plan picked it for this platform), else the MLA op's own "auto" there; where that
-    names nothing (Pallas interpret mode on CPU before MLA kernels exist) or cannot read the
-    pages' bit storage, "chunked", the jnp path every platform runs."""
+    execution plan picked it for this platform), else the MLA op's own "auto" there (the target
+    platform for "pallas_tpu" / "pallas_gpu"); where that names nothing (Pallas interpret mode on
+    CPU, or a TPU / GPU, before MLA kernels exist) or cannot read the pages' bit storage,
+    "chunked", the jnp path every platform runs."""
     choice = opts.attention if opts.attention in mla.KERNELS else "auto"
+    platform = TARGETS.get(opts.attention, jax.default_backend())  # `jaxserve plan` targets a chip from a CPU host
     try:
-        name = resolve(mla.KERNELS, choice, jax.default_backend(), opts.interpret)
+        name = resolve(mla.KERNELS, choice, platform, opts.interpret)
     except ValueError:
         name = "chunked"
     if latent.view is not None and not mla.KERNELS[name].kv_bits:

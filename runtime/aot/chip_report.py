@@ -75,6 +75,7 @@ SHIPPED_MODEL_CONFIGS = {
     "gemma-3-27b-it": "gemma-3-27b.json",
     "gemma-3-27b-pt": "gemma-3-27b.json",
     "Nemotron-H-8B-Base-8K": "nemotron-h-8b.json",
+    "DeepSeek-V3": "deepseek-v3.json",
 }
 
 
@@ -219,7 +220,8 @@ def plan_config(
     kv_dtype = cache.kv_cache_dtype
     per_token = model.cache_bytes_per_token(kv_dtype)
     # per_token counts the KV heads the model holds (repeated where fewer than the devices): split over all
-    per_token_device = per_token // tp_size if model.tp is not None and model.tp.attention else per_token
+    split = model.tp is not None and model.tp.attention and cfg.mla is None  # MLA's latent rows are replicated
+    per_token_device = per_token // tp_size if split else per_token
     weights_device = per_device_bytes(model.params)
     # what the engine's cache_budget_bytes is on the device once the weights are loaded
     cache_bytes = int(chip.hbm_bytes * (cache.memory_fraction or DEFAULT_MEMORY_FRACTION)) - weights_device
