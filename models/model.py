@@ -119,6 +119,7 @@ class Model:
         kv_dtype: str = "auto",
         bit_storage: bool = False,
         place: bool = True,
+        token_minor: bool = False,
     ) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
 
@@ -126,6 +127,7 @@ class Model:
         `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
         (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
         weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
+        `token_minor`: pages stored [P, Hkv, D, ps] (the TPU kernel, head_dim < 128: `KVPages`).
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -140,6 +142,7 @@ class Model:
                         cfg.head_dim,
                         dtype,
                         bit_storage=bit_storage,
+                        token_minor=token_minor,
                     )
                 )
                 conv.append(None)

@@ -78,7 +78,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     q = apply_rope(q, cos, sin, cfg.rotary_dim)
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
-    page_size = kv.k.shape[2]
+    page_size = kv.page_size
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
     kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=batch.block_tables.shape[0])
     out = ops.paged_attention(

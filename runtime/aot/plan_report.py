@@ -42,6 +42,8 @@ class PlanReport:
     num_checkpoint_slots: int | None = None  # of num_state_slots; None: no checkpoints, or shared (no budget)
     checkpoint_budget: float | None = None  # cache.hybrid_checkpoint_budget, when checkpoints are kept
     cache_bytes: int = 0  # per device: memory_fraction x HBM - weights (KV pages + state slots)
+    warnings: list[str] = dataclasses.field(default_factory=list)  # fits, but wasteful (printed, in the JSON)
+    kv_token_minor: bool = False  # KV pages stored [P, Hkv, D, ps] (TPU, head_dim < 128)
 
     @property
     def checkpoint_budget_bytes(self) -> int | None:
@@ -109,7 +111,7 @@ def format_report(r: PlanReport) -> str:
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
         f"  per device{scope}: weights {gib(r.weight_bytes)}, KV {gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
-        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
+        f"tokens{', stored token-minor' if r.kv_token_minor else ''}, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
         f"memory_fraction {r.memory_fraction} of HBM {gib(r.chip.hbm_bytes)}",
         f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
         f"{'GFLOP':>12}{'GB (XLA)':>11}",
@@ -126,6 +128,7 @@ def format_report(r: PlanReport) -> str:
             "memory = array sizes, no temp)"
         )
     lines += [line for _, _, line in roofline_lines(r)]
+    lines += [f"  warning: {w}" for w in r.warnings]
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
     return "\n".join(lines)
 
@@ -178,6 +181,7 @@ def report_json(r: PlanReport) -> dict:
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "num_pages": r.num_pages,
         "page_size": r.page_size,
+        "kv_token_minor": r.kv_token_minor,
         "state_bytes": r.state_bytes,
         "num_state_slots": r.num_state_slots,  # incl. the null slot and the checkpoint slots
         "state_bytes_per_slot": r.state_bytes_per_slot,
@@ -209,4 +213,5 @@ def report_json(r: PlanReport) -> dict:
         ],
         "fits": r.fits,
         "problems": list(r.problems),
+        "warnings": list(r.warnings),
     }
