@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--hlo", type=Path, help="write each compiled module's HLO text into this directory")
-    parser.add_argument("--only", help="run only the cases whose label contains this")
+    parser.add_argument("--only", help="run only the cases whose label contains one of these (comma-separated)")
     parser.add_argument("--bucket", type=int, default=16, help="the token bucket compiled (16: decode)")
     args = parser.parse_args(argv)
     import jax
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(f"{'case':<40}{'KV':>10}{'state':>10}{'max temp':>10}{'temp/(KV+state)':>17}")
     for name, kv_dtype, page_size, num_pages in CASES:
-        if args.only and args.only not in f"{name}-{kv_dtype}-ps{page_size}":
+        if args.only and not any(o in f"{name}-{kv_dtype}-ps{page_size}" for o in args.only.split(",")):
             continue
         row = plan_case(name, kv_dtype, page_size, num_pages, args.hlo, args.bucket)
         rows.append(row)
@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"target": "tpu-v5e 1x1 (libtpu compile-only, this CPU host)", "jax": jax.__version__}
         meta["jaxlib"] = jaxlib.__version__
-        meta["command"] = f"python -m benchmarks.cache_copies --bucket {args.bucket} --out {args.out}"
+        meta["command"] = f"python -m benchmarks.cache_copies --bucket {args.bucket} --out {args.out}" + (
+            f" --only {args.only}" if args.only else ""
+        )
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 
