@@ -7,13 +7,15 @@ case for one v5e chip with libtpu's real compiler (runtime/aot/chip_report.py: o
 no sampler, no cost compiles) and prints, per case, the KV and GDN-state bytes beside the largest
 temp of the compiled backbone. A step that updates its caches in place needs no temp that grows
 with the pool; a copy of the pool shows as temp >= KV. `--hlo DIR` writes each compiled module's
-text (`compiled.as_text()`) for reading where the copy is.
+text (`compiled.as_text()`) for reading where the copy is; `--copies` also lists, per case, the
+largest `copy` instructions of the compiled HLO (a whole-pool copy is one of them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -40,6 +42,7 @@ CHECKPOINTS = {
         },
     ),
     "llama-hd128": ("llama", {"head_dim": 128}),
+    "llama-hd64": ("llama", {"head_dim": 64}),
 }
 # (checkpoint, kv_cache_dtype, page_size, num_pages)
 CASES = (
@@ -49,7 +52,11 @@ CASES = (
     ("qwen3_5-hd256", "fp8_e4m3", 128, 1025),
     ("qwen3_5-hd32", "bfloat16", 128, 8193),
     ("qwen3_5-hd32", "fp8_e4m3", 128, 8193),
+    ("qwen3_5-hd32", "bfloat16", 16, 65537),  # 16-token pages: not token-minor (plan warns)
     ("llama-hd16", "bfloat16", 128, 8193),
+    ("llama-hd16", "fp8_e4m3", 128, 8193),
+    ("llama-hd64", "bfloat16", 128, 2049),
+    ("llama-hd64", "fp8_e4m3", 256, 2049),
     ("qwen3_5-hd256-2groups", "bfloat16", 128, 513),
     ("qwen3_5-hd256-2groups", "fp8_e4m3", 128, 1025),
     ("llama-hd128", "bfloat16", 128, 1025),
@@ -66,6 +73,25 @@ def checkpoint(name: str) -> Path:
     if not (path / "config.json").exists():
         write_random_checkpoint(family, path, **overrides)
     return path
+
+
+_SHAPE = re.compile(r"^\s*(\S+) = (\w+)\[([\d,]*)\]\{([^}]*)\}[^=]*?\bcopy\(")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "u8": 1, "s8": 1}
+
+
+def largest_copies(hlo_text: str, top: int = 3) -> list[dict]:
+    """The `top` largest `copy` instructions of a compiled module: name, shape, layout, bytes (dense)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _SHAPE.match(line)
+        if m is None:
+            continue
+        name, dtype, dims, layout = m.groups()
+        size = _BYTES.get(dtype, 4)
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        found.append({"name": name, "shape": f"{dtype}[{dims}]", "layout": layout, "bytes": size})
+    return sorted(found, key=lambda c: -c["bytes"])[:top]
 
 
 def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir: Path | None, bucket: int = 16) -> dict:
@@ -102,6 +128,7 @@ def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir:
     finally:
         chip_report.figures = figures
     label = f"{name}-{kv_dtype}-ps{page_size}-T{bucket}"
+    big_copies = {step_name: largest_copies(exe.as_text()) for step_name, exe in compiled.items()}
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         for step_name, exe in compiled.items():
@@ -125,7 +152,10 @@ def plan_case(name: str, kv_dtype: str, page_size: int, num_pages: int, hlo_dir:
         "temp_over_caches": temp / max(report.kv_bytes + report.state_bytes, 1),
         "steps": steps,
         "problems": report.problems,
+        "kv_token_minor": getattr(report, "kv_token_minor", False),  # pages [P, Hkv, D, ps]
+        "warnings": getattr(report, "warnings", []),
         "plan_seconds": round(seconds, 1),
+        "largest_copies": big_copies,
     }
 
 
@@ -133,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--hlo", type=Path, help="write each compiled module's HLO text into this directory")
-    parser.add_argument("--only", help="run only the cases whose label contains this")
+    parser.add_argument("--only", help="run only the cases whose label contains one of these (comma-separated)")
     parser.add_argument("--bucket", type=int, default=16, help="the token bucket compiled (16: decode)")
     args = parser.parse_args(argv)
     import jax
@@ -141,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(f"{'case':<40}{'KV':>10}{'state':>10}{'max temp':>10}{'temp/(KV+state)':>17}")
     for name, kv_dtype, page_size, num_pages in CASES:
-        if args.only and args.only not in f"{name}-{kv_dtype}-ps{page_size}":
+        if args.only and not any(o in f"{name}-{kv_dtype}-ps{page_size}" for o in args.only.split(",")):
             continue
         row = plan_case(name, kv_dtype, page_size, num_pages, args.hlo, args.bucket)
         rows.append(row)
@@ -156,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"target": "tpu-v5e 1x1 (libtpu compile-only, this CPU host)", "jax": jax.__version__}
         meta["jaxlib"] = jaxlib.__version__
-        meta["command"] = f"python -m benchmarks.cache_copies --bucket {args.bucket} --out {args.out}"
+        meta["command"] = f"python -m benchmarks.cache_copies --bucket {args.bucket} --out {args.out}" + (
+            f" --only {args.only}" if args.only else ""
+        )
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 

@@ -49,13 +49,21 @@ def abstract_caches(
     kv_dtype: str = "auto",
     bit_storage: bool = False,
     num_window_pages: int | None = None,
+    token_minor: bool = False,
 ):
     """ShapeDtypeStructs of `model.init_caches(...)`, with the cache shardings of a sharded model."""
     from models.sharding import cache_shardings
 
     shapes = jax.eval_shape(
         lambda: model.init_caches(
-            num_pages, page_size, num_slots, kv_dtype, bit_storage, place=False, num_window_pages=num_window_pages
+            num_pages,
+            page_size,
+            num_slots,
+            kv_dtype,
+            bit_storage,
+            place=False,
+            num_window_pages=num_window_pages,
+            token_minor=token_minor,
         )
     )
     if model.tp is None:

@@ -123,6 +123,7 @@ class Model:
         bit_storage: bool = False,
         place: bool = True,
         num_window_pages: int | None = None,
+        token_minor: bool = False,
     ) -> dict:
         """Zeroed caches: per group position, a KV page pool (attention), conv/recurrent states (GDN,
         Mamba-2: `recurrent_state_shapes`) or nothing (an MLP-only block).
@@ -132,6 +133,7 @@ class Model:
         (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
         weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
         `num_window_pages`: window-aware paging, the sliding-window layers' own pool (per layer).
+        `token_minor`: pages stored [P, Hkv, D, ps] (the TPU kernel, head_dim < 128: `KVPages`).
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -151,6 +153,7 @@ class Model:
                         cfg.head_dim,
                         dtype,
                         bit_storage=bit_storage,
+                        token_minor=token_minor,
                     )
                 )
                 conv.append(None)

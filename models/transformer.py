@@ -82,7 +82,7 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     q = apply_rope(q, cos, sin, cfg.rotary_dim)
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
-    page_size = kv.k.shape[2]
+    page_size = kv.page_size
     block_tables, slot_mapping = batch.block_tables, batch.slot_mapping
     if sliding_window is not None and batch.window_block_tables is not None:  # window-aware paging
         block_tables, slot_mapping = batch.window_block_tables, batch.window_slot_mapping

@@ -13,6 +13,7 @@ the whole pool: on TPU the pool stays in its own layout (docs/scaling.md, "The c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,7 +26,15 @@ from pallas_kernels.kv_cache import KVPages, fp8_max, quantize
 _MIN_SCALE = 1e-30
 
 
-def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int | None):
+def _set_tokens(kv: KVPages, pages, at, offset, tokens):
+    """`pages[at[t], :, offset[t]] = tokens[t]` in the storage layout (token-minor: the token is the
+    last axis); tokens [T, Hkv, D]; `at` out of range: dropped."""
+    if kv.token_minor:
+        return pages.at[at, :, :, offset].set(tokens, mode="drop")
+    return pages.at[at, :, offset].set(tokens, mode="drop")
+
+
+def _write_pages(kv: KVPages, pages, page, offset, valid, tokens, refresh, max_pages: int | None):
     """Writes this step's `tokens` [T, Hkv, D] (already in the pages' stored form) into `pages`
     a whole page at a time: each distinct page written is gathered once, `refresh(page_copies,
     page_ids)` applied (FP8: requantized to the grown scale), the tokens set into it, and the page
@@ -41,8 +50,8 @@ def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int | N
     first = jnp.full((num_pages + 1,), T, jnp.int32).at[page].min(jnp.arange(T, dtype=jnp.int32))[page]
     owns = valid & (first == jnp.arange(T))  # one token per distinct page written
     if max_pages is None:
-        copies = refresh(pages[jnp.minimum(page, num_pages - 1)], page)  # [T, Hkv, ps, D]
-        copies = copies.at[jnp.where(valid, first, T), :, offset].set(tokens, mode="drop")
+        copies = refresh(pages[jnp.minimum(page, num_pages - 1)], page)  # [T, Hkv, ps, D] (or D, ps)
+        copies = _set_tokens(kv, copies, jnp.where(valid, first, T), offset, tokens)
         return pages.at[jnp.where(owns, page, num_pages)].set(copies, mode="drop")
     n = max(1, min(max_pages, T))
     rounds = -(-T // n)
@@ -53,10 +62,10 @@ def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int | N
 
     def one_round(r, pages):
         ids = page[lax.dynamic_slice_in_dim(owners, r * n, n)]  # [n] page ids (past count: unused)
-        copies = refresh(pages[jnp.minimum(ids, num_pages - 1)], ids)  # [n, Hkv, ps, D]
+        copies = refresh(pages[jnp.minimum(ids, num_pages - 1)], ids)  # [n, Hkv, ps, D] (or D, ps)
         at = target - r * n
         at = jnp.where((at >= 0) & (at < n), at, n)  # other rounds' tokens (and padding) dropped
-        copies = copies.at[at, :, offset].set(tokens, mode="drop")
+        copies = _set_tokens(kv, copies, at, offset, tokens)
 
         def put(j, pages):
             return lax.dynamic_update_slice_in_dim(pages, copies[j][None], ids[j], axis=0)
@@ -67,10 +76,11 @@ def _write_pages(pages, page, offset, valid, tokens, refresh, max_pages: int | N
 
 
 def _write_plain(kv: KVPages, pages, new, page, offset, valid, max_pages: int | None):
-    # pages: [P, Hkv, ps, D]; new: [T, Hkv, D]; page/offset: [T] (page == P for padding -> dropped)
+    # pages: [P, Hkv, ps, D] (token-minor: [P, Hkv, D, ps]); new: [T, Hkv, D]; page/offset: [T]
+    # (page == P for padding -> dropped)
     if max_pages is None:
-        return pages.at[page, :, offset].set(kv.store(new), mode="drop")
-    return _write_pages(pages, page, offset, valid, kv.store(new), lambda copies, ids: copies, max_pages)
+        return _set_tokens(kv, pages, page, offset, kv.store(new))
+    return _write_pages(kv, pages, page, offset, valid, kv.store(new), lambda copies, ids: copies, max_pages)
 
 
 def _write_fp8(
@@ -105,7 +115,7 @@ def _write_fp8(
 
     token_scale = new_scale[jnp.minimum(page, num_pages - 1)][:, :, None]  # [T, Hkv, 1]
     tokens = kv.store(quantize(new, token_scale, kv.dtype))
-    return _write_pages(pages, page, offset, valid, tokens, requantize, max_pages), new_scale
+    return _write_pages(kv, pages, page, offset, valid, tokens, requantize, max_pages), new_scale
 
 
 @functools.partial(jax.jit, static_argnames=("whole_pages", "max_seqs"))
@@ -120,7 +130,8 @@ def write_kv(
 ) -> KVPages:
     """Writes token t's K/V to slot `slot_mapping[t] = page * ps + offset` (-1: padding, skipped).
 
-    kv: KVPages with pages [P, Hkv, ps, D]; k, v: [T, Hkv, D]; slot_mapping: [T] int32.
+    kv: KVPages with pages [P, Hkv, ps, D] (or token-minor [P, Hkv, D, ps]); k, v: [T, Hkv, D];
+    slot_mapping: [T] int32.
     `whole_pages` (the TPU path): no scatter into the pool; each page written is put back whole
     by dynamic-update-slice. Otherwise float pages take a token scatter and FP8 pages one scatter
     of whole pages. Same result either way.
@@ -142,11 +153,11 @@ def write_kv(
     max_pages = T if max_seqs is None else min(T, T // kv.page_size + 2 * max_seqs)
     max_pages = max_pages if whole_pages else None
     if not kv.quantized:
-        return KVPages(
+        return dataclasses.replace(
+            kv,
             k=_write_plain(kv, kv.k, k, page, offset, valid, max_pages),
             v=_write_plain(kv, kv.v, v, page, offset, valid, max_pages),
-            view=kv.view,
         )
     k_pages, k_scale = _write_fp8(kv, kv.k, kv.k_scale, k, page, offset, valid, max_pages)
     v_pages, v_scale = _write_fp8(kv, kv.v, kv.v_scale, v, page, offset, valid, max_pages)
-    return KVPages(k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale, view=kv.view)
+    return dataclasses.replace(kv, k=k_pages, v=v_pages, k_scale=k_scale, v_scale=v_scale)

@@ -173,14 +173,21 @@ def ragged_paged_attention_reference(
     )
 
 
+def _head_major(args: tuple) -> tuple:
+    """Token-minor pages (the TPU kernel's layout for head_dim < 128) as [P, Hkv, ps, D] for the
+    paths that read that layout (a copy of the pool: these paths never serve token-minor pools)."""
+    q, kv, *rest = args
+    return (q, kv.with_token_minor(False), *rest)
+
+
 def _reference(*args, interpret, **options):
-    return ragged_paged_attention_reference(*args, **options)
+    return ragged_paged_attention_reference(*_head_major(args), **options)
 
 
 def _chunked(*args, interpret, native=False, **options):
     from pallas_kernels.rpa_chunked import ragged_paged_attention_chunked
 
-    return ragged_paged_attention_chunked(*args, **options, native=native)
+    return ragged_paged_attention_chunked(*_head_major(args), **options, native=native)
 
 
 def _pallas_tpu(*args, **options):
@@ -192,7 +199,7 @@ def _pallas_tpu(*args, **options):
 def _pallas_gpu(*args, **options):
     from pallas_kernels.rpa_kernel_gpu import ragged_paged_attention_gpu
 
-    return ragged_paged_attention_gpu(*args, **options)
+    return ragged_paged_attention_gpu(*_head_major(args), **options)
 
 
 def _pallas(*args, interpret, **options):
@@ -234,7 +241,8 @@ def ragged_paged_attention(
     """Causal attention of a ragged batch over paged KV.
 
     q:            [T, Hq, D] float32/bfloat16
-    kv:           KVPages, pages [P, Hkv, ps, D] (FP8 pages carry [P, Hkv] f32 scales)
+    kv:           KVPages, pages [P, Hkv, ps, D] (FP8 pages carry [P, Hkv] f32 scales); token-minor
+                  pages [P, Hkv, D, ps] are read in place by the TPU kernel, copied for the others
     kv_lens:      [S] int32, context length of each sequence including this step's tokens
     block_tables: [S, MB] int32, logical block -> physical page
     cu_q_lens:    [S+1] int32, sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1]

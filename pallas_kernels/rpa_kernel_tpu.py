@@ -15,7 +15,9 @@ Layouts follow the real Mosaic compiler's tiling rules (checked by tests/test_ke
 every dynamic DMA offset is on a leading, untiled dim. Queries are [Hkv, T, G, D] (a block of
 `block_q` tokens is reshaped in VMEM to rows = token * G + group member), a key block is
 [pages_per_block, ps, D] in VMEM (one page per leading index, so FP8's (32, 128) tiles hold at
-ps = 16), and FP8 scales are [P, 1, Hkv]. An item writes all `block_q` tokens; rows past its sequence's end belong to later
+ps = 16), and FP8 scales are [P, 1, Hkv]. Token-minor pages (`KVPages.token_minor`, head_dim < 128)
+arrive as [D, ps] tiles: scores are q @ k ([rows, D] x [D, keys]) and the output probs @ v^T,
+so neither the pool nor a page is ever relaid out. An item writes all `block_q` tokens; rows past its sequence's end belong to later
 sequences, which the sequential work axis writes afterwards.
 """
 
@@ -53,6 +55,8 @@ def _kernel(
     soft_cap,
     quantized,
     has_sinks,
+    page_size,
+    token_minor,
 ):
     rest = list(rest)
     k_scale_hbm, v_scale_hbm = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
@@ -64,7 +68,6 @@ def _kernel(
     head = pl.program_id(0)
     work = pl.program_id(1)
     rows = block_q * group
-    page_size = k_hbm.shape[2]
     keys_per_block = pages_per_block * page_size
 
     @pl.when(work < num_work_ref[0])
@@ -135,10 +138,17 @@ def _kernel(
 
             for copy in page_copies(block, slot):
                 copy.wait()
-            k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)  # [keys, D]
-            v = v_vmem[slot].reshape(keys_per_block, -1)
-            key_pos = first_key + col  # [rows, keys]
-            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [rows, keys]
+            if token_minor:  # pages [D, ps]: keys on the lanes, whole 128-lane rows per page
+                pages_k = [k_vmem[slot, i] for i in range(pages_per_block)]
+                pages_v = [v_vmem[slot, i] for i in range(pages_per_block)]
+                k = (pages_k[0] if pages_per_block == 1 else jnp.concatenate(pages_k, axis=1)).astype(q.dtype)
+                v = pages_v[0] if pages_per_block == 1 else jnp.concatenate(pages_v, axis=1)  # [D, keys]
+                scores = lax.dot_general(q, k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            else:
+                k = k_vmem[slot].reshape(keys_per_block, -1).astype(q.dtype)  # [keys, D]
+                v = v_vmem[slot].reshape(keys_per_block, -1)
+                scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            key_pos = first_key + col  # [rows, keys]; scores [rows, keys]
             if quantized:
                 scores = scores * column_scales(0, slot)
             scores = scores * sm_scale
@@ -156,10 +166,11 @@ def _kernel(
                 probs = jnp.where(visible, probs * column_scales(1, slot), 0.0)
             # Unused page slots may hold NaN, and 0 * NaN = NaN inside the matmul.
             # (Keys before the window in the first page are real: only whole pages are freed.)
-            v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            key_axis = 1 if token_minor else 0
+            v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, key_axis)
             v = jnp.where(v_pos < kv_len, v.astype(q.dtype), jnp.zeros((), q.dtype))
             pv = lax.dot_general(
-                probs.astype(q.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                probs.astype(q.dtype), v, (((1,), (key_axis,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, D]
             return m_next, l_next, alpha * acc_prev + pv
 
@@ -206,7 +217,7 @@ def ragged_paged_attention_tpu(
 ) -> jax.Array:
     """TPU kernel; arguments as `ragged_paged_attention` (int32 metadata, num_seqs shape [])."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _num_pages, num_kv_heads, page_size, _ = kv.k.shape
+    num_kv_heads, page_size = kv.num_kv_heads, kv.page_size
     num_seqs_padded, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     block_q = block_q or default_block_q(group)
@@ -226,11 +237,12 @@ def ragged_paged_attention_tpu(
     inputs = [q_heads, kv.k, kv.v]
     in_specs = [any_spec] * 3
     q_block = (block_q, group, head_dim)
+    page_tile = (head_dim, page_size) if kv.token_minor else (page_size, head_dim)
     scratch = [
         pltpu.VMEM(q_block, q.dtype),
         pltpu.VMEM(q_block, q.dtype),
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype),
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.v.dtype),
+        pltpu.VMEM((2, pages_per_block, *page_tile), kv.k.dtype),
+        pltpu.VMEM((2, pages_per_block, *page_tile), kv.v.dtype),
     ]
     if kv.quantized:
         inputs += [kv.k_scale[:, None, :], kv.v_scale[:, None, :]]  # [P, 1, Hkv]
@@ -255,6 +267,8 @@ def ragged_paged_attention_tpu(
         soft_cap=soft_cap,
         quantized=kv.quantized,
         has_sinks=sinks is not None,
+        page_size=page_size,
+        token_minor=kv.token_minor,
     )
     out_rows = pl.pallas_call(
         kernel,

@@ -50,11 +50,20 @@ def _spec(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
 
-def _attention_args(sharding, kv_dtype, head_dim, page_size, tokens, *, q_heads=8, kv_heads=2, seqs=8, max_blocks=32):
+def _attention_args(
+    sharding, kv_dtype, head_dim, page_size, tokens, *, q_heads=8, kv_heads=2, seqs=8, max_blocks=32, token_minor=False
+):
     spec = lambda shape, dtype: _spec(shape, dtype, sharding)
-    page_shape = (seqs * max_blocks + 1, kv_heads, page_size, head_dim)
+    minor = (head_dim, page_size) if token_minor else (page_size, head_dim)
+    page_shape = (seqs * max_blocks + 1, kv_heads, *minor)
     scale = spec(page_shape[:2], jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
-    kv = KVPages(k=spec(page_shape, kv_dtype), v=spec(page_shape, kv_dtype), k_scale=scale, v_scale=scale)
+    kv = KVPages(
+        k=spec(page_shape, kv_dtype),
+        v=spec(page_shape, kv_dtype),
+        k_scale=scale,
+        v_scale=scale,
+        token_minor=token_minor,
+    )
     return (
         spec((tokens, q_heads, head_dim), jnp.bfloat16),
         kv,
@@ -130,16 +139,26 @@ def test_gdn_compiles(tpu, state_dtype, dtype="bfloat16"):
 
 # (kv dtype, head dim, page size). A scatter of token rows into the pool wanted its own layouts:
 # offset-major pages inside a loop, and (8, 128) tiles for FP8 where 128-token pages are (32, 128).
-IN_PLACE_CASES = [("bfloat16", 128, 128), ("bfloat16", 256, 16), ("float8_e4m3fn", 256, 128), ("float8_e5m2", 128, 64)]
+# Head dims below 128 are stored token-minor ([P, Hkv, D, ps], 128-token pages): head-major pages
+# [P, Hkv, ps, D] are lane-padded to 128 / D x in the kernel's layout, a copy of the pool (below).
+IN_PLACE_CASES = [
+    ("bfloat16", 128, 128),
+    ("bfloat16", 256, 16),
+    ("float8_e4m3fn", 256, 128),
+    ("float8_e5m2", 128, 64),
+    ("bfloat16", 32, 128, True),
+    ("float8_e4m3fn", 64, 256, True),
+]
 
 
-def _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, max_blocks, whole_pages=True):
+def _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, max_blocks, whole_pages=True, token_minor=False):
     """(pool bytes, compiled memory analysis) of a decode step: KV write, then attention, pages donated."""
     q, kv, kv_lens, block_tables, cu_q_lens, num_seqs = _attention_args(
-        sharding, kv_dtype, head_dim, page_size, 8, max_blocks=max_blocks
+        sharding, kv_dtype, head_dim, page_size, 8, max_blocks=max_blocks, token_minor=token_minor
     )
     if kv.quantized:  # two scale arrays: one donated buffer cannot be two arguments
-        kv = KVPages(k=kv.k, v=kv.v, k_scale=kv.k_scale, v_scale=_spec(kv.k_scale.shape, jnp.float32, sharding))
+        v_scale = _spec(kv.k_scale.shape, jnp.float32, sharding)
+        kv = KVPages(k=kv.k, v=kv.v, k_scale=kv.k_scale, v_scale=v_scale, token_minor=token_minor)
     new = _spec((8, 2, head_dim), jnp.bfloat16, sharding)
     slots = _spec((8,), jnp.int32, sharding)
 
@@ -159,14 +178,17 @@ def _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, max_block
     return 2 * kv.k.size * jnp.dtype(kv_dtype).itemsize, compiled.memory_analysis()
 
 
-@pytest.mark.parametrize("kv_dtype,head_dim,page_size", IN_PLACE_CASES)
-def test_kv_write_then_attention_updates_the_pool_in_place(tpu, kv_dtype, head_dim, page_size):
+@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kv_write_then_attention_updates_the_pool_in_place(tpu, case):
     """Two layers of KV write + attention over the donated pages, in a loop as the layer scan: the
     pages are aliased, and the temp does not grow with the pool (the token scatter used to copy
     it: 0.38 GiB of temp for 0.25 GiB of FP8 KV, benchmarks/cache_copies.py)."""
+    kv_dtype, head_dim, page_size, *token_minor = case
     _, sharding = tpu
-    small_pool, small = _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, 32)
-    pool, big = _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, 128)
+    small_pool, small = _write_then_attend_memory(
+        sharding, kv_dtype, head_dim, page_size, 32, token_minor=bool(token_minor)
+    )
+    pool, big = _write_then_attend_memory(sharding, kv_dtype, head_dim, page_size, 128, token_minor=bool(token_minor))
     assert big.alias_size_in_bytes >= pool
     grown = big.temp_size_in_bytes - small.temp_size_in_bytes
     assert grown < 0.05 * (pool - small_pool), f"temp grew {grown} bytes with {pool - small_pool} bytes of pool"
@@ -235,3 +257,12 @@ def test_mla_reads_a_row_major_pool_in_place(tpu, kv_dtype, page_size):
         default = compiled_with(sharding)
         assert default.input_formats[0][1].c.layout.major_to_minor != (0, 1, 2)
         assert default.memory_analysis().temp_size_in_bytes >= pool_bytes
+
+
+def test_head_major_pages_below_128_lanes_copy_the_pool(tpu):
+    """Why head_dim < 128 is stored token-minor: head-major [P, Hkv, 128, 32] pages make the step
+    hold a lane-padded copy of the pool (its temp grows by more than the pool does)."""
+    _, sharding = tpu
+    small_pool, small = _write_then_attend_memory(sharding, "bfloat16", 32, 128, 32)
+    pool, big = _write_then_attend_memory(sharding, "bfloat16", 32, 128, 128)
+    assert big.temp_size_in_bytes - small.temp_size_in_bytes > pool - small_pool

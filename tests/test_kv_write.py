@@ -71,13 +71,23 @@ def step_slots(rng):
 WRITE_MODES = {"scatter": (False, None), "whole-pages": (True, None), "whole-pages-in-rounds": (True, 0)}
 
 
+# token-minor: pages stored [P, Hkv, D, ps] (the TPU kernel's layout for head_dim < 128)
+LAYOUTS = pytest.mark.parametrize("token_minor", [False, True], ids=["head-major", "token-minor"])
+
+
+def _check_layout(kv, token_minor):
+    assert kv.token_minor == token_minor and (kv.page_size, kv.head_dim) == (PS, D)
+    assert kv.k.shape == ((P, HKV, D, PS) if token_minor else (P, HKV, PS, D))
+
+
+@LAYOUTS
 @pytest.mark.parametrize("mode", sorted(WRITE_MODES))
 @pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plain_write_round_trip(dtype, bit_storage, mode):
+def test_plain_write_round_trip(dtype, bit_storage, mode, token_minor):
     whole_pages, max_seqs = WRITE_MODES[mode]
     rng = np.random.default_rng(0)
-    kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
+    kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage, token_minor=token_minor)
     stored = jnp.uint16 if bit_storage and dtype == "bfloat16" else jnp.dtype(dtype)
     model = PageModel()
     for slots in step_slots(rng):
@@ -86,21 +96,23 @@ def test_plain_write_round_trip(dtype, bit_storage, mode):
         kv = write_kv(kv, jnp.asarray(k), jnp.asarray(v), slots_, whole_pages=whole_pages, max_seqs=max_seqs)
         model.write(k.astype(jnp.dtype(dtype)).astype(np.float64), v.astype(jnp.dtype(dtype)).astype(np.float64), slots)
     assert kv.k_scale is None and kv.dtype == jnp.dtype(dtype) and kv.k.dtype == stored
+    _check_layout(kv, token_minor)
     got_k, got_v = (np.asarray(x, np.float64) for x in kv.dequantized())
     # Untouched slots stay zero; written slots hold exactly what was written (in dtype).
     np.testing.assert_array_equal(got_k, model.values["k"])
     np.testing.assert_array_equal(got_v, model.values["v"])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("mode", sorted(WRITE_MODES))
 @pytest.mark.parametrize("bit_storage", [False, True], ids=["float-storage", "bit-storage"])
 @pytest.mark.parametrize("dtype", list(FP8))
-def test_fp8_write_round_trip_and_scales(dtype, bit_storage, mode):
+def test_fp8_write_round_trip_and_scales(dtype, bit_storage, mode, token_minor):
     whole_pages, max_seqs = WRITE_MODES[mode]
     storage, mantissa_bits, min_subnormal = FP8[dtype]
     fmax = float(ml_dtypes.finfo(storage).max)
     rng = np.random.default_rng(1)
-    kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage)
+    kv = KVPages.create(P, PS, HKV, D, dtype, bit_storage=bit_storage, token_minor=token_minor)
     assert kv.k.dtype == (jnp.uint8 if bit_storage else jnp.dtype(dtype))
     model = PageModel(fmax)
     previous_scale = np.asarray(kv.k_scale)
@@ -120,6 +132,7 @@ def test_fp8_write_round_trip_and_scales(dtype, bit_storage, mode):
         assert (np.asarray(kv.k_scale)[keep] >= previous_scale[keep]).all()
         previous_scale = np.asarray(kv.k_scale)
 
+    _check_layout(kv, token_minor)
     got = dict(zip("kv", (np.asarray(x, np.float64) for x in kv.dequantized())))
     assert all(np.isfinite(g).all() for g in got.values())
     filled = model.filled[:, None, :, None]  # [P, 1, ps, 1]

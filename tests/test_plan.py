@@ -26,6 +26,7 @@ from models.model import load_model
 from models.random_checkpoint import FAMILIES
 from models.safetensors_io import read_json
 from models.weights import abstract_params
+from runtime.aot import chip_report
 from runtime.aot.chip_report import PlanError, model_config_json, plan_config
 
 # Parameter counts the model cards publish (language model incl. embeddings; 9B / 27B / 80B).
@@ -219,3 +220,16 @@ def test_checkpoint_slots_follow_the_memory_budget(overrides, checkpoints):
         }
         assert checkpoints * slot <= data["budget_bytes"]
         assert f"{checkpoints} checkpoints within cache.hybrid_checkpoint_budget {fraction}" in format_report(r)
+
+
+def test_head_dims_below_128_are_stored_token_minor_on_tpu():
+    """The page layout rule plan shares with the engine: token-minor [P, Hkv, D, ps] pages on TPU for
+    head_dim < 128 with whole 128-token lane rows; other TPU page sizes keep the lane-padded copy and
+    get a warning naming the fix; GPU and head_dim >= 128 keep head-major pages."""
+    assert chip_report.kv_page_layout(32, 128, "tpu") == (True, None)
+    assert chip_report.kv_page_layout(64, 256, "tpu") == (True, None)
+    minor, warning = chip_report.kv_page_layout(32, 16, "tpu")
+    assert not minor and "16-token pages" in warning and "multiple of 128" in warning
+    assert chip_report.kv_page_layout(256, 16, "tpu") == (False, None)
+    assert chip_report.kv_page_layout(128, 128, "tpu") == (False, None)
+    assert chip_report.kv_page_layout(32, 128, "gpu") == (False, None)

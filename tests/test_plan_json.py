@@ -104,7 +104,12 @@ def test_plan_json_is_the_report_and_the_compilers_figures(tiny_checkpoint, tmp_
     launch = load_config(CONFIG, overrides)
     model = abstract_model(cfg, "bfloat16", str(path))
     shard_abstract_model(model, chip_report.target_mesh(launch), False)
-    caches = abstract_caches(model, data["num_pages"], data["page_size"], data["num_state_slots"], "fp8_e4m3")
+    # pages stored token-minor [P, Hkv, D, ps] on TPU when head_dim < 128 and pages are whole 128-lane rows
+    token_minor = cfg.head_dim < 128 and data["page_size"] % 128 == 0
+    assert data["kv_token_minor"] == token_minor
+    caches = abstract_caches(
+        model, data["num_pages"], data["page_size"], data["num_state_slots"], "fp8_e4m3", token_minor=token_minor
+    )
     _, seq_buckets = plan_buckets(4096, 32, None, "tpu")
     exes = StepExecutables(
         model,

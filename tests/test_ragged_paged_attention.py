@@ -318,6 +318,42 @@ def test_kernel_matches_reference(case):
     assert_close_bf16(got, oracle(batch, **options))
 
 
+# (kind, kv dtype, group, head_dim, page_size, pages_per_block, sliding_window): head dims below 128
+# with pages stored token-minor [P, Hkv, D, ps], as the TPU engine holds them (pallas_kernels/kv_cache.py)
+TOKEN_MINOR_CASES = [
+    ("mixed", "bf16", 4, 32, 128, None, None),
+    ("decode", "fp8_e4m3fn", 2, 64, 128, 2, None),
+    ("prefill", "bf16", 1, 16, 256, None, 100),
+]
+
+
+@pytest.mark.parametrize("case", TOKEN_MINOR_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_tpu_kernel_reads_token_minor_pages(case):
+    from pallas_kernels.rpa_kernel_tpu import ragged_paged_attention_tpu
+
+    kind, kv_dtype, group, head_dim, page_size, pages_per_block, sliding_window = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    seqs = random_seqs(rng, kind, 3)
+    batch = make_batch(
+        rng, seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size, kv_dtype=kv_dtype
+    )
+    minor = dataclasses.replace(batch, kv=batch.kv.with_token_minor(True))
+    assert minor.kv.k.shape[2:] == (head_dim, page_size) and minor.kv.page_size == page_size
+    options = dict(sm_scale=head_dim**-0.5, sliding_window=sliding_window)
+    args = (minor.q, minor.kv, minor.kv_lens, minor.block_tables, minor.cu_q_lens, minor.num_seqs)
+    try:
+        got = ragged_paged_attention_tpu(
+            *args, **options, pages_per_block=pages_per_block, interpret=pltpu.InterpretParams()
+        )
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    got = np.asarray(got.astype(jnp.float32))[: batch.real_tokens]
+    assert np.isfinite(got).all()
+    assert_close_bf16(got, oracle(batch, **options))
+    # the jnp paths read token-minor pages too (through a head-major copy)
+    assert_close_bf16(run(minor, impl="chunked", **options), oracle(batch, **options))
+
+
 def test_tpu_kernel_under_tpu_simulator():
     rng = np.random.default_rng(11)
     seqs = [(17, 17), (1, 65), (5, 40)]

@@ -14,7 +14,9 @@ within `cache.hybrid_checkpoint_budget` of that memory (`state_slots`).
 
 GPU targets cannot be compiled without a CUDA device (jaxlib has no CUDA compile-only client):
 the step is lowered for CUDA (which runs the Triton kernels' lowering) and the memory figures
-are the arrays' own sizes, marked `analytic`.
+are the arrays' own sizes, marked `analytic`. On a machine with a GPU (`gpu_attached`) every
+bucket is compiled on it like a TPU target, with the compiler's memory analysis
+(benchmarks/gpu_check.sh runs that for the H200 config).
 
 Attention data parallelism (`mesh.data` D > 1, runtime/parallel/data_parallel.py): every figure is one
 DP rank's (num_pages, state slots and max_num_seqs are per rank, and a device holds its rank's
@@ -47,6 +49,7 @@ from models.ops import KernelOptions
 from models.safetensors_io import read_json
 from paged_kv.checkpoint_policy import plan_state_slots
 from paged_kv.window_pages import window_pool_pages
+from pallas_kernels.kv_cache import token_minor_fits
 from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
 from runtime.aot.plan_report import ROOFLINE_CONTEXT, PlanError, PlanReport, format_report, gib, report_json
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
@@ -128,6 +131,31 @@ def target_mesh(launch: LaunchConfig) -> Mesh:
         )
     grid = np.array(devices, dtype=object).reshape(mesh.data, mesh.model)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def kv_page_layout(head_dim: int, page_size: int, platform: str) -> tuple[bool, str | None]:
+    """(pages stored token-minor, a warning or None): the engine's rule (runtime/engine/construction.py).
+    On TPU a head_dim below 128 is stored token-minor ([P, Hkv, D, ps]) when the page holds whole
+    128-token lane rows; otherwise the kernel's tiles pad head_dim to 128 lanes and the compiled step
+    holds a lane-padded copy of the pool (measured: benchmarks/results/cache-copies/)."""
+    if platform != "tpu" or head_dim >= 128:
+        return False, None
+    if token_minor_fits(head_dim, page_size):
+        return True, None
+    return False, (
+        f"head_dim {head_dim} < 128 with {page_size}-token pages: the TPU attention kernel pads head_dim to "
+        f"128 lanes, so the step holds a lane-padded copy of the KV pool as temp (up to {128 // head_dim} x "
+        f"its bytes); set cache.page_size to a multiple of 128 (pages then stored token-minor, no copy)"
+    )
+
+
+def gpu_attached() -> bool:
+    """Whether this process has a CUDA device: then a GPU config's steps are compiled on it (the
+    compiler's memory analysis, temp included) instead of only lowered."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 # ---- sizing: the engine's rule ---------------------------------------------------------------------
@@ -237,8 +265,15 @@ def plan_config(
         state_device + window_device,
         sched.max_num_seqs * blocks_per_seq + 1,
     )
+    token_minor, layout_warning = kv_page_layout(cfg.head_dim, page_size, chip.platform)
     caches = abstract_caches(
-        model, num_pages, page_size, max(slots, 2), kv_dtype, num_window_pages=num_window_pages or None
+        model,
+        num_pages,
+        page_size,
+        max(slots, 2),
+        kv_dtype,
+        num_window_pages=num_window_pages or None,
+        token_minor=token_minor,
     )
     kv_device = per_device_bytes(caches["kv"])
     if (num_pages - 1) * page_size < max_model_len:
@@ -255,9 +290,9 @@ def plan_config(
     steps: list[StepFigures] = []
     if problems:
         pass  # the weights alone overflow: nothing worth compiling
-    elif gpu:
+    elif gpu and not gpu_attached():
         steps = gpu_lowered(model, caches, opts, buckets, sched, blocks_per_seq)
-    else:
+    else:  # a TPU slice through topologies, or the GPU this process runs on
         exes = StepExecutables(
             model,
             caches,
@@ -300,6 +335,7 @@ def plan_config(
                 gpu=gpu,
                 expert_parallel=par.expert,
                 state_dtype=cache.state_dtype,
+                token_minor=token_minor,
             )
             steps = [
                 dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
@@ -339,4 +375,6 @@ def plan_config(
         cache_bytes=cache_bytes,
         window=window,
         num_window_pages=num_window_pages,
+        warnings=[] if layout_warning is None else [layout_warning],
+        kv_token_minor=token_minor,
     )

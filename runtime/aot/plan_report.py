@@ -54,6 +54,9 @@ class PlanReport:
             return full
         return min(full, (self.num_window_pages - 1) // window_pages_per_sequence(self.window, self.page_size, 1))
 
+    warnings: list[str] = dataclasses.field(default_factory=list)  # fits, but wasteful (printed, in the JSON)
+    kv_token_minor: bool = False  # KV pages stored [P, Hkv, D, ps] (TPU, head_dim < 128)
+
     @property
     def checkpoint_budget_bytes(self) -> int | None:
         return None if self.checkpoint_budget is None else int(self.checkpoint_budget * self.cache_bytes)
@@ -120,7 +123,7 @@ def format_report(r: PlanReport) -> str:
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
         f"({mesh}, {r.num_processes} process{'es' if r.num_processes > 1 else ''})",
         f"  per device{scope}: weights {gib(r.weight_bytes)}, KV {gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
-        f"tokens, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
+        f"tokens{', stored token-minor' if r.kv_token_minor else ''}, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
         f"memory_fraction {r.memory_fraction} of HBM {gib(r.chip.hbm_bytes)}",
         f"  KV pools hold {r.max_sequences(r.max_model_len)} sequences of max_model_len {r.max_model_len}"
         + (f" (window paging: window {r.window}, {r.num_window_pages} window pages)" if r.window else ""),
@@ -139,6 +142,7 @@ def format_report(r: PlanReport) -> str:
             "memory = array sizes, no temp)"
         )
     lines += [line for _, _, line in roofline_lines(r)]
+    lines += [f"  warning: {w}" for w in r.warnings]
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
     return "\n".join(lines)
 
@@ -193,6 +197,7 @@ def report_json(r: PlanReport) -> dict:
         "page_size": r.page_size,
         "window_paging": {"window": r.window, "num_window_pages": r.num_window_pages} if r.window else None,
         "max_sequences_at_max_model_len": r.max_sequences(r.max_model_len),
+        "kv_token_minor": r.kv_token_minor,
         "state_bytes": r.state_bytes,
         "num_state_slots": r.num_state_slots,  # incl. the null slot and the checkpoint slots
         "state_bytes_per_slot": r.state_bytes_per_slot,
@@ -224,4 +229,5 @@ def report_json(r: PlanReport) -> dict:
         ],
         "fits": r.fits,
         "problems": list(r.problems),
+        "warnings": list(r.warnings),
     }

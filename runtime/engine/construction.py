@@ -22,6 +22,7 @@ from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
 from paged_kv.window_pages import window_pool_pages
 from pallas_kernels import cpu_native
+from pallas_kernels.kv_cache import token_minor_fits
 from runtime.buckets import pages_for
 from runtime.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.parallel.data_parallel import DataParallel, build_data_parallel, data_parallel_size, rank_share
@@ -215,6 +216,10 @@ def build_step_parts(
         config.kv_cache_dtype,
         bit_storage=plan.kv_bit_storage,
         num_window_pages=num_window_pages or None,
+        # TPU kernel, head_dim < 128: pages stored [P, Hkv, D, ps] (no lane-padded copy of the pool)
+        token_minor=plan.backend == "tpu"
+        and plan.attention_path in ("pallas", "pallas_tpu")
+        and token_minor_fits(model.cfg.head_dim, config.page_size),
     )
     if dp_size > 1:
         dp = build_data_parallel(

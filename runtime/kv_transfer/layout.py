@@ -50,7 +50,8 @@ def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: i
             G = kv.k.shape[0] // num_pages
             idx = (jnp.arange(G)[:, None] * num_pages + pages[None]).reshape(-1)  # [G*n]
             heads = slice(None, None, kv_repeat)  # one copy of each repeated KV head
-            k, v = kv.load(kv.k[idx])[:, heads], kv.load(kv.v[idx])[:, heads]
+            # the wire carries [G*n, Hkv, ps, D] whatever the pool's layout (token-minor on TPU, D < 128)
+            k, v = kv.logical(kv.load(kv.k[idx]))[:, heads], kv.logical(kv.load(kv.v[idx]))[:, heads]
             out += [_to_wire(k, kv.dtype), _to_wire(v, kv.dtype)]
             if kv.k_scale is not None:
                 out += [kv.k_scale[idx][:, heads], kv.v_scale[idx][:, heads]]
@@ -186,6 +187,7 @@ def _copy_pages(kv, k, v, scales, page_mapping):
     `page_mapping` [G*n] (out of range: padding, dropped). Same KV dtype and page size only."""
 
     def stored(x):  # wire form (raw bits below float32) -> this pool's storage form
+        x = kv.stored(x)  # [n, Hkv, ps, D] -> the pool's layout
         return x if x.dtype == kv.k.dtype else jax.lax.bitcast_convert_type(x, kv.k.dtype)
 
     k_pages = kv.k.at[page_mapping].set(stored(k), mode="drop")
