@@ -19,6 +19,7 @@ Rule = Callable[[Any], Any]
 
 DTYPES = ("bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
+STATE_DTYPES = ("float32", "bfloat16")  # recurrent (GDN) state slots; vLLM's mamba_ssm_cache_dtype
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ROLES = ("prefill", "decode", "both")
 PULL_FAILURE_ACTIONS = ("recompute", "error")
@@ -103,6 +104,15 @@ def normalize_peer(peer: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or "@" in host:
         raise ValueError(f"must be host:port, got {peer!r}")
     return f"{host}:{int(port)}"
+
+
+def secret_strength(value):
+    """A shared secret (pydantic `SecretStr`) long enough to be worth having."""
+    if len(value.get_secret_value().strip()) < 16:
+        raise ValueError(
+            "must be at least 16 characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
+    return value
 
 
 def batch_budget(max_num_batched_tokens: int, max_num_seqs: int) -> None:

@@ -86,6 +86,7 @@ Policy = Annotated[str, _named("scheduling_policy")]
 Count = Annotated[int, AfterValidator(rules.at_least(1))]
 Seconds = Annotated[float, AfterValidator(rules.positive)]
 Bytes = Annotated[int, AfterValidator(rules.positive)]
+Secret = Annotated[SecretStr | None, AfterValidator(rules.optional(rules.secret_strength))]
 
 
 class ConfigError(ValueError):
@@ -122,13 +123,16 @@ class CacheSection(_Section):
     num_pages: Annotated[int | None, AfterValidator(rules.optional(rules.num_pages))] = None
     memory_fraction: Annotated[float | None, AfterValidator(rules.optional(rules.memory_fraction))] = None
     kv_cache_dtype: Annotated[str, AfterValidator(rules.one_of(rules.KV_CACHE_DTYPES))] = "auto"
+    # GDN state slots (conv window and recurrent state); the recurrence computes in float32 either
+    # way. bfloat16 halves the state per sequence (docs/prefix_caching.md, "State dtype").
+    state_dtype: Annotated[str, AfterValidator(rules.one_of(rules.STATE_DTYPES))] = "float32"
     enable_prefix_caching: bool = True
-    # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py: auto, page,
-    # align:<tokens>, ends, every_page) and the largest fraction of cache memory their slots
-    # (2 per sequence) may use (null: the original 2 x max_num_seqs slots shared with running
-    # requests). docs/prefix_caching.md.
+    # GDN hybrids: where state checkpoints are taken (paged_kv/checkpoint_policy.py) and the largest fraction
+    # of cache memory their slots may use (null: 2 x max_num_seqs slots shared). docs/prefix_caching.md.
     hybrid_checkpoint_policy: str = Field(default="auto", pattern=r"^(auto|page|ends|every_page|align:\d+)(,\w+=\d+)*$")
     hybrid_checkpoint_budget: Annotated[float | None, AfterValidator(rules.optional(rules.checkpoint_budget))] = 0.25
+    # sliding-window layers' KV in a window-sized pool (paged_kv/window_pages.py); null: on where a model has them
+    window_paging: bool | None = None
 
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> CacheSection:
@@ -192,19 +196,10 @@ class MultihostConfig(_Section):
     # The step channel's shared key (HMAC handshake and frame digests), the same on every process;
     # set it through the environment (JAXSERVE_MULTIHOST_SECRET). Required unless every address
     # is loopback (docs/scaling.md, "Deploying safely").
-    secret: SecretStr | None = None
+    secret: Secret = None
     # HOST:PORT that process 0's JAX coordinator binds; its step channel binds the same host.
     # null: coordinator_address itself, not every interface.
     coordinator_bind_address: str | None = None
-
-    @field_validator("secret")
-    @classmethod
-    def _secret_strength(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value().strip()) < 16:
-            raise ValueError(
-                "must be at least 16 characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-            )
-        return value
 
     @field_validator("coordinator_address", "coordinator_bind_address")
     @classmethod
@@ -275,7 +270,7 @@ class KVTransferSection(_Section):
     # The internal credential between `jaxserve proxy` and the P/D instances (header
     # X-KV-Transfer-Token; environment JAXSERVE_KV_TRANSFER_TOKEN): an instance honours
     # `kv_transfer_params` and serves /kv_transfer/* only for requests that carry it.
-    token: SecretStr | None = None
+    token: Secret = None
     # Serve a P/D role on a non-loopback address without a token (logged as a warning every minute).
     insecure: bool = False
     # Decode side: the prefill control endpoints ("host:port") it may dial. With a token, also any
@@ -285,15 +280,6 @@ class KVTransferSection(_Section):
     max_staged_bytes: Bytes = 4 << 30  # decode side: state pulling or waiting for pages
     max_pulls_in_flight: Count = 64  # decode side: concurrent pulls
     control_timeout_s: Seconds = 5.0  # one claim / release exchange, end to end
-
-    @field_validator("token")
-    @classmethod
-    def _token_strength(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value().strip()) < 16:
-            raise ValueError(
-                "must be at least 16 characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-            )
-        return value
 
 
 class CompileConfig(_Section):

@@ -42,13 +42,21 @@ def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> M
 
 
 def abstract_caches(
-    model: Model, num_pages: int, page_size: int, num_slots: int, kv_dtype: str = "auto", bit_storage: bool = False
+    model: Model,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    kv_dtype: str = "auto",
+    bit_storage: bool = False,
+    num_window_pages: int | None = None,
 ):
     """ShapeDtypeStructs of `model.init_caches(...)`, with the cache shardings of a sharded model."""
     from models.sharding import cache_shardings
 
     shapes = jax.eval_shape(
-        lambda: model.init_caches(num_pages, page_size, num_slots, kv_dtype, bit_storage, place=False)
+        lambda: model.init_caches(
+            num_pages, page_size, num_slots, kv_dtype, bit_storage, place=False, num_window_pages=num_window_pages
+        )
     )
     if model.tp is None:
         return shapes

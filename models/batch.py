@@ -26,6 +26,10 @@ class ForwardBatch:
     has_initial_state: jax.Array  # [S] bool
     num_seqs: jax.Array  # [] int32
     logits_indices: jax.Array  # [R] int32, flat token rows whose logits are wanted
+    # window-aware paging (paged_kv/window_pages.py): the sliding-window layers' own block tables
+    # and KV slots (their page pool); None: those layers use block_tables / slot_mapping too
+    window_block_tables: jax.Array | None = None  # [S, max_blocks] int32, 0 = null page (also: slid past)
+    window_slot_mapping: jax.Array | None = None  # [T] int32, -1 for padding
 
     @property
     def num_valid_rows(self) -> jax.Array:

@@ -1,8 +1,8 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
-Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3, DeepSeek-V3) maps onto
-the same fields; the forward pass reads only this object. RoPE variants found in HF configs (default, linear,
-llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
+Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3, DeepSeek-V3,
+Nemotron-H) maps onto the same fields; the forward pass reads only this object. RoPE variants
+found in HF configs (default, linear, llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
 """
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.deepseek_config import DeepseekMoEConfig, MLAConfig, deepseek_v3_fields
+from models.mamba2_config import MAMBA, Mamba2Config, nemotron_h_config
+from models.window_configs import GEMMA3_DEFAULTS, gemma3_fields, gpt_oss_fields
 
 ATTENTION = "full_attention"
 LINEAR = "linear_attention"
@@ -37,8 +39,8 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    layer_types: tuple[str, ...]  # ATTENTION | LINEAR per layer
-    mlp_types: tuple[str, ...]  # "dense" | "moe" per layer
+    layer_types: tuple[str, ...]  # ATTENTION | LINEAR | MAMBA | "none" (an MLP-only block) per layer
+    mlp_types: tuple[str, ...]  # "dense" | "moe" | "none" (a mixer-only block) per layer
     # norms and attention flavour
     zero_centred_norm: bool = False  # x/rms(x) * (1 + w)  (Qwen3.5 / Qwen3-Next)
     qk_norm: bool = False
@@ -86,21 +88,22 @@ class ModelConfig:
     gdn_fused_qkvz: bool = False  # Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba
     mla: MLAConfig | None = None  # DeepSeek-V3's MLA and MoE (models/deepseek_config.py)
     deepseek_moe: DeepseekMoEConfig | None = None
+    mamba: Mamba2Config | None = None  # Nemotron-H's Mamba-2 mixer (models/mamba2_config.py)
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @property
     def is_hybrid(self) -> bool:
-        return LINEAR in self.layer_types
+        return LINEAR in self.layer_types or MAMBA in self.layer_types
 
     @property
     def num_attention_layers(self) -> int:
         return sum(t == ATTENTION for t in self.layer_types)
 
     @property
-    def num_linear_layers(self) -> int:
-        return sum(t == LINEAR for t in self.layer_types)
+    def num_linear_layers(self) -> int:  # recurrent layers (GDN or Mamba-2): one state slot each
+        return sum(t in (LINEAR, MAMBA) for t in self.layer_types)
 
     @property
     def conv_dim(self) -> int:
@@ -203,6 +206,7 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "NemotronHForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
@@ -258,6 +262,8 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         hf = {**hf["text_config"], "architectures": archs}
     if arch == "Gemma3ForCausalLM":  # Gemma 3's published text_config leaves most fields to HF's defaults
         hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    if arch == "NemotronHForCausalLM":  # the pattern, HF's defaults, the Mamba-2 mixer
+        hf, nemotron_h = nemotron_h_config(hf, ConfigError)
     try:
         n_layers = int(hf["num_hidden_layers"])
         heads = int(hf["num_attention_heads"])
@@ -293,10 +299,14 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
         )
 
+    if arch == "NemotronHForCausalLM":
+        return ModelConfig(**common, **nemotron_h)
     if arch == "GptOssForCausalLM":
-        return _gpt_oss(hf, common, n_layers)
+        return ModelConfig(**gpt_oss_fields(hf, common, n_layers, _rope, ConfigError, ATTENTION))
     if arch == "Gemma3ForCausalLM":
-        return _gemma3(hf, common, n_layers)
+        cfg = ModelConfig(**gemma3_fields(hf, common, n_layers, _rope, ConfigError, ATTENTION))
+        cfg.inv_freq(), cfg.inv_freq(sliding=True)  # an unsupported rope_type is refused here, at start-up
+        return cfg
     if arch == "DeepseekV3ForCausalLM":
         cfg = ModelConfig(**deepseek_v3_fields(hf, common, n_layers, _rope, ConfigError, ATTENTION))
         cfg.inv_freq()  # an unsupported rope_type is refused here, at start-up
@@ -338,113 +348,3 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
         gdn_fused_qkvz=arch == "Qwen3NextForCausalLM",
     )
-
-
-GPT_OSS_ROPE = dict(
-    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
-)
-
-
-def _gpt_oss(hf: dict, common: dict, n_layers: int) -> ModelConfig:
-    kinds = tuple(hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else ATTENTION for i in range(n_layers)])
-    if len(kinds) != n_layers or set(kinds) - {ATTENTION, "sliding_attention"}:
-        raise ConfigError(f"layer_types must list {n_layers} entries of sliding_attention/full_attention, got {kinds}")
-    window = int(hf.get("sliding_window", 128) or 0)  # HF default 128
-    if "sliding_attention" in kinds and window < 1:
-        raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {hf.get('sliding_window')!r}")
-    # HF's GptOssConfig defaults, for fields a config.json may leave out
-    common = {**common, "intermediate_size": 0, "attention_bias": bool(hf.get("attention_bias", True))}
-    if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
-        common.update(_rope({"rope_theta": 150000.0, **hf, "rope_parameters": GPT_OSS_ROPE}, common["head_dim"]))
-    return ModelConfig(
-        **common,
-        layer_types=(ATTENTION,) * n_layers,
-        mlp_types=("moe",) * n_layers,
-        sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
-        attention_sinks=True,
-        num_experts=int(hf.get("num_local_experts") or hf.get("num_experts") or 128),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 4)),
-        moe_intermediate_size=int(hf.get("intermediate_size", 2880)),
-        gpt_oss_moe=True,
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-    )
-
-
-# HF's Gemma3TextConfig defaults, for the fields a config.json leaves out
-GEMMA3_DEFAULTS = dict(
-    vocab_size=262208,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_hidden_layers=26,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    hidden_activation="gelu_pytorch_tanh",
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    query_pre_attn_scalar=256,
-    sliding_window=4096,
-    rope_theta=1_000_000.0,
-    rope_local_base_freq=10_000.0,
-    sliding_window_pattern=6,
-)
-GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-
-
-def _gemma3_rope(hf: dict, head_dim: int) -> tuple[dict, dict]:
-    """(full-attention, sliding-window) RoPE fields: HF 5.x's `rope_parameters` per layer type, or
-    the legacy `rope_theta` + `rope_scaling` (global layers) and `rope_local_base_freq` (local ones)."""
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-    else:
-        full, local = {**(hf.get("rope_scaling") or {}), **params}, {}
-    full.setdefault("rope_theta", hf["rope_theta"])
-    local.setdefault("rope_theta", hf["rope_local_base_freq"])
-    return _rope({"rope_parameters": full}, head_dim), _rope({"rope_parameters": local}, head_dim)
-
-
-def _gemma3(hf: dict, common: dict, n_layers: int) -> ModelConfig:
-    """Gemma 3 (text): local (sliding-window) and global layers with their own RoPE, QK norm, four
-    zero-centred norms per layer, gelu-tanh MLP, scaled embeddings, final logit soft-capping."""
-    pattern = int(hf["sliding_window_pattern"])
-    kinds = tuple(
-        hf.get("layer_types") or [ATTENTION if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
-    )
-    if len(kinds) != n_layers or set(kinds) - {ATTENTION, "sliding_attention"}:
-        raise ConfigError(f"layer_types must list {n_layers} entries of sliding_attention/full_attention, got {kinds}")
-    window = int(hf.get("sliding_window") or 0)
-    if "sliding_attention" in kinds and window < 1:
-        raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {hf.get('sliding_window')!r}")
-    if hf.get("attn_logit_softcapping") is not None:
-        raise ConfigError(
-            "Gemma 3 attn_logit_softcapping is not supported: HF transformers' Gemma3 attention does not apply it "
-            f"(got {hf['attn_logit_softcapping']!r}; published Gemma 3 configs leave it null)"
-        )
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError("Gemma 3 use_bidirectional_attention is not supported (causal decoding only)")
-    act = hf["hidden_activation"]
-    if act not in GEMMA3_ACTIVATIONS:
-        raise ConfigError(f"Gemma 3 hidden_activation {act!r} is not supported ({', '.join(GEMMA3_ACTIVATIONS)})")
-    full, local = _gemma3_rope(hf, common["head_dim"])
-    softcap = hf.get("final_logit_softcapping")
-    cfg = ModelConfig(
-        **{**common, **full},
-        layer_types=(ATTENTION,) * n_layers,
-        mlp_types=("dense",) * n_layers,
-        zero_centred_norm=True,
-        qk_norm=True,
-        sliding_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds),
-        sliding_rope_theta=local["rope_theta"],
-        sliding_rope_type=local["rope_type"],
-        sliding_rope_scaling=local["rope_scaling"],
-        sandwich_norms=True,
-        hidden_act=act,
-        scale_embeddings=True,
-        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
-        final_logit_softcapping=None if softcap is None else float(softcap),
-    )
-    cfg.inv_freq(), cfg.inv_freq(sliding=True)  # an unsupported rope_type is refused here, at start-up
-    return cfg

@@ -20,6 +20,7 @@ import numpy as np
 
 from models.batch import single_sequence_batch
 from models.config import ATTENTION, ModelConfig, parse_config
+from models.mamba2_config import NO_MIXER, recurrent_state_shapes
 from models.ops import KernelOptions
 from models.orbax_io import is_orbax_checkpoint, restore_params
 from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
@@ -43,6 +44,7 @@ class Model:
         self._tokenizer = None
         self.tp = None  # models.sharding.TensorParallel once `shard_model` split it over a mesh
         self.quantization: dict[str, str] = {}  # module path -> scheme it got (empty: all float)
+        self.state_dtype = "float32"  # GDN state slots (launch key cache.state_dtype); set before init_caches
 
     @property
     def tokenizer(self):
@@ -120,13 +122,16 @@ class Model:
         kv_dtype: str = "auto",
         bit_storage: bool = False,
         place: bool = True,
+        num_window_pages: int | None = None,
     ) -> dict:
-        """Zeroed caches: per group position, a KV page pool (attention) or conv/recurrent states (GDN).
+        """Zeroed caches: per group position, a KV page pool (attention), conv/recurrent states (GDN,
+        Mamba-2: `recurrent_state_shapes`) or nothing (an MLP-only block).
 
         `num_pages` and `num_slots` are per layer and include the null page / null slot 0.
         `bit_storage`: bf16 / FP8 pages held as raw bits, for the jnp attention paths on CPU
         (`KVPages.create`); the Pallas kernels need it off. The pages hold the KV heads the
         weights hold (`models.sharding.kv_heads_held`); `place=False`: not placed on the mesh.
+        `num_window_pages`: window-aware paging, the sliding-window layers' own pool (per layer).
         """
         cfg, G = self.cfg, self.num_groups
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -137,9 +142,10 @@ class Model:
                 conv.append(None)
                 rec.append(None)
             elif cfg.layer_types[j] == ATTENTION:
+                pages = num_pages if num_window_pages is None or cfg.sliding_window(j) is None else num_window_pages
                 kv.append(
                     KVPages.create(
-                        G * num_pages,
+                        G * pages,
                         page_size,
                         kv_heads_held(cfg, self.tp),
                         cfg.head_dim,
@@ -149,33 +155,34 @@ class Model:
                 )
                 conv.append(None)
                 rec.append(None)
+            elif cfg.layer_types[j] == NO_MIXER:
+                kv.append(None)
+                conv.append(None)
+                rec.append(None)
             else:
                 kv.append(None)
-                W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
-                conv.append(jnp.zeros((G * num_slots, W - 1, C), jnp.float32))
-                rec.append(
-                    jnp.zeros(
-                        (G * num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                        jnp.float32,
-                    )
-                )
+                conv_shape, rec_shape = recurrent_state_shapes(cfg)
+                conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
+                rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
-    def cache_bytes_per_token(self, kv_dtype: str = "auto") -> int:
-        """KV bytes per token over all layers and all devices (repeated KV heads counted)."""
+    def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all") -> int:
+        """KV bytes per token over all devices (repeated KV heads counted) of the attention layers
+        `layers`: "all", "full" (no sliding window) or "window" (window-aware paging's two pools)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
         if self.cfg.mla is not None:  # MLA: one row of latent + RoPE key, no heads
             return self.cfg.num_attention_layers * self.cfg.mla.latent_width * itemsize
         heads = kv_heads_held(self.cfg, self.tp)
-        return 2 * self.cfg.num_attention_layers * heads * self.cfg.head_dim * itemsize
+        cfg = self.cfg
+        windowed = sum(t == ATTENTION and cfg.sliding_window(i) is not None for i, t in enumerate(cfg.layer_types))
+        count = {"all": cfg.num_attention_layers, "full": cfg.num_attention_layers - windowed, "window": windowed}
+        return 2 * count[layers] * heads * cfg.head_dim * itemsize
 
     def state_bytes_per_slot(self) -> int:
-        c = self.cfg
-        per_layer = (
-            c.linear_conv_kernel_dim - 1
-        ) * c.conv_dim + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        return 4 * per_layer * c.num_linear_layers
+        """One state slot's bytes (conv and recurrent states of every GDN / Mamba-2 layer, in `state_dtype`)."""
+        per_layer = sum(np.prod(shape) for shape in recurrent_state_shapes(self.cfg))
+        return int(jnp.dtype(self.state_dtype).itemsize * per_layer * self.cfg.num_linear_layers)
 
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""

@@ -37,7 +37,7 @@ _SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # "awq" | "gptq" | "fp8"
+    method: str  # "awq" | "gptq" | "fp8" | "mxfp4" (gpt-oss experts only: models/mxfp4.py)
     group_size: int = 0  # 0: one group per output channel
     desc_act: bool = False
     act: str = "none"  # "fp8": dynamic per-token FP8 activations (compressed-tensors W8A8)
@@ -102,13 +102,11 @@ def parse_quantization_config(qc) -> CheckpointQuantization | None:
         return CheckpointQuantization("gptq", _group_size(qc), desc_act=_field(qc, "desc_act", bool, False))
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
-    if method == "mxfp4":
-        raise CheckpointError(
-            "config.json quantization_config.quant_method: MXFP4 checkpoints (gpt-oss as published) are not "
-            "loaded yet; serve a dequantized bf16 copy (experts stored as gate_up_proj / down_proj)"
-        )
+    if method == "mxfp4":  # gpt-oss's experts (models/mxfp4.py); every other weight is stored in float
+        return CheckpointQuantization("mxfp4", 32)
     raise CheckpointError(
-        f"config.json quantization_config.quant_method: supported are awq, gptq and compressed-tensors, got {method!r}"
+        "config.json quantization_config.quant_method: supported are awq, gptq, compressed-tensors and mxfp4, "
+        f"got {method!r}"
     )
 
 

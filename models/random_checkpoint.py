@@ -5,7 +5,6 @@ awkward small dimensions (GQA ratios > 1, head_dim != hidden / heads, odd vocab,
 patterns), fills every weight from a seeded normal distribution and saves it in the HF layout: config.json,
 model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json. HF transformers' PyTorch
 model of the same directory is the oracle our JAX models are tested against.
-
 The tokenizer is a byte-level BPE trained in about a second on the Python standard library's own
 sources (nothing is downloaded), with the ChatML special tokens and chat template.
 
@@ -31,9 +30,10 @@ from typing import Any
 from models.random_deepseek import DEEPSEEK_SPECS
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
+from models.random_nemotron_h import NEMOTRON_H_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", *DEEPSEEK_SPECS)  # each with its own test module
+ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", "nemotron_h", *DEEPSEEK_SPECS)  # each with its own test module
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -171,9 +171,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         ),
     ),
-    "gpt_oss": GPT_OSS_SPEC,
-    "gemma3": GEMMA3_SPEC,
-    **DEEPSEEK_SPECS,
+    **dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, nemotron_h=NEMOTRON_H_SPEC, **DEEPSEEK_SPECS),
 }
 RANDOM_BUFFERS = ("e_score_correction_bias",)  # drawn like weights: HF's zeros would hide their omission
 
@@ -298,7 +296,7 @@ def _build_config(family: str, overrides: dict[str, Any], special_ids: dict[str,
     if "num_hidden_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
         del kwargs["layer_types"]  # HF default: 3 linear-attention layers, then 1 full attention
     kwargs.update(overrides)
-    rope = kwargs["rope_parameters"]
+    rope = kwargs.get("rope_parameters") or {}  # Nemotron-H has none
     if "mrope_section" in rope and "rope_parameters" not in overrides:
         rope["mrope_section"] = _mrope_section(int(kwargs["head_dim"] * rope["partial_rotary_factor"]))
     if kwargs["vocab_size"] < TOKENIZER_VOCAB_SIZE:

@@ -5,6 +5,8 @@ prompts span many windows, GQA 2 with head_dim != hidden / heads, YaRN RoPE with
 (as gpt-oss ships it), 4 biased experts top-2, and a SwiGLU clamp (`swiglu_limit`) small enough
 that random activations hit it on both sides; `swiglu_alpha` off its default so a loader that
 ignores it fails. Sinks, router and expert biases are drawn like every other weight (non-zero).
+The MXFP4 copy of tests/test_gpt_oss_mxfp4.py: this spec with `intermediate_size=64` (MXFP4 blocks
+of 32 run along each expert's input dim), converted by `models.mxfp4.write_mxfp4_checkpoint`.
 """
 
 from __future__ import annotations

@@ -79,6 +79,11 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
+    if m > 1 and cfg.mamba is not None:
+        raise ValueError(
+            f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
+            "its in_proj / conv / SSM heads have no split rule yet; serve it with parallel.mesh.model 1"
+        )
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
@@ -215,6 +220,8 @@ MLA_RULES = {
     "e_score_bias": REPLICATED,
 }
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
+# Mamba-2's own names (the rest are GDN's): whole on one device (`tensor_parallel_plan` refuses m > 1)
+MAMBA2_RULES = dict.fromkeys(("in_proj", "in_bias", "conv_bias", "D", "out_bias"), REPLICATED)
 
 
 def _spec_for(rule: str, ndim: int, axis: str) -> P:
@@ -243,7 +250,7 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
     m, axis = plan.size, plan.axis
     kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
     kind_ok.update(dict.fromkeys(("q_b_proj", "kv_b_proj"), plan.attention))
-    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES, **MLA_RULES}
+    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES, **MLA_RULES, **MAMBA2_RULES}
     if plan.expert:
         rules.update(EXPERT_PARALLEL_RULES)
     specs = {}

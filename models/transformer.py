@@ -25,6 +25,8 @@ from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import deepseek_moe
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.gpt_oss import gpt_oss_moe
+from models.mamba2 import mamba2_layer
+from models.mamba2_config import MAMBA, NO_MIXER, NO_MLP
 from models.mla_attention import mla_layer
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
@@ -81,13 +83,16 @@ def attention_layer(p, x, kv, batch: ForwardBatch, rope, page_offset, cfg: Model
     k = apply_rope(k, cos, sin, cfg.rotary_dim)
 
     page_size = kv.k.shape[2]
-    slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
-    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=batch.block_tables.shape[0])
+    block_tables, slot_mapping = batch.block_tables, batch.slot_mapping
+    if sliding_window is not None and batch.window_block_tables is not None:  # window-aware paging
+        block_tables, slot_mapping = batch.window_block_tables, batch.window_slot_mapping
+    slots = jnp.where(slot_mapping < 0, -1, slot_mapping + page_offset * page_size)
+    kv = ops.write_kv(kv, k, v, slots, opts, max_seqs=block_tables.shape[0])
     out = ops.paged_attention(
         q,
         kv,
         batch.kv_lens,
-        batch.block_tables + page_offset,
+        block_tables + page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
         opts,
@@ -145,14 +150,17 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Nemotron-H
 }
 
 
 def dense_mlp(p, x, prefix: str = "", opts=None, rows=None, act: str = "silu"):
     """`rows`: x's leading real rows (`ForwardBatch.num_valid_rows`; None: all). `act`: the gate's
-    activation (`ModelConfig.hidden_act`)."""
-    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts, rows)
+    activation (`ModelConfig.hidden_act`); without a `gate_proj` (Nemotron-H), up's."""
     up = _linear(x, p[prefix + "up_proj"], p.get(prefix + "up_bias"), opts, rows)
+    if prefix + "gate_proj" not in p:
+        return _linear(ACTIVATIONS[act](up), p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts, rows)
+    gate = _linear(x, p[prefix + "gate_proj"], p.get(prefix + "gate_bias"), opts, rows)
     return _linear(ACTIVATIONS[act](gate) * up, p[prefix + "down_proj"], p.get(prefix + "down_bias"), opts, rows)
 
 
@@ -192,30 +200,34 @@ def moe_mlp(p, x, cfg: ModelConfig, opts=None, rows=None):
 def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
     """Run one repetition of the layer pattern (layers g*period + j for each j). `ropes`: the
     (full-attention, sliding-window) layers' RoPE tables. With `cfg.sandwich_norms` (Gemma 3) the
-    attention and MLP outputs are normed before the residual adds (`post_norm` is the pre-MLP norm)."""
+    attention and MLP outputs are normed before the residual adds (`post_norm` is the pre-MLP norm).
+    A layer without a mixer or without an MLP (Nemotron-H's single-mixer blocks) skips that half."""
     period = len(params_g)
     n_groups = cfg.num_layers // period
     kv_list, conv_list, rec_list = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     for j in range(period):
         p = params_g[j]
         layer = j  # position in the group; the layer's kind is the same in every group
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        if cfg.mla is not None:  # MLA: one latent row per token (models/mla_attention.py)
-            offset = g * (kv_list[j].num_pages // n_groups)
-            h, kv_list[j] = mla_layer(p, h, kv_list[j], batch, ropes[0], offset, cfg, opts)
-        elif cfg.layer_types[layer] == ATTENTION:
-            pages_per_layer = kv_list[j].k.shape[0] // n_groups
-            window = cfg.sliding_window(layer)
-            rope = ropes[window is not None]
-            h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, window)
-        else:
-            slots_per_layer = rec_list[j].shape[0] // n_groups
-            h, conv_list[j], rec_list[j] = gdn_layer(
-                p, h, conv_list[j], rec_list[j], batch, g * slots_per_layer, cfg, opts
-            )
-        if cfg.sandwich_norms:
-            h = rms_norm(h, p["attn_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        x = x + h
+        kind = cfg.layer_types[layer]
+        if kind != NO_MIXER:
+            h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+            if cfg.mla is not None:  # MLA: one latent row per token (models/mla_attention.py)
+                offset = g * (kv_list[j].num_pages // n_groups)
+                h, kv_list[j] = mla_layer(p, h, kv_list[j], batch, ropes[0], offset, cfg, opts)
+            elif kind == ATTENTION:
+                pages_per_layer = kv_list[j].k.shape[0] // n_groups
+                window = cfg.sliding_window(layer)
+                rope = ropes[window is not None]
+                h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, window)
+            else:  # recurrent: GDN or Mamba-2, its states in slots
+                slots = rec_list[j].shape[0] // n_groups
+                mixer = mamba2_layer if kind == MAMBA else gdn_layer
+                h, conv_list[j], rec_list[j] = mixer(p, h, conv_list[j], rec_list[j], batch, g * slots, cfg, opts)
+            if cfg.sandwich_norms:
+                h = rms_norm(h, p["attn_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+            x = x + h
+        if cfg.mlp_types[layer] == NO_MLP:
+            continue
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.mlp_types[layer] == "dense":
             h = dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows, act=cfg.hidden_act)
@@ -288,6 +300,7 @@ PROJECTIONS = frozenset(
         "in_z",
         "in_b",
         "in_a",
+        "in_proj",
         "out_proj",
     }
 )

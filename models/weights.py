@@ -19,11 +19,13 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from models import nemotron_h
 from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import ROUTER_PARAMS, deepseek_moe_params, deepseek_moe_shapes
 from models.mla_attention import mla_params, mla_shapes
+from models.mxfp4 import Mxfp4Source
 from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
-from models.quantization import QuantizedWeight, to_device
+from models.quantization import QuantizedWeight, take_columns, to_device
 from models.safetensors_io import CheckpointError
 
 # kept in float32 whatever the model dtype (GDN decay, DeepSeek's router as HF keeps it)
@@ -55,14 +57,16 @@ class DictSource:
         return arr
 
 
-def _prefix(src: TensorSource) -> str:
-    for p in ("model.language_model.", "language_model.model.", "model."):
-        if f"{p}embed_tokens.weight" in src:
+def _prefix(src: TensorSource, embed: str = "embed_tokens.weight", prefixes=()) -> str:
+    for p in (*prefixes, "model.language_model.", "language_model.model.", "model."):
+        if f"{p}{embed}" in src:
             return p
     return "model."
 
 
 def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
+    if cfg.mamba is not None:  # Nemotron-H: single-mixer blocks
+        return nemotron_h.layer_params(cfg, get, lin, i)
     H, D = cfg.hidden_size, cfg.head_dim
     p: dict[str, np.ndarray] = {"input_norm": get(f"layers.{i}.input_layernorm.weight", (H,))}
     if cfg.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm norms the attention output
@@ -114,15 +118,17 @@ def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable,
 
 def _gpt_oss_moe_params(cfg: ModelConfig, get: Callable, lin: Callable, m: str) -> dict:
     """gpt-oss stores experts as x @ W ([E, H, 2I], gate and up interleaved column by column):
-    de-interleaved here into our [gate | up] halves."""
+    de-interleaved here into our [gate | up] halves. MXFP4 experts come as QuantizedWeights
+    (models/mxfp4.py)."""
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     gate_up = get(m + "experts.gate_up_proj", (E, H, 2 * I))
     gate_up_bias = get(m + "experts.gate_up_proj_bias", (E, 2 * I))
+    halves = np.concatenate([np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)])
     return {
         "router": lin(m + "router", E, H),
         "router_bias": get(m + "router.bias", (E,)),
-        "experts_gate_up": np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1),  # [E, H, 2I]
-        "experts_gate_up_bias": np.concatenate([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], axis=-1),
+        "experts_gate_up": take_columns(gate_up, halves),  # [E, H, 2I]
+        "experts_gate_up_bias": gate_up_bias[:, halves],
         "experts_down": get(m + "experts.down_proj", (E, I, H)),  # [E, I, H]
         "experts_down_bias": get(m + "experts.down_proj_bias", (E, H)),
     }
@@ -201,7 +207,16 @@ def load_params(
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    pre = _prefix(src)
+    if quantization is not None and quantization.method == "mxfp4":
+        if not cfg.gpt_oss_moe:
+            raise CheckpointError(
+                f"quantization_config.quant_method mxfp4: only gpt-oss's experts are read as MXFP4, not {cfg.architecture}"
+            )
+        src = Mxfp4Source(src)
+    embed, final_norm, prefixes = ("embed_tokens.weight", "norm.weight", ())
+    if cfg.mamba is not None:
+        embed, final_norm, prefixes = nemotron_h.EMBEDDING, nemotron_h.FINAL_NORM, nemotron_h.PREFIXES
+    pre = _prefix(src, embed, prefixes)
 
     def get(name, shape=None):
         return src.get(pre + name, shape)
@@ -226,8 +241,8 @@ def load_params(
         for j in range(period)
     )
     params = {
-        "embed": _cast("embed", read_embedding(src, pre + "embed_tokens.weight", V, H), np_dtype),
-        "final_norm": _cast("final_norm", get("norm.weight", (H,)), np_dtype),
+        "embed": _cast("embed", read_embedding(src, pre + embed, V, H), np_dtype),
+        "final_norm": _cast("final_norm", get(final_norm, (H,)), np_dtype),
         "groups": groups,
     }
     if not cfg.tie_word_embeddings:
@@ -303,6 +318,9 @@ def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
     period, G = cfg.layer_period(), cfg.num_layers // cfg.layer_period()
     groups = []
     for j in range(period):
+        if cfg.mamba is not None:
+            groups.append({name: leaf(name, (G, *shape)) for name, shape in nemotron_h.layer_shapes(cfg, j).items()})
+            continue
         shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
         if cfg.sandwich_norms:
             shapes.update(attn_out_norm=(cfg.hidden_size,), mlp_out_norm=(cfg.hidden_size,))

@@ -15,6 +15,9 @@ checkpoints (published or being written) never exceed `num_checkpoint_slots` (No
 budget, they share the pool with running slots): at the budget the least recently used one
 is evicted first. The policy's per-path cap bounds the checkpoints along one token path.
 
+Window-aware paging (`window`): the sliding-window layers' pages are a second group with a second
+block table per request (paged_kv/window_pages.py); allocation takes from both groups or neither.
+
 Accounting (see `stats`): every allocatable page is exactly one of free (uncached), used
 (referenced by running requests) or cached (referenced by nobody, evictable); every state
 slot is free, used (running or being written as a checkpoint) or cached (a checkpoint).
@@ -31,6 +34,7 @@ from paged_kv.checkpoint_policy import CheckpointPolicy
 from paged_kv.page_pool import NULL_PAGE, PagePool
 from paged_kv.prefix_cache import BlockHash, BlockIndex, hash_full_pages
 from paged_kv.state_slots import NULL_SLOT, StateSlotPool
+from paged_kv.window_pages import WindowPages
 
 
 @dataclass
@@ -47,6 +51,8 @@ class SequenceAllocation:
     pending_is_rolling: bool = False  # the pending checkpoint supersedes `rolling_checkpoint`
     rolling_checkpoint: BlockHash | None = None  # the newest decode checkpoint this request wrote
     divergence: int = 0  # hybrids: its hit's KV reached this deep, deeper than any checkpoint
+    window_block_table: list[int] = field(default_factory=list)  # window paging: the window layers' pages
+    window_low: int = 0  # window paging: blocks below this are released (null page)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class PrefixHit:
     checkpoint_slot: int | None = None  # hybrids: holds the state after `num_tokens` tokens
     block_hashes: tuple[BlockHash, ...] = ()  # hashes computed during the lookup, reused later
     kv_num_tokens: int = 0  # cached KV pages reach this deep (hybrids: maybe past the checkpoint)
+    window_pages: tuple[int, ...] = ()  # window paging: the live window's cached pages at num_tokens
 
 
 @dataclass
@@ -72,7 +79,8 @@ class CacheManager:
     """Pages + state slots + prefix cache for all requests.
 
     num_pages and num_state_slots include the null page / null slot; num_state_slots == 0
-    means a pure-attention model (no GDN state).
+    means a pure-attention model (no GDN state). `window`: window-aware paging for layers of that
+    sliding window, in a second pool of `num_window_pages` pages (None: no window pool).
     """
 
     def __init__(
@@ -84,6 +92,8 @@ class CacheManager:
         enable_prefix_caching: bool = True,
         checkpoint_policy: CheckpointPolicy | str = "page",
         num_checkpoint_slots: int | None = None,
+        window: int | None = None,
+        num_window_pages: int = 0,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -104,6 +114,7 @@ class CacheManager:
         self.num_checkpoints_written = 0
         self.num_checkpoint_evictions = 0  # for the budget or the per-path cap (not superseded ones)
         self.num_pending_checkpoints = 0
+        self.window = WindowPages(num_window_pages, page_size, window) if window else None
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -138,11 +149,18 @@ class CacheManager:
             if page is None:
                 break
             pages.append(page)
-        checkpoint_slot, kv_num_tokens = None, len(pages) * self.page_size
-        if self.slots is not None:
-            while pages and (checkpoint_slot := self.slots.lookup_checkpoint(hashes[len(pages) - 1])) is None:
-                pages.pop()
-        return PrefixHit(len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes), kv_num_tokens)
+        kv_num_tokens, checkpoint_slot, window_pages = len(pages) * self.page_size, None, None
+        while pages and (
+            (
+                self.slots is not None
+                and (checkpoint_slot := self.slots.lookup_checkpoint(hashes[len(pages) - 1])) is None
+            )
+            or (self.window is not None and (window_pages := self.window.hit_pages(hashes, len(pages))) is None)
+        ):  # hybrids: the state at that depth; window paging: the window's pages below it
+            pages.pop()
+        checkpoint_slot, window_pages = (checkpoint_slot, window_pages or ()) if pages else (None, ())
+        hit = (len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes), kv_num_tokens, window_pages)
+        return PrefixHit(*hit)
 
     # ---- allocation -------------------------------------------------------------------
     def _num_obtainable_pages(self, excluding_hits: Sequence[int] = ()) -> int:
@@ -181,6 +199,9 @@ class CacheManager:
             return None
         if self.slots is not None and hit.checkpoint_slot is None and self.slots.num_obtainable() < 1:
             return None
+        num_blocks = self.pages_needed(num_tokens)
+        if self.window is not None and self.window.num_obtainable(hit.window_pages) < num_blocks - len(hit.pages):
+            return None
 
         allocation = SequenceAllocation(request_id, extra_keys=extra_keys, block_hashes=list(hit.block_hashes))
         if self.checkpoints_enabled and self.checkpoint_policy.divergence and hit.kv_num_tokens > hit.num_tokens:
@@ -189,6 +210,8 @@ class CacheManager:
             self._take_cached_page(page)
         allocation.block_table = list(hit.pages) + [self._new_page() for _ in range(num_new_pages)]
         allocation.num_published_pages = len(hit.pages)
+        if self.window is not None:
+            self.window.allocate(allocation, hit.window_pages, len(hit.pages), num_blocks)
         copy_before: list[tuple[int, int]] = []
         if self.slots is not None:
             checkpoint = hit.checkpoint_slot
@@ -214,7 +237,11 @@ class CacheManager:
             return True
         if self._num_obtainable_pages() < missing:
             return False
+        if self.window is not None and self.window.num_obtainable() < missing:
+            return False
         allocation.block_table.extend(self._new_page() for _ in range(missing))
+        if self.window is not None:
+            allocation.window_block_table.extend(self.window.new_page() for _ in range(missing))
         return True
 
     def reserve_checkpoint(
@@ -308,16 +335,22 @@ class CacheManager:
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """The first `num_computed_tokens` tokens now have KV (and state): publish full pages
-        and a checkpoint written this step."""
+        and a checkpoint written this step; window paging: release the window blocks slid past."""
         allocation = self.allocations[request_id]
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self._publish(allocation, token_ids, num_computed_tokens)
+        if self.window is not None:
+            self.window.slide(allocation, num_computed_tokens)
+
+    def _publish(self, allocation: SequenceAllocation, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         num_full = num_computed_tokens // self.page_size
         hashes = hash_full_pages(
             token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, num_computed_tokens
         )
         for page_index in range(allocation.num_published_pages, num_full):
             self.page_index.insert(hashes[page_index], allocation.block_table[page_index])  # dup: stays private
+        if self.window is not None:
+            self.window.publish(hashes, allocation.window_block_table, allocation.num_published_pages, num_full)
         allocation.num_published_pages = max(allocation.num_published_pages, num_full)
         if allocation.pending_checkpoint is not None and allocation.pending_checkpoint[1] <= num_computed_tokens:
             self._publish_checkpoint(allocation, hashes)
@@ -331,6 +364,8 @@ class CacheManager:
                     self.page_index.mark_evictable(page)
                 else:
                     self.pages.put_free(page)
+        if self.window is not None:
+            self.window.free(allocation.window_block_table)
         if self.slots is not None:
             if allocation.state_slot != NULL_SLOT:
                 self.slots.release(allocation.state_slot)
@@ -367,6 +402,7 @@ class CacheManager:
             "page_evictions": self.num_page_evictions,
             "checkpoints_written": self.num_checkpoints_written,
             "checkpoint_evictions": self.num_checkpoint_evictions + (self.slots.num_evictions if self.slots else 0),
+            **(self.window.stats() if self.window is not None else {}),
         }
 
     def check_invariants(self) -> None:
@@ -391,6 +427,8 @@ class CacheManager:
                 assert not self.page_index.is_indexed(page), f"free page {page} still indexed"
             if page in self.page_index.evictable:
                 assert self.page_index.is_indexed(page)
+        if self.window is not None:
+            self.window.check_invariants(self.allocations.values())
         if self.slots is None:
             assert all(a.state_slot == NULL_SLOT and a.pending_checkpoint is None for a in self.allocations.values())
             return

@@ -61,7 +61,7 @@ def causal_conv1d_reference_ragged(
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
     seq_is_real = (seq_ids < num_seqs) & (ends > starts)
 
-    initial = jnp.where(has_initial_state[:, None, None], conv_state[state_slot_ids], 0.0)
+    initial = jnp.where(has_initial_state[:, None, None], conv_state[state_slot_ids].astype(jnp.float32), 0.0)
     tokens = jnp.arange(t, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, tokens, side="right"), num_seq_slots - 1)
     token_valid = tokens < cu_q_lens[num_seqs]
@@ -95,7 +95,7 @@ def causal_conv1d_reference_ragged(
     new_state = _gather_history(xf, initial, starts, seq_ids, tail_pos)
     # Padded and empty sequences write nowhere: an out-of-range slot index is dropped.
     target = jnp.where(seq_is_real, state_slot_ids, conv_state.shape[0])
-    conv_state = conv_state.at[target].set(new_state, mode="drop")
+    conv_state = conv_state.at[target].set(new_state.astype(conv_state.dtype), mode="drop")
     return y, conv_state
 
 
@@ -115,7 +115,7 @@ def causal_conv1d(
 ):
     """Causal depthwise conv over a ragged batch, seeded from and updating conv-state slots.
 
-    x [T,C], weight [C,W], conv_state [N,W-1,C] f32, cu_q_lens [S+1] int32, state_slot_ids [S]
+    x [T,C], weight [C,W], conv_state [N,W-1,C] f32 or bf16 (read and written in its dtype), cu_q_lens [S+1] int32, state_slot_ids [S]
     int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
     Returns (y [T,C] in x.dtype, zero on padding tokens; conv_state). Padded or empty
     sequences leave every slot unchanged.

@@ -214,10 +214,10 @@ def gated_delta_rule_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_id
     def step(t, carry):
         current, pool, o = carry
         q_t, k_t, v_t, g_t, b_t, slot_t, from_slot, first, last = (x[t] for x in xs)
-        loaded = jnp.where(from_slot, pool[slot_t], 0.0)
+        loaded = jnp.where(from_slot, pool[slot_t].astype(jnp.float32), 0.0)
         current = jnp.where(first, loaded, current)
         current, o_t = recurrent_step(current, q_t, k_t, v_t, g_t, b_t)
-        pool = pool.at[slot_t].set(jnp.where(last, current, pool[slot_t]))
+        pool = pool.at[slot_t].set(jnp.where(last, current.astype(pool.dtype), pool[slot_t]))
         return current, pool, o.at[t].set(o_t)
 
     # The loop runs over the real tokens only (a dynamic bound; padding rows stay zero): a decode
@@ -288,9 +288,9 @@ def gated_delta_rule_chunked_reference(
     def step(n, carry):
         current, pool, o = carry
         q_n, k_n, prep_n, slot_n, from_slot_n, first_n, last_n = jax.tree.map(lambda x: x[n], xs)
-        current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n], 0.0), current)
+        current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n].astype(jnp.float32), 0.0), current)
         current, o_n = chunk_state_pass(current, q_n, k_n, prep_n)
-        pool = pool.at[slot_n].set(jnp.where(last_n, current, pool[slot_n]))
+        pool = pool.at[slot_n].set(jnp.where(last_n, current.astype(pool.dtype), pool[slot_n]))
         return current, pool, o.at[n].set(o_n)
 
     o = jnp.zeros(qc.shape[:3] + (vd,), jnp.float32)  # [NC,H,C,V]
@@ -314,11 +314,11 @@ def gated_delta_rule_single_token_rows(q, k, v, g, beta, state, cu_q_lens, state
     at = jnp.clip(cu_q_lens[:-1], 0, t - 1)  # [S] its token
     rows = lambda x: jnp.where(is_single.reshape((-1,) + (1,) * (x.ndim - 1)), x[at].astype(jnp.float32), 0.0)
     slots = state_slot_ids
-    current = jnp.where((is_single & has_initial_state)[:, None, None, None], state[slots], 0.0)
+    current = jnp.where((is_single & has_initial_state)[:, None, None, None], state[slots].astype(jnp.float32), 0.0)
     new_state, o = jax.vmap(recurrent_step)(
         current, rows(_expand_key_heads(q, h)), rows(_expand_key_heads(k, h)), rows(v), rows(g), rows(beta)
     )
-    state = state.at[jnp.where(is_single, slots, state.shape[0])].set(new_state, mode="drop")
+    state = state.at[jnp.where(is_single, slots, state.shape[0])].set(new_state.astype(state.dtype), mode="drop")
     o = jnp.zeros((t, h, vd), jnp.float32).at[jnp.where(is_single, at, t)].set(o, mode="drop")
     return o.astype(v.dtype), state
 
@@ -366,7 +366,7 @@ def _chunked(*args, interpret, chunk_size):  # a static choice per token bucket
 
 
 def _native(*args, interpret, chunk_size):
-    if cpu_native.available():
+    if cpu_native.available() and args[5].dtype == jnp.float32:  # the C++ recurrence keeps f32 slots
         return gated_delta_rule_native(*args)
     return _chunked(*args, interpret=interpret, chunk_size=chunk_size)
 
@@ -427,14 +427,15 @@ def gated_delta_rule(
     """Gated delta rule over a ragged batch of sequences, from and back to state slots.
 
     q, k [T,Hk,K] (L2-normalised, q scaled by K^-1/2), v [T,H,V], g [T,H] f32 log-decay,
-    beta [T,H] f32, state [N,H,K,V] f32 slot pool, cu_q_lens [S+1] int32, state_slot_ids [S]
+    beta [T,H] f32, state [N,H,K,V] f32 or bf16 slot pool (cache.state_dtype: every path computes
+    in f32 and rounds only what it stores back), cu_q_lens [S+1] int32, state_slot_ids [S]
     int32 (slot 0 = null slot), has_initial_state [S] bool, num_seqs int32 [] or [1].
     Returns (o [T,H,V] in v.dtype, zero on padding tokens for the reference, state pool).
 
     impl: "reference" (pure jnp per-token loop, the spec), "chunked" (jnp CPU path: the
     per-token loop below CHUNKED_MIN_TOKENS tokens, else `gated_delta_rule_mixed`), "native" (the
     CPU serving path: every row's recurrence in C++, `gated_delta_rule_native`; "chunked" where the
-    native kernels can't be built),
+    native kernels can't be built or the state pool is not f32),
     "reference_chunked" (pure jnp WY form for every row), "pallas" (TPU kernel on TPU and CPU,
     GPU kernel on GPU), "pallas_tpu", "pallas_gpu".
     interpret: False, True, or a `pltpu.InterpretParams()` (TPU kernel only). chunk_size is the

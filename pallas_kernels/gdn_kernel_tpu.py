@@ -99,6 +99,7 @@ def _gdn_kernel(
     o_buf,
     o_row_buf,
     state_buf,
+    state_io,
     sems,
     *,
     chunk_size,
@@ -140,7 +141,11 @@ def _gdn_kernel(
 
         @pl.when(has_init_ref[s] != 0)
         def _():
-            copy(state_in.at[slot, h], state_buf, 5)
+            if state_io is None:
+                copy(state_in.at[slot, h], state_buf, 5)
+            else:  # a bf16 slot: DMA it as stored, compute in f32
+                copy(state_in.at[slot, h], state_io, 5)
+                state_buf[...] = state_io[...].astype(F32)
 
         @pl.when(has_init_ref[s] == 0)
         def _():
@@ -178,7 +183,18 @@ def _gdn_kernel(
 
             state_buf[...] = lax.fori_loop(0, remainder, token, state_buf[...])
 
-        copy(state_buf, state_hbm.at[slot, h], 7)
+        if state_io is None:
+            copy(state_buf, state_hbm.at[slot, h], 7)
+        else:
+            state_io[...] = state_buf[...].astype(state_io.dtype)
+            copy(state_io, state_hbm.at[slot, h], 7)
+
+
+def _kernel(*refs, staged: bool, **options):
+    """`_gdn_kernel`; `staged`: the scratch has a VMEM buffer in the slots' dtype (bf16 state) for
+    the state's DMAs, which cannot convert (the recurrence carries f32 either way)."""
+    *head, state_buf, state_io, sems = refs if staged else (*refs[:-1], None, refs[-1])
+    return _gdn_kernel(*head, state_buf, state_io, sems, **options)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "chunk_size"))
@@ -205,8 +221,9 @@ def gated_delta_rule_tpu(
     o_zeros = jnp.zeros((num_heads, padded_tokens, 1, value_dim), v.dtype)
 
     any_space = pl.BlockSpec(memory_space=pl.ANY)
+    staged = state.dtype != F32  # slots stored narrower than the f32 state the kernel carries
     kernel = functools.partial(
-        _gdn_kernel, chunk_size=c, heads_per_key_head=num_heads // num_key_heads, padded_tokens=padded_tokens
+        _kernel, staged=staged, chunk_size=c, heads_per_key_head=num_heads // num_key_heads, padded_tokens=padded_tokens
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
@@ -222,13 +239,14 @@ def gated_delta_rule_tpu(
             pltpu.VMEM((c, 1, value_dim), v.dtype),
             pltpu.VMEM((1, 1, value_dim), v.dtype),
             pltpu.VMEM((key_dim, value_dim), F32),
+            *([pltpu.VMEM((key_dim, value_dim), state.dtype)] if staged else []),
             pltpu.SemaphoreType.DMA((8,)),
         ],
     )
     o, state = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(o_zeros.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
+        out_shape=[jax.ShapeDtypeStruct(o_zeros.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         # operand indices count the 4 scalar-prefetch operands: state is 9, o_zeros is 10
         input_output_aliases={9: 1, 10: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

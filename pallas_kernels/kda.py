@@ -175,9 +175,9 @@ def kda_ragged_reference(q, k, v, g, beta, state, cu_q_lens, state_slot_ids, has
     def step(i, carry):
         current, pool, o = carry
         q_t, k_t, v_t, g_t, b_t, slot_t, from_slot, first, last = (x[i] for x in xs)
-        current = jnp.where(first, jnp.where(from_slot, pool[slot_t], 0.0), current)
+        current = jnp.where(first, jnp.where(from_slot, pool[slot_t].astype(jnp.float32), 0.0), current)
         current, o_t = kda_recurrent_step(current, q_t, k_t, v_t, g_t, b_t)
-        pool = pool.at[slot_t].set(jnp.where(last, current, pool[slot_t]))
+        pool = pool.at[slot_t].set(jnp.where(last, current.astype(pool.dtype), pool[slot_t]))
         return current, pool, o.at[i].set(o_t)
 
     num_real = cu_q_lens[jnp.reshape(num_seqs, (-1,))[0]]
@@ -208,9 +208,9 @@ def kda_ragged_chunked(
     def step(n, carry):
         current, pool, o = carry
         q_n, k_n, v_n, g_n, b_n, slot_n, from_slot_n, first_n, last_n = (x[n] for x in xs)
-        current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n], 0.0), current)
+        current = jnp.where(first_n, jnp.where(from_slot_n, pool[slot_n].astype(jnp.float32), 0.0), current)
         current, o_n = kda_chunk(current, q_n, k_n, v_n, g_n, b_n)
-        pool = pool.at[slot_n].set(jnp.where(last_n, current, pool[slot_n]))
+        pool = pool.at[slot_n].set(jnp.where(last_n, current.astype(pool.dtype), pool[slot_n]))
         return current, pool, o.at[n].set(o_n)
 
     o = jnp.zeros(chunks[2].shape[:3] + (vd,), jnp.float32)  # [NC,H,C,V]

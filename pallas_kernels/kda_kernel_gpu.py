@@ -100,7 +100,7 @@ def _kda_kernel(
     @pl.when((s < num_seqs_ref[0]) & (length > 0))
     def _():
         slot = slot_ref[s]
-        stored = state_ref[slot, h, :, columns]
+        stored = state_ref[slot, h, :, columns].astype(F32)  # f32 or bf16 slots; the recurrence is f32
         state = jnp.where(has_init_ref[s] != 0, stored, 0.0)  # [K,BV]
         num_full = lax.div(length, c)
 
@@ -128,7 +128,7 @@ def _kda_kernel(
             return state
 
         state = lax.fori_loop(0, num_full, full_chunk, state)
-        state_ref[slot, h, :, columns] = lax.fori_loop(start + num_full * c, end, token, state)
+        state_ref[slot, h, :, columns] = lax.fori_loop(start + num_full * c, end, token, state).astype(state_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "chunk_size", "block_v"))
@@ -169,7 +169,7 @@ def kda_gpu(
     return pl.pallas_call(
         kernel,
         grid=(state_slot_ids.shape[0], num_heads, value_dim // block_v),
-        out_shape=[jax.ShapeDtypeStruct(o_zeros.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
+        out_shape=[jax.ShapeDtypeStruct(o_zeros.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={9: 1, 10: 0},
         # Triton compiler params select the Triton lowering (the default GPU one is Mosaic GPU).
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),

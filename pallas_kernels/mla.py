@@ -16,7 +16,8 @@ Sequence, causality and padding semantics are those of `ragged_paged_attention` 
 `LatentPages` holds the rows: [P, ps, W] (FP8 pages carry one f32 scale per page, [P]). Page 0
 is the null page, as for `KVPages`. `mla_ragged_paged_attention` dispatches by `impl` through
 `KERNELS`; the jnp implementations run the ragged paged attention paths over the same array as
-both K and V (a view: no copy) and keep the first L output channels.
+both K and V (a view: no copy) and keep the first L output channels; the Pallas kernels
+(mla_kernel_tpu.py, mla_kernel_gpu.py) copy each latent page once for all H heads.
 """
 
 from __future__ import annotations
@@ -113,11 +114,35 @@ def _via_rpa(impl: str):
     return run
 
 
-# The implementations, by `impl` name (pallas_kernels/kernel_impls.py).
+def _pallas_tpu(*args, **options):
+    from pallas_kernels.mla_kernel_tpu import mla_ragged_paged_attention_tpu
+
+    return mla_ragged_paged_attention_tpu(*args, **options)
+
+
+def _pallas_gpu(*args, **options):
+    from pallas_kernels.mla_kernel_gpu import mla_ragged_paged_attention_gpu
+
+    return mla_ragged_paged_attention_gpu(*args, **options)
+
+
+def _pallas(*args, interpret, **options):
+    backend = jax.default_backend()
+    if backend == "cpu" and not interpret:
+        raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+    return (_pallas_gpu if backend == "gpu" else _pallas_tpu)(*args, interpret=interpret, **options)
+
+
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py); the same names as
+# ragged_paged_attention.KERNELS. The Pallas kernels (mla_kernel_tpu.py, mla_kernel_gpu.py) read
+# each latent page once for all H heads, as key and value; "pallas" picks one by backend.
 KERNELS = {
     "reference": Kernel(_via_rpa("reference"), kv_bits=True),
     "chunked": Kernel(_via_rpa("chunked"), kv_bits=True),
     "native": Kernel(_via_rpa("native"), kv_bits=True, per_shard=True, auto=("cpu",)),
+    "pallas": Kernel(_pallas, per_shard=True, auto=("tpu", "gpu", "interpret")),
+    "pallas_tpu": Kernel(_pallas_tpu, per_shard=True),
+    "pallas_gpu": Kernel(_pallas_gpu, per_shard=True),
 }
 
 

@@ -187,9 +187,9 @@ def _pallas(*args, **options):
     return (_pallas_gpu if jax.default_backend() == "gpu" else _pallas_tpu)(*args, **options)
 
 
-# The implementations, by `impl` name (pallas_kernels/kernel_impls.py). Not in the launch schema
-# or the ops layer yet: no model calls the SSD scan. "auto" on CPU picks the per-token loop: no
-# CPU timing of "chunked" against it exists yet.
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py). Not in the launch schema:
+# models/mamba2.py picks one by the GDN back-end's name where this table has it. "auto" on CPU
+# picks the per-token loop: no CPU timing of "chunked" against it exists yet.
 KERNELS = {
     "reference": Kernel(_reference, auto=("cpu",)),
     "chunked": Kernel(_chunked),

@@ -50,6 +50,8 @@ class CacheConfig:
     # "auto"); "page" here keeps unit tests' checkpoints on every page boundary.
     checkpoint_policy: str = "page"
     num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
+    window: int | None = None  # window-aware paging: the sliding window whose layers page apart
+    num_window_pages: int = 0  # their pool, with the null page
 
     def __post_init__(self) -> None:
         rules.check_fields(
@@ -65,6 +67,8 @@ class CacheConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             checkpoint_policy=self.checkpoint_policy,
             num_checkpoint_slots=self.num_checkpoint_slots,
+            window=self.window,
+            num_window_pages=self.num_window_pages,
         )
 
 
@@ -190,11 +194,14 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; None: memory_fraction of the device
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     kv_cache_dtype: str = _C.kv_cache_dtype  # auto | bfloat16 | float32 | fp8_e4m3 | fp8_e5m2
+    state_dtype: str = _C.state_dtype  # GDN state slots: float32 | bfloat16 (the recurrence computes in f32)
     num_state_slots: int | None = None  # GDN slots incl. null slot; None: from max_num_seqs
     enable_prefix_caching: bool = _C.enable_prefix_caching
     hybrid_checkpoint_policy: str = _C.hybrid_checkpoint_policy  # GDN hybrids: paged_kv.CheckpointPolicy spec
     # max fraction of cache memory for checkpoints; None: 2 x max_num_seqs shared
     hybrid_checkpoint_budget: float | None = _C.hybrid_checkpoint_budget
+    # window-aware paging for sliding-window layers; None: on where the model has them (one rank, no P/D role)
+    window_paging: bool | None = _C.window_paging
     # ---- scheduler: launch section `scheduler`
     max_num_seqs: int = _S.max_num_seqs
     max_num_batched_tokens: int = _S.max_num_batched_tokens
@@ -231,11 +238,18 @@ class EngineConfig:
             self.quantization_config()  # raises ValueError naming the field
 
     def cache_config(
-        self, num_pages: int, max_model_len: int, num_state_slots: int = 0, num_checkpoint_slots: int | None = None
+        self,
+        num_pages: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
+        num_checkpoint_slots: int | None = None,
+        window: tuple[int, int] | None = None,
     ) -> CacheConfig:
         """The page pool and state slots once the engine has sized them; ValueError if the pool
-        cannot hold one sequence of `max_model_len` tokens."""
+        cannot hold one sequence of `max_model_len` tokens. `window`: window-aware paging's
+        (sliding window, window pool pages)."""
         check_pool_holds_one_sequence(num_pages, self.page_size, max_model_len)
+        window, num_window_pages = window or (None, 0)
         return CacheConfig(
             page_size=self.page_size,
             num_pages=num_pages,
@@ -243,6 +257,8 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             checkpoint_policy=self.hybrid_checkpoint_policy,
             num_checkpoint_slots=num_checkpoint_slots,
+            window=window,
+            num_window_pages=num_window_pages,
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -297,6 +313,7 @@ _ENGINE_RULES = {
     "num_pages": rules.optional(rules.num_pages),
     "memory_fraction": rules.memory_fraction,
     "kv_cache_dtype": rules.one_of(rules.KV_CACHE_DTYPES),
+    "state_dtype": rules.one_of(rules.STATE_DTYPES),
     "num_state_slots": rules.optional(rules.num_state_slots),
     "hybrid_checkpoint_budget": rules.optional(rules.checkpoint_budget),
     **{name: rule for name, rule in _SCHEDULER_RULES.items() if name != "max_model_len"},
@@ -319,9 +336,11 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "num_pages": "cache.num_pages",
     "memory_fraction": "cache.memory_fraction",
     "kv_cache_dtype": "cache.kv_cache_dtype",
+    "state_dtype": "cache.state_dtype",
     "enable_prefix_caching": "cache.enable_prefix_caching",
     "hybrid_checkpoint_policy": "cache.hybrid_checkpoint_policy",
     "hybrid_checkpoint_budget": "cache.hybrid_checkpoint_budget",
+    "window_paging": "cache.window_paging",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "policy": "scheduler.policy",

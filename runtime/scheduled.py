@@ -28,6 +28,7 @@ class ScheduledSequence:
     state_slot: int  # 0 (null) on pure-attention models
     has_initial_state: bool  # start_position > 0: continue from the slot (hybrids)
     sample: bool  # this chunk reaches the last known token: sample the next one
+    window_block_table: list[int] | None = None  # window-aware paging: the sliding-window layers' pages
 
     @property
     def request_id(self) -> str:

@@ -103,7 +103,19 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
         convert=_KV_DTYPES.get,
     ),
     ConfigFlag(
+        "--state-dtype",
+        "cache.state_dtype",
+        "GDN state slot dtype (vLLM's --mamba-ssm-cache-dtype; the recurrence computes in float32)",
+        choices=rules.STATE_DTYPES,
+    ),
+    ConfigFlag(
         "--enable-prefix-caching", "cache.enable_prefix_caching", "share KV pages of common prefixes", boolean=True
+    ),
+    ConfigFlag(
+        "--window-paging",
+        "cache.window_paging",
+        "sliding-window layers keep window-sized KV (default: on where the model has them)",
+        boolean=True,
     ),
     ConfigFlag("--chat-template", "server.chat_template", "a Jinja chat template (or a file) replacing the model's"),
     ConfigFlag(

@@ -438,18 +438,23 @@ def test_unreachable_index_raises_with_manual_instructions(tmp_path, monkeypatch
     assert list((tmp_path / "cache").iterdir()) == []  # no temp leftovers
 
 
-def test_default_model_greedy_matches_hf_from_pretrained_gguf(default_gguf):
+def test_default_model_greedy_matches_hf_from_pretrained_gguf(default_gguf, hf_gguf):
     """The GGUF checkpoint served through our loader and JAX model generates exactly what HF
-    transformers generates from the same file (`from_pretrained(..., gguf_file=...)`, fp32)."""
+    transformers generates from the same file, fp32: HF's `LlamaForCausalLM` holding the tensors
+    HF's GGUF loader read (what `from_pretrained(..., gguf_file=...)` does; the `hf_gguf` fixture
+    already parsed the file, and parsing it again costs half a minute)."""
     import torch
     from hf_reference import assert_greedy_match, hf_greedy
-    from transformers import AutoModelForCausalLM
+    from transformers import LlamaForCausalLM
 
     from models import load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-    ).eval()
+    config, tensors, _ = hf_gguf
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).float().eval()
+    missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    hf.tie_weights()
     ours = load_model(default_gguf, dtype="float32")
     text = ours.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False

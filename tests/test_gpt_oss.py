@@ -8,14 +8,12 @@ interpreted), greedy decoding through the paged caches, the engine's greedy outp
 prefill with decodes riding along, bf16 logits (as loaded and packed for the CPU) as close to
 HF's fp32 ones as HF's own bf16 model, that each gpt-oss feature changes the logits far beyond
 that tolerance (so the comparison would catch its omission), the abstract parameter tree, the
-shipped gpt-oss-120b config, and MXFP4 refused.
+shipped gpt-oss-120b config. MXFP4 checkpoints: tests/test_gpt_oss_mxfp4.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +28,7 @@ from models import load_model
 from models.config import parse_config
 from models.model import Model
 from models.ops import KernelOptions
-from models.safetensors_io import CheckpointError, read_json
+from models.safetensors_io import read_json
 from models.weights import abstract_params
 
 FAMILY = "gpt_oss"
@@ -186,14 +184,3 @@ def test_shipped_gpt_oss_120b_config():
     assert inv_freq.shape == (32,) and attention_factor == pytest.approx(0.1 * np.log(32) + 1)
     count = sum(x.size for x in jax.tree.leaves(abstract_params(cfg, "bfloat16")))
     assert abs(count / 116.8e9 - 1) < 0.02, count
-
-
-def test_mxfp4_checkpoint_is_refused_with_a_clear_message(tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint(FAMILY)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(src / name, tmp_path / name)
-    hf = read_json(tmp_path / "config.json")
-    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(CheckpointError, match="MXFP4"):
-        load_model(tmp_path)

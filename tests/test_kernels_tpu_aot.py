@@ -6,7 +6,8 @@ still be rejected on hardware. Here `jax.jit(...).trace(...).lower().compile()` 
 compiler for a v5e and a v6e chip (topology names "v5e=1x1" / "v6e=1x1"; "v5e:1x1" also
 works, "v5litepod-1" does not) over the shapes we serve: bf16 and both FP8 KV dtypes, head
 dims 64/128/256, page sizes 16/32/64, decode-sized and prefill-sized token counts; and the
-GDN kernel at K = V = 128, chunk 64. The CUDA lowering checks live beside the interpret tests
+GDN kernel at K = V = 128, chunk 64; and the MLA kernel at DeepSeek-V3's rows (W = 576, v_dim 512),
+with its pool read in place when pinned row-major. The CUDA lowering checks live beside the interpret tests
 (tests/test_ragged_paged_attention.py, tests/test_gdn.py).
 
 libtpu takes /tmp/libtpu_lockfile at start-up; another JAX process on the machine may hold
@@ -29,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pallas_kernels.gdn import gated_delta_rule
 from pallas_kernels.kv_cache import KVPages
 from pallas_kernels.kv_write import write_kv
+from pallas_kernels.mla import LatentPages, mla_ragged_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 TOPOLOGIES = {"v5e": "v5e=1x1", "v6e": "v6e=1x1"}
@@ -100,8 +102,10 @@ def test_ragged_paged_attention_options_compile(tpu):
     jax.jit(attention).trace(*args).lower().compile()
 
 
-def test_gdn_compiles(tpu, dtype="bfloat16"):
-    """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch."""
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # cache.state_dtype
+def test_gdn_compiles(tpu, state_dtype, dtype="bfloat16"):
+    """K = V = 128, chunk 64, 2 key heads / 4 value heads, a mixed prefill + decode batch; state
+    slots in float32 or bfloat16 (the latter staged through a bf16 VMEM buffer)."""
     _, sharding = tpu
     spec = lambda shape, dt: _spec(shape, dt, sharding)
     tokens, seqs, slots = 200, 8, 9
@@ -111,7 +115,7 @@ def test_gdn_compiles(tpu, dtype="bfloat16"):
         spec((tokens, 4, 128), dtype),
         spec((tokens, 4), jnp.float32),
         spec((tokens, 4), jnp.float32),
-        spec((slots, 4, 128, 128), jnp.float32),
+        spec((slots, 4, 128, 128), state_dtype),
         spec((seqs + 1,), jnp.int32),
         spec((seqs,), jnp.int32),
         spec((seqs,), jnp.bool_),
@@ -121,6 +125,7 @@ def test_gdn_compiles(tpu, dtype="bfloat16"):
     compiled = jax.jit(gdn).trace(*args).lower().compile()
     out, state = compiled.out_info
     assert out.shape == (tokens, 4, 128) and state.shape == (slots, 4, 128, 128)
+    assert state.dtype == jnp.dtype(state_dtype)
 
 
 # (kv dtype, head dim, page size). A scatter of token rows into the pool wanted its own layouts:
@@ -165,3 +170,68 @@ def test_kv_write_then_attention_updates_the_pool_in_place(tpu, kv_dtype, head_d
     assert big.alias_size_in_bytes >= pool
     grown = big.temp_size_in_bytes - small.temp_size_in_bytes
     assert grown < 0.05 * (pool - small_pool), f"temp grew {grown} bytes with {pool - small_pool} bytes of pool"
+
+
+# MLA at DeepSeek-V3's shape: rows W = 512 + 64 = 576 (not a multiple of 128), v_dim 512, all 128
+# heads or one TP-8 shard of 16; (row dtype, heads, page size, tokens): decode- and prefill-sized.
+MLA_CASES = [
+    ("bfloat16", 16, 64, 8),
+    ("bfloat16", 128, 128, 8),
+    ("float8_e4m3fn", 16, 128, 512),
+    ("float8_e5m2", 128, 64, 64),
+]
+
+
+@pytest.mark.parametrize("kv_dtype,heads,page_size,tokens", MLA_CASES)
+def test_mla_compiles(tpu, kv_dtype, heads, page_size, tokens):
+    _, sharding = tpu
+    spec = lambda shape, dtype: _spec(shape, dtype, sharding)
+    seqs, max_blocks = 8, 32
+    pages = seqs * max_blocks + 1
+    scale = spec((pages,), jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
+    args = (
+        spec((tokens, heads, 576), jnp.bfloat16),
+        LatentPages(c=spec((pages, page_size, 576), kv_dtype), c_scale=scale),
+        spec((seqs,), jnp.int32),
+        spec((seqs, max_blocks), jnp.int32),
+        spec((seqs + 1,), jnp.int32),
+        spec((), jnp.int32),
+    )
+
+    def mla(*args):
+        return mla_ragged_paged_attention(*args, sm_scale=192**-0.5, v_dim=512, impl="pallas_tpu")
+
+    compiled = jax.jit(mla).trace(*args).lower().compile()
+    assert compiled.out_info.shape == (tokens, heads, 512)
+
+
+@pytest.mark.parametrize("kv_dtype,page_size", [("bfloat16", 128), ("float8_e4m3fn", 64)])
+def test_mla_reads_a_row_major_pool_in_place(tpu, kv_dtype, page_size):
+    """At W = 576 TPU's default layout may put another dim of the pool minor (page size 128 here),
+    and the step then copies the whole pool before the kernel (benchmarks/mla_kernel_cost.py).
+    Pinned to `pool_format` (rows minor) the compiled step holds no copy of it."""
+    from pallas_kernels.mla_kernel_tpu import pool_format
+
+    _, sharding = tpu
+    spec = lambda shape, dtype: _spec(shape, dtype, sharding)
+    seqs, max_blocks = 8, 32768 // page_size
+    pages = seqs * max_blocks + 1
+    scale = spec((pages,), jnp.float32) if jnp.dtype(kv_dtype).itemsize == 1 else None
+    pool_shape = (pages, page_size, 576)
+    pool_bytes = pages * page_size * 576 * jnp.dtype(kv_dtype).itemsize
+
+    def compiled_with(pool_sharding):
+        latent = LatentPages(c=jax.ShapeDtypeStruct(pool_shape, kv_dtype, sharding=pool_sharding), c_scale=scale)
+        meta = (spec((seqs,), jnp.int32), spec((seqs, max_blocks), jnp.int32), spec((seqs + 1,), jnp.int32))
+        args = (spec((seqs, 16, 576), jnp.bfloat16), latent, *meta, spec((), jnp.int32))
+        mla = lambda *a: mla_ragged_paged_attention(*a, sm_scale=192**-0.5, v_dim=512, impl="pallas_tpu")
+        return jax.jit(mla).trace(*args).lower().compile()
+
+    pinned = compiled_with(pool_format(sharding))
+    assert pinned.input_formats[0][1].c.layout.major_to_minor == (0, 1, 2)
+    assert pinned.memory_analysis().temp_size_in_bytes < pool_bytes / 100
+    assert not any(" copy(" in line and f"[{pages},{page_size},576]" in line for line in pinned.as_text().splitlines())
+    if kv_dtype == "bfloat16":  # the trap the pinned layout avoids
+        default = compiled_with(sharding)
+        assert default.input_formats[0][1].c.layout.major_to_minor != (0, 1, 2)
+        assert default.memory_analysis().temp_size_in_bytes >= pool_bytes

@@ -222,9 +222,13 @@ def _all_free(engine):
     assert s.get("kv_transfer_requests_pulling", 0) == 0
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow), pytest.param("nemotron_h", marks=pytest.mark.slow)],
+)
 def test_plugin_connector_carries_state_into_larger_pages(plugin, tiny_checkpoint, family):
-    """Page 16 on prefill, 32 on decode (the hybrid also runs end to end in test_disagg)."""
+    """Page 16 on prefill, 32 on decode (the GDN hybrid also runs end to end in test_disagg; Nemotron-H
+    carries Mamba-2 conv and SSM states, and its MLP-only blocks have no state)."""
     path = tiny_checkpoint(family)
     prefill = LLMEngine(_config(path, kv_transfer=KVTransferConfig(role="prefill", connector=plugin)))
     decode = LLMEngine(_config(path, page_size=32, kv_transfer=KVTransferConfig(role="decode", connector=plugin)))

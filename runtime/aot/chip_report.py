@@ -46,6 +46,7 @@ from models.config import parse_config
 from models.ops import KernelOptions
 from models.safetensors_io import read_json
 from paged_kv.checkpoint_policy import plan_state_slots
+from paged_kv.window_pages import window_pool_pages
 from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
 from runtime.aot.plan_report import ROOFLINE_CONTEXT, PlanError, PlanReport, format_report, gib, report_json
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
@@ -73,6 +74,7 @@ SHIPPED_MODEL_CONFIGS = {
     "Qwen3-Next-80B-A3B-Thinking": "qwen3-next-80b-a3b.json",
     "gemma-3-27b-it": "gemma-3-27b.json",
     "gemma-3-27b-pt": "gemma-3-27b.json",
+    "Nemotron-H-8B-Base-8K": "nemotron-h-8b.json",
     "DeepSeek-V3": "deepseek-v3.json",
 }
 
@@ -144,6 +146,27 @@ def state_slots(launch: LaunchConfig, model, cache_bytes: int) -> tuple[int, int
     )
 
 
+def window_pool(launch: LaunchConfig, cfg, model, tp_size: int, blocks_per_seq: int) -> tuple:
+    """Window-aware paging as the engine sizes it (runtime/engine/construction.py): (the window or
+    None, window pages, the full layers' KV bytes per token and the window pool's bytes, per device)."""
+    par, sched, page_size, kv_dtype = (
+        launch.parallel,
+        launch.scheduler,
+        launch.cache.page_size,
+        launch.cache.kv_cache_dtype,
+    )
+    windows = [w for i in range(cfg.num_layers) if (w := cfg.sliding_window(i)) is not None]
+    one_rank = par.mesh.data == 1 and par.role == "both"
+    if not windows or launch.cache.window_paging is False or not one_rank:
+        return None, 0, 0, 0
+    split = tp_size if model.tp is not None and model.tp.attention else 1
+    window = max(windows)
+    num_window_pages = window_pool_pages(window, page_size, sched.max_num_seqs, sched.max_num_batched_tokens)
+    num_window_pages = min(num_window_pages, sched.max_num_seqs * blocks_per_seq + 1)
+    window_bytes = num_window_pages * page_size * (model.cache_bytes_per_token(kv_dtype, "window") // split)
+    return window, num_window_pages, model.cache_bytes_per_token(kv_dtype, "full") // split, window_bytes
+
+
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
     if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
         return launch.cache.num_pages // launch.parallel.mesh.data, []
@@ -180,12 +203,16 @@ def plan_config(
     cfg = parse_config(read_json(model_config_json(launch)))
     dtype = launch.model.dtype
     model = abstract_model(cfg, dtype, launch.model.path)
+    model.state_dtype = launch.cache.state_dtype
     # the checkpoint's count, taken before sharding may repeat KV heads (models.sharding.repeat_kv_heads)
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
     gpu = chip.platform == "gpu"
     mesh = None if gpu else target_mesh(launch)
     if mesh is not None:
-        shard_abstract_model(model, mesh, par.expert)
+        try:
+            shard_abstract_model(model, mesh, par.expert)
+        except ValueError as err:  # a split the model refuses (Mamba-2 under TP, experts that do not divide)
+            raise PlanError(f"{config_name}: {err}") from None
     tp_size = 1 if model.tp is None else model.tp.size
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
@@ -200,15 +227,19 @@ def plan_config(
     cache_bytes = int(chip.hbm_bytes * (cache.memory_fraction or DEFAULT_MEMORY_FRACTION)) - weights_device
     slots, checkpoint_slots = state_slots(launch, model, cache_bytes)
     state_device = slots * model.state_bytes_per_slot_per_device()
+    window, num_window_pages, full_device, window_device = window_pool(launch, cfg, model, tp_size, blocks_per_seq)
+    full_device = full_device if window is not None else per_token_device
     num_pages, problems = _pool_size(
         launch,
         chip,
         weights_device,
-        per_token_device * page_size,
-        state_device,
+        full_device * page_size,
+        state_device + window_device,
         sched.max_num_seqs * blocks_per_seq + 1,
     )
-    caches = abstract_caches(model, num_pages, page_size, max(slots, 2), kv_dtype)
+    caches = abstract_caches(
+        model, num_pages, page_size, max(slots, 2), kv_dtype, num_window_pages=num_window_pages or None
+    )
     kv_device = per_device_bytes(caches["kv"])
     if (num_pages - 1) * page_size < max_model_len:
         problems.append(
@@ -235,6 +266,7 @@ def plan_config(
             seq_buckets=seq_buckets,
             max_num_seqs=sched.max_num_seqs,
             max_blocks_per_seq=blocks_per_seq,
+            window_paging=window is not None,
         )
         try:
             for T in buckets:
@@ -267,6 +299,7 @@ def plan_config(
                 blocks_per_seq=blocks_per_seq,
                 gpu=gpu,
                 expert_parallel=par.expert,
+                state_dtype=cache.state_dtype,
             )
             steps = [
                 dataclasses.replace(s, flops=flops, bytes_accessed=moved) if s.name == f"backbone[T={T}]" else s
@@ -304,4 +337,6 @@ def plan_config(
         num_checkpoint_slots=checkpoint_slots,
         checkpoint_budget=cache.hybrid_checkpoint_budget if cfg.is_hybrid and cache.enable_prefix_caching else None,
         cache_bytes=cache_bytes,
+        window=window,
+        num_window_pages=num_window_pages,
     )

@@ -91,6 +91,7 @@ def extrapolated_cost(
     blocks_per_seq: int,
     gpu: bool = False,
     expert_parallel: bool = False,
+    state_dtype: str = "float32",
 ) -> tuple[float, float]:
     """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
     `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
@@ -98,6 +99,7 @@ def extrapolated_cost(
     costs = []
     for groups in (1, 2):
         model = abstract_model(truncated_config(cfg, groups), dtype)
+        model.state_dtype = state_dtype
         if mesh is not None:
             shard_abstract_model(model, mesh, expert_parallel)
         caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from configs.chips import ChipSpec
+from paged_kv.window_pages import window_pages_per_sequence
 from runtime.aot.costs import StepFigures
 
 ROOFLINE_CONTEXT = 4096  # mean context length of the decode roofline's KV reads
@@ -42,6 +43,16 @@ class PlanReport:
     num_checkpoint_slots: int | None = None  # of num_state_slots; None: no checkpoints, or shared (no budget)
     checkpoint_budget: float | None = None  # cache.hybrid_checkpoint_budget, when checkpoints are kept
     cache_bytes: int = 0  # per device: memory_fraction x HBM - weights (KV pages + state slots)
+    window: int | None = None  # window-aware paging's sliding window (num_pages: the full layers' pool)
+    num_window_pages: int = 0  # its window layers' pool, with the null page
+
+    def max_sequences(self, context: int) -> int:
+        """Sequences of `context` tokens whose KV the pools hold at once (window paging: each also
+        needs its window's pages in the window pool); max_num_seqs is not applied."""
+        full = (self.num_pages - 1) // -(-context // self.page_size)
+        if self.window is None:
+            return full
+        return min(full, (self.num_window_pages - 1) // window_pages_per_sequence(self.window, self.page_size, 1))
 
     @property
     def checkpoint_budget_bytes(self) -> int | None:
@@ -111,6 +122,8 @@ def format_report(r: PlanReport) -> str:
         f"  per device{scope}: weights {gib(r.weight_bytes)}, KV {gib(r.kv_bytes)} ({r.num_pages} pages x {r.page_size} "
         f"tokens, {r.kv_bytes_per_token} B/token), GDN state {gib(r.state_bytes)} ({state_slot_text(r)}); "
         f"memory_fraction {r.memory_fraction} of HBM {gib(r.chip.hbm_bytes)}",
+        f"  KV pools hold {r.max_sequences(r.max_model_len)} sequences of max_model_len {r.max_model_len}"
+        + (f" (window paging: window {r.window}, {r.num_window_pages} window pages)" if r.window else ""),
         f"  {'executable':<22}{'arguments':>12}{'outputs':>12}{'aliased':>12}{'temp':>12}{'peak':>12}"
         f"{'GFLOP':>12}{'GB (XLA)':>11}",
     ]
@@ -178,6 +191,8 @@ def report_json(r: PlanReport) -> dict:
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "num_pages": r.num_pages,
         "page_size": r.page_size,
+        "window_paging": {"window": r.window, "num_window_pages": r.num_window_pages} if r.window else None,
+        "max_sequences_at_max_model_len": r.max_sequences(r.max_model_len),
         "state_bytes": r.state_bytes,
         "num_state_slots": r.num_state_slots,  # incl. the null slot and the checkpoint slots
         "state_bytes_per_slot": r.state_bytes_per_slot,

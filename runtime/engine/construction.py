@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from models.config import ConfigError
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
+from paged_kv.window_pages import window_pool_pages
 from pallas_kernels import cpu_native
 from runtime.buckets import pages_for
 from runtime.engine_config import CacheConfig, EngineConfig, SchedulerConfig
@@ -55,6 +57,12 @@ def prepare_model(
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
         shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
+    loaded.state_dtype = config.state_dtype  # the GDN state slots' dtype (Model.init_caches)
+    if config.state_dtype != "float32" and loaded.cfg.mamba is not None:
+        raise ConfigError(
+            f"cache.state_dtype {config.state_dtype!r} is for GDN hybrids; Mamba-2 (Nemotron-H) state slots are "
+            "float32 only for now (the SSD path does not round its state on store yet)"
+        )
     backend = jax.default_backend()
     plan = plan or plan_execution(
         config, loaded.cfg, backend, dtype=loaded.dtype, native_matmul=backend == "cpu" and cpu_native.matmul_simd()
@@ -71,12 +79,35 @@ def prepare_model(
     return loaded, plan
 
 
+def window_paging(config: EngineConfig, model: Model, dp_size: int) -> int | None:
+    """The sliding window whose layers page apart (paged_kv/window_pages.py), or None. `cache.window_paging`
+    null: on where the model has window layers, except under attention DP or a P/D role (off, logged);
+    true there: refused, as neither moves a window block table yet."""
+    windows = [w for i in range(model.cfg.num_layers) if (w := model.cfg.sliding_window(i)) is not None]
+    if not windows or config.window_paging is False:
+        return None
+    role = config.kv_transfer.role if config.kv_transfer is not None else "both"
+    unsupported = "attention data parallelism" if dp_size > 1 else f"P/D role {role!r}" if role != "both" else None
+    if unsupported is not None:
+        if config.window_paging:
+            raise ValueError(
+                f"cache.window_paging: window-aware paging does not support {unsupported} yet; "
+                "set cache.window_paging: false (window layers then keep full-length KV)"
+            )
+        log.info("window-aware paging off under %s: window layers keep full-length KV", unsupported)
+        return None
+    return max(windows)
+
+
 def size_cache(
-    config: EngineConfig, model: Model, max_blocks_per_seq: int, dp_size: int
-) -> tuple[int, int, int | None]:
-    """-> (pages, state slots, checkpoint slots or None) of one rank. Hybrids get one slot per running
-    sequence plus the checkpoint budget (docs/prefix_caching.md); configured pools are totals over the
-    data-parallel ranks; without `num_pages`, the pages the memory budget leaves."""
+    config: EngineConfig, model: Model, max_blocks_per_seq: int, dp_size: int, window: int | None = None
+) -> tuple[int, int, int | None, int]:
+    """-> (pages, state slots, checkpoint slots or None, window pages: 0 without `window`) of one rank.
+    Hybrids get one slot per running sequence plus the checkpoint budget (docs/prefix_caching.md);
+    configured pools are totals over the data-parallel ranks; without `num_pages`, the pages the
+    memory budget leaves. With window-aware paging (`window`) the window layers' pool holds
+    `window_pool_pages` (every running sequence's window and a step's chunks) and `num_pages` (or
+    the budget left after that pool) is the full layers' pool."""
     num_slots, num_checkpoint_slots = 0, None
     if model.cfg.is_hybrid:
         num_slots, num_checkpoint_slots = plan_state_slots(
@@ -90,22 +121,36 @@ def size_cache(
             num_slots, num_checkpoint_slots = config.num_state_slots, None
     if dp_size > 1 and model.cfg.is_hybrid and config.num_state_slots:
         num_slots = rank_share(config.num_state_slots, dp_size, "num_state_slots")
+    num_window_pages = 0
+    if window is not None:
+        ps = config.page_size
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens)
+        num_window_pages = min(num_window_pages, config.max_num_seqs * max_blocks_per_seq + 1)
     num_pages = rank_share(config.num_pages, dp_size, "num_pages") or default_num_pages(
-        config, model, max_blocks_per_seq, num_slots
+        config, model, max_blocks_per_seq, num_slots, num_window_pages
     )
-    return num_pages, num_slots, num_checkpoint_slots
+    return num_pages, num_slots, num_checkpoint_slots, num_window_pages
 
 
-def default_num_pages(config: EngineConfig, model: Model, max_blocks_per_seq: int, num_slots: int) -> int:
-    """Enough pages for every sequence at full length, capped by the memory budget left after
-    the GDN state slots (pages and slots are budgeted together)."""
-    want = config.max_num_seqs * max_blocks_per_seq + 1
-    per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype), 1) * config.page_size  # all layers
-    state_bytes = num_slots * model.state_bytes_per_slot_per_device()
+def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
+    """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
+    per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers), 1) * config.page_size
     tp = model.tp
-    if tp is not None and tp.attention and model.cfg.mla is None:
-        per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA's latent rows: all)
-    budget = cache_budget_bytes(config)
+    split = tp is not None and tp.attention and model.cfg.mla is None  # MLA's latent rows: on every device
+    return -(-per_page // tp.size) if split else per_page  # a device's KV heads
+
+
+def default_num_pages(
+    config: EngineConfig, model: Model, max_blocks_per_seq: int, num_slots: int, num_window_pages: int = 0
+) -> int:
+    """Enough pages for every sequence at full length, capped by the memory budget left after
+    the GDN state slots (pages and slots are budgeted together) and a window pool of
+    `num_window_pages` (then a page is the full layers' only)."""
+    want = config.max_num_seqs * max_blocks_per_seq + 1
+    per_page = page_bytes(config, model, "full" if num_window_pages else "all")
+    state_bytes = num_slots * model.state_bytes_per_slot_per_device()
+    window_bytes = num_window_pages * page_bytes(config, model, "window") if num_window_pages else 0
+    budget = cache_budget_bytes(config) - window_bytes
     return int(max(2, min(want, (budget - state_bytes) // per_page)))
 
 
@@ -151,8 +196,12 @@ def build_step_parts(
     `build_data_parallel`'s per-rank schedulers, rank-stacked caches and DP executables."""
     dp_size = data_parallel_size(config)
     max_blocks_per_seq = pages_for(max_model_len, config.page_size)
-    num_pages, num_slots, num_checkpoint_slots = size_cache(config, model, max_blocks_per_seq, dp_size)
-    cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots)
+    window = window_paging(config, model, dp_size)
+    num_pages, num_slots, num_checkpoint_slots, num_window_pages = size_cache(
+        config, model, max_blocks_per_seq, dp_size, window
+    )
+    window_pool = None if window is None else (window, num_window_pages)
+    cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
     scheduler_config = config.scheduler_config(max_model_len)
     opts = KernelOptions(
         attention=plan.attention_path, gdn=plan.gdn_path, interpret=config.kernel_config().interpret, tp=model.tp
@@ -164,6 +213,7 @@ def build_step_parts(
         max(cache_config.num_state_slots, 2),
         config.kv_cache_dtype,
         bit_storage=plan.kv_bit_storage,
+        num_window_pages=num_window_pages or None,
     )
     if dp_size > 1:
         dp = build_data_parallel(
@@ -192,8 +242,12 @@ def build_step_parts(
         fuse_greedy=plan.fuse_greedy,
         max_model_len=max_model_len,
         page_size=config.page_size,
+        window_paging=window is not None,
     )
-    request_table = RequestTableHost(config.max_num_seqs, config.page_size, plan.token_buckets[-1], rng=rng)
+    window_columns = None if window is None else max_blocks_per_seq
+    request_table = RequestTableHost(
+        config.max_num_seqs, config.page_size, plan.token_buckets[-1], rng=rng, window_columns=window_columns
+    )
     scheduler = Scheduler(scheduler_config, cache_config.build_manager())
     table = executables.new_table()
     return StepParts(*sizes, scheduler, caches, plan.seq_buckets, executables, request_table, table, None)

@@ -3,13 +3,16 @@
     {"version": 1, "rule": "prefill_n_minus_1" | "prefill_n_adopt", "num_tokens": K,
      "token_digest": sha256 of the K ids, "first_token": id (prefill_n_adopt only),
      "page_size": 16, "num_pages": n (padded), "kv_dtype": "float32", "kv_wire": "values" | "bits",
+     "state_dtype": "float32" | "bfloat16" (GDN state slots; absent: float32),
      "model": {layer_types, num_kv_heads, head_dim, conv, rec, num_groups, vocab_size, fingerprint},
      "arrays": [[name, shape, wire dtype], ...]}          # the pulled arrays, in this order
 
 Arrays: per attention position j of the layer pattern, `kv{j}.k` / `kv{j}.v` `[G*n, Hkv, ps, D]`
 (the request's pages of every layer group g, g-major, padded with the null page) and for FP8
-`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN position j, `conv{j}` `[G, W-1, C]` and
-`rec{j}` `[G, H, K, V]` float32 (the request's slot). The decode side checks every field
+`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN (Mamba-2) position j, `conv{j}` `[G, W-1, C]`
+and `rec{j}` `[G, H, K, V]` (`[G, H, P, N]`) (the request's slot) in the prefill side's `state_dtype`,
+bfloat16 as raw bits; the decode side casts them to its own state dtype; an MLP-only position has none.
+The decode side checks every field
 against its own model and the request's prompt before it allocates or pulls a byte
 (`check_descriptor`): types, the dtype allow-list, page size and page count consistent with the
 token count, the model signature including the checkpoint's fingerprint (models/fingerprint.py),
@@ -22,6 +25,7 @@ import hashlib
 import math
 import struct
 
+from models.mamba2_config import recurrent_state_shapes
 from runtime.kv_transfer.base import TransferError
 
 DESCRIPTOR_VERSION = 1
@@ -35,6 +39,7 @@ ADOPT_RULE = "prefill_n_adopt"
 LAST_TOKEN_RULES = {LAST_TOKEN_RULE: 1, ADOPT_RULE: 0}  # rule -> prompt tokens not shipped
 # Logical KV dtypes a descriptor may name (jnp.dtype(name).name of the cache dtypes we build).
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+STATE_DTYPES = ("float32", "bfloat16")  # configs.rules.STATE_DTYPES
 MAX_PAGE_SIZE = 4096
 DESCRIPTOR_KEYS = frozenset(
     {
@@ -47,6 +52,7 @@ DESCRIPTOR_KEYS = frozenset(
         "num_pages",
         "kv_dtype",
         "kv_wire",
+        "state_dtype",
         "model",
         "arrays",
     }
@@ -69,9 +75,9 @@ def model_signature(cfg, num_groups: int, fingerprint: str = "") -> dict:
         "vocab_size": cfg.vocab_size,
         "fingerprint": fingerprint,
     }
-    if cfg.is_hybrid:
-        sig["conv"] = [cfg.linear_conv_kernel_dim - 1, cfg.conv_dim]
-        sig["rec"] = [cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim]
+    if cfg.is_hybrid:  # one slot's states per recurrent layer (GDN or Mamba-2)
+        conv, rec = recurrent_state_shapes(cfg)
+        sig["conv"], sig["rec"] = list(conv), list(rec)
     return sig
 
 
@@ -86,6 +92,7 @@ def build_descriptor(
     kv_wire: str,
     signature: dict,
     arrays: list[list],
+    state_dtype: str = "float32",
 ) -> dict:
     return {
         "version": DESCRIPTOR_VERSION,
@@ -96,6 +103,7 @@ def build_descriptor(
         "num_pages": num_pages,
         "kv_dtype": kv_dtype,
         "kv_wire": kv_wire,
+        "state_dtype": state_dtype,
         "model": signature,
         "arrays": arrays,
     }
@@ -164,6 +172,9 @@ def check_descriptor(desc, *, prompt_token_ids, signature: dict) -> int:
         raise TransferError(f"descriptor kv_dtype {kv_dtype!r} is not one of {list(KV_DTYPES)}")
     if desc.get("kv_wire") != ("values" if kv_dtype == "float32" else "bits"):
         raise TransferError(f"kv_wire {desc.get('kv_wire')!r} does not fit kv_dtype {kv_dtype}")
+    state_dtype = desc.get("state_dtype", "float32")
+    if not isinstance(state_dtype, str) or state_dtype not in STATE_DTYPES:
+        raise TransferError(f"descriptor state_dtype {state_dtype!r} is not one of {list(STATE_DTYPES)}")
     arrays = desc.get("arrays")
     if not isinstance(arrays, list) or not all(
         isinstance(a, list)

@@ -129,7 +129,7 @@ class DisaggregationHooks:
         # FP8 KV: the prefill side computes all N prompt tokens. The last-token rule: adopt for FP8
         # KV next to GDN state (whose state after N-1 tokens a full prefill never holds), else N-1.
         self._computes_last_token = bool(kv) and kv[0].k_scale is not None
-        hybrid = len(kv) < len(caches["kv"])
+        hybrid = model.cfg.is_hybrid  # recurrent layers (not just fewer KV pools: MLP-only blocks have none)
         self.rule = ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease

@@ -22,6 +22,7 @@ import numpy as np
 
 from models import ops
 from models.config import ATTENTION
+from models.mamba2_config import NO_MIXER
 from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
 from runtime.kv_transfer.descriptor import LAST_TOKEN_RULE, build_descriptor, model_signature
@@ -53,19 +54,19 @@ def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: i
             out += [_to_wire(k, kv.dtype), _to_wire(v, kv.dtype)]
             if kv.k_scale is not None:
                 out += [kv.k_scale[idx][:, heads], kv.v_scale[idx][:, heads]]
-        else:
+        elif rec is not None:
             G = rec.shape[0] // num_slots
             idx = jnp.arange(G) * num_slots + slot
-            out += [conv[idx], rec[idx]]
+            out += [_to_wire(conv[idx], conv.dtype), _to_wire(rec[idx], rec.dtype)]
     return out
 
 
 def _names(caches) -> list[str]:
     names = []
-    for j, kv in enumerate(caches["kv"]):
+    for j, (kv, rec) in enumerate(zip(caches["kv"], caches["rec"])):
         if kv is not None:
             names += [f"kv{j}.k", f"kv{j}.v"] + ([f"kv{j}.k_scale", f"kv{j}.v_scale"] if kv.k_scale is not None else [])
-        else:
+        elif rec is not None:
             names += [f"conv{j}", f"rec{j}"]
     return names
 
@@ -119,6 +120,7 @@ def gather_request_state(
     arrays = _reorder_conv(arrays, _names(caches), None if conv_perm is None else np.argsort(conv_perm))
     kv = next((x for x in caches["kv"] if x is not None), None)
     kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
+    rec = next((x for x in caches["rec"] if x is not None), None)
     G = model_groups(caches, num_pages, num_slots)
     entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
     desc = build_descriptor(
@@ -131,6 +133,7 @@ def gather_request_state(
         kv_wire="values" if kv_dtype == "float32" else "bits",
         signature=signature or model_signature(cfg, G),
         arrays=entries,
+        state_dtype="float32" if rec is None else rec.dtype.name,
     )
     return arrays, desc
 
@@ -143,7 +146,8 @@ def kv_repeat_of(caches, cfg) -> int:
 
 def model_groups(caches, num_pages: int, num_slots: int) -> int:
     for kv, rec in zip(caches["kv"], caches["rec"]):
-        return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
+        if kv is not None or rec is not None:
+            return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
     return 1
 
 
@@ -153,6 +157,8 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
     G = sig["num_groups"]
     kv_dtype = jnp.dtype(desc["kv_dtype"])  # one of descriptor.KV_DTYPES (check_descriptor)
     wire = kv_dtype.name if kv_dtype == jnp.float32 else _bits(kv_dtype).name
+    state_dtype = jnp.dtype(desc.get("state_dtype", "float32"))  # one of descriptor.STATE_DTYPES
+    state_wire = state_dtype.name if state_dtype == jnp.float32 else _bits(state_dtype).name
     want = []
     for j, kind in enumerate(sig["layer_types"]):
         if kind == ATTENTION:
@@ -160,8 +166,8 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
             want += [[f"kv{j}.k", page, wire], [f"kv{j}.v", page, wire]]
             if kv_dtype.itemsize == 1:
                 want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
-        else:
-            want += [[f"conv{j}", [G] + sig["conv"], "float32"], [f"rec{j}", [G] + sig["rec"], "float32"]]
+        elif kind != NO_MIXER:
+            want += [[f"conv{j}", [G] + sig["conv"], state_wire], [f"rec{j}", [G] + sig["rec"], state_wire]]
     if desc["arrays"] != want:
         raise TransferError(f"descriptor arrays {desc['arrays']} differ from what this model expects {want}")
     return want
@@ -198,7 +204,7 @@ def _copy_pages(kv, k, v, scales, page_mapping):
 @functools.partial(
     jax.jit,
     donate_argnums=(0,),
-    static_argnames=("src_page_size", "kv_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"),
+    static_argnames=("src_page_size", "kv_dtype", "state_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"),
 )
 def _write(
     caches,
@@ -209,6 +215,7 @@ def _write(
     *,
     src_page_size: int,
     kv_dtype: str,
+    state_dtype: str,
     num_tokens_pad: int,
     num_slots: int,
     opts,
@@ -218,12 +225,17 @@ def _write(
     kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     logical = jnp.dtype(kv_dtype)
     for j, kv in enumerate(caches["kv"]):
+        if kv is None and caches["rec"][j] is None:  # an MLP-only block
+            continue
         if kv is None:
             conv, rec = arrays.pop(0), arrays.pop(0)
             G = conv.shape[0]
             idx = jnp.arange(G) * num_slots + slot
-            conv_out[j] = caches["conv"][j].at[idx].set(conv)
-            rec_out[j] = caches["rec"][j].at[idx].set(rec)
+            # the prefill side's state dtype (bf16 as bits) cast to this side's
+            sent = jnp.dtype(state_dtype)
+            state = [x if x.dtype == sent else jax.lax.bitcast_convert_type(x, sent) for x in (conv, rec)]
+            conv_out[j] = caches["conv"][j].at[idx].set(state[0].astype(caches["conv"][j].dtype))
+            rec_out[j] = caches["rec"][j].at[idx].set(state[1].astype(caches["rec"][j].dtype))
             continue
         k, v = arrays.pop(0), arrays.pop(0)
         scales = (arrays.pop(0), arrays.pop(0)) if logical.itemsize == 1 else (None, None)
@@ -298,6 +310,7 @@ def write_request_state(
         jnp.int32(state_slot),
         src_page_size=desc["page_size"],
         kv_dtype=desc["kv_dtype"],
+        state_dtype=desc.get("state_dtype", "float32"),
         num_tokens_pad=T,
         num_slots=num_slots,
         opts=opts,

@@ -82,6 +82,7 @@ def build_data_parallel_batch(
     fields = {
         f.name: np.concatenate([np.atleast_1d(getattr(p, f.name)) for p in parts])
         for f in dataclasses.fields(ForwardBatch)
+        if getattr(parts[0], f.name) is not None  # window paging's tables: not under DP
     }
     return ForwardBatch(**{**fields, "logits_indices": logits_rows})
 
@@ -91,6 +92,7 @@ def split_ranks(batch: ForwardBatch, size: int) -> ForwardBatch:
     ranks = {
         f.name: getattr(batch, f.name).reshape(size, -1, *getattr(batch, f.name).shape[1:])
         for f in dataclasses.fields(ForwardBatch)
+        if getattr(batch, f.name) is not None
     }
     T = ranks["input_ids"].shape[1]
     ranks["num_seqs"] = batch.num_seqs  # [D]

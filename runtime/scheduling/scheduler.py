@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
+from paged_kv.window_pages import window_pages_per_sequence
 from runtime.engine_config import SchedulerConfig
 from runtime.scheduled import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
 from runtime.scheduling.policies import get_policy
@@ -97,6 +98,15 @@ class Scheduler:
                 f"{self.cache.page_size} tokens, but the pool has only {self.cache.num_allocatable_pages}; "
                 f"lower max_tokens or give the cache more pages"
             )
+        window = self.cache.window
+        if window is not None:
+            chunk = min(max_total, self.config.max_num_batched_tokens)
+            need = min(pages, window_pages_per_sequence(window.window, self.cache.page_size, chunk))
+            if need > window.num_allocatable:
+                raise ValueError(
+                    f"request {request.request_id!r}: its window needs up to {need} window KV pages, "
+                    f"but the window pool has only {window.num_allocatable}; give the window pool more pages"
+                )
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> bool:
         """End a request wherever it is and free its resources; False if it is unknown/done."""
@@ -244,6 +254,7 @@ class Scheduler:
             token_ids=tokens[start:end],
             start_position=start,
             block_table=list(request.block_table),
+            window_block_table=None if self.cache.window is None else list(request.allocation.window_block_table),
             state_slot=request.state_slot,
             has_initial_state=start > 0,
             sample=end == request.num_tokens,

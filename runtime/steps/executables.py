@@ -143,6 +143,7 @@ class StepExecutables:
         max_model_len: int | None = None,
         forward_fn=forward,
         page_size: int = 16,
+        window_paging: bool = False,
     ):
         # forward_fn: the model's forward pass; attention DP passes its per-rank vmap of it (runtime/parallel/data_parallel.py)
         self.model, self.opts = model, opts
@@ -154,6 +155,8 @@ class StepExecutables:
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.max_num_seqs, self.max_blocks_per_seq, self.max_top_k = max_num_seqs, max_blocks_per_seq, max_top_k
         self.page_size = page_size
+        self.window_paging = window_paging  # a second block table (paged_kv/window_pages.py)
+        self._tables = 2 if window_paging else 1
         # Under a mesh (opts.tp) specs carry the arrays' shardings, step inputs are replicated and
         # outputs are pinned to the input shardings, so donated caches keep their layout.
         self._specs = specs.abstract_spec if opts.tp is None else specs.sharded_spec
@@ -185,7 +188,7 @@ class StepExecutables:
         """(program name, abstract positional arguments, static keyword arguments) of `key`."""
         i32, T = jnp.int32, key.size
         if key.kind == "write_table":
-            width = specs.table_write_width(T, self.max_num_seqs, self.page_size)
+            width = specs.table_write_width(T, self.max_num_seqs, self.page_size, self._tables)
             return "write_table", (self._table_spec(), self._host_spec((width,), i32)), {}
         if key.kind == "prepare":
             return "prepare", self._table_args_spec(T), {}
@@ -218,17 +221,17 @@ class StepExecutables:
         return self._batch_spec(T)
 
     def _batch_spec(self, T: int) -> ForwardBatch:  # DataParallelExecutables widens it
-        return specs.batch_spec(T, self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+        return specs.batch_spec(T, self.max_num_seqs, self.max_blocks_per_seq, self._replicated, self.window_paging)
 
     def _feed_spec(self, T: int) -> TokenFeed:
         return specs.feed_spec(T, self.max_num_seqs, self._replicated)
 
     def _table_spec(self) -> RequestTable:
-        return specs.table_spec(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+        return specs.table_spec(self.max_num_seqs, self.max_blocks_per_seq, self._replicated, self.window_paging)
 
     def _table_args_spec(self, T: int) -> tuple:
         """(table, table_step, prev_tokens) specs of token bucket T."""
-        step = specs.table_step_spec(T, self.max_num_seqs, self.page_size, self._replicated)
+        step = specs.table_step_spec(T, self.max_num_seqs, self.page_size, self._replicated, self._tables)
         return self._table_spec(), step, self._host_spec((self.max_num_seqs,), jnp.int32)
 
     def _meta_spec(self, S: int, widths=(0, 0, 0, 0)) -> SamplingMetadata:
@@ -236,7 +239,7 @@ class StepExecutables:
 
     def new_table(self) -> RequestTable:
         """An empty request table (every row free) on the device."""
-        return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated)
+        return init_table(self.max_num_seqs, self.max_blocks_per_seq, self._replicated, self.window_paging)
 
     @property
     def row_params_in_table(self) -> bool:

@@ -36,6 +36,9 @@ def build_batch(
     state_slots = np.zeros(S, np.int32)
     has_initial = np.zeros(S, bool)
     logits_indices = np.zeros(S, np.int32)
+    window = bool(seqs) and seqs[0].window_block_table is not None  # window-aware paging
+    window_tables = np.zeros((S, max_blocks_per_seq), np.int32) if window else None
+    window_slots = np.full(T, -1, np.int32) if window else None
     t = 0
     for i, s in enumerate(seqs):
         n = s.num_new_tokens
@@ -50,6 +53,10 @@ def build_batch(
         state_slots[i] = s.state_slot
         has_initial[i] = s.has_initial_state
         logits_indices[i] = t + n - 1
+        if window:
+            window_table = np.asarray(s.window_block_table, np.int32)
+            window_tables[i, : len(window_table)] = window_table
+            window_slots[t : t + n] = window_table[pos // page_size] * page_size + pos % page_size
         t += n
     cu_q_lens[len(seqs) + 1 :] = t
     return ForwardBatch(
@@ -63,4 +70,6 @@ def build_batch(
         has_initial_state=has_initial,
         num_seqs=np.array(len(seqs), np.int32),
         logits_indices=logits_indices,
+        window_block_tables=window_tables,
+        window_slot_mapping=window_slots,
     )

@@ -30,8 +30,8 @@ def host_spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def batch_spec(T: int, max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> ForwardBatch:
-    """A host-built ForwardBatch of token bucket T."""
+def batch_spec(T: int, max_num_seqs: int, max_blocks_per_seq: int, sharding=None, window: bool = False) -> ForwardBatch:
+    """A host-built ForwardBatch of token bucket T (`window`: with window-aware paging's tables)."""
     S, MB, i32 = max_num_seqs, max_blocks_per_seq, jnp.int32
     spec = functools.partial(host_spec, sharding=sharding)
     return ForwardBatch(
@@ -45,6 +45,8 @@ def batch_spec(T: int, max_num_seqs: int, max_blocks_per_seq: int, sharding=None
         has_initial_state=spec((S,), jnp.bool_),
         num_seqs=spec((), i32),
         logits_indices=spec((S,), i32),
+        window_block_tables=spec((S, MB), i32) if window else None,
+        window_slot_mapping=spec((T,), i32) if window else None,
     )
 
 
@@ -54,19 +56,19 @@ def feed_spec(T: int, max_num_seqs: int, sharding=None) -> TokenFeed:
     )
 
 
-def table_spec(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> RequestTable:
+def table_spec(max_num_seqs: int, max_blocks_per_seq: int, sharding=None, window: bool = False) -> RequestTable:
     """The request table's specs, no array made (a compile-only client cannot hold one)."""
-    shapes = jax.eval_shape(functools.partial(init_table, max_num_seqs, max_blocks_per_seq))
+    shapes = jax.eval_shape(functools.partial(init_table, max_num_seqs, max_blocks_per_seq, window=window))
     return jax.tree.map(lambda s: host_spec(s.shape, s.dtype, sharding), shapes)
 
 
-def table_write_width(T: int, max_num_seqs: int, page_size: int) -> int:
+def table_write_width(T: int, max_num_seqs: int, page_size: int, tables: int = 1) -> int:
     """A write's entries (runtime/steps/table_host.py) in token bucket T."""
-    return write_width(max_num_seqs, page_write_width(T, max_num_seqs, page_size))
+    return write_width(max_num_seqs, page_write_width(T, max_num_seqs, page_size, tables))
 
 
-def table_step_spec(T: int, max_num_seqs: int, page_size: int, sharding=None) -> TableStep:
-    meta = 2 * max_num_seqs + table_write_width(T, max_num_seqs, page_size)
+def table_step_spec(T: int, max_num_seqs: int, page_size: int, sharding=None, tables: int = 1) -> TableStep:
+    meta = 2 * max_num_seqs + table_write_width(T, max_num_seqs, page_size, tables)
     return TableStep(meta=host_spec((meta,), jnp.int32, sharding), host_tokens=host_spec((T,), jnp.int32, sharding))
 
 

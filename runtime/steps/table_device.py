@@ -14,6 +14,10 @@ from the table, and advances `num_computed` of every row in the step. The result
 A row's `last_token` is read only where the host sends -1 (a placeholder): the token sampled by
 the step just before, which this same call has just written. A stale write into a freed or
 reused row is harmless: a (re)placed row feeds host tokens until its own next sample.
+
+Window-aware paging adds `window_block_tables` (the sliding-window layers' pages, same columns):
+a page write to column MB + c writes its column c (MB = max_blocks_per_seq), and the batch gets
+`window_block_tables` and `window_slot_mapping` from it.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ class RequestTable:
     state_slot: jax.Array  # [R+1] i32, 0 = null slot
     step_rows: jax.Array  # [S] i32, the rows of the last prepared step (by batch position)
     row_params: jax.Array  # [R+1, P] i32, sampling parameters as bits (runtime.steps.table_host.ROW_PARAMS)
+    window_block_tables: jax.Array | None = None  # [R+1, MB] i32: window-aware paging's second table
 
 
-def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> RequestTable:
+def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None, window: bool = False) -> RequestTable:
     rows = max_num_seqs + 1
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     table = RequestTable(
@@ -53,6 +58,7 @@ def init_table(max_num_seqs: int, max_blocks_per_seq: int, sharding=None) -> Req
         zeros(rows),
         jnp.full((max_num_seqs,), max_num_seqs, jnp.int32),
         jnp.tile(jnp.asarray(NEUTRAL_ROW_PARAMS), (rows, 1)),
+        zeros(rows, max_blocks_per_seq) if window else None,
     )
     return table if sharding is None else jax.device_put(table, sharding)
 
@@ -62,10 +68,16 @@ def apply_write(table: RequestTable, write: jax.Array) -> RequestTable:
     state slot, sampling parameters, a cleared block-table row), then page writes."""
     r, start, slot, params, page_rows, page_cols, pages = split_write(write, table.step_rows.shape[0])
     block_tables = table.block_tables.at[r].set(0, mode="drop")
-    block_tables = block_tables.at[page_rows, page_cols].set(pages, mode="drop")
+    block_tables = block_tables.at[page_rows, page_cols].set(pages, mode="drop")  # columns >= MB: dropped
+    window = table.window_block_tables
+    if window is not None:
+        MB = block_tables.shape[1]
+        window_cols = jnp.where(page_cols >= MB, page_cols - MB, MB)  # the full table's columns -> dropped
+        window = window.at[r].set(0, mode="drop").at[page_rows, window_cols].set(pages, mode="drop")
     return dataclasses.replace(
         table,
         block_tables=block_tables,
+        window_block_tables=window,
         num_computed=table.num_computed.at[r].set(start, mode="drop"),
         state_slot=table.state_slot.at[r].set(slot, mode="drop"),
         row_params=table.row_params.at[r].set(params.T, mode="drop"),
@@ -99,6 +111,11 @@ def prepare(
     block_tables = table.block_tables[rows]  # [S, MB]
     page = block_tables[seq, positions // page_size]
     ids = jnp.where(step.host_tokens >= 0, step.host_tokens, table.last_token[rows[seq]])
+    window_tables = window_slots = None
+    if table.window_block_tables is not None:
+        window_tables = table.window_block_tables[rows]  # [S, MB]
+        window_page = window_tables[seq, positions // page_size]
+        window_slots = jnp.where(valid, window_page * page_size + positions % page_size, -1)
     batch = ForwardBatch(
         input_ids=jnp.where(valid, ids, 0),
         positions=positions,
@@ -110,6 +127,8 @@ def prepare(
         has_initial_state=live & (start > 0),
         num_seqs=jnp.sum(live, dtype=jnp.int32),
         logits_indices=jnp.where(live, cu_q_lens[1:] - 1, 0),
+        window_block_tables=window_tables,
+        window_slot_mapping=window_slots,
     )
     table = dataclasses.replace(table, num_computed=table.num_computed.at[rows].add(num_new), step_rows=rows)
     return table, batch

@@ -34,6 +34,10 @@ computed, pages written, state slot) so that it can tell what changed; when its 
 scheduler disagree about a row (a preempted request readmitted, a new allocation) the row is
 reset, which also keeps a failed step from leaving a wrong row behind. Plain numpy, no JAX.
 
+Window-aware paging (`window_columns` = max_blocks_per_seq): the window block table's new pages,
+and the null page where the request slid past a block, are page writes to column MB + c; the
+write width doubles (`page_write_width(..., tables=2)`).
+
     table = RequestTableHost(max_num_seqs=16, page_size=16, max_num_tokens=512)
     step, writes = table.plan(scheduler_output, token_bucket)   # TableStep, [write chunk] (overflow)
     table.sweep()                                       # free the rows of ended requests
@@ -122,21 +126,44 @@ class _Row:
     num_computed: int
     num_pages: int
     state_slot: int
+    window_low: int = 0  # window paging: columns below this are null on the device
 
 
-def page_write_width(num_tokens: int, max_num_seqs: int, page_size: int) -> int:
+def window_writes(row: int, entry: _Row, table: list[int], num_written: int, offset: int) -> list[tuple[int, int, int]]:
+    """A window block table's changes since the device saw `num_written` columns of it: the null
+    page where the request slid past a block, its new pages (columns shifted by `offset`)."""
+    low = entry.window_low
+    while low < len(table) and table[low] == 0:
+        low += 1
+    nulls = [(row, offset + col, 0) for col in range(entry.window_low, min(low, num_written))]
+    entry.window_low = low
+    return nulls + [(row, offset + col, table[col]) for col in range(max(num_written, low), len(table))]
+
+
+def page_write_width(num_tokens: int, max_num_seqs: int, page_size: int, tables: int = 1) -> int:
     """W of token bucket T: enough for every sequence's new pages in a step without placements
-    (T // page_size + one boundary page per sequence) plus one more page per sequence."""
-    return num_tokens // page_size + 2 * max_num_seqs
+    (T // page_size + one boundary page per sequence) plus one more page per sequence, per block
+    table (`tables`: 2 with window-aware paging)."""
+    return tables * (num_tokens // page_size + 2 * max_num_seqs)
 
 
 class RequestTableHost:
-    def __init__(self, max_num_seqs: int, page_size: int, max_num_tokens: int, rng: np.random.Generator | None = None):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        page_size: int,
+        max_num_tokens: int,
+        rng: np.random.Generator | None = None,
+        window_columns: int | None = None,
+    ):
         """max_num_tokens: the largest token bucket (its W is the width of overflow writes).
-        rng: draws the seeds of requests that set none (default: OS entropy)."""
+        rng: draws the seeds of requests that set none (default: OS entropy). window_columns:
+        window-aware paging, the column offset of the window block table (max_blocks_per_seq)."""
         self.num_rows, self.page_size = max_num_seqs, page_size
         self._rng = rng if rng is not None else np.random.default_rng()
-        self.overflow_width = page_write_width(max_num_tokens, max_num_seqs, page_size)
+        self.window_columns = window_columns
+        self.tables = 1 if window_columns is None else 2
+        self.overflow_width = page_write_width(max_num_tokens, max_num_seqs, page_size, self.tables)
         self.null_row = max_num_seqs
         self._rows: list[_Row | None] = [None] * max_num_seqs
         self._row_of: dict[str, int] = {}
@@ -165,7 +192,7 @@ class RequestTableHost:
         first carries the resets)."""
         self.sweep()
         S, T = self.num_rows, num_tokens
-        width = page_write_width(T, S, self.page_size)
+        width = page_write_width(T, S, self.page_size, self.tables)
         meta = np.zeros(2 * S + write_width(S, width), np.int32)
         rows, num_new, write = meta[:S], meta[S : 2 * S], meta[2 * S :]
         rows[:] = self.null_row
@@ -181,6 +208,8 @@ class RequestTableHost:
                 resets[3:, i] = row_param_bits(params, seed)
             table = seq.block_table
             writes.extend((row, col, table[col]) for col in range(entry.num_pages, len(table)))
+            if self.window_columns is not None:
+                writes.extend(window_writes(row, entry, seq.window_block_table, entry.num_pages, self.window_columns))
             entry.num_pages = len(table)
             entry.num_computed += seq.num_new_tokens
             rows[i], num_new[i] = row, seq.num_new_tokens
