@@ -136,8 +136,9 @@ def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers), 1) * config.page_size
     tp = model.tp
-    split = tp is not None and tp.attention and model.cfg.mla is None  # MLA's latent rows: on every device
-    return -(-per_page // tp.size) if split else per_page  # a device's KV heads
+    if tp is not None and tp.attention and model.cfg.mla is None:
+        per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA's latent rows: all)
+    return per_page
 
 
 def default_num_pages(
