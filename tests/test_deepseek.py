@@ -111,6 +111,17 @@ def test_logits_match_hf(ours, hf, family, attention):
         assert err <= 1e-4, f"{family} attention={attention} T={n}: max abs logit error {err:.2e}"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_hf_through_the_tpu_mla_kernel_interpreted(ours, hf, family):
+    """The Pallas TPU MLA kernel (interpret mode) inside the model. (The GPU kernel needs rows of
+    a multiple of 16 channels: DeepSeek-V3's 576, not these 28.)"""
+    for n in (23, 70):
+        ids = random_prompt(ours(family).cfg.vocab_size, n, seed=n)
+        got = ours(family).logits(ids, KernelOptions(attention="pallas_tpu", interpret=True))
+        err = np.abs(got - hf_logits(hf(family), ids)).max()
+        assert err <= 1e-4, f"{family} T={n}: max abs logit error {err:.2e}"
+
+
 def test_logits_match_hf_unrolled(tiny_checkpoint, hf):
     """The unrolled layer loop (the CPU plan's) on the scanned checkpoint's four groups."""
     model = load_model(tiny_checkpoint("deepseek_v3_qnone"), dtype="float32")
@@ -449,7 +460,8 @@ def test_unsupported_options_are_refused_at_load(tiny_checkpoint, tmp_path, fiel
 def test_mla_impl_follows_the_attention_back_end():
     """The MLA op's implementation: the attention back-end's name where the op has it, else the
     op's "auto" on the platform (the target one for a named Pallas kernel: `jaxserve plan` compiles
-    for a TPU from this CPU host, where the native C++ call does not exist), else "chunked"."""
+    for a TPU from this CPU host, where the native C++ call does not exist), else "chunked"; and
+    "chunked" where the chosen kernel cannot read pages held as raw bits."""
     from models.mla_attention import mla_impl
     from pallas_kernels.mla import LatentPages
 
@@ -458,9 +470,10 @@ def test_mla_impl_follows_the_attention_back_end():
         ("auto", False, floats, "native"),
         ("reference", False, bits, "reference"),
         ("chunked", False, bits, "chunked"),
-        ("pallas_tpu", False, floats, "chunked"),
-        ("pallas_gpu", False, floats, "chunked"),
-        ("pallas", True, floats, "chunked"),  # interpret mode on CPU: no MLA entry picked
+        ("pallas_tpu", False, floats, "pallas_tpu"),
+        ("pallas_gpu", False, floats, "pallas_gpu"),
+        ("pallas", True, floats, "pallas"),  # interpret mode on CPU
+        ("pallas_tpu", False, bits, "chunked"),  # the kernels read float pages only
     ]
     for attention, interpret, latent, want in cases:
         assert mla_impl(KernelOptions(attention=attention, interpret=interpret), latent) == want, attention
