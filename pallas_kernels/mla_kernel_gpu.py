@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.rpa_common import MASK_VALUE, build_work_list
+from pallas_kernels.rpa_common import MASK_VALUE, build_work_list, work_item
 
 if TYPE_CHECKING:  # mla.py imports this module lazily, at dispatch
     from pallas_kernels.mla import LatentPages
@@ -56,14 +56,9 @@ def _kernel(
 
     @pl.when(work < num_work_ref[0])
     def _attend():
-        seq = work_seq_ref[work]
-        q_start = work_start_ref[work]
-        seq_start = cu_q_lens_ref[seq]
-        q_len = cu_q_lens_ref[seq + 1] - seq_start
-        kv_len = kv_lens_ref[seq]
-        first_row = q_start - seq_start
-        first_pos = kv_len - q_len + first_row
-        last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
+        seq, q_start, q_len, kv_len, first_row, first_pos, last_pos = work_item(
+            work, work_seq_ref, work_start_ref, cu_q_lens_ref, kv_lens_ref, block_q
+        )
 
         q_rows = pl.ds(q_start * block_h, rows)
         qs = [q_ref[head_block, q_rows, pl.ds(start, size)] for start, size in pieces]  # [rows, size] each

@@ -7,6 +7,8 @@ sequences contributing no blocks.
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
@@ -66,3 +68,28 @@ def build_work_list(cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num
     q_start = cu_q_lens[seq] + block_in_seq * block_q
     num_valid = blocks_end[-1:].astype(jnp.int32)
     return seq, q_start.astype(jnp.int32), num_valid
+
+
+class WorkItem(typing.NamedTuple):
+    """A work item's query block as a kernel sees it (scalars read from the prefetched refs)."""
+
+    seq: jax.Array  # the sequence it belongs to
+    q_start: jax.Array  # flat index of its first query token
+    q_len: jax.Array  # the sequence's query length this step
+    kv_len: jax.Array  # the sequence's context length including this step's tokens
+    first_row: jax.Array  # index of its first query within the sequence's queries
+    first_pos: jax.Array  # position of its first query
+    last_pos: jax.Array  # position of its last real query
+
+
+def work_item(work, work_seq_ref, work_start_ref, cu_q_lens_ref, kv_lens_ref, block_q: int) -> WorkItem:
+    """Inside a Pallas kernel: work item `work` of `build_work_list`'s list, located in its sequence."""
+    seq = work_seq_ref[work]
+    q_start = work_start_ref[work]
+    seq_start = cu_q_lens_ref[seq]
+    q_len = cu_q_lens_ref[seq + 1] - seq_start
+    kv_len = kv_lens_ref[seq]
+    first_row = q_start - seq_start
+    first_pos = kv_len - q_len + first_row
+    last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
+    return WorkItem(seq, q_start, q_len, kv_len, first_row, first_pos, last_pos)

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_cache import KVPages
-from pallas_kernels.rpa_common import MASK_VALUE, build_work_list
+from pallas_kernels.rpa_common import MASK_VALUE, build_work_list, work_item
 
 
 def _kernel(
@@ -72,14 +72,9 @@ def _kernel(
 
     @pl.when(work < num_work_ref[0])
     def _attend():
-        seq = work_seq_ref[work]
-        q_start = work_start_ref[work]
-        seq_start = cu_q_lens_ref[seq]
-        q_len = cu_q_lens_ref[seq + 1] - seq_start
-        kv_len = kv_lens_ref[seq]
-        first_row = q_start - seq_start  # index of the block's 1st query
-        first_pos = kv_len - q_len + first_row
-        last_pos = kv_len - q_len + jnp.minimum(first_row + block_q, q_len) - 1
+        seq, q_start, _, kv_len, _, first_pos, last_pos = work_item(
+            work, work_seq_ref, work_start_ref, cu_q_lens_ref, kv_lens_ref, block_q
+        )
         kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         # Key block b holds logical pages page_lo + b * pages_per_block + i: pages wholly before
         # the window are never copied (they may hold anything). lax.div (truncating) rather than
