@@ -41,3 +41,28 @@ def hf_logits(hf, ids: list[int]) -> np.ndarray:
     """HF's float logits [len(ids), V] for one sequence, no cache."""
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def assert_bf16_as_close_as_hf_bf16(path, hf, layout: str, **hf_kwargs) -> None:
+    """bf16 weights of the checkpoint at `path`, as loaded (`layout` "stacked") or in the CPU plan's
+    packed layout (`Model.hold_packed`, "packed"): our logits are as close to HF's float32 model `hf`
+    as HF's own bfloat16 model's are (within 2x), at 1 and 65 tokens. `hf_kwargs`: for from_pretrained."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from models import load_model
+    from pallas_kernels import cpu_native
+
+    if layout == "packed" and not cpu_native.matmul_simd():
+        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
+    model = load_model(path, dtype="bfloat16")
+    if layout == "packed":
+        model.unstack_layers()
+        model.hold_packed()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **hf_kwargs).eval()
+    for n in (1, 65):
+        ids = random_prompt(model.cfg.vocab_size, n, seed=300 + n)
+        reference = hf_logits(hf, ids)
+        ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
+        hf_err = np.abs(hf_logits(hf_bf16, ids) - reference).max()
+        assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from engine_testing import drain, small_engine_config
-from hf_reference import assert_greedy_match, hf_greedy, hf_logits, random_prompt
+from hf_reference import assert_bf16_as_close_as_hf_bf16, assert_greedy_match, hf_greedy, hf_logits, random_prompt
 
 from configs import CONFIG_DIR
 from models import load_model
@@ -215,33 +215,7 @@ def test_engine_prefix_hits_and_preemption_match_hf(tiny_checkpoint, hf):
 def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tiny_checkpoint, hf, layout):
     """bf16 weights, as loaded and in the CPU plan's packed layout (`Model.hold_packed`): our
     logits are as close to HF's float32 ones as HF's own bfloat16 model's are (within 2x)."""
-    from transformers import AutoModelForCausalLM
-
-    from pallas_kernels import cpu_native
-
-    if layout == "packed" and not cpu_native.matmul_simd():
-        pytest.skip("this CPU has no AVX512-BF16: the plan keeps XLA's dot")
-    path = tiny_checkpoint(FAMILY)
-    model = load_model(path, dtype="bfloat16")
-    if layout == "packed":
-        model.unstack_layers()
-        model.hold_packed()
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    for n in (1, 65):
-        ids = random_prompt(model.cfg.vocab_size, n, seed=300 + n)
-        reference = hf_logits(hf, ids)
-        ours_err = np.abs(np.asarray(model.logits(ids), np.float32) - reference).max()
-        hf_err = np.abs(hf_logits(hf_bf16, ids) - reference).max()
-        assert hf_err > 0 and ours_err <= 2 * hf_err, f"{layout} T={n}: ours {ours_err:.3e} vs HF bf16 {hf_err:.3e}"
-
-
-def test_abstract_params_match_the_loader(tiny_checkpoint):
-    path = tiny_checkpoint(FAMILY)
-    loaded = load_model(path, dtype="bfloat16").params
-    abstract = abstract_params(parse_config(read_json(path / "config.json")), "bfloat16")
-    assert jax.tree.structure(loaded) == jax.tree.structure(abstract)
-    for real, shape in zip(jax.tree.leaves(loaded), jax.tree.leaves(abstract)):
-        assert (real.shape, real.dtype) == (shape.shape, shape.dtype)
+    assert_bf16_as_close_as_hf_bf16(tiny_checkpoint(FAMILY), hf, layout, attn_implementation="eager")
 
 
 def test_shipped_gemma_3_27b_config():

@@ -23,7 +23,7 @@ import pytest
 from configs import CONFIG_DIR, load_config
 from models.config import parse_config
 from models.model import load_model
-from models.random_checkpoint import FAMILIES
+from models.random_checkpoint import ALL_FAMILIES
 from models.safetensors_io import read_json
 from models.weights import abstract_params
 from runtime.aot import chip_report
@@ -38,7 +38,7 @@ PUBLISHED_PARAMS = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_abstract_params_match_the_loader(tiny_checkpoint, family):
     path = tiny_checkpoint(family)
     cfg = parse_config(read_json(path / "config.json"))
