@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_native
-from pallas_kernels.kernel_impls import Kernel, ragged_state_args
+from pallas_kernels.kernel_impls import Kernel, by_backend, ragged_state_args
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -391,8 +391,7 @@ def _pallas_gpu(*args, interpret, chunk_size):
     )
 
 
-def _pallas(*args, **options):
-    return (_pallas_gpu if jax.default_backend() == "gpu" else _pallas_tpu)(*args, **options)
+_pallas = by_backend(_pallas_tpu, _pallas_gpu)
 
 
 # The implementations, by `impl` name (pallas_kernels/kernel_impls.py); "auto" picks "native" on CPU.

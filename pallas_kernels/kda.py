@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gdn import ragged_chunk_layout, ragged_token_layout, unit_lower_inverse
-from pallas_kernels.kernel_impls import Kernel, ragged_state_args
+from pallas_kernels.kernel_impls import Kernel, by_backend, ragged_state_args
 
 HIGHEST = lax.Precision.HIGHEST
 CPU_CHUNK = 16  # the "chunked" impl's default chunk: the decay tile is [H, C, C, K] per chunk
@@ -242,8 +242,7 @@ def _pallas_gpu(*args, interpret, chunk_size):
     return kda_kernel_gpu.kda_gpu(*ragged_state_args(args), interpret=interpret, chunk_size=chunk_size or 64)
 
 
-def _pallas(*args, **options):
-    return (_pallas_gpu if jax.default_backend() == "gpu" else _pallas_tpu)(*args, **options)
+_pallas = by_backend(_pallas_tpu, _pallas_gpu)
 
 
 # The implementations, by `impl` name (pallas_kernels/kernel_impls.py). Not yet in the launch

@@ -55,3 +55,19 @@ def ragged_state_args(args: tuple) -> tuple:
     *arrays, cu_q_lens, state_slot_ids, has_initial_state, num_seqs = args
     meta = (cu_q_lens, state_slot_ids, has_initial_state, jnp.reshape(num_seqs, (-1,))[:1])
     return (*arrays, *(x.astype(jnp.int32) for x in meta))
+
+
+def by_backend(tpu: Callable[..., Any], gpu: Callable[..., Any], check_interpret: bool = False) -> Callable[..., Any]:
+    """An op's "pallas" entry: its GPU kernel on a GPU backend, its TPU kernel otherwise (on CPU the
+    TPU kernel under Pallas interpret mode). `check_interpret`: on CPU without `interpret`, a clear
+    error instead of a lowering failure."""
+
+    def run(*args, **options):
+        import jax
+
+        backend = jax.default_backend()
+        if check_interpret and backend == "cpu" and not options.get("interpret"):
+            raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
+        return (gpu if backend == "gpu" else tpu)(*args, **options)
+
+    return run

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_impls import Kernel, by_backend
 from pallas_kernels.kv_cache import SUPPORTED_KV_DTYPES, KVPages, _bits_dtype, dequantize, is_fp8
 from pallas_kernels.rpa_common import true_num_seqs
 
@@ -126,11 +126,7 @@ def _pallas_gpu(*args, **options):
     return mla_ragged_paged_attention_gpu(*args, **options)
 
 
-def _pallas(*args, interpret, **options):
-    backend = jax.default_backend()
-    if backend == "cpu" and not interpret:
-        raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
-    return (_pallas_gpu if backend == "gpu" else _pallas_tpu)(*args, interpret=interpret, **options)
+_pallas = by_backend(_pallas_tpu, _pallas_gpu, check_interpret=True)
 
 
 # The implementations, by `impl` name (pallas_kernels/kernel_impls.py); the same names as

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kernel_impls import Kernel
+from pallas_kernels.kernel_impls import Kernel, by_backend
 from pallas_kernels.kv_cache import KVPages, dequantize
 from pallas_kernels.rpa_common import MASK_VALUE, check_inputs, query_lengths, true_num_seqs
 
@@ -202,11 +202,7 @@ def _pallas_gpu(*args, **options):
     return ragged_paged_attention_gpu(*_head_major(args), **options)
 
 
-def _pallas(*args, interpret, **options):
-    backend = jax.default_backend()
-    if backend == "cpu" and not interpret:
-        raise ValueError("impl='pallas' on CPU needs interpret=...; use impl='reference' to serve")
-    return (_pallas_gpu if backend == "gpu" else _pallas_tpu)(*args, interpret=interpret, **options)
+_pallas = by_backend(_pallas_tpu, _pallas_gpu, check_interpret=True)
 
 
 # The implementations, by `impl` name (pallas_kernels/kernel_impls.py). "native" is "auto" on CPU:
