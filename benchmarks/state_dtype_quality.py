@@ -64,7 +64,7 @@ def _step(cfg, opts):
 def decode_logits(model, prompt: list[int], steps: int, forced: list[int] | None = None, page_size: int = 16):
     """Logits [steps, V] after the prompt and after each of steps - 1 decode tokens: `forced`'s,
     or the run's own greedy tokens. The loop of `models.model.Model.greedy`, keeping the logits."""
-    from models.batch import single_sequence_batch
+    from models.batch import decode_batch, single_sequence_batch
     from models.ops import KernelOptions
     from models.padding import SEQUENCE_PAD_MIN, pow2_bucket
 
@@ -83,17 +83,7 @@ def decode_logits(model, prompt: list[int], steps: int, forced: list[int] | None
         caches, logits = step(model.params, caches, batch)
         out.append(np.asarray(logits))
         token = int(np.argmax(out[-1])) if forced is None else forced[i]
-        pos = len(prompt) + i
-        batch = dataclasses.replace(
-            full,
-            input_ids=np.array([token], np.int32),
-            positions=np.array([pos], np.int32),
-            slot_mapping=full.slot_mapping[pos : pos + 1],
-            cu_q_lens=np.array([0, 1], np.int32),
-            kv_lens=np.array([pos + 1], np.int32),
-            has_initial_state=np.array([True]),
-            logits_indices=np.array([0], np.int32),
-        )
+        batch = decode_batch(full, token, len(prompt) + i)
     return np.stack(out)
 
 

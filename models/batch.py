@@ -62,3 +62,18 @@ def single_sequence_batch(token_ids, page_size: int, first_page: int = 1, pad_to
         num_seqs=np.array(1, np.int32),
         logits_indices=pos,
     )
+
+
+def decode_batch(full: ForwardBatch, token: int, pos: int) -> ForwardBatch:
+    """The one-token decode step at `pos` of the sequence whose whole-length batch is `full`
+    (`single_sequence_batch` over every position): its page table, one KV slot, state carried on."""
+    return dataclasses.replace(
+        full,
+        input_ids=np.array([token], np.int32),
+        positions=np.array([pos], np.int32),
+        slot_mapping=full.slot_mapping[pos : pos + 1],
+        cu_q_lens=np.array([0, 1], np.int32),
+        kv_lens=np.array([pos + 1], np.int32),
+        has_initial_state=np.array([True]),
+        logits_indices=np.array([0], np.int32),
+    )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.batch import single_sequence_batch
+from models.batch import decode_batch, single_sequence_batch
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.mamba2_config import NO_MIXER, recurrent_state_shapes
 from models.ops import KernelOptions
@@ -232,17 +232,7 @@ class Model:
         for i in range(max_new_tokens):
             caches, tok = step(self.params, caches, batch)
             out.append(int(tok[0]))
-            pos = len(ids) + i
-            batch = dataclasses.replace(
-                full,
-                input_ids=np.array([out[-1]], np.int32),
-                positions=np.array([pos], np.int32),
-                slot_mapping=full.slot_mapping[pos : pos + 1],
-                cu_q_lens=np.array([0, 1], np.int32),
-                kv_lens=np.array([pos + 1], np.int32),
-                has_initial_state=np.array([True]),
-                logits_indices=np.array([0], np.int32),
-            )
+            batch = decode_batch(full, out[-1], len(ids) + i)
         return out
 
     def _with_tp(self, opts: KernelOptions | None) -> KernelOptions:
