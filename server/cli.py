@@ -302,6 +302,7 @@ def _parser() -> argparse.ArgumentParser:
         help="write from this sharding (each process writes its shards); any mesh restores it",
     )
     commands.add_parser("proxy", add_help=False, help="prefill -> decode router (jaxserve proxy --help)")
+    commands.add_parser("router", add_help=False, help="many replicas behind one endpoint (jaxserve router --help)")
     return parser
 
 
@@ -375,10 +376,10 @@ def _convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["proxy"]:
-        from server.proxy import main as proxy_main
+    if argv[:1] in (["proxy"], ["router"]):  # the router (server/router.py); `proxy` is its P/D mode
+        from server.router import main as router_main
 
-        return proxy_main(argv[1:])
+        return router_main(argv[1:], command=argv[0])
     args = _parser().parse_args(argv)
     if args.command == "convert":
         return _convert(args)

@@ -1,0 +1,494 @@
+"""`jaxserve router`: routing decisions, affinity, retries, cuts, health, admin, byte-for-byte relay.
+
+Fast tests run the router in-process in front of fake aiohttp replicas whose behaviour each test
+scripts (fail with a 5xx, drop the connection before or after the first byte, hold a request).
+The fakes' `/tokenize` returns a prompt's UTF-8 bytes as its tokens, so block counts are computed
+by hand. The official `openai` client talks to the router in front of two real jaxserve servers
+(FakeEngine). The slow test runs two real tiny-hybrid `jaxserve serve` replicas on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from import_testing import imports_jax
+
+from server.router import Router
+from server.router_config import RouterConfig, RouterConfigError, build_config
+from server.router_policy import BlockIndex, CacheAware, Candidate, RoundRobin, block_hashes
+
+SCENARIO_TIMEOUT_S = 30.0
+KEY = "router-admin-key-0123"
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, SCENARIO_TIMEOUT_S))
+
+
+async def _serve(app: web.Application, port: int = 0) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    return runner, runner.addresses[0][1]
+
+
+# ---- the policy, by hand -----------------------------------------------------------------------
+def test_block_hashes_chain_prefixes_and_drop_the_partial_block():
+    a = block_hashes(list(range(10)), 4)  # blocks [0..3], [4..7]; 8, 9 are a partial block
+    b = block_hashes([*range(8), 99, 98, 97, 96], 4)
+    c = block_hashes([0, 1, 2, 3, 4, 5, 6, 99], 4)
+    assert len(a) == 2 and len(b) == 3 and len(c) == 2
+    assert a == b[:2]  # same first 8 tokens
+    assert c[0] == a[0] and c[1] != a[1]
+    assert block_hashes([5, 6, 7, 8], 4) != block_hashes([0, 1, 2, 3, 5, 6, 7, 8], 4)[1:]  # chained, not per block
+    assert block_hashes([1, 2, 3], 4) == []
+
+
+def test_index_matches_leading_blocks_evicts_lru_and_forgets():
+    index = BlockIndex(capacity=4)
+    conversation = block_hashes(list(range(12)), 4)  # 3 blocks
+    index.insert(0, conversation)
+    assert index.match(0, conversation) == 3
+    assert index.match(0, block_hashes([*range(8), 7, 7, 7, 7], 4)) == 2
+    assert index.match(1, conversation) == 0
+    other = block_hashes(list(range(100, 112)), 4)
+    index.insert(0, other)  # 6 hashes > capacity 4: the older prompt's last blocks go first
+    assert index.size(0) == 4
+    assert index.match(0, other) == 3 and index.match(0, conversation) == 1
+    index.forget(0)
+    assert index.size(0) == 0 and index.match(0, other) == 0
+
+
+@pytest.mark.parametrize(
+    "matches, loads, expected, by_affinity",
+    [
+        ((3, 1), (0, 0), 0, True),  # the longest match
+        ((2, 4), (0, 0), 1, True),
+        ((1, 3), (5, 0), 1, True),
+        ((1, 0), (0, 0), 1, False),  # 1 of 4 blocks < 0.3: least loaded; tie -> the smaller index
+        ((4, 0), (10, 0), 1, False),  # 10 above the least (> 8) and 10 > 0 x 1.5: imbalanced
+        ((4, 0), (9, 8), 0, True),  # 1 above
+        ((4, 0), (20, 10), 1, False),  # 10 above and 20 > 15
+        ((4, 0), (20, 14), 0, True),  # 6 above: under the absolute margin
+        ((4, 0), (30, 21), 0, True),  # 9 above but 30 < 31.5: under the relative margin
+    ],
+)
+def test_cache_aware_decision_table(matches, loads, expected, by_affinity):
+    index = BlockIndex(1000)
+    prompt = block_hashes(list(range(16)), 4)  # 4 blocks
+    for backend_id, matched in enumerate(matches):
+        index.insert(backend_id, prompt[:matched])
+    policy = CacheAware(index, cache_threshold=0.3, balance_abs=8, balance_rel=1.5)
+    decision = policy.choose([Candidate(i, load) for i, load in enumerate(loads)], prompt)
+    assert (decision.backend_id, decision.by_affinity) == (expected, by_affinity)
+
+
+def test_round_robin_cycles_and_skips_a_missing_replica():
+    policy = RoundRobin()
+    picks = [policy.choose([Candidate(i, 0) for i in (0, 1, 2)], []).backend_id for _ in range(4)]
+    assert picks == [0, 1, 2, 0]
+    assert policy.choose([Candidate(0, 0), Candidate(2, 0)], []).backend_id == 2
+
+
+def test_command_line_refusals():
+    with pytest.raises(RouterConfigError, match="http"):
+        build_config(["--backend", "ftp://127.0.0.1:1"])
+    with pytest.raises(RouterConfigError, match="path"):
+        build_config(["--backend", "http://127.0.0.1:1/v1"])
+    with pytest.raises(RouterConfigError, match="twice"):
+        build_config(["--backend", "http://127.0.0.1:1", "--backend", "http://127.0.0.1:1/"])
+    with pytest.raises(SystemExit):
+        build_config(["--backend", "http://127.0.0.1:1", "--policy", "random"])
+    config = build_config(["--backend", "http://127.0.0.1:1/", "--policy", "round_robin"])
+    assert config.backends == ("http://127.0.0.1:1",) and config.balance_abs == 64 and config.cache_threshold == 0.3
+
+
+def test_cli_dispatch_router_and_its_pd_mode(capsys):
+    from server.cli import main
+
+    assert main(["router", "--backend", "ftp://x:1"]) == 2
+    assert "jaxserve router:" in capsys.readouterr().err
+    # --prefill/--decode is the P/D mode: the proxy's own start-up check answers
+    pd = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--host", "0.0.0.0"]
+    assert main(["router", *pd]) == 2 and "jaxserve proxy: refusing" in capsys.readouterr().err
+    assert main(["proxy", *pd]) == 2 and "jaxserve proxy: refusing" in capsys.readouterr().err
+
+
+def test_router_imports_no_jax():
+    assert not imports_jax(
+        "server.router", "server.router_config", "server.router_policy", "server.router_backends", "server.router_tokens"
+    )
+
+
+# ---- fake replicas -------------------------------------------------------------------------------
+class FakeReplica:
+    """`answer(request, raw_body)` replaces the default JSON completion; `health_status` is /health's."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+        self.headers: list[dict] = []
+        self.health_status = 200
+        self.answer = None
+        self.runner = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.json_response({}, status=self.health_status))
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}]}))
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._completion)
+        self.runner, self.port = await _serve(app, self.port)
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+    async def _tokenize(self, request):
+        body = await request.json()
+        text = body["prompt"] if "prompt" in body else "".join(m["content"] for m in body["messages"])
+        return web.json_response({"tokens": list(text.encode())})
+
+    async def _completion(self, request):
+        raw = await request.read()
+        self.bodies.append(raw)
+        self.headers.append(dict(request.headers))
+        if self.answer is not None:
+            return await self.answer(request, raw)
+        return web.json_response({"choices": [{"text": f"from {self.port}"}]})
+
+
+class Deployment:
+    def __init__(self, replicas: int = 2, **config):
+        self.replicas = [FakeReplica() for _ in range(replicas)]
+        self.config = config
+
+    async def __aenter__(self):
+        for replica in self.replicas:
+            await replica.start()
+        defaults = {"health_interval_s": 0.1, "health_timeout_s": 0.5, "health_failures": 2, "block_size": 4}
+        config = RouterConfig(backends=tuple(r.url for r in self.replicas), **{**defaults, **self.config})
+        self.router = Router(config)
+        self.runner, port = await _serve(self.router.app())
+        self.url = f"http://127.0.0.1:{port}"
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+        await self.runner.cleanup()
+        for replica in self.replicas:
+            await replica.stop()
+
+    async def post(self, path="/v1/completions", headers=None, **body):
+        async with self.session.post(self.url + path, json={"model": "m", **body}, headers=headers) as resp:
+            return resp.status, await resp.read()
+
+    def served(self) -> list[int]:
+        return [len(r.bodies) for r in self.replicas]
+
+    async def metrics(self) -> dict[str, float]:
+        async with self.session.get(self.url + "/metrics") as resp:
+            text = await resp.text()
+        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines() if line}
+
+    async def wait_up(self, backend: int, up: bool, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while (await self.metrics())[f'jaxserve_router_backend_up{{backend="{backend}"}}'] != up:
+            assert time.monotonic() < deadline, f"backend {backend} never became {'up' if up else 'down'}"
+            await asyncio.sleep(0.05)
+
+
+def _events(raw: bytes) -> list[str]:
+    return [part[len("data: ") :] for part in raw.decode().split("\n\n") if part.startswith("data: ")]
+
+
+SYSTEM = "You are a helpful assistant. " * 2
+
+
+def _turns(name: str, n: int) -> list[list[dict]]:
+    """n growing chat histories of one conversation."""
+    messages, out = [{"role": "system", "content": f"{name}: {SYSTEM}"}], []
+    for i in range(n):
+        messages = [*messages, {"role": "user", "content": f"question {i} of {name}?"}]
+        out.append(messages)
+        messages = [*messages, {"role": "assistant", "content": f"answer {i}."}]
+    return out
+
+
+def test_conversations_stick_to_their_replica_and_new_ones_spread():
+    async def scenario():
+        async with Deployment(cache_threshold=0.5) as d:
+            a, b = _turns("alice", 3), _turns("bob", 3)
+            for turn in range(3):
+                for conversation, replica in ((a, 0), (b, 1)):
+                    before = d.served()
+                    status, _ = await d.post("/v1/chat/completions", messages=conversation[turn])
+                    assert status == 200
+                    assert [x - y for x, y in zip(d.served(), before)] == [int(replica == 0), int(replica == 1)]
+            m = await d.metrics()
+            assert m["jaxserve_router_by_affinity_total"] == 4  # every turn after the first
+            assert m["jaxserve_router_affinity_share"] == pytest.approx(4 / 6)
+            assert m['jaxserve_router_backend_affinity_routed_total{backend="1"}'] == 2
+            assert m['jaxserve_router_backend_estimated_hit_blocks_total{backend="0"}'] > 0
+
+    run(scenario())
+
+
+def test_round_robin_ignores_affinity():
+    async def scenario():
+        async with Deployment(policy="round_robin") as d:
+            for _ in range(4):
+                assert (await d.post(prompt="the same prompt, long enough"))[0] == 200
+            assert d.served() == [2, 2]
+
+    run(scenario())
+
+
+def test_load_imbalance_overrides_affinity():
+    async def scenario():
+        async with Deployment(balance_abs=1, balance_rel=1.5) as d:
+            release = asyncio.Event()
+
+            async def held(request, raw):
+                await release.wait()
+                return web.json_response({"choices": [{"text": "held"}]})
+
+            prompt = "a shared prefix that is many blocks long"
+            assert (await d.post(prompt=prompt))[0] == 200  # to replica 0 (tie), indexed there
+            d.replicas[0].answer = held
+            pending = [asyncio.create_task(d.post(prompt=prompt)) for _ in range(2)]
+            while d.served()[0] < 3:  # both held by replica 0: 2 - 0 > 1 and 2 > 0 * 1.5
+                await asyncio.sleep(0.01)
+            assert d.served() == [3, 0]
+            assert (await d.post(prompt=prompt))[0] == 200
+            assert d.served() == [3, 1]  # affinity overridden
+            release.set()
+            assert [s for s, _ in await asyncio.gather(*pending)] == [200, 200]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("failure", ["500", "refused", "dropped_before_first_byte"])
+def test_a_request_failing_before_its_first_byte_is_retried_once_elsewhere(failure):
+    async def scenario():
+        async with Deployment() as d:
+            if failure == "refused":
+                await d.replicas[0].stop()  # its port now refuses connections
+            else:
+
+                async def fail(request, raw):
+                    if failure == "500":
+                        return web.json_response({"error": {"message": "boom"}}, status=500)
+                    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                    await out.prepare(request)
+                    request.transport.close()
+                    return out
+
+                d.replicas[0].answer = fail
+            status, raw = await d.post(prompt="hello there")
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == f"from {d.replicas[1].port}"
+            m = await d.metrics()
+            assert m["jaxserve_router_retries_total"] == 1
+            assert m['jaxserve_router_backend_failures_total{backend="0"}'] == 1
+            if failure == "refused":
+                assert m['jaxserve_router_backend_up{backend="0"}'] == 0
+                await d.replicas[0].start()  # same port: health checks bring it back
+
+    run(scenario())
+
+
+def test_both_replicas_failing_returns_the_last_error_and_no_third_try():
+    async def scenario():
+        async with Deployment(replicas=3) as d:
+
+            async def fail(request, raw):
+                return web.json_response({"error": {"message": "boom"}}, status=503)
+
+            for replica in d.replicas:
+                replica.answer = fail
+            status, raw = await d.post(prompt="hello")
+            assert status == 503 and json.loads(raw)["error"]["message"] == "boom"
+            assert sum(d.served()) == 2
+
+    run(scenario())
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done_without_retry():
+    async def scenario():
+        async with Deployment() as d:
+
+            async def cut(request, raw):
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                for i in range(2):
+                    await out.write(f'data: {{"i": {i}}}\n\n'.encode())
+                    await asyncio.sleep(0.05)
+                request.transport.close()
+                return out
+
+            d.replicas[0].answer = cut
+            status, raw = await d.post(prompt="hello", stream=True)
+            events = _events(raw)
+            assert status == 200 and events[:2] == ['{"i": 0}', '{"i": 1}']
+            assert json.loads(events[2])["error"]["type"] == "internal_error" and events[3:] == ["[DONE]"]
+            assert d.served() == [1, 0]
+            assert (await d.metrics())["jaxserve_router_streams_cut_total"] == 1
+
+    run(scenario())
+
+
+def test_streaming_and_the_request_body_pass_byte_for_byte():
+    chunks = [b'data: {"a": "\\u00e9\\ud83d\\ude00"}\n\n', b"data: {", b'"b": 1}\n\n', b": comment\n\n", b"data: [DONE]\n\n"]
+
+    async def scenario():
+        async with Deployment() as d:
+
+            async def stream(request, raw):
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": "r1"})
+                await out.prepare(request)
+                for chunk in chunks:
+                    await out.write(chunk)
+                    await asyncio.sleep(0.02)
+                return out
+
+            for replica in d.replicas:
+                replica.answer = stream
+            sent = b'{"model":"m",  "prompt": "caf\\u00e9", "stream": true,"extra":[1,2.50]}'
+            headers = {"Content-Type": "application/json", "Authorization": "Bearer client-key"}
+            async with d.session.post(d.url + "/v1/completions", data=sent, headers=headers) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                assert resp.headers["X-Request-Id"] == "r1"
+                assert await resp.read() == b"".join(chunks)
+            served = next(r for r in d.replicas if r.bodies)
+            assert served.bodies == [sent] and served.headers[0]["Authorization"] == "Bearer client-key"
+
+    run(scenario())
+
+
+def test_client_internal_headers_and_kv_transfer_params_are_not_forwarded():
+    async def scenario():
+        async with Deployment() as d:
+            status, _ = await d.post(prompt="x", kv_transfer_params={"do_remote_prefill": True})
+            assert status == 400 and d.served() == [0, 0]
+            assert (await d.post(prompt="x", headers={"X-KV-Transfer-Token": "forged-0123456789"}))[0] == 200
+            assert all("X-KV-Transfer-Token" not in h for r in d.replicas for h in r.headers)
+
+    run(scenario())
+
+
+def test_health_checks_take_a_replica_out_and_bring_it_back():
+    async def scenario():
+        async with Deployment() as d:
+            d.replicas[0].health_status = 500
+            await d.wait_up(0, False)
+            for _ in range(3):
+                assert (await d.post(prompt="hello"))[0] == 200
+            assert d.served() == [0, 3]
+            d.replicas[1].health_status = 500
+            await d.wait_up(1, False)
+            status, _ = await d.post(prompt="hello")
+            assert status == 503 and (await d.session.get(d.url + "/health")).status == 503
+            d.replicas[0].health_status = 200
+            await d.wait_up(0, True)
+            assert (await d.post(prompt="hello"))[0] == 200 and d.served() == [1, 3]
+
+    run(scenario())
+
+
+def test_admin_backends_need_the_api_key_and_change_the_rotation():
+    async def scenario():
+        async with Deployment(replicas=1) as open_router:
+            async with open_router.session.post(open_router.url + "/admin/backends", json={"url": "http://a:1"}) as r:
+                assert r.status == 403  # no --api-key: no admin at all
+        async with Deployment(replicas=1, api_key=KEY) as d:
+            extra = await FakeReplica().start()
+            auth = {"Authorization": f"Bearer {KEY}"}
+            admin = d.url + "/admin/backends"
+            async with d.session.post(admin, json={"url": extra.url}) as r:
+                assert r.status == 401
+            async with d.session.post(admin, json={"url": extra.url}, headers={"Authorization": "Bearer no"}) as r:
+                assert r.status == 401
+            async with d.session.post(admin, json={"url": "file:///etc"}, headers=auth) as r:
+                assert r.status == 400
+            async with d.session.post(admin, json={"url": extra.url}, headers=auth) as r:
+                assert r.status == 201 and (await r.json())["id"] == 1
+            async with d.session.post(admin, json={"url": extra.url}, headers=auth) as r:
+                assert r.status == 409
+            async with d.session.delete(admin, json={"url": d.replicas[0].url}, headers=auth) as r:
+                assert r.status == 200
+            assert (await d.post(prompt="hi", headers=auth))[0] == 200
+            assert d.served() == [0] and len(extra.bodies) == 1
+            async with d.session.get(admin, headers=auth) as r:
+                assert [b["url"] for b in (await r.json())["backends"]] == [extra.url]
+            await extra.stop()
+
+    run(scenario())
+
+
+def test_request_body_over_the_cap_is_refused():
+    async def scenario():
+        async with Deployment(max_body_bytes=1024) as d:
+            status, _ = await d.post(prompt="x" * 2048)
+            assert status == 413 and d.served() == [0, 0]
+
+    run(scenario())
+
+
+# ---- the official openai client, real jaxserve servers (FakeEngine) behind the router -------------
+class ThreadedApp:
+    """An aiohttp app on 127.0.0.1 served from its own thread's loop (for synchronous clients)."""
+
+    def __init__(self, make_app):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def start():
+            return await _serve(make_app())
+
+        self.runner, port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_openai_client_through_the_router_equals_a_replica_alone():
+    import openai
+
+    from server.testing import FakeEngine, LiveServer, build_test_tokenizer
+
+    tokenizer = build_test_tokenizer()
+    engines = [FakeEngine(tokenizer, model_name="fake-model", max_model_len=256, num_slots=4) for _ in range(2)]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Return the value"}]
+    with LiveServer(engines[0]) as first, LiveServer(engines[1]) as second:
+        router = ThreadedApp(lambda: Router(RouterConfig((first.url, second.url), block_size=2)).app())
+        try:
+            clients = [
+                openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+                for url in (first.url, router.url)
+            ]
+            assert [m.id for m in clients[1].models.list().data] == ["fake-model"]
+            answers = []
+            for client in clients:
+                chat = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6)
+                stream = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6, stream=True)
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                completion = client.completions.create(model="fake-model", prompt="Return the value", max_tokens=6)
+                answers.append((chat.choices[0].message.content, text, completion.choices[0].text))
+            assert answers[0][0] and answers[1] == answers[0]
+        finally:
+            router.close()
