@@ -123,7 +123,11 @@ def test_cli_dispatch_router_and_its_pd_mode(capsys):
 
 def test_router_imports_no_jax():
     assert not imports_jax(
-        "server.router", "server.router_config", "server.router_policy", "server.router_backends", "server.router_tokens"
+        "server.router",
+        "server.router_config",
+        "server.router_policy",
+        "server.router_backends",
+        "server.router_tokens",
     )
 
 
@@ -351,7 +355,13 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done_without_retry():
 
 
 def test_streaming_and_the_request_body_pass_byte_for_byte():
-    chunks = [b'data: {"a": "\\u00e9\\ud83d\\ude00"}\n\n', b"data: {", b'"b": 1}\n\n', b": comment\n\n", b"data: [DONE]\n\n"]
+    chunks = [
+        b'data: {"a": "\\u00e9\\ud83d\\ude00"}\n\n',
+        b"data: {",
+        b'"b": 1}\n\n',
+        b": comment\n\n",
+        b"data: [DONE]\n\n",
+    ]
 
     async def scenario():
         async with Deployment() as d:
@@ -485,7 +495,9 @@ def test_openai_client_through_the_router_equals_a_replica_alone():
             answers = []
             for client in clients:
                 chat = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6)
-                stream = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6, stream=True)
+                stream = client.chat.completions.create(
+                    model="fake-model", messages=messages, max_tokens=6, stream=True
+                )
                 text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                 completion = client.completions.create(model="fake-model", prompt="Return the value", max_tokens=6)
                 answers.append((chat.choices[0].message.content, text, completion.choices[0].text))
