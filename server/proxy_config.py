@@ -35,6 +35,14 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     health_failures: int = 3  # failed checks in a row that take a backend out
     log_level: str = "INFO"
+    # the router's choice of prefill instance (server/router_pd.py): least_load is the proxy's own rule
+    policy: str = "least_load"
+    tokenizer: str | None = None
+    block_size: int = 16
+    index_blocks: int = 65536
+    cache_threshold: float = 0.3
+    balance_abs: int = 64
+    balance_rel: float = 1.5
 
 
 class ProxyConfigError(ValueError):
@@ -105,7 +113,23 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{help_text} (%(default)s)",
         )
     add("--log-level", default=defaults.log_level)
+    add_policy_flags(parser, defaults)
     return parser
+
+
+def add_policy_flags(parser: argparse.ArgumentParser, defaults: ProxyConfig) -> None:
+    """How the prefill instance is chosen (the router's policies, server/router_policy.py)."""
+    add = parser.add_argument
+    add("--policy", default=defaults.policy, choices=("least_load", "cache_aware"), help="prefill choice (%(default)s)")
+    add("--tokenizer", default=None, metavar="PATH", help="cache_aware: tokenizer directory (default: /tokenize)")
+    for flag, dest, kind in (
+        ("--block-size", "block_size", int),
+        ("--index-blocks", "index_blocks", int),
+        ("--cache-threshold", "cache_threshold", float),
+        ("--balance-abs", "balance_abs", int),
+        ("--balance-rel", "balance_rel", float),
+    ):
+        add(flag, dest=dest, type=_positive(kind), default=getattr(defaults, dest), help="as `jaxserve router`'s")
 
 
 def build_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ProxyConfig:

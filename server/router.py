@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None, command: str = "router") -> int:
     """`jaxserve router ...`; with --prefill/--decode (and always as `jaxserve proxy`), the P/D mode."""
     argv = sys.argv[1:] if argv is None else argv
     if command == "proxy" or is_pd_mode(argv):
-        from server.proxy import main as pd_main
+        from server.router_pd import main as pd_main
 
         return pd_main(argv)
     try:

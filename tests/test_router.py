@@ -128,6 +128,7 @@ def test_router_imports_no_jax():
         "server.router_policy",
         "server.router_backends",
         "server.router_tokens",
+        "server.router_pd",
     )
 
 
@@ -457,6 +458,50 @@ def test_request_body_over_the_cap_is_refused():
     run(scenario())
 
 
+@pytest.mark.parametrize("policy, expected", [("cache_aware", [0, 1, 0, 1]), ("least_load", [0, 0, 0, 0])])
+def test_pd_mode_picks_the_prefill_instance_by_prefix_affinity(policy, expected):
+    """`jaxserve router --prefill ... --decode ...`: the proxy's two legs, the prefill instance
+    chosen by the policy (least_load: the proxy's rule, the first of equals every time)."""
+    from server.proxy_config import ProxyConfig
+    from server.router_pd import PDRouter
+
+    legs: list[int] = []  # which prefill instance took each request's first leg, in order
+
+    async def scenario():
+        prefill = [await FakeReplica().start() for _ in range(2)]
+        decode = await FakeReplica().start()
+        for i, replica in enumerate(prefill):
+
+            async def prefill_leg(request, raw, i=i):
+                assert json.loads(raw)["kv_transfer_params"] == {"do_remote_decode": True}
+                legs.append(i)
+                params = {"do_remote_prefill": True, "transfer_id": "t", "control_url": "http://127.0.0.1:1"}
+                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+            replica.answer = prefill_leg
+        config = ProxyConfig((prefill[0].url, prefill[1].url), (decode.url,), policy=policy, block_size=4)
+        router = PDRouter(config)
+        runner, port = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as session:
+                for prompt in ("one: hello there, how are you", "two: good morning, my friend") * 2:
+                    body = {"model": "m", "prompt": prompt, "max_tokens": 3}
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    metrics = await resp.text()
+        finally:
+            await runner.cleanup()
+            for replica in (*prefill, decode):
+                await replica.stop()
+        assert legs == expected
+        assert all("kv_transfer_params" in json.loads(raw) for raw in decode.bodies) and len(decode.bodies) == 4
+        if policy == "cache_aware":
+            assert "jaxserve_proxy_prefill_by_affinity_total 2" in metrics
+
+    run(scenario())
+
+
 # ---- the official openai client, real jaxserve servers (FakeEngine) behind the router -------------
 class ThreadedApp:
     """An aiohttp app on 127.0.0.1 served from its own thread's loop (for synchronous clients)."""
@@ -504,3 +549,59 @@ def test_openai_client_through_the_router_equals_a_replica_alone():
             assert answers[0][0] and answers[1] == answers[0]
         finally:
             router.close()
+
+
+# ---- two real tiny-hybrid replicas on loopback ------------------------------------------------------
+@pytest.mark.slow
+def test_two_real_hybrid_replicas_keep_a_conversation_on_one_and_survive_a_kill(tiny_checkpoint):
+    """Greedy answers through the router equal a replica's own; a conversation's turns land on
+    one replica, whose own usage shows the history served from its prefix cache; after one
+    replica is SIGKILLed, requests still succeed (refused connection -> the other replica)."""
+    import openai
+
+    from benchmarks.pd_cluster import BASE_FLAGS, Process, scrape
+
+    path = tiny_checkpoint("qwen3_5")
+    processes = []
+    try:
+        replicas = [Process(f"replica{i}", ["serve", str(path), *BASE_FLAGS]) for i in range(2)]
+        processes += replicas
+        argv = ["router", "--backend", replicas[0].url, "--backend", replicas[1].url, "--port", "0"]
+        router = Process("router", [*argv, "--tokenizer", str(path), "--health-interval", "0.5"])
+        processes.append(router)
+        client = lambda url: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        routed, direct = client(router.url), client(replicas[1].url)
+        model = routed.models.list().data[0].id
+        system = {"role": "system", "content": "You answer in one short sentence, always politely. " * 4}
+        history, usages, answers, prompts = [system], [], [], []
+        for turn in range(3):
+            history.append({"role": "user", "content": f"question number {turn}: what is {turn} + {turn}?"})
+            got = routed.chat.completions.create(model=model, messages=history, max_tokens=4, temperature=0)
+            prompts.append(list(history))
+            usages.append(got.usage)
+            answers.append(got.choices[0].message.content)
+            history.append({"role": "assistant", "content": answers[-1]})
+        for prompt, answer in zip(prompts, answers):  # after the routed turns: their cache hits are theirs
+            alone = direct.chat.completions.create(model=model, messages=prompt, max_tokens=4, temperature=0)
+            assert alone.choices[0].message.content == answer
+        router_metrics = scrape(router.url)
+        counts = [m for k, m in scrape_labelled(router.url).items() if k.startswith("jaxserve_router_backend_requests")]
+        assert sorted(counts) == [0, 3], counts  # one replica served the whole conversation
+        assert router_metrics["jaxserve_router_by_affinity_total"] >= 1
+        assert sum(u.prompt_tokens_details.cached_tokens for u in usages[1:]) > 0, usages
+        replicas[0].kill()
+        for i in range(2):
+            answer = routed.completions.create(model=model, prompt=f"after the kill {i}", max_tokens=2)
+            assert answer.choices[0].text is not None
+        assert scrape_labelled(router.url)['jaxserve_router_backend_up{backend="0"}'] == 0
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def scrape_labelled(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in lines if line}
