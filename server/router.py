@@ -299,7 +299,9 @@ class Router:
             return error_response(400, f'expected {{"url": "http://host:port"}}: {err}')
 
     async def _list_backends(self, request: web.Request) -> web.Response:
-        if self.config.api_key is None or not self._authorized(request):
+        if self.config.api_key is None:
+            return error_response(403, "/admin needs the router started with --api-key", "permission_error")
+        if not self._authorized(request):
             return self._unauthorized()
         rows = [{"id": b.id, "url": b.url, "in_service": b.in_service} for b in self.backends.backends]
         return web.json_response({"backends": rows})

@@ -87,7 +87,7 @@ async def prompt_tokens(source, path: str, body: dict, session, urls, timeout_s:
     if request is None or not urls:
         return None
     try:
-        return await source.tokens(request, session, urls, timeout_s, headers)
+        return await asyncio.wait_for(source.tokens(request, session, urls, timeout_s, headers), timeout_s)
     except Exception as err:  # a template error, a timeout, a replica's 4xx: routing falls back to load
         log.debug("prompt not tokenized for routing: %r", err)
         return None

@@ -141,6 +141,7 @@ class FakeReplica:
         self.headers: list[dict] = []
         self.health_status = 200
         self.answer = None
+        self.tokenize = self._tokenize
         self.runner = None
         self.port = 0
 
@@ -151,7 +152,7 @@ class FakeReplica:
     async def start(self):
         app = web.Application()
         app.router.add_get("/health", lambda r: web.json_response({}, status=self.health_status))
-        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/tokenize", lambda request: self.tokenize(request))
         app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}]}))
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._completion)
@@ -351,6 +352,45 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done_without_retry():
             assert json.loads(events[2])["error"]["type"] == "internal_error" and events[3:] == ["[DONE]"]
             assert d.served() == [1, 0]
             assert (await d.metrics())["jaxserve_router_streams_cut_total"] == 1
+
+    run(scenario())
+
+
+def test_a_json_answer_cut_mid_way_ends_with_the_connection_not_a_clean_200():
+    async def scenario():
+        async with Deployment() as d:
+
+            async def cut(request, raw):
+                out = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+                await out.prepare(request)
+                await out.write(b'{"choices": [{"text": "par')
+                await asyncio.sleep(0.05)
+                request.transport.close()
+                return out
+
+            d.replicas[0].answer = cut
+            async with d.session.post(d.url + "/v1/completions", json={"prompt": "hello"}) as resp:
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+            assert d.served() == [1, 0]
+
+    run(scenario())
+
+
+def test_a_silent_tokenizer_delays_routing_by_its_timeout_only():
+    async def scenario():
+        async with Deployment(tokenize_timeout_s=0.2) as d:
+
+            async def hang(request):
+                await asyncio.sleep(3600)  # bounded by the scenario's timeout
+
+            for replica in d.replicas:
+                replica.tokenize = hang
+            # the scenario's own timeout (30 s) is the bound: /tokenize never answers
+            status, _ = await d.post("/v1/chat/completions", messages=[{"role": "user", "content": "hi " * 40}])
+            assert status == 200
+            assert (await d.metrics())["jaxserve_router_by_affinity_total"] == 0
 
     run(scenario())
 
