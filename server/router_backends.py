@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from server.router_policy import BlockIndex, Candidate
 
 log = logging.getLogger("jaxserve.router")
+MAX_BACKENDS = 256  # memory bound on what /admin/backends may add
 
 
 @dataclass
@@ -53,6 +54,8 @@ class BackendSet:
     def add(self, url: str) -> Backend:
         if any(b.url == url for b in self.backends):
             raise ValueError(f"{url} is already a backend")
+        if len(self.backends) >= MAX_BACKENDS:
+            raise ValueError(f"at most {MAX_BACKENDS} backends")
         backend = Backend(next(self._ids), url)
         self.backends.append(backend)
         log.info("%s = %s added", backend.name, url)

@@ -478,6 +478,12 @@ def test_admin_backends_need_the_api_key_and_change_the_rotation():
                 assert r.status == 201 and (await r.json())["id"] == 1
             async with d.session.post(admin, json={"url": extra.url}, headers=auth) as r:
                 assert r.status == 409
+            for i in range(254):  # 256 in all is the cap
+                d.router.backends.add(f"http://127.0.0.{i % 250 + 2}:{1000 + i}")
+            async with d.session.post(admin, json={"url": "http://127.0.0.1:9"}, headers=auth) as r:
+                assert r.status == 409 and "at most 256" in (await r.json())["error"]["message"]
+            for backend in list(d.router.backends.backends[2:]):
+                d.router.backends.remove(backend.url)
             async with d.session.delete(admin, json={"url": d.replicas[0].url}, headers=auth) as r:
                 assert r.status == 200
             assert (await d.post(prompt="hi", headers=auth))[0] == 200
