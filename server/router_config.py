@@ -91,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "see `jaxserve proxy --help`)",
     )
     add = parser.add_argument
-    add("--backend", action="append", required=True, metavar="URL", help="a replica (repeat for each)")
+    add(
+        "--backend", action="extend", nargs="+", required=True, metavar="URL", help="replicas (one or more, repeatable)"
+    )
     add("--policy", default=defaults.policy, choices=POLICIES, help="how a replica is chosen (%(default)s)")
     add("--tokenizer", default=None, metavar="PATH", help="tokenizer directory (default: the replicas' /tokenize)")
     add("--host", default=defaults.host)

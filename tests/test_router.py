@@ -106,6 +106,8 @@ def test_command_line_refusals():
         build_config(["--backend", "http://127.0.0.1:1", "--backend", "http://127.0.0.1:1/"])
     with pytest.raises(SystemExit):
         build_config(["--backend", "http://127.0.0.1:1", "--policy", "random"])
+    config = build_config(["--backend", "http://127.0.0.1:1/", "http://b:2", "--backend", "http://c:3"])
+    assert config.backends == ("http://127.0.0.1:1", "http://b:2", "http://c:3") and config.policy == "cache_aware"
     config = build_config(["--backend", "http://127.0.0.1:1/", "--policy", "round_robin"])
     assert config.backends == ("http://127.0.0.1:1",) and config.balance_abs == 64 and config.cache_threshold == 0.3
 
