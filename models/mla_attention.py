@@ -11,6 +11,7 @@ against the row, the op returns softmax(.) @ c per head, and W_UV_h maps that to
     row: x -> kv_a_proj_with_mqa -> [kv_a_layernorm(c) | rope(k_pe)] [T, L + R]  (written to the pages)
     out: op([q_nope W_UK^T | rope(q_pe)], rows) W_UV -> o_proj        [T, H*V] -> [T, hidden]
 
+Kimi Linear's MLA (`MLAConfig.rope` False) leaves both R-channel parts unrotated (NoPE).
 `rope_interleave` (HF's default) rotates interleaved pairs and writes them de-interleaved: the
 same as taking the even channels then the odd ones and rotating halves. The op's implementation
 follows the attention back-end the execution plan chose (`mla_impl`).
@@ -132,8 +133,10 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
     kv = ops.linear(x, p["kv_a_proj"], opts, valid_rows=rows)  # [T, L + R]
     cos, sin = rope
     c = _rms_norm(kv[:, :L], p["kv_a_norm"], eps)  # [T, L]
-    k_pe = _rope(kv[:, None, L:], cos, sin, m.rope_interleave)[:, 0]  # [T, R]
-    q_pe = _rope(q[..., nope:], cos, sin, m.rope_interleave)  # [T, H, R]
+    k_pe, q_pe = kv[:, L:], q[..., nope:]  # [T, R], [T, H, R]
+    if m.rope:  # else NoPE (Kimi Linear): the R channels as projected
+        k_pe = _rope(k_pe[:, None], cos, sin, m.rope_interleave)[:, 0]
+        q_pe = _rope(q_pe, cos, sin, m.rope_interleave)
 
     page_size = latent.page_size
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
