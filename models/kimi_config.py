@@ -151,7 +151,7 @@ def _fields(hf: dict, common: dict, n_layers: int, attention: str, linear: str) 
                 f"routing needs n_group dividing the experts into groups of >= 2 and topk_group <= n_group, "
                 f"got experts={E}, n_group={groups}, topk_group={topk_groups}"
             )
-        if K > topk_groups * (E // groups):
+        if topk_groups * (E // groups) < K:
             raise ValueError(f"num_experts_per_tok={K} must be in [1, {topk_groups * (E // groups)}]")
     mla = MLAConfig(
         q_lora_rank=q_lora,

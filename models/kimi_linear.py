@@ -33,7 +33,10 @@ def layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, 
     """Layer i's parameters from `get(name, shape)`, `has(name)` and `lin(module, out, in)`
     (Linear weights as [in, out]); names are relative to the decoder prefix."""
     H, b = cfg.hidden_size, f"layers.{i}."
-    p = {"input_norm": get(b + "input_layernorm.weight", (H,)), "post_norm": get(b + "post_attention_layernorm.weight", (H,))}
+    p = {
+        "input_norm": get(b + "input_layernorm.weight", (H,)),
+        "post_norm": get(b + "post_attention_layernorm.weight", (H,)),
+    }
     a = b + "self_attn."
     p.update(mla_params(cfg, get, lin, a) if cfg.layer_types[i] == ATTENTION else kda_params(cfg, get, has, lin, a))
     m = b + "block_sparse_moe."
@@ -41,7 +44,9 @@ def layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, 
         m = b + "mlp."
     if cfg.mlp_types[i] == "dense":
         I = cfg.intermediate_size
-        p.update(gate_proj=lin(m + "gate_proj", I, H), up_proj=lin(m + "up_proj", I, H), down_proj=lin(m + "down_proj", H, I))
+        p.update(
+            gate_proj=lin(m + "gate_proj", I, H), up_proj=lin(m + "up_proj", I, H), down_proj=lin(m + "down_proj", H, I)
+        )
         return p
     if has(m + "experts.0.w1.weight"):
         expert_lin = lambda module, out, inp: lin(_moonshot_expert(module), out, inp)

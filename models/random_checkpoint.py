@@ -34,7 +34,14 @@ from models.random_kimi import KIMI_SPECS
 from models.random_nemotron_h import NEMOTRON_H_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", "nemotron_h", *DEEPSEEK_SPECS, *KIMI_SPECS)  # each with its own test module
+ALL_FAMILIES = (
+    *FAMILIES,
+    "gpt_oss",
+    "gemma3",
+    "nemotron_h",
+    *DEEPSEEK_SPECS,
+    *KIMI_SPECS,
+)  # each with its own test module
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
