@@ -84,6 +84,11 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
             f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
             "its in_proj / conv / SSM heads have no split rule yet; serve it with parallel.mesh.model 1"
         )
+    if m > 1 and cfg.kda:
+        raise ValueError(
+            f"tensor parallelism (model axis {m}) is not supported for Kimi Linear: its KDA layers' gate "
+            "projections and q / k / v convs have no split rule yet; serve it with parallel.mesh.model 1"
+        )
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
