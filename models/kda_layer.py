@@ -33,6 +33,8 @@ from models.quantization import qdot
 from pallas_kernels import kda
 from pallas_kernels.kernel_impls import resolve
 
+KERNEL_CHUNK = 64  # the Pallas KDA kernels' default chunk (pallas_kernels/kda_kernel_*.py)
+
 
 def kda_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, a: str) -> dict:
     """One KDA layer's weights from HF tensors under prefix `a` (`layers.{i}.self_attn.`); Linear
@@ -100,20 +102,21 @@ def kda_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     q, k = kda.kda_normalize_qk(q, k)  # fp32, as HF's kernel computes
     g = kda.kda_gate(qdot(qdot(x, p["f_a"], rows), p["f_b"], rows).reshape(T, H, K), p["A_log"], p["dt_bias"])
     beta = jax.nn.sigmoid(qdot(x, p["in_b"], rows)).astype(jnp.float32)  # [T, H]
+    impl, tokens = kda_impl(opts), (q, k, v.astype(jnp.float32), g, beta)
+    pad = max(0, KERNEL_CHUNK - T) if impl.startswith("pallas") else 0
+    if pad:  # the kernels slice whole chunks of rows: a bucket shorter than one gets padding rows
+        tokens = tuple(jnp.pad(t, [(0, pad)] + [(0, 0)] * (t.ndim - 1)) for t in tokens)
     o, rec_state = kda.kda(
-        q,
-        k,
-        v.astype(jnp.float32),
-        g,
-        beta,
+        *tokens,
         rec_state,
         batch.cu_q_lens,
         slots,
         batch.has_initial_state,
         batch.num_seqs,
-        impl=kda_impl(opts),
+        impl=impl,
         interpret=opts.interpret,
-    )  # [T, H, K] fp32
+    )
+    o = o[:T]  # [T, H, K] fp32
     o = o.astype(x.dtype).astype(jnp.float32)  # HF returns the core output in the model dtype
     gate = qdot(qdot(x, p["g_a"], rows), p["g_b"], rows).reshape(T, H, K).astype(jnp.float32)
     normed = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)

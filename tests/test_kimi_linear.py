@@ -106,19 +106,41 @@ def test_logits_match_hf(ours, hf, family, gdn):
         assert err <= 1e-4, f"{family} gdn={gdn} T={n}: max abs logit error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])
-def test_logits_match_hf_through_the_pallas_kernels_interpreted(ours, hf, kernel):
-    """The Pallas KDA kernel (interpret mode on CPU, compiled on a GPU for the GPU one) inside the
-    model, with the TPU MLA kernel interpreted for the TPU case (the GPU MLA kernel needs rows of
-    a multiple of 16 channels, not these 28)."""
-    family = "kimi_linear"
-    interpret = gpu_kernel_interpret() if kernel == "pallas_gpu" else True
-    attention = "pallas_tpu" if kernel == "pallas_tpu" else "reference"
-    opts = KernelOptions(attention=attention, gdn=kernel, interpret=interpret)
+@pytest.fixture(scope="module")
+def gpu_shaped(tmp_path_factory):
+    """A third tiny checkpoint whose KDA head dim is what the Triton kernel takes (a power of two
+    >= 16): `kimi_linear` with 2 KDA heads of 16."""
+    from transformers import AutoModelForCausalLM
+
+    from models.random_checkpoint import write_random_checkpoint
+
+    lac = dict(kda_layers=[1, 2, 4, 5], full_attn_layers=[3], head_dim=16, num_heads=2, short_conv_kernel_size=4)
+    path = write_random_checkpoint(
+        "kimi_linear", tmp_path_factory.mktemp("kimi_gpu_shaped"), seed=1, linear_attn_config=lac
+    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return load_model(path, dtype="float32"), hf
+
+
+def test_logits_match_hf_through_the_tpu_kernels_interpreted(ours, hf):
+    """The Pallas TPU KDA and MLA kernels (interpret mode) inside the model."""
+    opts = KernelOptions(attention="pallas_tpu", gdn="pallas_tpu", interpret=True)
     for n in (1, 70):
-        ids = random_prompt(ours(family).cfg.vocab_size, n, seed=n)
-        err = np.abs(ours(family).logits(ids, opts) - hf_logits(hf(family), ids)).max()
-        assert err <= 1e-4, f"{kernel} T={n}: max abs logit error {err:.2e}"
+        ids = random_prompt(ours("kimi_linear").cfg.vocab_size, n, seed=n)
+        err = np.abs(ours("kimi_linear").logits(ids, opts) - hf_logits(hf("kimi_linear"), ids)).max()
+        assert err <= 1e-4, f"pallas_tpu T={n}: max abs logit error {err:.2e}"
+
+
+def test_logits_match_hf_through_the_gpu_kda_kernel(gpu_shaped):
+    """The Pallas GPU KDA kernel (interpreted on CPU, compiled on a GPU). (The GPU MLA kernel needs
+    rows of a multiple of 16 channels, not these 28: MLA runs the reference here.)"""
+    model, hf = gpu_shaped
+    assert model.cfg.linear_key_head_dim == 16
+    opts = KernelOptions(attention="reference", gdn="pallas_gpu", interpret=gpu_kernel_interpret())
+    for n in (1, 70):
+        ids = random_prompt(model.cfg.vocab_size, n, seed=n)
+        err = np.abs(model.logits(ids, opts) - hf_logits(hf, ids)).max()
+        assert err <= 1e-4, f"pallas_gpu T={n}: max abs logit error {err:.2e}"
 
 
 def test_logits_match_hf_unrolled(tiny_checkpoint, hf):
