@@ -84,11 +84,6 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
             f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
             "its in_proj / conv / SSM heads have no split rule yet; serve it with parallel.mesh.model 1"
         )
-    if m > 1 and cfg.kda:
-        raise ValueError(
-            f"tensor parallelism (model axis {m}) is not supported for Kimi Linear: its KDA layers' gate "
-            "projections and q / k / v convs have no split rule yet; serve it with parallel.mesh.model 1"
-        )
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
@@ -101,10 +96,12 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     gdn, widths = False, (0, 0, 0)
     if cfg.is_hybrid:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        gdn = _divides(hk, m) and _divides(hv, m)
+        gdn = _divides(hk, m) and _divides(hv, m) and not cfg.kda  # KDA's gate / conv have no split rule yet
+        if m > 1 and cfg.kda:
+            log.info("KDA layers replicated on all %d devices (Kimi Linear): their heads have no split rule yet", m)
         qk = hk * cfg.linear_key_head_dim
         widths = (qk, qk, hv * cfg.linear_value_head_dim)
-        if m > 1 and not gdn:
+        if m > 1 and not gdn and not cfg.kda:
             log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
     return TensorParallel(
         mesh=mesh,
