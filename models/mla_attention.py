@@ -19,9 +19,12 @@ follows the attention back-end the execution plan chose (`mla_impl`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from models import ops
 from models.batch import ForwardBatch
@@ -145,17 +148,22 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
     w_kv_b = p["kv_b_proj"].reshape(L, H, nope + m.v_head_dim)  # [L, H, nope + V]
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_uk.astype(q.dtype))  # [T, H, L]
-    out = mla.mla_ragged_paged_attention(
+    impl = mla_impl(opts, latent)
+    attend = functools.partial(
+        mla.mla_ragged_paged_attention, sm_scale=m.softmax_scale, v_dim=L, impl=impl, interpret=opts.interpret
+    )
+    if opts.tp is not None and mla.KERNELS[impl].per_shard:  # a kernel cannot be split by GSPMD: shard_map
+        heads = P(None, opts.tp.axis) if opts.tp.attention else P()  # q, out [T, H, .]; the rows whole
+        attend = jax.shard_map(
+            attend, mesh=opts.tp.mesh, in_specs=(heads,) + (P(),) * 5, out_specs=heads, check_vma=False
+        )
+    out = attend(
         jnp.concatenate([q_latent, q_pe], axis=-1),  # [T, H, L + R]
         latent,
         batch.kv_lens,
         batch.block_tables + page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
-        sm_scale=m.softmax_scale,
-        v_dim=L,
-        impl=mla_impl(opts, latent),
-        interpret=opts.interpret,
     )  # [T, H, L]
     o = jnp.einsum("thl,lhv->thv", out, w_uv.astype(out.dtype)).reshape(T, H * m.v_head_dim)
     return ops.linear(o, p["o_proj"], opts, valid_rows=rows), latent
