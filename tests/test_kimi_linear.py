@@ -431,3 +431,48 @@ def test_unsupported_options_are_refused_at_load(tiny_checkpoint, tmp_path, chan
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     with pytest.raises(ConfigError, match=match):
         load_model(tmp_path)
+
+
+DP_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.types import EngineRequest, SamplingParams
+
+def run(mesh_shape):
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], load_tokenizer=False, mesh_shape=mesh_shape, page_size=8,
+                                    num_pages=40, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(4, 16),
+                                    max_model_len=96, enable_prefix_caching=True, aot_compile=False))
+    rng, done = np.random.default_rng(0), {}
+    for i, n in enumerate([5, 30, 9, 23]):
+        params = SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{i}", rng.integers(3, 1000, n).tolist(), params))
+    while engine.has_unfinished():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stats = engine.stats()
+    return done, stats["pages_used"], stats["slots_used"]
+
+print("DP", run((2, 1)) == run(None))
+"""
+
+
+@pytest.mark.slow  # two engines in a subprocess (minutes here), as the other families' DP engine tests
+def test_attention_data_parallel_engine_matches_one_device(tiny_checkpoint):
+    """Two attention-DP ranks (each its own latent pages, state slots and batch, in a subprocess with
+    2 CPU devices): the same greedy tokens as the one-device engine, every page and slot back."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", DP_SCRIPT, str(tiny_checkpoint("kimi_linear"))],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "DP True" in proc.stdout.splitlines(), proc.stdout[-2000:]
