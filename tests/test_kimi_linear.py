@@ -7,14 +7,16 @@ tensor names as published. HF runs with eager attention and its torch KDA (chunk
 recurrent for a one-token decode). Checked: the parsed config against HF's own modules, logits
 within 1e-4 through the paged forward on every CPU KDA path and through the Pallas KDA and MLA
 kernels interpreted, greedy decoding through KDA state slots and MLA latent pages, that each Kimi
-feature moves the logits far beyond the tolerance, the engine's greedy output under chunked
-prefill, prefix-cache hits (KDA state checkpoints as GDN's) and preemption with every page and
-state slot back (one engine for all), HF's in-memory tensor names, the shipped
-Kimi-Linear-48B-A3B config, and what is refused at start-up.
+feature moves the logits far beyond the tolerance, FP8 latent pages, the engine's greedy output
+under chunked prefill, prefix-cache hits (KDA state checkpoints as GDN's) and preemption with every
+page and state slot back (one engine for all), the state and KV bytes from config.json, HF's
+in-memory tensor names, the shipped Kimi-Linear-48B-A3B config, tensor / expert / attention-data
+parallelism on CPU meshes, and what is refused at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -289,6 +291,52 @@ def test_engine_prefix_hits_and_preemption_match_hf(engine, hf):
     for rid, ids in prompts.items():
         expected, scores = hf_greedy(hf("kimi_linear"), ids, lengths[rid])
         assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
+
+
+@contextlib.contextmanager
+def hf_fp8_rows(model, page_size: int, dtype=torch.float8_e4m3fn):
+    """HF's model with each MLA layer's rows [kv_a_layernorm(c) | k_rot] rounded to FP8 as pages of
+    `page_size` written in one prefill hold them: one scale per page, amax / fmax, clipped. k_rot
+    is a view of kv_a_proj_with_mqa's output (HF splits it), rounded there in place; the normed
+    latent is replaced by the layer norm's hook. No cache: for full-sequence logits."""
+    limit = torch.finfo(dtype).max
+    latest, hooks = {}, []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if not hasattr(attn, "kv_a_layernorm"):  # a KDA layer
+            continue
+
+        def round_rows(module, inputs, c, L=attn.kv_lora_rank):
+            kv = latest["kv"]  # [1, S, L + R]
+            rows = torch.cat([c[0], kv[0, :, L:]], dim=-1)
+            out = torch.empty_like(rows)
+            for s in range(0, rows.shape[0], page_size):
+                scale = torch.tensor(max(float(rows[s : s + page_size].abs().max()) / limit, 1e-30))
+                out[s : s + page_size] = (rows[s : s + page_size] / scale).clamp(-limit, limit).to(
+                    dtype
+                ).float() * scale
+            kv[0, :, L:] = out[:, L:]
+            return out[None, :, :L]
+
+        hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, i, out: latest.update(kv=out)))
+        hooks.append(attn.kv_a_layernorm.register_forward_hook(round_rows))
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_fp8_latent_pages(ours, hf):
+    """FP8 (e4m3) latent rows with one scale per page, NoPE key channels included: the logits equal
+    HF's with its rows rounded to FP8 the same way (within 1e-4; FP8 itself moves them by ~0.4)."""
+    model, reference = ours("kimi_linear"), hf("kimi_linear")
+    ids = random_prompt(model.cfg.vocab_size, 70, seed=71)
+    with hf_fp8_rows(reference, page_size=16):
+        expected = hf_logits(reference, ids)
+    got = model.logits(ids, kv_dtype="fp8_e4m3", page_size=16)
+    assert np.abs(got - expected).max() <= 1e-4
+    assert np.abs(got - hf_logits(reference, ids)).max() > 1e-2  # the rows really were FP8
 
 
 def test_state_and_kv_bytes_from_the_config(ours, tiny_checkpoint):
