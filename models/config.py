@@ -1,7 +1,7 @@
 """ModelConfig: the one frozen description of a model, parsed once from an HF `config.json`.
 
 Every family (Llama, Qwen3, Qwen3.5 dense/MoE, Qwen3-Next, gpt-oss, Gemma 3, DeepSeek-V3,
-Nemotron-H) maps onto the same fields; the forward pass reads only this object. RoPE variants
+Nemotron-H, Kimi Linear) maps onto the same fields; the forward pass reads only this object. RoPE variants
 found in HF configs (default, linear, llama3, yarn; `rope_parameters` in HF 5.x or legacy `rope_theta`/`rope_scaling`) become one
 inverse-frequency table here.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.deepseek_config import DeepseekMoEConfig, MLAConfig, deepseek_v3_fields
+from models.kimi_config import kimi_linear_fields
 from models.mamba2_config import MAMBA, Mamba2Config, nemotron_h_config
 from models.window_configs import GEMMA3_DEFAULTS, gemma3_fields, gpt_oss_fields
 
@@ -89,6 +90,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek-V3's MLA and MoE (models/deepseek_config.py)
     deepseek_moe: DeepseekMoEConfig | None = None
     mamba: Mamba2Config | None = None  # Nemotron-H's Mamba-2 mixer (models/mamba2_config.py)
+    kda: bool = False  # Kimi Linear: LINEAR layers are KDA (models/kda_layer.py, models/kimi_config.py)
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -207,6 +209,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM",
     "NemotronHForCausalLM",
+    "KimiLinearForCausalLM",
 )
 # Multimodal wrappers whose `text_config` is a supported causal LM (jaxserve serves the text part;
 # the language model's tensors live under `model.language_model.`, see models/weights.py).
@@ -311,6 +314,9 @@ def parse_config(hf: dict, generation: dict | None = None) -> ModelConfig:
         cfg = ModelConfig(**deepseek_v3_fields(hf, common, n_layers, _rope, ConfigError, ATTENTION))
         cfg.inv_freq()  # an unsupported rope_type is refused here, at start-up
         return cfg
+
+    if arch == "KimiLinearForCausalLM":
+        return ModelConfig(**kimi_linear_fields(hf, common, n_layers, ConfigError, ATTENTION, LINEAR))
 
     layer_types = tuple(
         hf.get("layer_types")

@@ -46,6 +46,7 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool
     softmax_scale: float
+    rope: bool = True  # False: the qk_rope_head_dim channels go unrotated (Kimi Linear's NoPE MLA)
 
     @property
     def latent_width(self) -> int:

@@ -11,6 +11,7 @@ against the row, the op returns softmax(.) @ c per head, and W_UV_h maps that to
     row: x -> kv_a_proj_with_mqa -> [kv_a_layernorm(c) | rope(k_pe)] [T, L + R]  (written to the pages)
     out: op([q_nope W_UK^T | rope(q_pe)], rows) W_UV -> o_proj        [T, H*V] -> [T, hidden]
 
+Kimi Linear's MLA (`MLAConfig.rope` False) leaves both R-channel parts unrotated (NoPE).
 `rope_interleave` (HF's default) rotates interleaved pairs and writes them de-interleaved: the
 same as taking the even channels then the odd ones and rotating halves. The op's implementation
 follows the attention back-end the execution plan chose (`mla_impl`).
@@ -18,9 +19,12 @@ follows the attention back-end the execution plan chose (`mla_impl`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from models import ops
 from models.batch import ForwardBatch
@@ -132,8 +136,10 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
     kv = ops.linear(x, p["kv_a_proj"], opts, valid_rows=rows)  # [T, L + R]
     cos, sin = rope
     c = _rms_norm(kv[:, :L], p["kv_a_norm"], eps)  # [T, L]
-    k_pe = _rope(kv[:, None, L:], cos, sin, m.rope_interleave)[:, 0]  # [T, R]
-    q_pe = _rope(q[..., nope:], cos, sin, m.rope_interleave)  # [T, H, R]
+    k_pe, q_pe = kv[:, L:], q[..., nope:]  # [T, R], [T, H, R]
+    if m.rope:  # else NoPE (Kimi Linear): the R channels as projected
+        k_pe = _rope(k_pe[:, None], cos, sin, m.rope_interleave)[:, 0]
+        q_pe = _rope(q_pe, cos, sin, m.rope_interleave)
 
     page_size = latent.page_size
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
@@ -142,17 +148,22 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
     w_kv_b = p["kv_b_proj"].reshape(L, H, nope + m.v_head_dim)  # [L, H, nope + V]
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_uk.astype(q.dtype))  # [T, H, L]
-    out = mla.mla_ragged_paged_attention(
+    impl = mla_impl(opts, latent)
+    attend = functools.partial(
+        mla.mla_ragged_paged_attention, sm_scale=m.softmax_scale, v_dim=L, impl=impl, interpret=opts.interpret
+    )
+    if opts.tp is not None and mla.KERNELS[impl].per_shard:  # a kernel cannot be split by GSPMD: shard_map
+        heads = P(None, opts.tp.axis) if opts.tp.attention else P()  # q, out [T, H, .]; the rows whole
+        attend = jax.shard_map(
+            attend, mesh=opts.tp.mesh, in_specs=(heads,) + (P(),) * 5, out_specs=heads, check_vma=False
+        )
+    out = attend(
         jnp.concatenate([q_latent, q_pe], axis=-1),  # [T, H, L + R]
         latent,
         batch.kv_lens,
         batch.block_tables + page_offset,
         batch.cu_q_lens,
         batch.num_seqs,
-        sm_scale=m.softmax_scale,
-        v_dim=L,
-        impl=mla_impl(opts, latent),
-        interpret=opts.interpret,
     )  # [T, H, L]
     o = jnp.einsum("thl,lhv->thv", out, w_uv.astype(out.dtype)).reshape(T, H * m.v_head_dim)
     return ops.linear(o, p["o_proj"], opts, valid_rows=rows), latent

@@ -139,7 +139,7 @@ class Model:
         dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         kv, conv, rec = [], [], []
         for j in range(cfg.layer_period()):
-            if cfg.mla is not None:  # one latent row per token and layer
+            if cfg.mla is not None and cfg.layer_types[j] == ATTENTION:  # one latent row per token and layer
                 kv.append(LatentPages.create(G * num_pages, page_size, cfg.mla.latent_width, dtype, bit_storage))
                 conv.append(None)
                 rec.append(None)

@@ -30,10 +30,12 @@ from typing import Any
 from models.random_deepseek import DEEPSEEK_SPECS
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
+from models.random_kimi import KIMI_SPECS
 from models.random_nemotron_h import NEMOTRON_H_SPEC
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-ALL_FAMILIES = (*FAMILIES, "gpt_oss", "gemma3", "nemotron_h", *DEEPSEEK_SPECS)  # each with its own test module
+OWN_SPECS = dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, nemotron_h=NEMOTRON_H_SPEC, **DEEPSEEK_SPECS, **KIMI_SPECS)
+ALL_FAMILIES = (*FAMILIES, *OWN_SPECS)  # OWN_SPECS: each with its own test module
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
@@ -171,7 +173,7 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
         ),
     ),
-    **dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, nemotron_h=NEMOTRON_H_SPEC, **DEEPSEEK_SPECS),
+    **OWN_SPECS,
 }
 RANDOM_BUFFERS = ("e_score_correction_bias",)  # drawn like weights: HF's zeros would hide their omission
 

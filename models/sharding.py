@@ -96,10 +96,12 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     gdn, widths = False, (0, 0, 0)
     if cfg.is_hybrid:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        gdn = _divides(hk, m) and _divides(hv, m)
+        gdn = _divides(hk, m) and _divides(hv, m) and not cfg.kda  # KDA's gate / conv have no split rule yet
+        if m > 1 and cfg.kda:
+            log.info("KDA layers replicated on all %d devices (Kimi Linear): their heads have no split rule yet", m)
         qk = hk * cfg.linear_key_head_dim
         widths = (qk, qk, hv * cfg.linear_value_head_dim)
-        if m > 1 and not gdn:
+        if m > 1 and not gdn and not cfg.kda:
             log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
     return TensorParallel(
         mesh=mesh,
@@ -222,6 +224,8 @@ MLA_RULES = {
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
 # Mamba-2's own names (the rest are GDN's): whole on one device (`tensor_parallel_plan` refuses m > 1)
 MAMBA2_RULES = dict.fromkeys(("in_proj", "in_bias", "conv_bias", "D", "out_bias"), REPLICATED)
+# KDA's own names (the rest are GDN's, replicated with `plan.gdn` off): whole on every device
+KDA_RULES = dict.fromkeys(("f_a", "f_b", "g_a", "g_b"), REPLICATED)
 
 
 def _spec_for(rule: str, ndim: int, axis: str) -> P:
@@ -250,7 +254,16 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
     m, axis = plan.size, plan.axis
     kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
     kind_ok.update(dict.fromkeys(("q_b_proj", "kv_b_proj"), plan.attention))
-    rules = {**ATTENTION_RULES, **GDN_RULES, **MLP_RULES, **MOE_RULES, **NORM_RULES, **MLA_RULES, **MAMBA2_RULES}
+    rules = {
+        **ATTENTION_RULES,
+        **GDN_RULES,
+        **MLP_RULES,
+        **MOE_RULES,
+        **NORM_RULES,
+        **MLA_RULES,
+        **MAMBA2_RULES,
+        **KDA_RULES,
+    }
     if plan.expert:
         rules.update(EXPERT_PARALLEL_RULES)
     specs = {}

@@ -25,6 +25,7 @@ from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import deepseek_moe
 from models.expert_parallel import expert_ffn, routed_experts_ep
 from models.gpt_oss import gpt_oss_moe
+from models.kda_layer import kda_layer
 from models.mamba2 import mamba2_layer
 from models.mamba2_config import MAMBA, NO_MIXER, NO_MLP
 from models.mla_attention import mla_layer
@@ -211,7 +212,7 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         kind = cfg.layer_types[layer]
         if kind != NO_MIXER:
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-            if cfg.mla is not None:  # MLA: one latent row per token (models/mla_attention.py)
+            if cfg.mla is not None and kind == ATTENTION:  # MLA: one latent row per token (models/mla_attention.py)
                 offset = g * (kv_list[j].num_pages // n_groups)
                 h, kv_list[j] = mla_layer(p, h, kv_list[j], batch, ropes[0], offset, cfg, opts)
             elif kind == ATTENTION:
@@ -221,7 +222,7 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
                 h, kv_list[j] = attention_layer(p, h, kv_list[j], batch, rope, g * pages_per_layer, cfg, opts, window)
             else:  # recurrent: GDN or Mamba-2, its states in slots
                 slots = rec_list[j].shape[0] // n_groups
-                mixer = mamba2_layer if kind == MAMBA else gdn_layer
+                mixer = mamba2_layer if kind == MAMBA else kda_layer if cfg.kda else gdn_layer
                 h, conv_list[j], rec_list[j] = mixer(p, h, conv_list[j], rec_list[j], batch, g * slots, cfg, opts)
             if cfg.sandwich_norms:
                 h = rms_norm(h, p["attn_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from models import nemotron_h
+from models import kimi_linear, nemotron_h
 from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import ROUTER_PARAMS, deepseek_moe_params, deepseek_moe_shapes
 from models.mla_attention import mla_params, mla_shapes
@@ -67,6 +67,8 @@ def _prefix(src: TensorSource, embed: str = "embed_tokens.weight", prefixes=()) 
 def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
     if cfg.mamba is not None:  # Nemotron-H: single-mixer blocks
         return nemotron_h.layer_params(cfg, get, lin, i)
+    if cfg.kda:  # Kimi Linear: KDA and NoPE MLA layers, Moonshot's tensor names
+        return kimi_linear.layer_params(cfg, get, has, lin, i)
     H, D = cfg.hidden_size, cfg.head_dim
     p: dict[str, np.ndarray] = {"input_norm": get(f"layers.{i}.input_layernorm.weight", (H,))}
     if cfg.sandwich_norms:  # Gemma 3: HF's post_attention_layernorm norms the attention output
@@ -320,6 +322,9 @@ def abstract_params(cfg: ModelConfig, dtype: str) -> dict:
     for j in range(period):
         if cfg.mamba is not None:
             groups.append({name: leaf(name, (G, *shape)) for name, shape in nemotron_h.layer_shapes(cfg, j).items()})
+            continue
+        if cfg.kda:
+            groups.append({name: leaf(name, (G, *shape)) for name, shape in kimi_linear.layer_shapes(cfg, j).items()})
             continue
         shapes = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
         if cfg.sandwich_norms:

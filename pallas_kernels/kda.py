@@ -245,8 +245,9 @@ def _pallas_gpu(*args, interpret, chunk_size):
 _pallas = by_backend(_pallas_tpu, _pallas_gpu)
 
 
-# The implementations, by `impl` name (pallas_kernels/kernel_impls.py). Not yet in the launch
-# schema or the ops layer (tests/test_kernel_registry.py enumerates those): no model calls KDA yet.
+# The implementations, by `impl` name (pallas_kernels/kernel_impls.py). Not in the launch schema or
+# the ops layer (tests/test_kernel_registry.py enumerates those): Kimi Linear's KDA layers take the
+# GDN back-end's name where this table has it, else "auto" (models/kda_layer.py's `kda_impl`).
 # "auto" on CPU picks the per-token loop: no CPU timing of "chunked" against it exists yet.
 KERNELS = {
     "reference": Kernel(_reference, auto=("cpu",)),

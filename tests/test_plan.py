@@ -35,6 +35,7 @@ PUBLISHED_PARAMS = {
     "qwen3_5-27b.json": 27e9,
     "qwen3-next-80b-a3b.json": 80e9,
     "gemma-3-27b.json": 27e9,
+    "kimi-linear-48b-a3b.json": 48e9,
 }
 
 

@@ -79,6 +79,7 @@ SHIPPED_MODEL_CONFIGS = {
     "gemma-3-27b-pt": "gemma-3-27b.json",
     "Nemotron-H-8B-Base-8K": "nemotron-h-8b.json",
     "DeepSeek-V3": "deepseek-v3.json",
+    "Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b.json",
 }
 
 
