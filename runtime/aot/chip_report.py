@@ -184,8 +184,7 @@ def window_pool(launch: LaunchConfig, cfg, model, tp_size: int, blocks_per_seq: 
         launch.cache.kv_cache_dtype,
     )
     windows = [w for i in range(cfg.num_layers) if (w := cfg.sliding_window(i)) is not None]
-    one_rank = par.mesh.data == 1 and par.role == "both"
-    if not windows or launch.cache.window_paging is False or not one_rank:
+    if not windows or launch.cache.window_paging is False or par.role != "both":  # DP: per rank, as the engine
         return None, 0, 0, 0
     split = tp_size if model.tp is not None and model.tp.attention else 1
     window = max(windows)
