@@ -257,3 +257,32 @@ def test_mixed_window_paging_sides_stay_exact(pd_engines):
     assert full.stats()["kv_transfer_fallbacks"] == 1
     for name in ("prefill", "prefill_full", "decode", "decode_full"):
         _all_free(pd_engines[name])
+
+
+def test_plan_under_data_parallelism_sizes_both_pools_per_rank():
+    """`jaxserve plan` (sizing only) for Gemma-3-27B on 4 TPU v5p chips as 2 DP ranks x model 2: each
+    rank's device holds its full layers' pages and its own window pool, sized like the engine's."""
+    from configs.schema import CONFIG_DIR, LaunchConfig
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from runtime.aot.chip_report import plan_config
+
+    cfg = parse_config(read_json(CONFIG_DIR / "models" / "gemma-3-27b.json"))
+    windowed = sum(cfg.sliding_window(i) is not None for i in range(cfg.num_layers))
+    heads, page, seqs, step_tokens = cfg.num_kv_heads // 2, 128, 64, 2048
+    page_bytes = lambda layers: 2 * layers * heads * cfg.head_dim * 2 * page
+
+    launch = LaunchConfig.model_validate(
+        {
+            "model": {"path": "/models/gemma-3-27b-it", "dtype": "bfloat16", "max_model_len": 32768},
+            "cache": {"page_size": page, "memory_fraction": 0.85},
+            "scheduler": {"max_num_seqs": seqs, "max_num_batched_tokens": step_tokens},
+            "parallel": {"mesh": {"data": 2, "model": 2}, "chip": "tpu-v5p", "topology": "2x2x1"},
+        }
+    )
+    report = plan_config(launch, token_buckets=(), compile_sampler=False, compile_cost=False)
+    assert report.window == 1024 and report.num_window_pages == seqs * (1024 // page + 2) + step_tokens // page + 1
+    assert report.kv_bytes == report.num_pages * page_bytes(cfg.num_layers - windowed) + (
+        report.num_window_pages * page_bytes(windowed)
+    )
+    assert report.fits
