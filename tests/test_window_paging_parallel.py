@@ -286,3 +286,29 @@ def test_plan_under_data_parallelism_sizes_both_pools_per_rank():
         report.num_window_pages * page_bytes(windowed)
     )
     assert report.fits
+
+
+def test_window_descriptor_entries_are_checked(tiny_checkpoint):
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from runtime.kv_transfer.base import TransferError
+    from runtime.kv_transfer.window_layout import check_window
+
+    cfg = parse_config(read_json(tiny_checkpoint("gpt_oss") / "config.json"))  # window 7
+    desc = {"num_tokens": 40, "page_size": PS, "num_pages": 16}  # 10 blocks; queries at >= 40 see keys >= 34
+    check_window({**desc, "window": {"first_block": 8, "num_pages": 2}}, cfg, paged=True)
+    check_window(desc, cfg, paged=False)  # no window entry: every block was sent
+    bad = {
+        "not an object": 3,
+        "unknown field": {"first_block": 8, "num_pages": 2, "x": 1},
+        "a bool": {"first_block": True, "num_pages": 2},
+        "page count": {"first_block": 8, "num_pages": 4},
+        "past the end": {"first_block": 10, "num_pages": 1},
+        "a live key missing": {"first_block": 9, "num_pages": 1},
+    }
+    for window in bad.values():
+        with pytest.raises(TransferError):
+            check_window({**desc, "window": window}, cfg, paged=True)
+    with pytest.raises(TransferError, match="full-length KV"):  # this side needs every block
+        check_window({**desc, "window": {"first_block": 8, "num_pages": 2}}, cfg, paged=False)
+    check_window({**desc, "window": {"first_block": 0, "num_pages": 16}}, cfg, paged=False)  # all sent: usable

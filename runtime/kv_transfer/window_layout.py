@@ -54,8 +54,10 @@ def check_window(desc: dict, cfg, paged: bool) -> None:
         return
     num_tokens, page_size = desc["num_tokens"], desc["page_size"]
     num_blocks = -(-num_tokens // page_size)
-    first, pages = (window.get(k) if isinstance(window, dict) else None for k in ("first_block", "num_pages"))
-    if set(window) != {"first_block", "num_pages"} or not all(isinstance(x, int) for x in (first, pages)):
+    if not isinstance(window, dict) or set(window) != {"first_block", "num_pages"}:
+        raise TransferError(f"descriptor window {str(window)[:200]} must be {{first_block: int, num_pages: int}}")
+    first, pages = window["first_block"], window["num_pages"]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (first, pages)):
         raise TransferError(f"descriptor window {window!r} must be {{first_block: int, num_pages: int}}")
     if not 0 <= first < max(num_blocks, 1) or pages != _pow2(num_blocks - first):
         raise TransferError(f"descriptor window {window!r} does not fit {num_tokens} tokens in {page_size}-token pages")
