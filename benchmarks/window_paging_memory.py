@@ -12,10 +12,10 @@
    `PlanReport.max_sequences(32768)` is how many 32k-token sequences they hold at once; the same
    for Gemma-3-27B (configs/models/gemma-3-27b.json).
 
-    python benchmarks/window_paging_memory.py [--compile [--buckets 16,4096]]   # also compile gpt-oss's backbones
+    python benchmarks/window_paging_memory.py [--compile [--buckets 16,4096]]   # also compile the backbones
 
 Writes benchmarks/results/window-paging/gpt-oss-120b-32k.json (-compiled.json with --compile: the
-token buckets' backbones of gpt-oss-120b compiled for v5p by libtpu, per-device temp and peak of each).
+token buckets' backbones of both models compiled for v5p by libtpu, per-device temp and peak of each).
 The earlier compiled run's 133 GB of temporaries was the lane-padded copy of the head_dim-64 KV pool,
 gone since pages are stored token-minor on TPU (runtime/aot/chip_report.py `kv_page_layout`), not the
 MoE step: benchmarks/gpt_oss_moe_temp.py measures that.
@@ -148,7 +148,7 @@ def plan(window_paging: bool, buckets: tuple[int, ...] | None, model_dir: Path |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compile", action="store_true", help="also compile gpt-oss-120b's backbones for the chip")
+    parser.add_argument("--compile", action="store_true", help="also compile the backbones for the chip")
     parser.add_argument("--buckets", default=None, help="with --compile: these token buckets (16,4096); default all")
     args = parser.parse_args()
     buckets = () if not args.compile else None if args.buckets is None else tuple(map(int, args.buckets.split(",")))
@@ -159,8 +159,8 @@ def main() -> None:
         model_dir.mkdir()
         shutil.copy(MODEL_JSON, model_dir / "config.json")
         plans = {str(on): plan(on, buckets, model_dir) for on in (False, True)}
-    # the same launch for Gemma-3-27B (5 local layers of window 1024 per global one; shipped config), sized only
-    gemma = {str(on): plan(on, (), "/models/gemma-3-27b-it") for on in (False, True)}
+    # the same launch for Gemma-3-27B (5 local layers of window 1024 per global one; shipped config)
+    gemma = {str(on): plan(on, buckets, "/models/gemma-3-27b-it") for on in (False, True)}
     result = {
         "model": "gpt-oss-120b (configs/models/gpt-oss-120b.json: 36 layers, 18 with window 128, 8 KV heads x 64)",
         "engine_accounting": engine,
