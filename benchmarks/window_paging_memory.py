@@ -12,11 +12,13 @@
    `PlanReport.max_sequences(32768)` is how many 32k-token sequences they hold at once; the same
    for Gemma-3-27B (configs/models/gemma-3-27b.json).
 
-    python benchmarks/window_paging_memory.py [--compile]   # --compile: also the smallest backbone
+    python benchmarks/window_paging_memory.py [--compile [--buckets 16,4096]]   # also compile the backbones
 
 Writes benchmarks/results/window-paging/gpt-oss-120b-32k.json (-compiled.json with --compile: the
-T=16 backbone compiled for v5p reports HLO temporaries over HBM both ways, a plan finding for the
-gpt-oss MoE step, not for paging: the pool sizes and sequence counts are the same).
+token buckets' backbones of both models compiled for v5p by libtpu, per-device temp and peak of each).
+The earlier compiled run's 133 GB of temporaries was the lane-padded copy of the head_dim-64 KV pool,
+gone since pages are stored token-minor on TPU (runtime/aot/chip_report.py `kv_page_layout`), not the
+MoE step: benchmarks/gpt_oss_moe_temp.py measures that.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def engine_accounting(window_paging: bool) -> dict:
     }
 
 
-def plan(window_paging: bool, compile_one: bool, model_dir: Path | str) -> dict:
+def plan(window_paging: bool, buckets: tuple[int, ...] | None, model_dir: Path | str) -> dict:
+    """`buckets`: the token buckets to compile (None: every one; (): sizing only)."""
     from runtime.aot.chip_report import plan_config
 
     launch = LaunchConfig.model_validate(
@@ -120,7 +123,7 @@ def plan(window_paging: bool, compile_one: bool, model_dir: Path | str) -> dict:
     report = plan_config(
         launch,
         f"{Path(model_dir).name} v5p-4 window_paging={window_paging}",
-        token_buckets=(16,) if compile_one else (),
+        token_buckets=buckets,
         compile_sampler=False,
         compile_cost=False,
     )
@@ -136,7 +139,7 @@ def plan(window_paging: bool, compile_one: bool, model_dir: Path | str) -> dict:
         "num_window_pages": report.num_window_pages,
         "window": report.window,
         "max_sequences_at_32k": report.max_sequences(CONTEXT),
-        "executables": [s.name for s in report.steps],
+        "executables": [{"name": s.name, "temp_bytes": s.temp_bytes, "peak_bytes": s.peak_bytes} for s in report.steps],
         "fits": report.fits,
         "problems": report.problems,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -145,17 +148,19 @@ def plan(window_paging: bool, compile_one: bool, model_dir: Path | str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compile", action="store_true", help="also compile the smallest backbone for the chip")
+    parser.add_argument("--compile", action="store_true", help="also compile the backbones for the chip")
+    parser.add_argument("--buckets", default=None, help="with --compile: these token buckets (16,4096); default all")
     args = parser.parse_args()
+    buckets = () if not args.compile else None if args.buckets is None else tuple(map(int, args.buckets.split(",")))
     engine = {str(on): engine_accounting(on) for on in (False, True)}
     without, with_ = engine["False"]["last_step"]["kv_bytes"], engine["True"]["last_step"]["kv_bytes"]
     with tempfile.TemporaryDirectory() as tmp:  # plan reads <model.path>/config.json: the shipped copy
         model_dir = Path(tmp) / "gpt-oss-120b"
         model_dir.mkdir()
         shutil.copy(MODEL_JSON, model_dir / "config.json")
-        plans = {str(on): plan(on, args.compile, model_dir) for on in (False, True)}
+        plans = {str(on): plan(on, buckets, model_dir) for on in (False, True)}
     # the same launch for Gemma-3-27B (5 local layers of window 1024 per global one; shipped config)
-    gemma = {str(on): plan(on, args.compile, "/models/gemma-3-27b-it") for on in (False, True)}
+    gemma = {str(on): plan(on, buckets, "/models/gemma-3-27b-it") for on in (False, True)}
     result = {
         "model": "gpt-oss-120b (configs/models/gpt-oss-120b.json: 36 layers, 18 with window 128, 8 KV heads x 64)",
         "engine_accounting": engine,

@@ -186,12 +186,12 @@ class CacheManager:
         num_tokens: int,
         hit: PrefixHit = PrefixHit(),
         extra_keys: tuple = (),
+        num_external: int = 0,
     ) -> Admission | None:
         """Pages for the first `num_tokens` tokens (reusing `hit`) and a running slot, or None.
 
-        All or nothing: on None nothing changed. `hit` must come from `lookup_prefix` with no
-        cache mutation in between.
-        """
+        All or nothing: on None nothing changed. `hit` must come from `lookup_prefix` with no cache
+        mutation in between. `num_external`: leading tokens whose KV arrives from elsewhere (P/D)."""
         if request_id in self.allocations:
             raise ValueError(f"request {request_id!r} already holds an allocation")
         num_new_pages = max(0, self.pages_needed(num_tokens) - len(hit.pages))
@@ -200,9 +200,9 @@ class CacheManager:
         if self.slots is not None and hit.checkpoint_slot is None and self.slots.num_obtainable() < 1:
             return None
         num_blocks = self.pages_needed(num_tokens)
-        if self.window is not None and self.window.num_obtainable(hit.window_pages) < num_blocks - len(hit.pages):
+        known, window = max(hit.num_tokens, num_external), self.window
+        if window is not None and not window.can_allocate(hit, num_blocks, known):
             return None
-
         allocation = SequenceAllocation(request_id, extra_keys=extra_keys, block_hashes=list(hit.block_hashes))
         if self.checkpoints_enabled and self.checkpoint_policy.divergence and hit.kv_num_tokens > hit.num_tokens:
             allocation.divergence = hit.kv_num_tokens
@@ -210,8 +210,8 @@ class CacheManager:
             self._take_cached_page(page)
         allocation.block_table = list(hit.pages) + [self._new_page() for _ in range(num_new_pages)]
         allocation.num_published_pages = len(hit.pages)
-        if self.window is not None:
-            self.window.allocate(allocation, hit.window_pages, len(hit.pages), num_blocks)
+        if window is not None:
+            window.allocate(allocation, hit.window_pages, len(hit.pages), num_blocks, known)
         copy_before: list[tuple[int, int]] = []
         if self.slots is not None:
             checkpoint = hit.checkpoint_slot

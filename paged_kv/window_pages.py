@@ -79,15 +79,27 @@ class WindowPages:
             pages.append(page)
         return tuple(pages)
 
-    def allocate(self, allocation, hit_pages: Sequence[int], num_hit_blocks: int, num_blocks: int) -> None:
+    def can_allocate(self, hit, num_blocks: int, num_known: int = 0) -> bool:
+        """Whether `allocate` finds its new pages for a `PrefixHit`: blocks from the hit's end (or
+        the first block live after `num_known` tokens, if above) up to `num_blocks`."""
+        need = num_blocks - max(len(hit.pages), self.first_live_block(num_known))
+        return self.num_obtainable(hit.window_pages) >= need
+
+    def allocate(
+        self, allocation, hit_pages: Sequence[int], num_hit_blocks: int, num_blocks: int, num_known: int = 0
+    ) -> None:
         """A new `SequenceAllocation`'s window block table: null below the hit's window, its cached
-        pages `hit_pages`, then new pages up to `num_blocks`; the caller checked `num_obtainable`."""
+        pages `hit_pages`, then new pages up to `num_blocks`; the caller checked `num_obtainable`.
+        `num_known` tokens (a hit and KV that arrives from elsewhere, P/D) are not computed here:
+        the blocks below their window get no page."""
         for page in hit_pages:
             self.index.unmark_evictable(page)
             self.pool.take(page)
         allocation.window_low = num_hit_blocks - len(hit_pages)
-        table = [NULL_PAGE] * allocation.window_low + list(hit_pages)
-        allocation.window_block_table = table + [self.new_page() for _ in range(num_hit_blocks, num_blocks)]
+        start = max(num_hit_blocks, self.first_live_block(num_known))
+        table = [NULL_PAGE] * allocation.window_low + list(hit_pages) + [NULL_PAGE] * (start - num_hit_blocks)
+        allocation.window_block_table = table + [self.new_page() for _ in range(start, num_blocks)]
+        self.slide(allocation, num_known)
 
     def release(self, page: int) -> None:
         if self.pool.release(page) == 0:

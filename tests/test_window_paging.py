@@ -376,7 +376,7 @@ def test_prepare_gathers_the_window_block_table_as_the_host_builder_does(seed):
 
 
 # ---- the switch ---------------------------------------------------------------------------------------
-def test_window_paging_is_on_by_default_and_refused_where_its_tables_cannot_travel(tiny_checkpoint):
+def test_window_paging_is_on_by_default_also_under_p_d_roles(tiny_checkpoint):
     from models.abstract import abstract_model
     from models.config import parse_config
     from models.safetensors_io import read_json
@@ -388,17 +388,12 @@ def test_window_paging_is_on_by_default_and_refused_where_its_tables_cannot_trav
         return path, abstract_model(parse_config(read_json(path / "config.json")), "float32", path)
 
     path, gpt_oss = model_of("gpt_oss")
-    assert window_paging(EngineConfig(model=str(path)), gpt_oss, dp_size=1) == 7
-    assert window_paging(EngineConfig(model=str(path), window_paging=False), gpt_oss, dp_size=1) is None
-    prefill = KVTransferConfig(role="prefill")
-    assert window_paging(EngineConfig(model=str(path), kv_transfer=prefill), gpt_oss, dp_size=1) is None
-    assert window_paging(EngineConfig(model=str(path)), gpt_oss, dp_size=2) is None
-    with pytest.raises(ValueError, match="cache.window_paging: .* P/D role 'prefill'"):
-        window_paging(EngineConfig(model=str(path), window_paging=True, kv_transfer=prefill), gpt_oss, dp_size=1)
-    with pytest.raises(ValueError, match="cache.window_paging: .* attention data parallelism"):
-        window_paging(EngineConfig(model=str(path), window_paging=True), gpt_oss, dp_size=2)
+    assert window_paging(EngineConfig(model=str(path)), gpt_oss) == 7
+    assert window_paging(EngineConfig(model=str(path), window_paging=False), gpt_oss) is None
+    for role in ("prefill", "decode"):  # the window layers' live pages travel (tests/test_window_paging_parallel.py)
+        assert window_paging(EngineConfig(model=str(path), kv_transfer=KVTransferConfig(role=role)), gpt_oss) == 7
     dense_path, dense = model_of("llama")
-    assert window_paging(EngineConfig(model=str(dense_path), window_paging=True), dense, dp_size=1) is None
+    assert window_paging(EngineConfig(model=str(dense_path), window_paging=True), dense) is None
 
 
 def test_plan_sizes_both_pools_and_holds_more_long_sequences():

@@ -178,15 +178,9 @@ def state_slots(launch: LaunchConfig, model, cache_bytes: int) -> tuple[int, int
 def window_pool(launch: LaunchConfig, cfg, model, tp_size: int, blocks_per_seq: int) -> tuple:
     """Window-aware paging as the engine sizes it (runtime/engine/construction.py): (the window or
     None, window pages, the full layers' KV bytes per token and the window pool's bytes, per device)."""
-    par, sched, page_size, kv_dtype = (
-        launch.parallel,
-        launch.scheduler,
-        launch.cache.page_size,
-        launch.cache.kv_cache_dtype,
-    )
+    sched, page_size, kv_dtype = launch.scheduler, launch.cache.page_size, launch.cache.kv_cache_dtype
     windows = [w for i in range(cfg.num_layers) if (w := cfg.sliding_window(i)) is not None]
-    one_rank = par.mesh.data == 1 and par.role == "both"
-    if not windows or launch.cache.window_paging is False or not one_rank:
+    if not windows or launch.cache.window_paging is False:  # under DP per rank, as the engine
         return None, 0, 0, 0
     split = tp_size if model.tp is not None and model.tp.attention else 1
     window = max(windows)

@@ -80,22 +80,12 @@ def prepare_model(
     return loaded, plan
 
 
-def window_paging(config: EngineConfig, model: Model, dp_size: int) -> int | None:
+def window_paging(config: EngineConfig, model: Model) -> int | None:
     """The sliding window whose layers page apart (paged_kv/window_pages.py), or None. `cache.window_paging`
-    null: on where the model has window layers, except under attention DP or a P/D role (off, logged);
-    true there: refused, as neither moves a window block table yet."""
+    null: on where the model has window layers, under attention DP (each rank has both pools) and P/D
+    roles too (the window layers' live pages travel: runtime/kv_transfer/window_layout.py)."""
     windows = [w for i in range(model.cfg.num_layers) if (w := model.cfg.sliding_window(i)) is not None]
     if not windows or config.window_paging is False:
-        return None
-    role = config.kv_transfer.role if config.kv_transfer is not None else "both"
-    unsupported = "attention data parallelism" if dp_size > 1 else f"P/D role {role!r}" if role != "both" else None
-    if unsupported is not None:
-        if config.window_paging:
-            raise ValueError(
-                f"cache.window_paging: window-aware paging does not support {unsupported} yet; "
-                "set cache.window_paging: false (window layers then keep full-length KV)"
-            )
-        log.info("window-aware paging off under %s: window layers keep full-length KV", unsupported)
         return None
     return max(windows)
 
@@ -198,7 +188,7 @@ def build_step_parts(
     `build_data_parallel`'s per-rank schedulers, rank-stacked caches and DP executables."""
     dp_size = data_parallel_size(config)
     max_blocks_per_seq = pages_for(max_model_len, config.page_size)
-    window = window_paging(config, model, dp_size)
+    window = window_paging(config, model)
     num_pages, num_slots, num_checkpoint_slots, num_window_pages = size_cache(
         config, model, max_blocks_per_seq, dp_size, window
     )
@@ -234,6 +224,7 @@ def build_step_parts(
             max_blocks_per_seq=max_blocks_per_seq,
             max_model_len=max_model_len,
             fuse_greedy=plan.fuse_greedy,
+            window_paging=window is not None,
         )
         return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
     executables = StepExecutables(

@@ -5,10 +5,12 @@
      "page_size": 16, "num_pages": n (padded), "kv_dtype": "float32", "kv_wire": "values" | "bits",
      "state_dtype": "float32" | "bfloat16" (GDN state slots; absent: float32),
      "model": {layer_types, num_kv_heads, head_dim, conv, rec, num_groups, vocab_size, fingerprint},
+     "window": {"first_block": f, "num_pages": nw} (window-aware paging on the prefill side only),
      "arrays": [[name, shape, wire dtype], ...]}          # the pulled arrays, in this order
 
 Arrays: per attention position j of the layer pattern, `kv{j}.k` / `kv{j}.v` `[G*n, Hkv, ps, D]`
-(the request's pages of every layer group g, g-major, padded with the null page) and for FP8
+(the request's pages of every layer group g, g-major, padded with the null page; with `window`, a
+sliding-window position's pages are blocks f .. f+nw-1 only: runtime/kv_transfer/window_layout.py) and for FP8
 `kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN (Mamba-2) position j, `conv{j}` `[G, W-1, C]`
 and `rec{j}` `[G, H, K, V]` (`[G, H, P, N]`) (the request's slot) in the prefill side's `state_dtype`,
 bfloat16 as raw bits; the decode side casts them to its own state dtype; an MLP-only position has none.
@@ -55,6 +57,7 @@ DESCRIPTOR_KEYS = frozenset(
         "state_dtype",
         "model",
         "arrays",
+        "window",
     }
 )
 

@@ -51,6 +51,7 @@ from runtime.kv_transfer.layout import (
     pull_specs,
     write_request_state,
 )
+from runtime.kv_transfer.window_layout import window_layers
 from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
 from runtime.types import EngineBusy, EngineRequest, FinishReason, RequestDelta, SamplingParams
@@ -120,9 +121,12 @@ class DisaggregationHooks:
         self.num_pages = cache_config.num_pages
         self.num_slots = max(cache_config.num_state_slots, 2)
         self.conv_perm = conv_permutation(model)
+        # window-aware paging: the window layers' pool travels apart (runtime/kv_transfer/window_layout.py)
+        self.window_paging, self.num_window_pages = cache_config.window is not None, cache_config.num_window_pages
+        self.windowed = window_layers(model.cfg, len(caches["kv"]), self.window_paging)
         self.signature = model_signature(
             model.cfg,
-            model_groups(caches, self.num_pages, self.num_slots),
+            model_groups(caches, self.num_pages, self.num_slots, self.windowed),
             fingerprint=checkpoint_fingerprint(model.path),
         )
         kv = [x for x in caches["kv"] if x is not None]
@@ -213,6 +217,8 @@ class DisaggregationHooks:
                     conv_perm=self.conv_perm,
                     rule=self.rule,
                     signature=self.signature,
+                    window_block_table=seq.window_block_table,
+                    num_window_pages=self.num_window_pages,
                 )
 
     def finished(self, req: Request) -> dict | None:
@@ -249,7 +255,7 @@ class DisaggregationHooks:
         try:
             desc = params.get("descriptor")
             check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
-            expected_arrays(desc, self.model.cfg)
+            expected_arrays(desc, self.model.cfg, self.window_paging)
             nbytes = descriptor_nbytes(desc)
             if sum(self._staged_bytes.values()) + nbytes > self.config.max_staged_bytes:
                 raise TransferCapacityError("pulled state waiting here would exceed kv_transfer.max_staged_bytes")
@@ -343,6 +349,9 @@ class DisaggregationHooks:
                 num_slots=self.num_slots,
                 opts=self.opts,
                 conv_perm=self.conv_perm,
+                window_block_table=req.allocation.window_block_table if self.window_paging else None,
+                num_window_pages=self.num_window_pages,
+                windowed=self.windowed,
             )
         for seq in out.sequences:
             self._unstage(seq.request_id)  # admitted with a better local prefix hit

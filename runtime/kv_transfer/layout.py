@@ -26,6 +26,14 @@ from models.mamba2_config import NO_MIXER
 from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
 from runtime.kv_transfer.descriptor import LAST_TOKEN_RULE, build_descriptor, model_signature
+from runtime.kv_transfer.window_layout import (
+    check_window,
+    first_window_block,
+    window_descriptor,
+    window_layers,
+    window_mappings,
+    window_pages_of,
+)
 
 
 def _pow2(n: int) -> int:
@@ -42,13 +50,16 @@ def _to_wire(x, dtype):
     return x if jnp.dtype(dtype) == jnp.float32 else jax.lax.bitcast_convert_type(x, _bits(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "num_slots", "kv_repeat"))
-def _gather(caches, pages, slot, *, num_pages: int, num_slots: int, kv_repeat: int):
+@functools.partial(jax.jit, static_argnames=("num_pages", "num_slots", "kv_repeat", "windowed", "num_window_pages"))
+def _gather(
+    caches, pages, window_pages, slot, *, num_pages: int, num_slots: int, kv_repeat: int, windowed, num_window_pages
+):
     out = []
-    for kv, conv, rec in zip(caches["kv"], caches["conv"], caches["rec"]):
+    for j, (kv, conv, rec) in enumerate(zip(caches["kv"], caches["conv"], caches["rec"])):
         if kv is not None:
-            G = kv.k.shape[0] // num_pages
-            idx = (jnp.arange(G)[:, None] * num_pages + pages[None]).reshape(-1)  # [G*n]
+            P, own = (num_window_pages, window_pages) if windowed[j] else (num_pages, pages)  # window pool
+            G = kv.k.shape[0] // P
+            idx = (jnp.arange(G)[:, None] * P + own[None]).reshape(-1)  # [G*n]
             heads = slice(None, None, kv_repeat)  # one copy of each repeated KV head
             # the wire carries [G*n, Hkv, ps, D] whatever the pool's layout (token-minor on TPU, D < 128)
             k, v = kv.logical(kv.load(kv.k[idx]))[:, heads], kv.logical(kv.load(kv.v[idx]))[:, heads]
@@ -100,21 +111,37 @@ def gather_request_state(
     conv_perm: np.ndarray | None = None,
     rule: str = LAST_TOKEN_RULE,
     signature: dict | None = None,
+    window_block_table=None,
+    num_window_pages: int = 0,
 ) -> tuple[list, dict]:
     """-> (arrays on one device, descriptor) for the first `num_tokens` tokens of a request.
     The wire format is canonical: unsharded, the checkpoint's KV heads (a repeat undone), conv
-    channels in checkpoint order (`conv_perm` undone)."""
-    n = _pow2(-(-num_tokens // page_size))
+    channels in checkpoint order (`conv_perm` undone). With window paging (`window_block_table`,
+    the window pool's `num_window_pages`) the window layers ship their live blocks only
+    (runtime/kv_transfer/window_layout.py)."""
+    num_blocks = -(-num_tokens // page_size)
+    n = _pow2(num_blocks)
     pages = np.zeros(n, np.int32)
-    used = list(block_table)[: -(-num_tokens // page_size)]
+    used = list(block_table)[:num_blocks]
     pages[: len(used)] = used
+    windowed = window_layers(cfg, len(caches["kv"]), window_block_table is not None)
+    window = None
+    window_pages = np.zeros(1, np.int32)
+    if window_block_table is not None:
+        window = window_descriptor(first_window_block(cfg, num_tokens, page_size), num_blocks)
+        window_pages = np.zeros(window["num_pages"], np.int32)
+        live = list(window_block_table)[window["first_block"] : num_blocks]
+        window_pages[: len(live)] = live
     arrays = _gather(
         caches,
         jnp.asarray(pages),
+        jnp.asarray(window_pages),
         jnp.int32(state_slot),
         num_pages=num_pages,
         num_slots=num_slots,
         kv_repeat=kv_repeat_of(caches, cfg),
+        windowed=windowed,
+        num_window_pages=num_window_pages,
     )
     device = jax.devices()[0]  # TP bridging: the wire format is unsharded
     arrays = [jax.device_put(a, device) for a in arrays]
@@ -122,7 +149,7 @@ def gather_request_state(
     kv = next((x for x in caches["kv"] if x is not None), None)
     kv_dtype = jnp.dtype(kv.dtype).name if kv is not None else "float32"
     rec = next((x for x in caches["rec"] if x is not None), None)
-    G = model_groups(caches, num_pages, num_slots)
+    G = model_groups(caches, num_pages, num_slots, windowed)
     entries = [[name, list(a.shape), a.dtype.name] for name, a in zip(_names(caches), arrays)]
     desc = build_descriptor(
         prompt_token_ids=prompt_token_ids,
@@ -136,6 +163,8 @@ def gather_request_state(
         arrays=entries,
         state_dtype="float32" if rec is None else rec.dtype.name,
     )
+    if window is not None:
+        desc["window"] = window
     return arrays, desc
 
 
@@ -145,16 +174,19 @@ def kv_repeat_of(caches, cfg) -> int:
     return 1 if kv is None else kv.num_kv_heads // cfg.num_kv_heads
 
 
-def model_groups(caches, num_pages: int, num_slots: int) -> int:
-    for kv, rec in zip(caches["kv"], caches["rec"]):
-        if kv is not None or rec is not None:
+def model_groups(caches, num_pages: int, num_slots: int, windowed=()) -> int:
+    """The layer groups G (`windowed`: the positions whose pages live in the window pool: skipped)."""
+    for j, (kv, rec) in enumerate(zip(caches["kv"], caches["rec"])):
+        if (kv is not None and not (j < len(windowed) and windowed[j])) or rec is not None:
             return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
     return 1
 
 
-def expected_arrays(desc: dict, cfg) -> list[list]:
-    """The [name, shape, dtype] list a descriptor must carry for this model (TransferError if not)."""
-    sig, n, ps = desc["model"], desc["num_pages"], desc["page_size"]
+def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
+    """The [name, shape, dtype] list a descriptor must carry for this model (TransferError if not);
+    `window_paging`: whether this side pages its window layers apart (window_layout.check_window)."""
+    check_window(desc, cfg, window_paging)
+    sig, ps = desc["model"], desc["page_size"]
     G = sig["num_groups"]
     kv_dtype = jnp.dtype(desc["kv_dtype"])  # one of descriptor.KV_DTYPES (check_descriptor)
     wire = kv_dtype.name if kv_dtype == jnp.float32 else _bits(kv_dtype).name
@@ -163,6 +195,7 @@ def expected_arrays(desc: dict, cfg) -> list[list]:
     want = []
     for j, kind in enumerate(sig["layer_types"]):
         if kind == ATTENTION:
+            n = window_pages_of(desc) if cfg.sliding_window(j) is not None else desc["num_pages"]
             page = [G * n, cfg.num_kv_heads, ps, cfg.head_dim]
             want += [[f"kv{j}.k", page, wire], [f"kv{j}.v", page, wire]]
             if kv_dtype.itemsize == 1:
@@ -206,13 +239,24 @@ def _copy_pages(kv, k, v, scales, page_mapping):
 @functools.partial(
     jax.jit,
     donate_argnums=(0,),
-    static_argnames=("src_page_size", "kv_dtype", "state_dtype", "num_tokens_pad", "num_slots", "opts", "verbatim"),
+    static_argnames=(
+        "src_page_size",
+        "kv_dtype",
+        "state_dtype",
+        "num_tokens_pad",
+        "num_slots",
+        "opts",
+        "verbatim",
+        "windowed",
+    ),
 )
 def _write(
     caches,
     arrays,
     slot_mapping,
     page_mapping,
+    window_slot_mapping,
+    window_page_mapping,
     slot,
     *,
     src_page_size: int,
@@ -222,8 +266,10 @@ def _write(
     num_slots: int,
     opts,
     verbatim: bool,
+    windowed: tuple[bool, ...],
 ):
     arrays = list(arrays)
+    G = slot_mapping.shape[0] // num_tokens_pad  # the layer groups
     kv_out, conv_out, rec_out = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
     logical = jnp.dtype(kv_dtype)
     for j, kv in enumerate(caches["kv"]):
@@ -245,8 +291,11 @@ def _write(
         if r > 1:
             k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
             scales = tuple(None if x is None else jnp.repeat(x, r, axis=1) for x in scales)
+        pages, slots, num_tokens = page_mapping, slot_mapping, num_tokens_pad
+        if windowed[j]:  # this side's window pool: every token of the sent pages (window_layout.py)
+            pages, slots, num_tokens = window_page_mapping, window_slot_mapping, k.shape[0] // G * src_page_size
         if verbatim:
-            kv_out[j] = _copy_pages(kv, k, v, scales, page_mapping)
+            kv_out[j] = _copy_pages(kv, k, v, scales, pages)
             continue
         tokens = []
         for x, scale in zip((k, v), scales):
@@ -256,10 +305,9 @@ def _write(
             if scale is not None:
                 x = x * scale[:, :, None, None]
             Gn, H, ps, D = x.shape
-            G = slot_mapping.shape[0] // num_tokens_pad
             x = x.reshape(G, Gn // G, H, ps, D).transpose(0, 1, 3, 2, 4).reshape(G, -1, H, D)  # [G, n*ps, H, D]
-            tokens.append(x[:, :num_tokens_pad].reshape(G * num_tokens_pad, H, D))
-        kv_out[j] = ops.write_kv(kv, tokens[0], tokens[1], slot_mapping, opts)
+            tokens.append(x[:, :num_tokens].reshape(G * num_tokens, H, D))
+        kv_out[j] = ops.write_kv(kv, tokens[0], tokens[1], slots, opts)
     return {"kv": tuple(kv_out), "conv": tuple(conv_out), "rec": tuple(rec_out)}
 
 
@@ -275,12 +323,18 @@ def write_request_state(
     num_slots: int,
     opts,
     conv_perm: np.ndarray | None = None,
+    window_block_table=None,
+    num_window_pages: int = 0,
+    windowed: tuple[bool, ...] = (),
 ) -> dict:
     """Write a pulled request's K tokens into `block_table` / `state_slot`; -> the new caches.
 
     Same KV dtype and page size on both sides: pages and FP8 scales are copied verbatim (an FP8
     prefill side's pages are then bit for bit what this side would have computed). Otherwise
-    token by token through this side's KV write (dequantized, requantized with its own scales)."""
+    token by token through this side's KV write (dequantized, requantized with its own scales).
+    With window paging here (`window_block_table`, the window pool's `num_window_pages`, `windowed`:
+    `window_layout.window_layers`) the window layers' tokens go to the window pool, those below this
+    side's window dropped (window_layout.py)."""
     arrays = _reorder_conv(arrays, [name for name, _, _ in desc["arrays"]], conv_perm)
     shardings = jax.tree.map(lambda x: x.sharding, caches)
     mesh = getattr(jax.tree.leaves(shardings)[0], "mesh", None)
@@ -304,11 +358,19 @@ def write_request_state(
     local = bt[np.minimum(t // page_size, len(bt) - 1)] * page_size + t % page_size  # [T]
     group_offset = (np.arange(G) * num_pages * page_size)[:, None]  # [G, 1]
     slots = np.where(t[None] < K, group_offset + local[None], -1).astype(np.int32).reshape(-1)
+    windowed = tuple(windowed) or (False,) * len(caches["kv"])
+    window_pages, window_slots = np.zeros(1, np.int32), np.zeros(1, np.int32)
+    if window_block_table is not None:
+        window_pages, window_slots = window_mappings(
+            desc, window_block_table, page_size=page_size, num_window_pages=num_window_pages, num_groups=G
+        )
     caches = _write(
         caches,
         tuple(arrays),
         jnp.asarray(slots),
         jnp.asarray(page_mapping),
+        jnp.asarray(window_slots),
+        jnp.asarray(window_pages),
         jnp.int32(state_slot),
         src_page_size=desc["page_size"],
         kv_dtype=desc["kv_dtype"],
@@ -317,5 +379,6 @@ def write_request_state(
         num_slots=num_slots,
         opts=opts,
         verbatim=verbatim,
+        windowed=windowed,
     )
     return jax.device_put(caches, shardings)  # the layout the step executables were compiled for

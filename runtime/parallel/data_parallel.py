@@ -28,8 +28,10 @@ over `model` and replicated over `data`; everything that belongs to a request is
   `models/ops.py`) that its new leading axis lives on `data`. The rank's final hidden states of
   all T rows come back as `[D*T, H]` and the global `logits_indices` gather the sampled rows.
 
-Prompt logprobs (the scoring backbone) and P/D disaggregation are refused under DP (a precise
-ValueError), not served wrongly. The engine chooses DP when it is built: for D > 1 its constructor
+Window-aware paging (paged_kv/window_pages.py): each rank holds both pools (stacked like every
+cache) and its scheduler its own window tables; the flat batch carries them rank-major like the
+block tables (a rank that schedules nothing: null tables). Prompt logprobs (the scoring backbone)
+and P/D disaggregation are refused under DP (a precise ValueError), not served wrongly. The engine chooses DP when it is built: for D > 1 its constructor
 takes its scheduler, caches, sequence buckets and executables from `build_data_parallel`; D == 1
 keeps the engine's default path and only asks `data_parallel_size` / `rank_share` here
 (identities for one rank). The MoE block is wrapped in
@@ -75,6 +77,8 @@ def build_data_parallel_batch(
         )
         for o in out.ranks
     ]
+    if any(p.window_block_tables is not None for p in parts):  # window paging: an idle rank's tables are null
+        parts = [with_window_tables(p, max_num_seqs, max_blocks_per_seq) for p in parts]
     logits_rows = np.zeros(len(parts) * max_num_seqs, np.int32)
     logits_rows[: len(out.sequences)] = np.concatenate(
         [rank * T + part.logits_indices[: len(o.sequences)] for rank, (part, o) in enumerate(zip(parts, out.ranks))]
@@ -82,9 +86,22 @@ def build_data_parallel_batch(
     fields = {
         f.name: np.concatenate([np.atleast_1d(getattr(p, f.name)) for p in parts])
         for f in dataclasses.fields(ForwardBatch)
-        if getattr(parts[0], f.name) is not None  # window paging's tables: not under DP
+        if getattr(parts[0], f.name) is not None
     }
     return ForwardBatch(**{**fields, "logits_indices": logits_rows})
+
+
+def with_window_tables(part: ForwardBatch, max_num_seqs: int, max_blocks_per_seq: int) -> ForwardBatch:
+    """A rank's batch with window-aware paging's tables: a rank that schedules nothing has none from
+    `build_batch` (it cannot tell), so they are the null page and no write."""
+    if part.window_block_tables is not None:
+        return part
+    T = part.input_ids.shape[0]
+    return dataclasses.replace(
+        part,
+        window_block_tables=np.zeros((max_num_seqs, max_blocks_per_seq), np.int32),
+        window_slot_mapping=np.full(T, -1, np.int32),
+    )
 
 
 def split_ranks(batch: ForwardBatch, size: int) -> ForwardBatch:
@@ -149,6 +166,7 @@ class DataParallelExecutables(StepExecutables):
         max_top_k: int = 256,
         fuse_greedy: bool = False,
         max_model_len: int | None = None,
+        window_paging: bool = False,
     ):
         self.size, self.rank_max_num_seqs = size, max_num_seqs
         self.rank_token_buckets = tuple(token_buckets)
@@ -164,6 +182,7 @@ class DataParallelExecutables(StepExecutables):
             fuse_greedy=fuse_greedy,
             max_model_len=max_model_len,
             forward_fn=functools.partial(data_parallel_forward, size=size),
+            window_paging=window_paging,
         )
         groups = model.num_groups
 
@@ -268,6 +287,7 @@ def build_data_parallel(
     max_blocks_per_seq: int,
     max_model_len: int,
     fuse_greedy: bool,
+    window_paging: bool = False,
 ) -> DataParallelParts:
     """The parts of a `size`-rank engine (called by `LLMEngine.__init__` when `data_parallel_size(config)
     > 1`): per-rank schedulers, one rank's `caches` stacked over the ranks, DP executables and sequence
@@ -293,6 +313,7 @@ def build_data_parallel(
         max_top_k=config.max_top_k,
         fuse_greedy=fuse_greedy,
         max_model_len=max_model_len,
+        window_paging=window_paging,
     )
     return DataParallelParts(
         scheduler=DataParallelScheduler(scheduler_config, cache_config, size),

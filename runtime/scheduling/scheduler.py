@@ -164,7 +164,7 @@ class Scheduler:
                 hit = PrefixHit()
             num_new = self._chunk_size(request, hit.num_tokens + external, budget, hit.kv_num_tokens)
             admission = self.cache.allocate(
-                request.request_id, tokens, hit.num_tokens + external + num_new, hit, request.cache_extra_keys
+                request.request_id, tokens, hit.num_tokens + external + num_new, hit, request.cache_extra_keys, external
             )
             if admission is None:
                 break
