@@ -51,6 +51,7 @@ class Request:
     allocation: SequenceAllocation | None = None
     sequence_number: int = -1  # add order, set by the scheduler
     num_external_tokens: int = 0  # P/D: prompt tokens whose KV/state arrive from a prefill instance
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: the next step's drafts
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
