@@ -411,7 +411,8 @@ class LLMEngine:
                 outputs.append(self._output(req, finished=req.is_finished))
                 continue
             record = self._outputs.get(req.request_id)
-            for token in step.row_tokens(row) if record is not None else ():
+            tokens = step.row_tokens(row) if record is not None else []
+            for m, token in enumerate(tokens, 1):
                 logprob = None
                 if record.logprobs is not None:
                     lp, top_ids, top_lp = step.logprobs
@@ -422,6 +423,7 @@ class LLMEngine:
                 if hit is not None:
                     if not req.is_finished:
                         self._finish(req, "stop", hit, emit=False)
+                    req.drop_last_outputs(len(tokens) - m)  # accepted drafts past the stop string
                     break
             outputs.append(self._output(req, finished=req.is_finished))
         return outputs

@@ -92,6 +92,12 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def drop_last_outputs(self, n: int) -> None:
+        """Forget the last n output tokens of a finished request (speculation: tokens accepted past
+        a stop string)."""
+        if n > 0:
+            del self.output_token_ids[-n:], self.all_token_ids[-n:]
+
     def resolve_output(self, index: int, token_id: int) -> None:
         """Replace the placeholder at output position `index` with the sampled token."""
         if self.output_token_ids[index] != PLACEHOLDER_TOKEN:

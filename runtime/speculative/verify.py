@@ -94,11 +94,17 @@ def verify_backbone(
     params, caches, table, step, prev_tokens, verify: VerifyRows, *, all_greedy, forward, page_size, max_top_k, softcap
 ):
     """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
-    drafts rewound, tokens [T], accepted [S])."""
+    drafts rewound, tokens [T]: sequence i emits tokens[first_i : first_i + accepted_i + 1], the
+    accepted drafts and then the target's token, accepted [S])."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
     hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=verify.rows))  # [T, H]
     tokens = verify_sample(params, hidden, table, verify, all_greedy=all_greedy, max_top_k=max_top_k, softcap=softcap)
     accepted = accepted_counts(tokens, verify)
+    # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
+    # match, so this only makes the acceptance rule the one place that decides what is output)
+    S = verify.num_draft.shape[0]
+    keep = (verify.seqs >= 0) & (verify.offsets < accepted[jnp.clip(verify.seqs, 0, S - 1)])
+    tokens = jnp.where(keep, verify.drafts, tokens)
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
     table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
     return caches, table, tokens, lax.stop_gradient(accepted)
