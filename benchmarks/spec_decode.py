@@ -81,7 +81,7 @@ def run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         for delta in engine.step():
             if delta.request_id not in tokens:
                 order.append(delta.request_id)
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
     wall = time.perf_counter() - t0
     after = engine.stats()
     out = [tokens[rid] for rid in sorted(order, key=lambda r: int(r.rsplit("-", 1)[1]))]

@@ -151,6 +151,7 @@ def test_greedy_equals_no_speculation_and_hf(engines, hf_model):
     drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, stats  # drafts both accepted and rejected
+    assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
     assert set(results["spec"]) == set(results["off"])
     for rid, got in results["spec"].items():
@@ -283,3 +284,70 @@ def test_temperature_one_matches_the_target_distribution(engines, monkeypatch):
     finally:
         spec.speculator.verify = old
     assert min(_chi_square_p(wrong, reference), _copy_rate_p(wrong, reference, prompt)) < 1e-3
+
+
+def test_prometheus_counters():
+    from prometheus_client import generate_latest
+
+    from server.metrics import ServerMetrics
+
+    stats = {
+        "spec_decode_num_drafts": 2,
+        "spec_decode_num_draft_tokens": 7,
+        "spec_decode_num_accepted_tokens": 3,
+        "spec_decode_num_accepted_tokens_per_pos": [2, 1, 0],
+    }
+    text = generate_latest(ServerMetrics(lambda: stats).registry).decode()
+    assert "jaxserve_spec_decode_num_draft_tokens_total 7.0" in text
+    assert "jaxserve_spec_decode_num_accepted_tokens_total 3.0" in text
+    assert 'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
+    assert "spec_decode" not in generate_latest(ServerMetrics(lambda: {}).registry).decode()
+
+
+@pytest.mark.slow
+def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
+    """Sealed start-up set (verify executables included): a mixed workload plus copy-heavy
+    greedy and sampled requests compile nothing in the serving loop (JAX's own compile log)."""
+    import logging
+
+    import jax
+    from test_no_compile_after_startup import CompileCounter, mixed_requests
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint("llama")),
+            dtype="float32",
+            page_size=16,
+            num_pages=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            token_buckets=(8, 64),
+            max_model_len=256,
+            aot_compile=True,
+            aot_compile_all=True,
+            speculative_config=SPEC,
+        )
+    )
+    assert engine.speculator.verify.sealed and not engine.async_scheduling
+    counter = CompileCounter()
+    logger = logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        copy_heavy = [
+            EngineRequest(f"c{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            for i, p in enumerate(PROMPTS)
+            for t in (0.0, 1.0)
+        ]
+        for request in mixed_requests(engine.model.cfg.vocab_size) + copy_heavy:
+            engine.add_request(request)
+        drain(engine)
+        for request in copy_heavy:  # alone: every step verifies
+            engine.add_request(EngineRequest(request.request_id + "'", request.prompt_token_ids, request.params))
+        drain(engine)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_all_free(engine)

@@ -93,11 +93,12 @@ class Speculator:
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         return {
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
 
     # ---- before the schedule ----------------------------------------------------------------
