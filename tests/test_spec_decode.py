@@ -335,7 +335,7 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
     jax.config.update("jax_log_compiles", True)
     try:
         copy_heavy = [
-            EngineRequest(f"c{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
             for i, p in enumerate(PROMPTS)
             for t in (0.0, 1.0)
         ]

@@ -151,9 +151,11 @@ class Speculator:
         verify = VerifyRows(rows, seqs, offsets, steps, drafts, num_draft)
         all_greedy = all(seq.request.params.temperature <= 0.0 for seq in out.sequences)
         table, step, prev_tokens = table_args
-        caches, table, tokens, accepted = self.verify.run(params, caches, table, step, prev_tokens, verify, all_greedy)
+        caches, table, tokens, accepted, first_tokens = self.verify.run(
+            params, caches, table, step, prev_tokens, verify, all_greedy
+        )
         self._pending = (out, tokens, accepted, first[: len(out.sequences)])
-        sampled = SamplerOutput(tokens=tokens[first], logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
+        sampled = SamplerOutput(tokens=first_tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
         return caches, table, sampled
 
     def settle(self, step, scheduler, request_table) -> None:

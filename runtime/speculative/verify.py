@@ -17,7 +17,7 @@ The table's `num_computed` of each row is rewound by its rejected drafts here, o
 KV written for them is overwritten by the next step); the host mirror is rewound by the caller.
 
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
-    caches, table, tokens, accepted = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
+    caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def verify_backbone(
 ):
     """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
     drafts rewound, tokens [T]: sequence i emits tokens[first_i : first_i + accepted_i + 1], the
-    accepted drafts and then the target's token, accepted [S])."""
+    accepted drafts and then the target's token, accepted [S], each sequence's first token [S])."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
     hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=verify.rows))  # [T, H]
     tokens = verify_sample(params, hidden, table, verify, all_greedy=all_greedy, max_top_k=max_top_k, softcap=softcap)
@@ -107,7 +107,9 @@ def verify_backbone(
     tokens = jnp.where(keep, verify.drafts, tokens)
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
     table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
-    return caches, table, tokens, lax.stop_gradient(accepted)
+    heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
+    first = jnp.zeros(S, jnp.int32).at[heads].set(tokens, mode="drop")  # [S]: each sequence's first new token
+    return caches, table, tokens, lax.stop_gradient(accepted), first
 
 
 class VerifyExecutables:
