@@ -85,6 +85,7 @@ def test_config_parsing_and_refusals():
         "order": ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds prompt_lookup_max"),
         "field": ({"method": "ngram", "lookahead": 2}, "unknown field(s) ['lookahead']"),
         "type": ({"method": "ngram", "num_speculative_tokens": "3"}, "must be an integer"),
+        "batch": ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size: must be in"),
     }
     for value, message in cases.values():
         with pytest.raises(ConfigError, match=None) as err:
@@ -351,3 +352,24 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
     assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_free(engine)
+
+
+def test_disable_by_batch_size_stops_drafting_in_large_batches(engines):
+    import dataclasses
+
+    spec, off = engines
+    config = spec.speculator.config
+    prompt = spec.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    requests = [EngineRequest(f"b{i}", prompt, params) for i in range(3)]
+    spec.speculator.config = dataclasses.replace(config, disable_by_batch_size=2)
+    try:
+        before = spec.stats()["spec_decode_num_draft_tokens"]
+        got = _serve(spec, requests)  # three running: no drafts
+        assert spec.stats()["spec_decode_num_draft_tokens"] == before
+        _serve(spec, [EngineRequest("b-alone", prompt, params)])  # one running: drafts
+        assert spec.stats()["spec_decode_num_draft_tokens"] > before
+    finally:
+        spec.speculator.config = config
+    ref = _serve(off, requests)
+    assert all(got[rid].token_ids == ref[rid].token_ids for rid in ref)

@@ -105,9 +105,10 @@ class Speculator:
     def propose(self, running) -> None:
         """Set each running request's drafts (prompt lookup over prompt + output)."""
         c = self.config
+        crowded = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
         for req in running:
             decoding = req.num_tokens - req.num_computed_tokens == 1
-            if decoding and can_draft(req):
+            if decoding and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
                     tokens, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
