@@ -29,6 +29,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -39,6 +40,7 @@ from pydantic import (
 
 from configs import rules
 from configs.environment import environment_overrides
+from configs.speculative import speculative_field
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-demo.yaml"
@@ -357,6 +359,8 @@ class LaunchConfig(_Section):
     compile: CompileConfig = CompileConfig()
     kernels: KernelsConfig = KernelsConfig()
     server: ServerConfig = ServerConfig()
+    # speculative decoding, vLLM's mapping (configs/speculative.py); null: off
+    speculative_config: Annotated[dict[str, Any] | None, BeforeValidator(speculative_field)] = None
 
 
 DEFAULTS = LaunchConfig()  # the one set of defaults (runtime.engine_config.EngineConfig reads its own from here)

@@ -30,6 +30,7 @@ from typing import Any
 
 from configs import rules
 from configs.schema import DEFAULT_MEMORY_FRACTION, DEFAULTS, LaunchConfig, check_name
+from configs.speculative import SpeculativeConfig, parse_speculative_config
 from paged_kv.cache_manager import CacheManager
 from runtime.buckets import pages_for
 
@@ -230,9 +231,12 @@ class EngineConfig:
     # with compile.aot (runtime/engine/loading.py); engines built in code compile the extras lazily
     aot_compile_all: bool = False
     compile_cache_dir: str | None = DEFAULTS.compile.cache_dir
+    # ---- launch key `speculative_config`: a mapping or SpeculativeConfig; None: off (configs/speculative.py)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         rules.check_fields(self, _ENGINE_RULES)
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         rules.batch_budget(self.max_num_batched_tokens, self.max_num_seqs)
         if self.quantization is not None:
             self.quantization_config()  # raises ValueError naming the field
@@ -353,6 +357,7 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "expert_parallel": "parallel.expert",
     "aot_compile": "compile.aot",
     "compile_cache_dir": "compile.cache_dir",
+    "speculative_config": "speculative_config",
 }
 
 

@@ -29,6 +29,7 @@ class ScheduledSequence:
     has_initial_state: bool  # start_position > 0: continue from the slot (hybrids)
     sample: bool  # this chunk reaches the last known token: sample the next one
     window_block_table: list[int] | None = None  # window-aware paging: the sliding-window layers' pages
+    num_draft: int = 0  # speculative decoding: the last num_draft token_ids are drafts, not yet computed
 
     @property
     def request_id(self) -> str:

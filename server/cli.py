@@ -117,6 +117,11 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
         "sliding-window layers keep window-sized KV (default: on where the model has them)",
         boolean=True,
     ),
+    ConfigFlag(
+        "--speculative-config",
+        "speculative_config",
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    ),
     ConfigFlag("--chat-template", "server.chat_template", "a Jinja chat template (or a file) replacing the model's"),
     ConfigFlag(
         "--trust-request-chat-template",

@@ -52,6 +52,24 @@ class _EngineStatsCollector:
             "Requests preempted for lack of pages",
             value=float(stats.get("num_preemptions", 0)),
         )
+        spec_counters = {  # speculative decoding (vLLM's names); exposed as *_total
+            "spec_decode_num_drafts": "Sequences verified with drafted tokens",
+            "spec_decode_num_draft_tokens": "Drafted tokens verified",
+            "spec_decode_num_accepted_tokens": "Drafted tokens accepted",
+        }
+        for name, doc in spec_counters.items():
+            if name in stats:
+                yield CounterMetricFamily(f"jaxserve_{name}", doc, value=float(stats[name]))
+        per_position = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_position is not None:
+            family = CounterMetricFamily(
+                "jaxserve_spec_decode_num_accepted_tokens_per_pos",
+                "Drafted tokens accepted, by draft position",
+                labels=["position"],
+            )
+            for position, value in enumerate(per_position):
+                family.add_metric([str(position)], float(value))
+            yield family
         for name, value in stats.items():  # P/D (runtime/kv_transfer): counters and held pages/slots
             if name.startswith("kv_transfer_"):
                 yield GaugeMetricFamily(

@@ -2,7 +2,7 @@
 
     server -> runtime -> (models, paged_kv) -> pallas_kernels;  configs: imported by all, imports none of ours
     inside runtime/: (engine, aot) -> parallel -> steps -> scheduling -> runtime/*.py
-                     (kv_transfer -> scheduling; structured_output -> runtime/*.py)
+                     (kv_transfer -> scheduling; structured_output -> runtime/*.py; speculative -> steps)
 
 Every `import x` / `from x import y` (relative ones resolved) of every module under the six
 packages is an edge, wherever it sits: module level, inside a function (the lazy-import
@@ -56,7 +56,8 @@ RUNTIME_MAY_IMPORT = {
     "kv_transfer": {"base", "scheduling"},
     "parallel": {"base", "scheduling", "steps"},
     "aot": {"base", "scheduling", "steps", "parallel"},
-    "engine": {"base", "scheduling", "structured_output", "steps", "kv_transfer", "parallel"},
+    "speculative": {"base", "scheduling", "steps"},
+    "engine": {"base", "scheduling", "structured_output", "steps", "kv_transfer", "parallel", "speculative"},
 }
 
 # Edges that break a rule on purpose, each with its reason (docs/architecture.md lists them too).

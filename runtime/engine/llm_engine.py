@@ -44,6 +44,7 @@ from runtime.engine_config import EngineConfig
 from runtime.kv_transfer.hooks import KVTransferHooks, build_kv_transfer
 from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request, RequestStatus
+from runtime.speculative.speculator import build_speculator
 from runtime.steps.async_step import InFlightStep
 from runtime.steps.executables import StepExecutables, enable_persistent_cache
 from runtime.steps.execution_plan import ExecutionPlan
@@ -117,6 +118,7 @@ class LLMEngine:
             cache_config=self.cache_config,
             opts=self.opts,
         )
+        self.speculator = build_speculator(self)  # None unless speculative_config (runtime/speculative/)
         if wrap_executables is not None:
             self.executables = wrap_executables(self.executables)
 
@@ -220,6 +222,8 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
         stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
+        if self.speculator is not None:
+            stats.update(self.speculator.stats())
         return stats if self.kv_transfer is None else self.kv_transfer.stats(stats)
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -241,6 +245,8 @@ class LLMEngine:
         outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
         if self._prev is not None and needs_host_tokens(self._prev):
             outputs += self._settle_prev()[0]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs, self.scheduler.schedule()
 
     def run(self, out: SchedulerOutput) -> tuple[tuple | None, Exception | None]:
@@ -332,6 +338,7 @@ class LLMEngine:
         self.num_steps += 1
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
+        speculate = self.speculator is not None and self.speculator.verifies(out)
         if self.dp is not None:
             batch = self.dp.build_batch(out)
             T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])
@@ -340,6 +347,9 @@ class LLMEngine:
             T, table_args, targets = table_inputs(
                 out, ex, self.request_table, self.table, self.token_buckets, prev_tokens
             )
+        if speculate:
+            self.caches, self.table, sampled = self.speculator.run(params, self.caches, T, table_args, out)
+            return sampled, None
         greedy = targets is None and T in ex.greedy_buckets and all(plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
@@ -385,6 +395,8 @@ class LLMEngine:
                 if index is not None and self._structured.advance(req.request_id, int(step.tokens[row]))
             ]
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
+        if self.speculator is not None:  # a verify step's accepted tokens after the first
+            self.speculator.settle(step, self.scheduler, self.request_table)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
             if req is not None:
@@ -398,9 +410,9 @@ class LLMEngine:
             if index is None:  # scored, nothing sampled
                 outputs.append(self._output(req, finished=req.is_finished))
                 continue
-            token = int(step.tokens[row])
             record = self._outputs.get(req.request_id)
-            if record is not None:
+            tokens = step.row_tokens(row) if record is not None else []
+            for m, token in enumerate(tokens, 1):
                 logprob = None
                 if record.logprobs is not None:
                     lp, top_ids, top_lp = step.logprobs
@@ -408,8 +420,11 @@ class LLMEngine:
                     top = [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
                     logprob = TokenLogprob(token, float(lp[row]), top)
                 hit = record.add_token(token, logprob)
-                if hit is not None and not req.is_finished:
-                    self._finish(req, "stop", hit, emit=False)
+                if hit is not None:
+                    if not req.is_finished:
+                        self._finish(req, "stop", hit, emit=False)
+                    req.drop_last_outputs(len(tokens) - m)  # accepted drafts past the stop string
+                    break
             outputs.append(self._output(req, finished=req.is_finished))
         return outputs
 

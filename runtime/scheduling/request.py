@@ -51,6 +51,7 @@ class Request:
     allocation: SequenceAllocation | None = None
     sequence_number: int = -1  # add order, set by the scheduler
     num_external_tokens: int = 0  # P/D: prompt tokens whose KV/state arrive from a prefill instance
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: the next step's drafts
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
@@ -90,6 +91,12 @@ class Request:
     def append_output(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def drop_last_outputs(self, n: int) -> None:
+        """Forget the last n output tokens of a finished request (speculation: tokens accepted past
+        a stop string)."""
+        if n > 0:
+            del self.output_token_ids[-n:], self.all_token_ids[-n:]
 
     def resolve_output(self, index: int, token_id: int) -> None:
         """Replace the placeholder at output position `index` with the sampled token."""

@@ -144,10 +144,14 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._chunk_size(request, request.num_computed_tokens, budget)
-            if self._grow_or_preempt(request, num_new, scheduled, out):
+            drafts = self._drafts(request, num_new, budget)
+            if self._grow_or_preempt(request, num_new + len(drafts), scheduled, out):
                 scheduled.add(request.request_id)
-                out.sequences.append(self._schedule_chunk(request, num_new, out))
-                budget -= num_new
+                seq = self._schedule_chunk(request, num_new, out)
+                if drafts:  # speculative decoding (runtime/speculative/): verified in this step
+                    seq.token_ids, seq.num_draft = seq.token_ids + drafts, len(drafts)
+                out.sequences.append(seq)
+                budget -= num_new + len(drafts)
 
         while not out.preempted_request_ids and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -206,6 +210,27 @@ class Scheduler:
             )
             num_new = end - num_computed
         return num_new
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafted tokens a decoding request feeds after its last token: within the budget,
+        and never past the tokens it may still produce (the last one is never fed)."""
+        if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        max_total = min(request.max_total_tokens or self.config.max_model_len, self.config.max_model_len)
+        room = min(budget - 1, max_total - 1 - request.num_tokens)
+        return request.draft_token_ids[: max(room, 0)]
+
+    def accept_drafts(self, request: Request, tokens: list[int]) -> int:
+        """Speculative decoding, after a verify step resolved the request's first token: each
+        token in `tokens` follows an accepted draft, whose KV is now computed. Appends them one by
+        one under the token rule; -> how many were appended (a stop ends it early)."""
+        for n, token in enumerate(tokens, 1):
+            request.num_computed_tokens += 1
+            request.append_output([int(token)])
+            self.cache.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if self._stop(request, []):
+                return n
+        return len(tokens)
 
     def _grow_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Pages for `request`'s next chunk, preempting others (or itself) until they fit."""
@@ -319,7 +344,7 @@ class Scheduler:
             if self.requests.get(seq.request_id) is not request or request.status is not RequestStatus.RUNNING:
                 continue
             assert request.num_computed_tokens == seq.start_position, (request, seq.start_position)
-            request.num_computed_tokens += seq.num_new_tokens
+            request.num_computed_tokens += seq.num_new_tokens - seq.num_draft
             self.cache.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if seq.sample:
                 yield row, seq

@@ -38,6 +38,11 @@ class InFlightStep:
     tokens: np.ndarray | None = None  # host copy, once resolved
     logprobs: tuple | None = None  # (logprobs [S], top_ids [S, n], top_logprobs [S, n]) host copies
     _rows: dict[str, int] = field(default_factory=dict)
+    more_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> tokens after its first (speculation)
+
+    def row_tokens(self, row: int) -> list[int]:
+        """The tokens the step produced for `row`: its sampled token, then any accepted with it."""
+        return [int(self.tokens[row]), *self.more_tokens.get(row, ())]
 
     def __post_init__(self):
         self._rows = {request.request_id: row for row, request, index in self.placed if index is not None}

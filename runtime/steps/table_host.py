@@ -186,6 +186,12 @@ class RequestTableHost:
         self._rows[row] = None
         self._free.append(row)
 
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """The device rewound the row's tokens computed (rejected speculative drafts): mirror it."""
+        row = self._row_of.get(request_id)
+        if row is not None:
+            self._rows[row].num_computed -= num_tokens
+
     def plan(self, out: SchedulerOutput, num_tokens: int) -> tuple[TableStep, list[np.ndarray]]:
         """`out` as a table update in token bucket `num_tokens` -> (step, writes (W' = the
         overflow width) to apply before it: none unless its page writes overflow W; then the

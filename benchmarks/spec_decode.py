@@ -1,0 +1,210 @@
+"""Speculative decoding (ngram) vs off, in one process: single-stream decode of copy-heavy prompts
+and tokens/s against concurrency.
+
+    python -m benchmarks.spec_decode .cache/jaxserve/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --json benchmarks/results/spec-decode/smollm2-cpu-2core.json
+
+Two engines of the same configuration are built: one with `speculative_config` (ngram), one
+without (its default asynchronous scheduling; speculation runs the synchronous path). Every
+request is greedy with `ignore_eos`, so both must produce identical text, which is checked.
+
+  single_stream   each copy-heavy prompt (a code edit, a summary quoting its text) alone, the
+                  modes interleaved per repeat; output tokens / wall time, the median of repeats
+  concurrency     N copies of the prompts (cycled) added at once, for each N; output tokens / wall
+  acceptance      drafted and accepted tokens per run (the engine's spec_decode_* counters)
+
+The machine's load average is recorded before and after (CPU numbers on a shared 2-core machine
+are noisy; compare the ratio, measured in the same process and interleaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks import write_json
+
+CODE = """def parse_config(path):
+    with open(path) as handle:
+        lines = handle.read().splitlines()
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+
+
+def load_settings(path, defaults):
+    config = parse_config(path)
+    settings = dict(defaults)
+    for key, value in config.items():
+        if key in settings:
+            settings[key] = type(settings[key])(value)
+    return settings
+"""
+
+TEXT = (
+    "The committee met on Tuesday to review the budget for the new library. The chair said that the "
+    "building would open in March, that the reading room would stay open until ten at night, and that "
+    "the children's section would have its own entrance. The treasurer reported that the project was "
+    "within budget, but warned that the cost of heating had risen by twelve percent since the spring."
+)
+
+PROMPTS = {
+    "code_edit": f"Rename the function parse_config to read_config everywhere in this code and "
+    f"return the full code:\n\n{CODE}",
+    "quote_summary": f"Repeat the following text word for word, then summarize it in one sentence:\n\n{TEXT}",
+}
+
+
+def chat(prompt: str) -> str:
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    from runtime.types import EngineRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats()
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(f"q{time.monotonic_ns()}-{i}", ids, params))
+    tokens: dict[str, list[int]] = {}
+    order = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.request_id not in tokens:
+                order.append(delta.request_id)
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    out = [tokens[rid] for rid in sorted(order, key=lambda r: int(r.rsplit("-", 1)[1]))]
+    n = sum(len(t) for t in out)
+    spec = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    }
+    return {"tokens": out, "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall, **spec}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128, help="single stream")
+    ap.add_argument("--sweep-max-tokens", type=int, default=48)
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.engine_config import EngineConfig
+
+    load_before = os.getloadavg()
+    spec_config = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    engines = {}
+    for mode, spec in (("ngram", spec_config), ("off", None)):
+        t0 = time.perf_counter()
+        engines[mode] = LLMEngine(
+            EngineConfig(
+                model=args.checkpoint,
+                dtype="float32",
+                max_model_len=args.max_model_len,
+                max_num_seqs=max(concurrency),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                seed=0,
+                keep_gguf_quantized=False,
+                enable_prefix_caching=False,  # every run computes its prompts
+                speculative_config=spec,
+            )
+        )
+        print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    tokenizer = engines["off"].tokenizer
+    prompts = {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
+
+    single = {}
+    for name, ids in prompts.items():
+        for mode in engines:  # warm-up: the buckets this prompt touches run once
+            run(engines[mode], [ids], args.max_tokens)
+        runs = {mode: [] for mode in engines}
+        for _ in range(args.repeats):
+            for mode, engine in engines.items():
+                runs[mode].append(run(engine, [ids], args.max_tokens))
+        identical = all(r["tokens"] == runs["off"][0]["tokens"] for rs in runs.values() for r in rs)
+        entry = {
+            "prompt_tokens": len(ids),
+            "identical_text": identical,
+            "text": tokenizer.decode(runs["off"][0]["tokens"][0]),
+        }
+        for mode, rs in runs.items():
+            entry[mode] = {
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                "runs_tokens_per_s": [r["tokens_per_s"] for r in rs],
+                "draft_tokens": rs[-1]["spec_decode_num_draft_tokens"],
+                "accepted_tokens": rs[-1]["spec_decode_num_accepted_tokens"],
+            }
+        entry["speedup"] = entry["ngram"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
+        single[name] = entry
+        print(
+            f"single {name}: ngram {entry['ngram']['tokens_per_s']:.1f} tok/s, off {entry['off']['tokens_per_s']:.1f} "
+            f"tok/s, x{entry['speedup']:.2f}, accepted {entry['ngram']['accepted_tokens']}/"
+            f"{entry['ngram']['draft_tokens']}, identical {identical}",
+            flush=True,
+        )
+
+    sweep = []
+    cycle = list(prompts.values())
+    for n in concurrency:
+        batch = [cycle[i % len(cycle)] for i in range(n)]
+        for mode in engines:
+            run(engines[mode], batch, args.sweep_max_tokens)  # warm-up
+        row = {"concurrency": n}
+        results = {mode: run(engine, batch, args.sweep_max_tokens) for mode, engine in engines.items()}
+        for mode, r in results.items():
+            row[mode] = {k: r[k] for k in ("tokens_per_s", "output_tokens", "wall_s")}
+        row["ngram"]["accepted_tokens"] = results["ngram"]["spec_decode_num_accepted_tokens"]
+        row["ngram"]["draft_tokens"] = results["ngram"]["spec_decode_num_draft_tokens"]
+        row["identical_text"] = results["ngram"]["tokens"] == results["off"]["tokens"]
+        row["speedup"] = row["ngram"]["tokens_per_s"] / row["off"]["tokens_per_s"]
+        sweep.append(row)
+        print(
+            f"concurrency {n}: ngram {row['ngram']['tokens_per_s']:.1f} tok/s, off {row['off']['tokens_per_s']:.1f} "
+            f"tok/s, x{row['speedup']:.2f}, identical {row['identical_text']}",
+            flush=True,
+        )
+
+    report = {
+        "checkpoint": args.checkpoint,
+        "speculative_config": spec_config,
+        "max_tokens": args.max_tokens,
+        "sweep_max_tokens": args.sweep_max_tokens,
+        "repeats": args.repeats,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "note": "off runs the default asynchronous scheduling; ngram runs the synchronous path",
+        "single_stream": single,
+        "concurrency": sweep,
+    }
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()

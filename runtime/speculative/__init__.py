@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed on the host, verified inside the compiled steps."""

@@ -1,0 +1,188 @@
+"""The engine's side of speculative decoding: drafts before each schedule, the verify step, and
+the accepted tokens recorded after it. Built with the engine (`build_speculator`); None when off.
+
+    speculator.propose(scheduler.running)        # each eligible request's `draft_token_ids`
+    speculator.verifies(out)                     # this step verifies (else its drafts are dropped)
+    caches, table, sampled = speculator.run(params, caches, T, table_args, out)
+    speculator.settle(step, scheduler, request_table)   # after the first token is resolved
+
+A request drafts when its next token is what the verify sampler computes: no penalties, logit
+bias, banned tokens (min_tokens), logprobs, prompt logprobs or grammar (those requests decode one
+token a step; a step carrying one verifies nothing). Speculation runs the synchronous path
+(asynchronous scheduling is turned off, logged). Refused at start-up: GDN / Mamba hybrids (their
+recurrent state would hold the rejected drafts), window-aware paging, attention data
+parallelism, tensor parallelism and P/D roles.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from configs.speculative import SpeculativeConfig
+from runtime.scheduled import SchedulerOutput
+from runtime.speculative.ngram import propose_ngram
+from runtime.speculative.verify import VerifyExecutables, VerifyRows
+from runtime.steps.sampler import SamplerOutput
+
+log = logging.getLogger("jaxserve.speculative")
+
+_NO_TOP_IDS = np.zeros((0, 0), np.int32)
+
+
+def can_draft(req) -> bool:
+    """The verify step samples this request's tokens exactly as a plain step would."""
+    p = req.params
+    return (
+        p.logprobs is None
+        and p.prompt_logprobs is None
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and not p.logit_bias
+        and p.structured_output is None
+        and not req.banned_token_ids()
+    )
+
+
+def refusal(engine) -> str | None:
+    """Why this engine cannot speculate, or None."""
+    cfg = engine.model.cfg
+    if cfg.is_hybrid:
+        return (
+            "GDN / Mamba hybrids are not supported yet: their recurrent and conv state would keep the "
+            "rejected drafts (issue 35's replay design is not built)"
+        )
+    if engine.dp is not None:
+        return "attention data parallelism is not supported yet"
+    if engine.opts.tp is not None:
+        return "tensor parallelism (a mesh) is not supported yet"
+    if engine.kv_transfer is not None:
+        return "P/D roles are not supported yet"
+    if engine.request_table is None or engine.request_table.window_columns is not None:
+        return "window-aware paging is not supported yet (set cache.window_paging: false)"
+    return None
+
+
+def build_speculator(engine) -> Speculator | None:
+    """The engine's speculator (None when `speculative_config` is off); ValueError naming what
+    the engine's configuration cannot combine with it."""
+    config: SpeculativeConfig | None = engine.config.speculative_config
+    if config is None:
+        return None
+    why = refusal(engine)
+    if why is not None:
+        raise ValueError(f"speculative_config: {why}")
+    if engine.async_scheduling:
+        log.info("speculative decoding runs the synchronous path: asynchronous scheduling is off")
+        engine.async_scheduling = False
+    verify = VerifyExecutables(engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k)
+    if engine.plan.aot_compile:
+        verify.compile_all()
+    return Speculator(config, verify)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, verify: VerifyExecutables):
+        self.config = config
+        self.verify = verify
+        self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
+        self.num_accepted_tokens = 0
+        self.num_drafts = 0  # verified sequences that carried drafts
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence)
+
+    def stats(self) -> dict:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+        }
+
+    # ---- before the schedule ----------------------------------------------------------------
+    def propose(self, running) -> None:
+        """Set each running request's drafts (prompt lookup over prompt + output)."""
+        c = self.config
+        crowded = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
+        for req in running:
+            decoding = req.num_tokens - req.num_computed_tokens == 1
+            if decoding and not crowded and can_draft(req):
+                tokens = np.asarray(req.all_token_ids)
+                req.draft_token_ids = propose_ngram(
+                    tokens, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
+                )
+            else:
+                req.draft_token_ids = []
+
+    def verifies(self, out: SchedulerOutput) -> bool:
+        """Whether `out` runs as a verify step; if not, any drafts scheduled are dropped (their
+        pages stay allocated for the tokens to come)."""
+        drafted = any(seq.num_draft for seq in out.sequences)
+        if drafted and all(can_draft(seq.request) for seq in out.sequences):
+            return True
+        for seq in out.sequences:
+            if seq.num_draft:
+                seq.token_ids = seq.token_ids[: len(seq.token_ids) - seq.num_draft]
+                seq.num_draft = 0
+        return False
+
+    # ---- the step ---------------------------------------------------------------------------
+    def run(self, params, caches, T: int, table_args: tuple, out: SchedulerOutput):
+        """Dispatch the verify step -> (caches, table, SamplerOutput whose tokens [max_num_seqs]
+        are each sequence's first new token)."""
+        S = self.verify.max_num_seqs
+        rows, seqs, offsets, steps, drafts = (np.zeros(T, np.int32) for _ in range(5))
+        seqs[:] = -1
+        drafts[:] = -1
+        num_draft = np.zeros(S, np.int32)
+        first = np.zeros(S, np.int32)
+        token_row = v = 0
+        for i, seq in enumerate(out.sequences):
+            k = seq.num_draft
+            token_row += seq.num_new_tokens
+            last = token_row - 1 - k  # the row of the sequence's last real token
+            first[i], num_draft[i] = v, k
+            outputs = seq.request.num_output_tokens
+            for j in range(k + 1):
+                rows[v], seqs[v], offsets[v], steps[v] = last + j, i, j, outputs + j
+                drafts[v] = seq.token_ids[len(seq.token_ids) - k + j] if j < k else -1
+                v += 1
+        verify = VerifyRows(rows, seqs, offsets, steps, drafts, num_draft)
+        all_greedy = all(seq.request.params.temperature <= 0.0 for seq in out.sequences)
+        table, step, prev_tokens = table_args
+        caches, table, tokens, accepted, first_tokens = self.verify.run(
+            params, caches, table, step, prev_tokens, verify, all_greedy
+        )
+        self._pending = (out, tokens, accepted, first[: len(out.sequences)])
+        sampled = SamplerOutput(tokens=first_tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
+        return caches, table, sampled
+
+    def settle(self, step, scheduler, request_table) -> None:
+        """After the step's first tokens are resolved: append each sequence's accepted drafts'
+        successors (the scheduler's token rule applies to each), rewind the table mirror by the
+        rejected drafts, count, and hand `_emit` the extra tokens (`step.more_tokens`)."""
+        if self._pending is None or self._pending[0] is not step.out:
+            return
+        out, tokens, accepted, first = self._pending
+        self._pending = None
+        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+        placed = {row for row, _, index in step.placed if index is not None}
+        for i, seq in enumerate(out.sequences):
+            k = seq.num_draft
+            if not k:
+                continue
+            a = int(accepted[i])
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += a
+            for j in range(a):
+                self.accepted_per_position[j] += 1
+            req = seq.request
+            if request_table is not None and k > a:
+                request_table.rewind(req.request_id, k - a)
+            if i not in placed or req.is_finished:
+                continue
+            more = [int(t) for t in tokens[first[i] + 1 : first[i] + a + 1]]
+            step.more_tokens[i] = more[: scheduler.accept_drafts(req, more)]

@@ -1,0 +1,171 @@
+"""Verification of drafted tokens inside one compiled step, and its executables.
+
+A decode sequence with k drafted tokens rides in the ragged batch as k + 1 query rows (its last
+token, then the drafts), like a small prefill chunk. `verify_backbone` is the table backbone
+(prepare fused in) with the model's hidden state kept at every verify row (`VerifyRows`, one per
+row whose next token is sampled: [T] in the step's token bucket, so no new shape), the step's
+sampler applied to each (the request's own parameters from the request table, the random key of
+the output index it samples), and acceptance:
+
+    accepted[i] = the number of leading drafts of sequence i equal to the target's token before them
+
+For a deterministic draft (n-gram: q is one-hot on the draft x) this is exactly rejection
+sampling: x is accepted with probability p(x), and a rejected position emits the target's sample,
+which, given it is not x, is distributed as p with x removed and renormalised; the row after the
+last accepted draft emits the bonus token. Greedy rows are argmax, so greedy output is unchanged.
+The table's `num_computed` of each row is rewound by its rejected drafts here, on the device (the
+KV written for them is overwritten by the next step); the host mirror is rewound by the caller.
+
+    exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
+    caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.transformer import compute_logits
+from runtime.buckets import BucketMiss
+from runtime.steps import specs
+from runtime.steps.sampler import sample
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.steps.table_device import prepare, row_sampling
+
+log = logging.getLogger("jaxserve.speculative")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyRows:
+    """Where a step's tokens are sampled. [T] i32 each (padding: seqs -1), num_draft [S] i32.
+
+    rows: the token row whose hidden state is read; seqs: its sequence's batch position;
+    offsets: its index j within the sequence's k + 1 rows; steps: the output index it samples
+    (the row's random key); drafts: the drafted token it checks (-1: none, the last row of a
+    sequence); num_draft: drafted tokens per batch position."""
+
+    rows: jax.Array
+    seqs: jax.Array
+    offsets: jax.Array
+    steps: jax.Array
+    drafts: jax.Array
+    num_draft: jax.Array
+
+
+def accepted_counts(tokens: jax.Array, verify: VerifyRows) -> jax.Array:
+    """[S] i32: per sequence, the leading drafts equal to the target's token at the row before
+    them (the first row whose token differs from its draft, or that has none, stops it)."""
+    S = verify.num_draft.shape[0]
+    stop = (tokens != verify.drafts) | (verify.drafts < 0)
+    big = jnp.iinfo(jnp.int32).max
+    segment = jnp.where(verify.seqs >= 0, verify.seqs, S)  # padding: out of range, dropped
+    first = jax.ops.segment_min(jnp.where(stop, verify.offsets, big), segment, num_segments=S)
+    return jnp.minimum(first, verify.num_draft).astype(jnp.int32)
+
+
+def verify_sample(params, hidden, table, verify: VerifyRows, *, all_greedy, max_top_k, softcap):
+    """tokens [T]: the target's token at every verify row, each with its request's parameters."""
+    T, S = verify.rows.shape[0], verify.num_draft.shape[0]
+    null_row = table.row_params.shape[0] - 1  # its parameters are neutral (greedy, no filter)
+    table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
+    fields = row_sampling(dataclasses.replace(table, step_rows=table_rows), T)
+    empty = jnp.zeros((T, 0), jnp.int32)
+    meta = SamplingMetadata(
+        **fields,
+        steps=verify.steps,
+        output_ids=empty,
+        prompt_ids=empty,
+        banned_ids=empty,
+        logit_bias_ids=empty,
+        logit_bias_values=jnp.zeros((T, 0), jnp.float32),
+    )
+    logits = compute_logits(params, hidden, softcap)  # [T, V]
+    return sample(logits, meta, None, max_top_k=max_top_k, all_greedy=all_greedy).tokens
+
+
+def verify_backbone(
+    params, caches, table, step, prev_tokens, verify: VerifyRows, *, all_greedy, forward, page_size, max_top_k, softcap
+):
+    """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
+    drafts rewound, tokens [T]: sequence i emits tokens[first_i : first_i + accepted_i + 1], the
+    accepted drafts and then the target's token, accepted [S], each sequence's first token [S])."""
+    table, batch = prepare(table, step, prev_tokens, page_size=page_size)
+    hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=verify.rows))  # [T, H]
+    tokens = verify_sample(params, hidden, table, verify, all_greedy=all_greedy, max_top_k=max_top_k, softcap=softcap)
+    accepted = accepted_counts(tokens, verify)
+    # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
+    # match, so this only makes the acceptance rule the one place that decides what is output)
+    S = verify.num_draft.shape[0]
+    keep = (verify.seqs >= 0) & (verify.offsets < accepted[jnp.clip(verify.seqs, 0, S - 1)])
+    tokens = jnp.where(keep, verify.drafts, tokens)
+    rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
+    table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
+    heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
+    first = jnp.zeros(S, jnp.int32).at[heads].set(tokens, mode="drop")  # [S]: each sequence's first new token
+    return caches, table, tokens, lax.stop_gradient(accepted), first
+
+
+class VerifyExecutables:
+    """`verify_backbone` compiled per token bucket, greedy or sampled (one engine, no mesh)."""
+
+    def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int):
+        ex = executables
+        self.max_num_seqs, self.max_blocks_per_seq, self.page_size = (
+            ex.max_num_seqs,
+            ex.max_blocks_per_seq,
+            ex.page_size,
+        )
+        self.token_buckets = tuple(token_buckets)
+        fn = functools.partial(
+            verify_backbone,
+            forward=ex.forward,
+            page_size=ex.page_size,
+            max_top_k=max_top_k,
+            softcap=ex.model.cfg.final_logit_softcapping,
+        )
+        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy",))
+        self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)
+        self._cache_spec = jax.tree.map(specs.abstract_spec, caches)
+        self.executables: dict[tuple[int, bool], object] = {}
+        self.sealed = False
+
+    def _args_spec(self, T: int) -> tuple:
+        S, i32 = self.max_num_seqs, jnp.int32
+        table = specs.table_spec(S, self.max_blocks_per_seq)
+        step = specs.table_step_spec(T, S, self.page_size)
+        row = specs.host_spec((T,), i32)
+        verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32))
+        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32), verify
+
+    def compile(self, T: int, all_greedy: bool):
+        if self.sealed:
+            raise RuntimeError(f"verify[T={T}] was not compiled at start-up")
+        exe = self._jitted.trace(*self._args_spec(T), all_greedy=all_greedy).lower().compile()
+        self.executables[(T, all_greedy)] = exe
+        return exe
+
+    def compile_all(self) -> None:
+        """Every token bucket, greedy and sampled; then sealed (no compile after start-up)."""
+        t0 = time.perf_counter()
+        for T in self.token_buckets:
+            for greedy in (True, False):
+                self.compile(T, greedy)
+        self.sealed = True
+        log.info("compiled %d verify executables in %.1fs", len(self.executables), time.perf_counter() - t0)
+
+    def run(self, params, caches, table, step, prev_tokens, verify: VerifyRows, all_greedy: bool):
+        T = step.host_tokens.shape[0]
+        if T not in self.token_buckets:
+            raise BucketMiss(f"token count {T} has no verify bucket {self.token_buckets}")
+        exe = self.executables.get((T, all_greedy))
+        if exe is None:
+            log.info("compiling verify[T=%d%s] (not compiled ahead of time)", T, ",greedy" if all_greedy else "")
+            exe = self.compile(T, all_greedy)
+        return exe(params, caches, table, step, prev_tokens, verify)
