@@ -12,6 +12,9 @@ under chunked prefill, prefix-cache hits (KDA state checkpoints as GDN's) and pr
 page and state slot back (one engine for all), the state and KV bytes from config.json, HF's
 in-memory tensor names, the shipped Kimi-Linear-48B-A3B config, and what is refused at start-up.
 Tensor, expert and attention-data parallelism: tests/test_kimi_linear_parallel.py.
+The default run keeps the core exactness checks (the config, fp32 logits vs HF on the CPU KDA
+path, the engine's greedy output vs HF under chunked prefill, prefix hits and preemption, the
+byte accounting, what is refused); the other paths and features run under `-m slow`.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def test_config_matches_hf_modules(ours, hf, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("gdn", ["auto", "chunked"])
+@pytest.mark.parametrize("gdn", ["auto", pytest.param("chunked", marks=pytest.mark.slow)])
 def test_logits_match_hf(ours, hf, family, gdn):
     """Every CPU KDA path ("auto" is "reference", the per-token loop) through state slots and MLA
     latent pages (the native MLA path)."""
@@ -128,6 +131,7 @@ def gpu_shaped(tmp_path_factory):
     return load_model(path, dtype="float32"), hf
 
 
+@pytest.mark.slow
 def test_logits_match_hf_through_the_tpu_kernels_interpreted(ours, hf):
     """The Pallas TPU KDA and MLA kernels (interpret mode) inside the model."""
     opts = KernelOptions(attention="pallas_tpu", gdn="pallas_tpu", interpret=True)
@@ -137,6 +141,7 @@ def test_logits_match_hf_through_the_tpu_kernels_interpreted(ours, hf):
         assert err <= 1e-4, f"pallas_tpu T={n}: max abs logit error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_logits_match_hf_through_the_gpu_kda_kernel(gpu_shaped):
     """The Pallas GPU KDA kernel (interpreted on CPU, compiled on a GPU). (The GPU MLA kernel needs
     rows of a multiple of 16 channels, not these 28: MLA runs the reference here.)"""
@@ -149,6 +154,7 @@ def test_logits_match_hf_through_the_gpu_kda_kernel(gpu_shaped):
         assert err <= 1e-4, f"pallas_gpu T={n}: max abs logit error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_logits_match_hf_unrolled(tiny_checkpoint, hf):
     """The unrolled layer loop (the CPU plan's) on the scanned checkpoint's two groups."""
     model = load_model(tiny_checkpoint("kimi_linear_qlora"), dtype="float32")
@@ -170,6 +176,7 @@ def _per_head_mean(dt_bias, cfg):
     return jax.numpy.broadcast_to(x.mean(-1, keepdims=True), x.shape).reshape(dt_bias.shape)
 
 
+@pytest.mark.slow
 def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf):
     """Leaving out any Kimi feature would fail `test_logits_match_hf` by orders of magnitude."""
     base = ours("kimi_linear")
@@ -195,6 +202,7 @@ def test_each_feature_moves_the_logits_beyond_the_tolerance(ours, hf):
         assert err > 1e-2, f"{what}: logits moved only {err:.2e}"
 
 
+@pytest.mark.slow  # the engine test below decodes through the same slots and pages
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_generate(ours, hf, family):
     """Decoding one token at a time: KDA's recurrent step from the slot (HF's recurrent path) and
@@ -204,6 +212,7 @@ def test_greedy_matches_hf_generate(ours, hf, family):
     assert_greedy_match(ours(family).greedy(ids, 20), expected, scores, f"{family} prompt 30")
 
 
+@pytest.mark.slow
 def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tiny_checkpoint, hf):
     """bf16 weights (router, A_log, dt_bias and the KDA state in float32, as HF keeps them): our
     logits are as close to HF's float32 ones as HF's own bfloat16 model's are (within 2x)."""
@@ -323,6 +332,7 @@ def hf_fp8_rows(model, page_size: int, dtype=torch.float8_e4m3fn):
             hook.remove()
 
 
+@pytest.mark.slow
 def test_fp8_latent_pages(ours, hf):
     """FP8 (e4m3) latent rows with one scale per page, NoPE key channels included: the logits equal
     HF's with its rows rounded to FP8 the same way (within 1e-4; FP8 itself moves them by ~0.4)."""
@@ -370,6 +380,7 @@ def _hf_names(tensors: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_transformers_in_memory_names_load_the_same(ours, tiny_checkpoint, tmp_path):
     """The same weights under transformers' in-memory names (fused experts, one conv, `mlp.`,
     `forget_gate.`) load to the same logits."""
