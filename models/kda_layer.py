@@ -12,8 +12,10 @@ HF holds the q, k and v convs as one `conv1d` over [q | k | v] channels; publish
 ([W-1, 3 H K] raw inputs) and the recurrent state ([H, K, K] fp32) live in state slots exactly as
 a GDN layer's (models/transformer.py's `gdn_layer`): a sequence starts from its slot when
 `has_initial_state` (a later prefill chunk, a decode step, a prefix-cache checkpoint) and from
-zeros otherwise. Under tensor parallelism KDA layers are replicated (models/sharding.py): the
-whole layer runs on every device. The KDA implementation follows the GDN back-end choice where the KDA op has one of
+zeros otherwise. Under tensor parallelism KDA heads split over the model axis as GDN's do
+(`tp.gdn`, models/sharding.py): q/k/v columns and conv channels in per-shard order, f_b, g_b,
+b_proj, A_log and dt_bias by head, o_proj by rows, each device's slots holding its own heads;
+heads that do not divide by the axis keep the layer whole on every device. The KDA implementation follows the GDN back-end choice where the KDA op has one of
 that name, "auto" otherwise (the per-token loop on CPU, the Pallas kernels on TPU / GPU and with
 `interpret`).
 """
@@ -110,8 +112,10 @@ def kda_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     if pad:  # the kernels slice whole chunks of rows: a bucket shorter than one gets padding rows
         tokens = tuple(jnp.pad(t, [(0, pad)] + [(0, 0)] * (t.ndim - 1)) for t in tokens)
     run = functools.partial(kda.kda, impl=impl, interpret=opts.interpret)
-    if opts.tp is not None and kda.KERNELS[impl].per_shard:  # a kernel on a mesh: whole, on every device
-        run = jax.shard_map(run, mesh=opts.tp.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    if opts.tp is not None and kda.KERNELS[impl].per_shard:  # a kernel on a mesh: its heads, or all of them
+        heads = P(None, opts.tp.axis) if opts.tp.gdn else P()  # q, k, v, g [T, H, K]; beta [T, H]; state [N, H, K, V]
+        specs = (heads,) * 6 + (P(),) * 4
+        run = jax.shard_map(run, mesh=opts.tp.mesh, in_specs=specs, out_specs=(heads, heads), check_vma=False)
     o, rec_state = run(*tokens, rec_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs)
     o = o[:T]  # [T, H, K] fp32
     o = o.astype(x.dtype).astype(jnp.float32)  # HF returns the core output in the model dtype

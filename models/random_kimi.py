@@ -1,4 +1,4 @@
-"""The tiny Kimi Linear specs of `models.random_checkpoint` (families `kimi_linear`, `kimi_linear_qlora`).
+"""The tiny Kimi Linear specs of `models.random_checkpoint` (`kimi_linear`, `kimi_linear_qlora`, `kimi_linear_tp`).
 
 `kimi_linear`: five layers, KDA at 1, 2, 4, 5 and MLA at 3 (`linear_attn_config`'s 1-based lists,
 as Moonshot publishes them), the first dense (`first_k_dense_replace` 1), so the layer pattern is
@@ -8,7 +8,8 @@ groups of which 2 are kept, top-3, two shared experts, a routed scaling factor o
 LoRA, top-2 of 6 experts in 3 groups, unnormalized top-k weights, a 3-tap short conv. Both: KDA
 with 3 heads of 12 channels (conv channels 108), MLA with 5 heads, latent 20 + NoPE key 8 (a row
 of 28), qk_nope 12 != v_head_dim 10, hidden 72. The routers' `e_score_correction_bias` is drawn
-like the weights, so selection differs from scoring.
+like the weights, so selection differs from scoring. `kimi_linear_tp`: `kimi_linear` with 4 KDA
+heads and 4 MLA heads, so tensor parallelism of 2 or 4 splits both.
 """
 
 from __future__ import annotations
@@ -73,4 +74,20 @@ KIMI_LINEAR_QLORA_SPEC: tuple[str, str, dict[str, Any]] = (
     ),
 )
 
-KIMI_SPECS = {"kimi_linear": KIMI_LINEAR_SPEC, "kimi_linear_qlora": KIMI_LINEAR_QLORA_SPEC}
+# `kimi_linear` with 4 KDA heads and 4 MLA heads: both split over a model axis of 2 or 4
+KIMI_LINEAR_TP_SPEC: tuple[str, str, dict[str, Any]] = (
+    KIMI_LINEAR_SPEC[0],
+    KIMI_LINEAR_SPEC[1],
+    {
+        **KIMI_LINEAR_SPEC[2],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "linear_attn_config": {**KIMI_LINEAR_SPEC[2]["linear_attn_config"], "num_heads": 4},
+    },
+)
+
+KIMI_SPECS = {
+    "kimi_linear": KIMI_LINEAR_SPEC,
+    "kimi_linear_qlora": KIMI_LINEAR_QLORA_SPEC,
+    "kimi_linear_tp": KIMI_LINEAR_TP_SPEC,
+}

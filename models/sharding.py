@@ -18,7 +18,10 @@ GDN's in_qkv is `[Q all | K all | V all]`, so a plain column split would hand on
 Q columns and another only V. When GDN is split, in_qkv's columns, conv_w's rows and the conv
 state's channels are *reordered* to `[Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]` (`qkv_permutation`),
 so shard i holds exactly its own q, k and v heads; `models/ops.causal_conv1d` restores the
-canonical order of its output (`unpermute_qkv`). A tensor whose heads (or columns) do not divide
+canonical order of its output (`unpermute_qkv`). KDA (Kimi Linear) layers split the same way
+(`plan.gdn`, its H key = value heads): q/k/v columns and convs as GDN's, the gate's f_b and the
+output gate's g_b by head columns (f_a, g_a [hidden, K] whole), A_log, dt_bias and b_proj by head,
+o_proj by rows; each device's state slots hold its own heads. A tensor whose heads (or columns) do not divide
 by the model axis is replicated instead, and logged.
 
 Fewer KV heads than chips (Qwen3.5-27B: 4 KV heads on 8 chips): when the model axis is a multiple
@@ -96,13 +99,12 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     gdn, widths = False, (0, 0, 0)
     if cfg.is_hybrid:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        gdn = _divides(hk, m) and _divides(hv, m) and not cfg.kda  # KDA's gate / conv have no split rule yet
-        if m > 1 and cfg.kda:
-            log.info("KDA layers replicated on all %d devices (Kimi Linear): their heads have no split rule yet", m)
+        gdn = _divides(hk, m) and _divides(hv, m)  # KDA (Kimi Linear): the same split, its gates by head too
         qk = hk * cfg.linear_key_head_dim
         widths = (qk, qk, hv * cfg.linear_value_head_dim)
-        if m > 1 and not gdn and not cfg.kda:
-            log.warning("GDN replicated: %d key / %d value heads do not divide by model axis %d", hk, hv, m)
+        if m > 1 and not gdn:
+            kind = "KDA" if cfg.kda else "GDN"
+            log.warning("%s replicated: %d key / %d value heads do not divide by model axis %d", kind, hk, hv, m)
     return TensorParallel(
         mesh=mesh,
         attention=attention and m > 1,
@@ -224,8 +226,9 @@ MLA_RULES = {
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
 # Mamba-2's own names (the rest are GDN's): whole on one device (`tensor_parallel_plan` refuses m > 1)
 MAMBA2_RULES = dict.fromkeys(("in_proj", "in_bias", "conv_bias", "D", "out_bias"), REPLICATED)
-# KDA's own names (the rest are GDN's, replicated with `plan.gdn` off): whole on every device
-KDA_RULES = dict.fromkeys(("f_a", "f_b", "g_a", "g_b"), REPLICATED)
+# KDA's own names (the rest are GDN's): the low-rank gate projections' first halves [hidden, K] whole,
+# their second halves [K, H K] split by head (column), as f_b's decay and g_b's output gate are per head
+KDA_RULES = {"f_a": REPLICATED, "f_b": COLUMN, "g_a": REPLICATED, "g_b": COLUMN}
 
 
 def _spec_for(rule: str, ndim: int, axis: str) -> P:
@@ -253,6 +256,7 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
     """PartitionSpecs of one layer-group position's stacked parameters ({name: [G, ...] array})."""
     m, axis = plan.size, plan.axis
     kind_ok = {**dict.fromkeys(ATTENTION_RULES, plan.attention), **dict.fromkeys(GDN_RULES, plan.gdn)}
+    kind_ok.update(dict.fromkeys(KDA_RULES, plan.gdn))
     kind_ok.update(dict.fromkeys(("q_b_proj", "kv_b_proj"), plan.attention))
     rules = {
         **ATTENTION_RULES,

@@ -1,7 +1,9 @@
 """Kimi Linear on CPU device meshes, each in a subprocess (the device count must not leak): tensor
-parallelism (MLA query heads split, latent rows and KDA layers whole on every device), expert
+parallelism with KDA heads split (2 and 4 devices over `kimi_linear_tp`'s 4 KDA and 4 MLA heads:
+greedy == one device == HF, each device's state slots a half / quarter of one device's) and with
+KDA whole on every device (5 devices over `kimi_linear`'s 3 KDA heads, MLA's 5 split), expert
 parallelism (routed experts split by index), attention data parallelism (two engine ranks). The
-reference is the one-device model or engine; tests/test_kimi_linear.py holds that against HF.
+reference is the one-device model or engine, and HF for the split-KDA greedy run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TP_SCRIPT = """
 import sys
@@ -33,22 +36,109 @@ for devices, ep in ((5, False), (4, True)):
 """
 
 
-def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
-    """5 devices: the 5 MLA query heads split (latent rows replicated), the KDA layers whole on every
-    device (their gate and convs have no split rule yet); 4 devices with expert parallelism: the 8
-    routed experts 2 per device. A subprocess: the device count must not leak. The logits of one
-    device, within the bound the tests hold against HF."""
+KDA_TP_SCRIPT = """
+import json
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np
+from models.model import load_model
+from models.ops import KernelOptions
+from models.sharding import shard_model
+from runtime.parallel.mesh import make_mesh
+
+path, ids, n, kernel = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+opts = None if kernel == "auto" else KernelOptions(attention="reference", gdn=kernel, interpret=True)
+one = load_model(path)
+ref = one.logits(ids, opts)
+print("ONE", json.dumps({"greedy": one.greedy(ids, n, opts) if n else [], "slot_bytes": one.state_bytes_per_slot()}))
+for tp in (2, 4):
+    model = shard_model(load_model(path), make_mesh(1, tp, devices=jax.devices()[:tp]))
+    kda = next(g for g in model.params["groups"] if "in_qkv" in g)
+    caches = model.init_caches(num_pages=8, page_size=16, num_slots=3)
+    states = [a for a in (*caches["conv"], *caches["rec"]) if a is not None]
+    held = sum(a.addressable_shards[0].data.nbytes for a in states) // 3  # one slot's bytes on device 0
+    print("TP", json.dumps({
+        "tp": tp, "plan": [model.tp.attention, model.tp.gdn],
+        "specs": {k: str(kda[k].sharding.spec) for k in ("in_qkv", "conv_w", "f_a", "f_b", "g_b", "A_log", "out_proj")},
+        "rec": str(caches["rec"][0].sharding.spec), "held": held,
+        "accounted": model.state_bytes_per_slot_per_device(),
+        "err": float(np.abs(model.logits(ids, opts) - ref).max()),
+        "greedy": model.greedy(ids, n, opts) if kernel == "auto" else None,
+    }))
+"""
+
+
+def _run_kda_tp(path, ids: list[int], n: int, kernel: str) -> tuple[dict, list[dict]]:
+    import json
+
+    proc = _run(KDA_TP_SCRIPT, str(path), json.dumps(ids), str(n), kernel)
+    lines = proc.stdout.splitlines()
+    one = next(json.loads(x[4:]) for x in lines if x.startswith("ONE "))
+    return one, [json.loads(x[3:]) for x in lines if x.startswith("TP ")]
+
+
+def _assert_kda_split(runs: list[dict], one: dict) -> None:
+    assert [r["tp"] for r in runs] == [2, 4], runs
+    for r in runs:
+        tp, specs = r["tp"], r["specs"]
+        assert r["plan"] == [True, True], r  # MLA query heads and KDA heads split
+        assert specs["in_qkv"] == specs["f_b"] == specs["g_b"] == "P(None, None, 'model')", specs  # [G, in, out]
+        assert specs["conv_w"] == specs["out_proj"] == "P(None, 'model', None)", specs
+        assert specs["A_log"] == "P(None, 'model')" and specs["f_a"] == "P(None, None, None)", specs
+        assert r["rec"] == "P(None, 'model')", r  # [slots, H, K, V]: the heads
+        assert r["held"] == r["accounted"] == one["slot_bytes"] // tp, (r, one)  # half, a quarter
+        assert r["err"] <= 1e-4, r  # the bound the tests hold against HF
+
+
+def test_kda_heads_split_greedy_matches_one_device_and_hf(tiny_checkpoint):
+    """2 and 4 devices over 4 KDA heads: every KDA weight split by head (q/k/v columns, convs, f_b,
+    g_b, A_log; f_a and g_a whole; o_proj by rows), the state slots by head, so each device holds
+    1/2, 1/4 of a slot (what the engine's accounting says, and what is placed); logits of one
+    device within 1e-4, greedy tokens equal, and the one-device tokens HF's."""
+    from hf_reference import assert_greedy_match, hf_greedy, random_prompt
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("kimi_linear_tp")
+    ids = random_prompt(1031, 37, seed=37)
+    one, runs = _run_kda_tp(path, ids, 12, "auto")
+    _assert_kda_split(runs, one)
+    assert all(r["greedy"] == one["greedy"] for r in runs), (one, runs)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    expected, scores = hf_greedy(hf, ids, 12)
+    assert_greedy_match(one["greedy"], expected, scores, "kimi_linear_tp one device")
+
+
+@pytest.mark.slow
+def test_kda_heads_split_through_the_tpu_kernel_interpreted(tiny_checkpoint):
+    """The Pallas TPU KDA kernel (interpreted) under shard_map on each device's heads and slots."""
+    one, runs = _run_kda_tp(tiny_checkpoint("kimi_linear_tp"), random_prompt_ids(70), 0, "pallas_tpu")
+    _assert_kda_split(runs, one)
+
+
+def random_prompt_ids(n: int) -> list[int]:
+    from hf_reference import random_prompt
+
+    return random_prompt(1031, n, seed=n)
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, str(tiny_checkpoint("kimi_linear"))],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow  # the split-KDA test above is the default run's tensor-parallel check
+def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
+    """5 devices: the 5 MLA query heads split (latent rows replicated), the KDA layers whole on every
+    device (3 KDA heads do not divide by 5: replicated, logged); 4 devices with expert parallelism:
+    the 8 routed experts 2 per device (KDA again whole). A subprocess: the device count must not
+    leak. The logits of one device, within the bound the tests hold against HF."""
+    proc = _run(TP_SCRIPT, str(tiny_checkpoint("kimi_linear")))
     splits = [x for x in proc.stdout.splitlines() if x.startswith("SPLIT ")]
     errs = [float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("ERR ")]
     assert splits[0].startswith("SPLIT True False False") and splits[1].startswith("SPLIT False False True"), splits
