@@ -279,7 +279,8 @@ def kda(
 
     q, k [T,Hk,K] (L2-normalised, q scaled by K^-1/2: `kda_normalize_qk`), v [T,H,V],
     g [T,H,K] f32 per-channel log-decay (<= 0, `kda_gate`), beta [T,H] f32, state [N,H,K,V] f32
-    slot pool, cu_q_lens [S+1] int32, state_slot_ids [S] int32 (slot 0 = null slot),
+    or bf16 slot pool (cache.state_dtype: every impl computes in f32 and rounds only what it
+    stores back), cu_q_lens [S+1] int32, state_slot_ids [S] int32 (slot 0 = null slot),
     has_initial_state [S] bool, num_seqs int32 [] or [1].
     Returns (o [T,H,V] in v.dtype, zero on padding tokens, the state pool).
 

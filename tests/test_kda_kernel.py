@@ -264,6 +264,43 @@ def test_tpu_kernel_bf16_inputs_match_oracle():
         np.testing.assert_allclose(new_pool[slots[s]], state_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "impl,options",
+    [
+        ("reference", {}),
+        ("chunked", {"chunk_size": 8}),
+        ("pallas_tpu", {"interpret": True, "chunk_size": 8}),  # the state staged through a bf16 VMEM buffer
+        ("pallas_gpu", {"interpret": gpu_kernel_interpret(), "chunk_size": 16}),
+    ],
+)
+def test_bf16_slots_read_and_rounded_once_per_step(impl, options):
+    """`cache.state_dtype` bfloat16: every impl reads a bf16 slot, carries the state in f32 through
+    the step (chunk to chunk) and rounds only what it stores. Outputs equal the float64 oracle from
+    the bf16 initial state at float32 tolerance; each written slot is the oracle's final state
+    rounded once (half a bf16 ulp, 2^-9 relative: GDN's bound, tests/test_state_dtype.py); every
+    other slot is untouched, bit for bit."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    inputs, pool, cu, slots, has_init = make_ragged_batch(rng, RAGGED_LENGTHS, 8, 48, 10, 1, 2, 16, 32)
+    pool = pool.astype(ml_dtypes.bfloat16)
+    o, new_pool = run_ragged((inputs, pool, cu, slots, has_init), RAGGED_LENGTHS, impl=impl, **options)
+    assert new_pool.dtype == jnp.bfloat16
+    o, new_pool = np.asarray(o), np.asarray(new_pool)
+    written = set()
+    for s, length in enumerate(RAGGED_LENGTHS):
+        if not length:
+            continue
+        rows = slice(cu[s], cu[s] + length)
+        init = pool[slots[s]].astype(np.float64) if has_init[s] else np.zeros(pool.shape[1:])
+        o_ref, state_ref = numpy_kda_oracle(*(x[rows] for x in inputs), init)
+        np.testing.assert_allclose(o[rows], o_ref, err_msg=f"sequence {s}", **TOL)
+        np.testing.assert_allclose(new_pool[slots[s]].astype(np.float64), state_ref, rtol=2**-8, atol=2e-5)
+        written.add(slots[s])
+    for slot in set(range(1, pool.shape[0])) - written:
+        np.testing.assert_array_equal(new_pool[slot].view(np.uint16), pool[slot].view(np.uint16))
+
+
 @pytest.mark.parametrize("regime", ["model", "strong", "weak"])
 def test_gpu_kernel_matches_oracle_interpret(regime):
     """Chunks of 16: WY chunks (37 = 2 x 16 + 5, 16) and the per-token remainder."""

@@ -42,6 +42,8 @@ from models.weights import abstract_params
 
 FAMILIES = ("kimi_linear", "kimi_linear_qlora")
 LENGTHS = (1, 7, 16, 23, 70)  # pages of 16; KDA chunks of 16 (CPU) and 64 (HF): within one, across several
+# the per-token path has no chunks of its own: one page, across pages, across HF's 64-token chunk
+AUTO_LENGTHS = (1, 23, 70)
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +104,13 @@ def test_config_matches_hf_modules(ours, hf, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("gdn", ["auto", pytest.param("chunked", marks=pytest.mark.slow)])
 def test_logits_match_hf(ours, hf, family, gdn):
-    """Every CPU KDA path ("auto" is "reference", the per-token loop) through state slots and MLA
-    latent pages (the native MLA path)."""
+    """Every CPU KDA path ("auto" is "reference", the per-token loop; "chunked" under -m slow)
+    through state slots and MLA latent pages (the native MLA path)."""
     from models.kda_layer import kda_impl
 
     assert kda_impl(KernelOptions(gdn="auto")) == "reference"
     model = ours(family)
-    for n in LENGTHS:
+    for n in AUTO_LENGTHS if gdn == "auto" else LENGTHS:
         ids = random_prompt(model.cfg.vocab_size, n, seed=n)
         got = model.logits(ids, KernelOptions(gdn=gdn))
         err = np.abs(got - hf_logits(hf(family), ids)).max()
@@ -296,6 +298,29 @@ def test_engine_prefix_hits_and_preemption_match_hf(engine, hf):
     for rid, ids in prompts.items():
         expected, scores = hf_greedy(hf("kimi_linear"), ids, lengths[rid])
         assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
+
+
+@pytest.mark.slow  # an engine of its own (~25 s); tests/test_kda_kernel.py checks bf16 slots per impl by default
+def test_engine_with_bf16_state_agrees_with_hf(tiny_checkpoint, hf):
+    """`cache.state_dtype` bfloat16: the KDA conv and recurrent slots in bf16 (2 bytes per value,
+    read off config.json by hand), the recurrence in f32; a 41-token prompt prefilled in 16-token
+    chunks (each chunk resuming from the bf16 slot) and a short one, decoding 10 tokens: HF's fp32
+    greedy tokens, with the GDN bf16-state test's tolerance (a first divergence only at a near tie)."""
+    from runtime.engine.llm_engine import LLMEngine
+
+    path = tiny_checkpoint("kimi_linear")
+    config = small_engine_config(path, state_dtype="bfloat16", max_num_batched_tokens=16, load_tokenizer=False)
+    engine = LLMEngine(config)
+    states = [a for a in (*engine.caches["conv"], *engine.caches["rec"]) if a is not None]
+    assert states and all(a.dtype == jax.numpy.bfloat16 for a in states)
+    lac = read_json(path / "config.json")["linear_attn_config"]
+    H, K, W = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
+    assert engine.model.state_bytes_per_slot() == 2 * ((W - 1) * 3 * H * K + H * K * K) * len(lac["kda_layers"])
+    prompts = {f"b{i}": random_prompt(engine.model.cfg.vocab_size, n, seed=700 + i) for i, n in enumerate((41, 9))}
+    done = _run(engine, prompts, 10)
+    for rid, ids in prompts.items():
+        expected, scores = hf_greedy(hf("kimi_linear"), ids, 10)
+        assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"bf16 state {rid} ({len(ids)} tokens)")
 
 
 @contextlib.contextmanager

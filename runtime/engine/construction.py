@@ -58,10 +58,10 @@ def prepare_model(
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
         shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
-    loaded.state_dtype = config.state_dtype  # the GDN state slots' dtype (Model.init_caches)
+    loaded.state_dtype = config.state_dtype  # the GDN / KDA state slots' dtype (Model.init_caches)
     if config.state_dtype != "float32" and loaded.cfg.mamba is not None:
         raise ConfigError(
-            f"cache.state_dtype {config.state_dtype!r} is for GDN hybrids; Mamba-2 (Nemotron-H) state slots are "
+            f"cache.state_dtype {config.state_dtype!r} is for GDN and KDA hybrids; Mamba-2 (Nemotron-H) state slots are "
             "float32 only for now (the SSD path does not round its state on store yet)"
         )
     backend = jax.default_backend()
