@@ -300,29 +300,6 @@ def test_engine_prefix_hits_and_preemption_match_hf(engine, hf):
         assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"engine {rid} ({len(ids)} tokens)")
 
 
-@pytest.mark.slow  # an engine of its own (~25 s); tests/test_kda_kernel.py checks bf16 slots per impl by default
-def test_engine_with_bf16_state_agrees_with_hf(tiny_checkpoint, hf):
-    """`cache.state_dtype` bfloat16: the KDA conv and recurrent slots in bf16 (2 bytes per value,
-    read off config.json by hand), the recurrence in f32; a 41-token prompt prefilled in 16-token
-    chunks (each chunk resuming from the bf16 slot) and a short one, decoding 10 tokens: HF's fp32
-    greedy tokens, with the GDN bf16-state test's tolerance (a first divergence only at a near tie)."""
-    from runtime.engine.llm_engine import LLMEngine
-
-    path = tiny_checkpoint("kimi_linear")
-    config = small_engine_config(path, state_dtype="bfloat16", max_num_batched_tokens=16, load_tokenizer=False)
-    engine = LLMEngine(config)
-    states = [a for a in (*engine.caches["conv"], *engine.caches["rec"]) if a is not None]
-    assert states and all(a.dtype == jax.numpy.bfloat16 for a in states)
-    lac = read_json(path / "config.json")["linear_attn_config"]
-    H, K, W = lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]
-    assert engine.model.state_bytes_per_slot() == 2 * ((W - 1) * 3 * H * K + H * K * K) * len(lac["kda_layers"])
-    prompts = {f"b{i}": random_prompt(engine.model.cfg.vocab_size, n, seed=700 + i) for i, n in enumerate((41, 9))}
-    done = _run(engine, prompts, 10)
-    for rid, ids in prompts.items():
-        expected, scores = hf_greedy(hf("kimi_linear"), ids, 10)
-        assert_greedy_match(done[rid].outputs[0].token_ids, expected, scores, f"bf16 state {rid} ({len(ids)} tokens)")
-
-
 @contextlib.contextmanager
 def hf_fp8_rows(model, page_size: int, dtype=torch.float8_e4m3fn):
     """HF's model with each MLA layer's rows [kv_a_layernorm(c) | k_rot] rounded to FP8 as pages of
