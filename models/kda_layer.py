@@ -15,9 +15,9 @@ a GDN layer's (models/transformer.py's `gdn_layer`): a sequence starts from its 
 zeros otherwise. Under tensor parallelism KDA heads split over the model axis as GDN's do
 (`tp.gdn`, models/sharding.py): q/k/v columns and conv channels in per-shard order, f_b, g_b,
 b_proj, A_log and dt_bias by head, o_proj by rows, each device's slots holding its own heads;
-heads that do not divide by the axis keep the layer whole on every device. The KDA implementation follows the GDN back-end choice where the KDA op has one of
-that name, "auto" otherwise (the per-token loop on CPU, the Pallas kernels on TPU / GPU and with
-`interpret`).
+heads that do not divide by the axis keep the layer whole on every device. The KDA
+implementation follows the GDN back-end choice where the KDA op has one of that name, "auto"
+otherwise (the per-token loop on CPU, the Pallas kernels on TPU / GPU and with `interpret`).
 """
 
 from __future__ import annotations

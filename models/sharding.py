@@ -20,9 +20,9 @@ state's channels are *reordered* to `[Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]` (`qkv_pe
 so shard i holds exactly its own q, k and v heads; `models/ops.causal_conv1d` restores the
 canonical order of its output (`unpermute_qkv`). KDA (Kimi Linear) layers split the same way
 (`plan.gdn`, its H key = value heads): q/k/v columns and convs as GDN's, the gate's f_b and the
-output gate's g_b by head columns (f_a, g_a [hidden, K] whole), A_log, dt_bias and b_proj by head,
-o_proj by rows; each device's state slots hold its own heads. A tensor whose heads (or columns) do not divide
-by the model axis is replicated instead, and logged.
+output gate's g_b by head columns (f_a, g_a [hidden, K] whole), A_log, dt_bias and b_proj by
+head, o_proj by rows; each device's state slots hold its own heads. A tensor whose heads (or
+columns) do not divide by the model axis is replicated instead, and logged.
 
 Fewer KV heads than chips (Qwen3.5-27B: 4 KV heads on 8 chips): when the model axis is a multiple
 of Hkv (and Hq divides by it), every KV head is *repeated* `kv_repeat = model / Hkv` times at load,
