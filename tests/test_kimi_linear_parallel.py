@@ -1,7 +1,7 @@
 """Kimi Linear on CPU device meshes, each in a subprocess (the device count must not leak): tensor
-parallelism with KDA heads split (2 and 4 devices over `kimi_linear_tp`'s 4 KDA and 4 MLA heads:
-greedy == one device == HF, each device's state slots a half / quarter of one device's) and with
-KDA whole on every device (5 devices over `kimi_linear`'s 3 KDA heads, MLA's 5 split), expert
+parallelism with KDA heads split (2 devices, and 4 under -m slow, over `kimi_linear_tp`'s 4 KDA
+and 4 MLA heads: greedy == one device == HF, each device's state slots a half / quarter of one
+device's) and with KDA whole on every device (5 devices over `kimi_linear`'s 3 KDA heads, MLA's 5 split), expert
 parallelism (routed experts split by index), attention data parallelism (two engine ranks). The
 reference is the one-device model or engine, and HF for the split-KDA greedy run.
 """
@@ -47,12 +47,12 @@ from models.ops import KernelOptions
 from models.sharding import shard_model
 from runtime.parallel.mesh import make_mesh
 
-path, ids, n, kernel = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+path, ids, n, kernel, tps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
 opts = None if kernel == "auto" else KernelOptions(attention="reference", gdn=kernel, interpret=True)
 one = load_model(path)
 ref = one.logits(ids, opts)
 print("ONE", json.dumps({"greedy": one.greedy(ids, n, opts) if n else [], "slot_bytes": one.state_bytes_per_slot()}))
-for tp in (2, 4):
+for tp in tps:
     model = shard_model(load_model(path), make_mesh(1, tp, devices=jax.devices()[:tp]))
     kda = next(g for g in model.params["groups"] if "in_qkv" in g)
     caches = model.init_caches(num_pages=8, page_size=16, num_slots=3)
@@ -69,17 +69,17 @@ for tp in (2, 4):
 """
 
 
-def _run_kda_tp(path, ids: list[int], n: int, kernel: str) -> tuple[dict, list[dict]]:
+def _run_kda_tp(path, ids: list[int], n: int, kernel: str, tps: list[int]) -> tuple[dict, list[dict]]:
     import json
 
-    proc = _run(KDA_TP_SCRIPT, str(path), json.dumps(ids), str(n), kernel)
+    proc = _run(KDA_TP_SCRIPT, str(path), json.dumps(ids), str(n), kernel, json.dumps(tps))
     lines = proc.stdout.splitlines()
     one = next(json.loads(x[4:]) for x in lines if x.startswith("ONE "))
     return one, [json.loads(x[3:]) for x in lines if x.startswith("TP ")]
 
 
-def _assert_kda_split(runs: list[dict], one: dict) -> None:
-    assert [r["tp"] for r in runs] == [2, 4], runs
+def _assert_kda_split(runs: list[dict], one: dict, tps: list[int]) -> None:
+    assert [r["tp"] for r in runs] == tps, runs
     for r in runs:
         tp, specs = r["tp"], r["specs"]
         assert r["plan"] == [True, True], r  # MLA query heads and KDA heads split
@@ -91,18 +91,19 @@ def _assert_kda_split(runs: list[dict], one: dict) -> None:
         assert r["err"] <= 1e-4, r  # the bound the tests hold against HF
 
 
-def test_kda_heads_split_greedy_matches_one_device_and_hf(tiny_checkpoint):
-    """2 and 4 devices over 4 KDA heads: every KDA weight split by head (q/k/v columns, convs, f_b,
-    g_b, A_log; f_a and g_a whole; o_proj by rows), the state slots by head, so each device holds
-    1/2, 1/4 of a slot (what the engine's accounting says, and what is placed); logits of one
-    device within 1e-4, greedy tokens equal, and the one-device tokens HF's."""
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_kda_heads_split_greedy_matches_one_device_and_hf(tiny_checkpoint, tp):
+    """2 (4 under -m slow) devices over 4 KDA heads: every KDA weight split by head (q/k/v columns,
+    convs, f_b, g_b, A_log; f_a and g_a whole; o_proj by rows), the state slots by head, so each
+    device holds 1/2 (1/4) of a slot (what the engine's accounting says, and what is placed);
+    logits of one device within 1e-4, greedy tokens equal, and the one-device tokens HF's."""
     from hf_reference import assert_greedy_match, hf_greedy, random_prompt
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint("kimi_linear_tp")
     ids = random_prompt(1031, 37, seed=37)
-    one, runs = _run_kda_tp(path, ids, 12, "auto")
-    _assert_kda_split(runs, one)
+    one, runs = _run_kda_tp(path, ids, 12, "auto", [tp])
+    _assert_kda_split(runs, one, [tp])
     assert all(r["greedy"] == one["greedy"] for r in runs), (one, runs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     expected, scores = hf_greedy(hf, ids, 12)
@@ -112,8 +113,8 @@ def test_kda_heads_split_greedy_matches_one_device_and_hf(tiny_checkpoint):
 @pytest.mark.slow
 def test_kda_heads_split_through_the_tpu_kernel_interpreted(tiny_checkpoint):
     """The Pallas TPU KDA kernel (interpreted) under shard_map on each device's heads and slots."""
-    one, runs = _run_kda_tp(tiny_checkpoint("kimi_linear_tp"), random_prompt_ids(70), 0, "pallas_tpu")
-    _assert_kda_split(runs, one)
+    one, runs = _run_kda_tp(tiny_checkpoint("kimi_linear_tp"), random_prompt_ids(70), 0, "pallas_tpu", [2, 4])
+    _assert_kda_split(runs, one, [2, 4])
 
 
 def random_prompt_ids(n: int) -> list[int]:
