@@ -148,7 +148,8 @@ def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     assert len(errs) == 2 and max(errs) <= 1e-4, errs  # the HF bound; EP's all-to-all sums reorder (1.2e-5 seen)
 
 
-DP_SCRIPT = """
+ENGINE_SCRIPT = """
+import json
 import sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
@@ -169,25 +170,35 @@ def run(mesh_shape):
         for out in engine.step():
             done.setdefault(out.request_id, []).extend(out.new_token_ids)
     stats = engine.stats()
+    rec = next(a for a in engine.caches["rec"] if a is not None)
+    print("SLOT", json.dumps([mesh_shape, engine.model.state_bytes_per_slot_per_device(), str(getattr(rec.sharding, "spec", None))]))
     return done, stats["pages_used"], stats["slots_used"]
 
-print("DP", run((2, 1)) == run(None))
+print("SAME", run(tuple(json.loads(sys.argv[2]))) == run(None))
 """
+
+
+def _engine_run(path, mesh_shape: tuple[int, int]) -> list[str]:
+    import json
+
+    proc = _run(ENGINE_SCRIPT, str(path), json.dumps(mesh_shape), timeout=900)
+    lines = proc.stdout.splitlines()
+    assert "SAME True" in lines, proc.stdout[-2000:]
+    return [json.loads(x[5:]) for x in lines if x.startswith("SLOT ")]
 
 
 @pytest.mark.slow  # two engines in a subprocess (minutes here), as the other families' DP engine tests
 def test_attention_data_parallel_engine_matches_one_device(tiny_checkpoint):
     """Two attention-DP ranks (each its own latent pages, state slots and batch, in a subprocess with
     2 CPU devices): the same greedy tokens as the one-device engine, every page and slot back."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", DP_SCRIPT, str(tiny_checkpoint("kimi_linear"))],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "DP True" in proc.stdout.splitlines(), proc.stdout[-2000:]
+    _engine_run(tiny_checkpoint("kimi_linear"), (2, 1))
+
+
+@pytest.mark.slow  # two engines in a subprocess
+def test_tensor_parallel_engine_with_kda_split_matches_one_device(tiny_checkpoint):
+    """The engine on a model axis of 2 (KDA and MLA heads split: chunked prefill through split conv
+    and recurrent slots, decode, prefix caching on): the one-device engine's greedy tokens, every
+    page and slot back, and the state budget counts half a slot per device."""
+    (tp, tp_bytes, spec), (one, one_bytes, _) = _engine_run(tiny_checkpoint("kimi_linear_tp"), (1, 2))
+    assert tp == [1, 2] and one is None and spec == "P(None, 'model')", (tp, one, spec)
+    assert 2 * tp_bytes == one_bytes, (tp_bytes, one_bytes)
