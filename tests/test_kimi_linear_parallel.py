@@ -2,8 +2,9 @@
 parallelism with KDA heads split (2 devices, and 4 under -m slow, over `kimi_linear_tp`'s 4 KDA
 and 4 MLA heads: greedy == one device == HF, each device's state slots a half / quarter of one
 device's) and with KDA whole on every device (5 devices over `kimi_linear`'s 3 KDA heads, MLA's 5 split), expert
-parallelism (routed experts split by index), attention data parallelism (two engine ranks). The
-reference is the one-device model or engine, and HF for the split-KDA greedy run.
+parallelism (routed experts split by index), the engine on a model axis of 2 (KDA split) and
+attention data parallelism (two engine ranks). The reference is the one-device model or engine,
+and HF for the split-KDA greedy run.
 """
 
 from __future__ import annotations
