@@ -1,0 +1,235 @@
+"""Speculative decoding on GDN hybrids (issue 35): the drafts' GDN state rolled back by replay.
+
+References are independent of the code under test: `gdn_recurrent_reference` (the per-token
+recurrence) and `causal_conv1d_reference` for the replayed state; for the engine, the same
+configuration with `speculative_config` off and HF transformers' greedy `generate` on the same
+safetensors. One pair of engines (on / off) per family serves the module: a small page pool
+(preemption), a small token budget (chunked prefill) and prefix caching on (a second round of the
+same prompts hits the cache, restoring GDN checkpoints).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_testing import drain
+from hf_reference import assert_greedy_match, hf_greedy
+from test_engine_hf import assert_all_free
+from test_spec_decode import NUM_TOKENS, PROMPTS, SPEC, _greedy_requests
+
+from models import gdn_replay
+from models.batch import ForwardBatch
+from models.ops import KernelOptions
+from pallas_kernels.causal_conv1d import causal_conv1d_reference
+from pallas_kernels.gdn import gdn_recurrent_reference
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.speculative import speculator
+from runtime.types import EngineRequest, SamplingParams
+
+
+# ---- the replay against the per-token reference ------------------------------------------------
+def _replay_case(rng, S=5, K1=4, G=2, N=8, Hk=2, H=4, dk=8, dv=6, W=4, C=10):
+    """Random stashed rows for S sequences (the last one padding), their slots and old states."""
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    k = f(G, S, K1, Hk, dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    stash = {
+        "x": f(G, S, K1, C),
+        "k": k,
+        "v": f(G, S, K1, H, dv),
+        "g": -np.abs(f(G, S, K1, H)) * 0.3,
+        "beta": 1 / (1 + np.exp(-f(G, S, K1, H))),
+    }
+    conv, rec = f(G * N, W - 1, C), f(G * N, H, dk, dv) * 0.1
+    slots = np.array([3, 1, 6, 4, 0][:S], np.int32)
+    spec_rows = np.full((S, K1), -1, np.int32)
+    spec_rows[:3, :] = 0  # sequences 0-2 draft (rows themselves unused by `replay`), 3 does not, 4 is padding
+    spec_rows[3, 0] = 0
+    batch = ForwardBatch(
+        *(np.zeros(1, np.int32),) * 6,
+        state_slot_ids=slots,
+        has_initial_state=np.array([True, True, False, True, False]),
+        num_seqs=np.int32(S - 1),
+        logits_indices=np.zeros(1, np.int32),
+        spec_rows=spec_rows,
+    )
+    return {k: jnp.asarray(v) for k, v in stash.items()}, jnp.asarray(conv), jnp.asarray(rec), slots, batch
+
+
+@pytest.mark.parametrize("gdn_impl", ["chunked", "native"])
+def test_replayed_state_equals_token_by_token(gdn_impl):
+    """For accepted counts 0 .. K (per sequence and layer group): the replayed conv and recurrent
+    states equal the per-token reference run over the committed tokens; non-drafting sequences'
+    slots and every other slot are untouched."""
+    from pallas_kernels import cpu_native
+
+    if gdn_impl == "native" and not cpu_native.available():
+        pytest.skip("native CPU kernels unavailable")
+    rng = np.random.default_rng(0)
+    K1, G, N = 4, 2, 8
+    stash, conv, rec, slots, batch = _replay_case(rng, K1=K1, G=G, N=N)
+    conv_np, rec_np = np.asarray(conv), np.asarray(rec)
+    opts = KernelOptions(attention="reference", gdn=gdn_impl)
+    for accepted in ([0, 3, 1, 2, 0], [3, 0, 2, 3, 1], [1, 2, 3, 0, 0]):  # K = 3: 0 .. K each
+        accepted = np.array(accepted, np.int32)
+        caches = {"kv": (None,), "conv": (conv,), "rec": (rec,)}
+        out = gdn_replay.replay(caches, (stash,), batch, jnp.asarray(accepted), opts)
+        new_conv, new_rec = np.asarray(out["conv"][0]), np.asarray(out["rec"][0])
+        touched = set()
+        for g in range(G):
+            for s in range(3):  # the drafting sequences
+                slot = g * N + slots[s]
+                touched.add(slot)
+                n = int(accepted[s]) + 1
+                start_rec = rec_np[slot] if batch.has_initial_state[s] else np.zeros_like(rec_np[slot])
+                start_conv = conv_np[slot] if batch.has_initial_state[s] else np.zeros_like(conv_np[slot])
+                at = lambda name, g=g, s=s, n=n: stash[name][g, s, :n]
+                _, want = gdn_recurrent_reference(at("k"), at("k"), at("v"), at("g"), at("beta"), start_rec)
+                np.testing.assert_allclose(new_rec[slot], np.asarray(want), rtol=1e-5, atol=1e-6)
+                w = np.ones((conv.shape[2], conv.shape[1] + 1), np.float32)
+                _, want_conv = causal_conv1d_reference(at("x"), w, start_conv)
+                np.testing.assert_array_equal(new_conv[slot], np.asarray(want_conv))
+        for slot in set(range(G * N)) - touched:
+            np.testing.assert_array_equal(new_rec[slot], rec_np[slot])
+            np.testing.assert_array_equal(new_conv[slot], conv_np[slot])
+
+
+def test_count_zero_and_k_bound_the_replay():
+    """A replay of 1 token differs from one of K + 1 (the test above can fail on a wrong count)."""
+    rng = np.random.default_rng(1)
+    stash, conv, rec, slots, batch = _replay_case(rng)
+    opts = KernelOptions(attention="reference", gdn="chunked")
+    caches = {"kv": (None,), "conv": (conv,), "rec": (rec,)}
+    lo = gdn_replay.replay(caches, (stash,), batch, np.zeros(5, np.int32), opts)
+    hi = gdn_replay.replay(caches, (stash,), batch, np.full(5, 3, np.int32), opts)
+    assert not np.allclose(np.asarray(lo["rec"][0])[slots[0]], np.asarray(hi["rec"][0])[slots[0]])
+
+
+# ---- the engine --------------------------------------------------------------------------------
+def _engine(path, spec, **overrides):
+    config = dict(
+        aot_compile=False,
+        model=str(path),
+        dtype="float32",
+        page_size=4,
+        num_pages=64,  # small: the batch below preempts
+        max_num_seqs=8,
+        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
+        max_model_len=128,
+        token_buckets=(8, 16, 32),
+        enable_prefix_caching=True,
+        speculative_config=spec,
+    )
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+FAMILIES = ["qwen3_5", "qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    built = {}
+
+    def get(family):
+        if family not in built:
+            path = tiny_checkpoint(family)
+            built[family] = (_engine(path, SPEC), _engine(path, None))
+        return built[family]
+
+    return get
+
+
+def _serve(engine, requests):
+    for request in requests:
+        engine.add_request(request)
+    done = drain(engine)
+    assert_all_free(engine)
+    return {rid: out.outputs[0] for rid, out in done.items()}
+
+
+class OracleDrafts:
+    """Drafts from the reference continuation with one draft spoiled, at index L % (k + 1) for a
+    context of L tokens (k: all kept): accepted counts cycle through 0 .. k whatever the tiny
+    random model's outputs (its greedy text rarely repeats, so prompt lookup alone is mostly
+    rejected). Stands in for `propose_ngram`; exactness may not depend on where drafts come from."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.continuations = vocab, []
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        self.continuations.append(list(prompt) + list(output))
+
+    def __call__(self, tokens, k, min_n, max_n):
+        L = len(tokens)
+        for full in self.continuations:
+            if len(full) > L and full[:L] == tokens.tolist():
+                draft = full[L : L + k]
+                if L % (k + 1) < len(draft):
+                    draft[L % (k + 1)] = (draft[L % (k + 1)] + 1) % self.vocab
+                return draft
+        return []
+
+
+def _round(spec, off, requests, oracle, monkeypatch):
+    """Serve `requests` without speculation, then with it (drafts from `oracle`, or prompt lookup)."""
+    ref = _serve(off, requests)
+    if oracle is not None:
+        for r in requests:
+            oracle.add(r.prompt_token_ids, ref[r.request_id].token_ids)
+        monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    got = _serve(spec, requests)
+    monkeypatch.undo()
+    return got, ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypatch):
+    """Chunked prefill, preemption and prefix hits (GDN checkpoints restored) with drafts both
+    accepted (every count 0 .. k) and rejected: token for token the outputs without speculation,
+    and HF's."""
+    spec, off = engines(family)
+    tokenizer = spec.tokenizer
+    oracle = OracleDrafts(spec.model.cfg.vocab_size)
+    before = spec.stats()
+    got, ref = _round(spec, off, _greedy_requests(tokenizer, "g"), oracle, monkeypatch)  # chunked prefill, preemption
+    hit_before = spec.stats()["prefix_cache_hit_tokens"]
+    more = _round(spec, off, _greedy_requests(tokenizer, "h"), oracle, monkeypatch)  # the same prompts: prefix hits
+    got.update(more[0])
+    ref.update(more[1])
+    stats = spec.stats()
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, stats  # drafts both accepted and rejected
+    per_pos = (
+        np.array(stats["spec_decode_num_accepted_tokens_per_pos"]) - before["spec_decode_num_accepted_tokens_per_pos"]
+    )
+    assert per_pos[-1] > 0, stats  # all k drafts accepted in some steps
+    assert stats["num_preemptions"] > before["num_preemptions"], stats
+    assert stats["prefix_cache_hit_tokens"] > hit_before, stats
+    assert set(got) == set(ref)
+    for rid, out in got.items():
+        want = ref[rid]
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
+        assert len(out.token_ids) == NUM_TOKENS
+    hf = hf_model(family)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected, scores = hf_greedy(hf, tokenizer.encode(prompt), NUM_TOKENS)
+        assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"{family} {prompt!r}")
+
+
+def test_prompt_lookup_drafts_on_a_hybrid(engines, monkeypatch):
+    """The real n-gram drafter on prompts that quote the model's own earlier output (a few
+    drafts accepted, most rejected): outputs unchanged."""
+    spec, off = engines("qwen3_5")
+    tokenizer = spec.tokenizer
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    firsts = [EngineRequest(f"q{i}", tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
+    first = _serve(off, firsts)
+    quoting = [
+        EngineRequest(f"r{i}", r.prompt_token_ids + first[r.request_id].token_ids + r.prompt_token_ids, params)
+        for i, r in enumerate(firsts)
+    ]
+    before = spec.stats()["spec_decode_num_draft_tokens"]
+    got, ref = _round(spec, off, quoting, None, monkeypatch)
+    assert spec.stats()["spec_decode_num_draft_tokens"] > before
+    assert {rid: o.token_ids for rid, o in got.items()} == {rid: o.token_ids for rid, o in ref.items()}
