@@ -123,9 +123,6 @@ def _engine(path, spec, **overrides):
     return LLMEngine(EngineConfig(**{**config, **overrides}))
 
 
-FAMILIES = ["qwen3_5", "qwen3_next"]
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
     built = {}
@@ -148,8 +145,8 @@ def _serve(engine, requests):
 
 
 class OracleDrafts:
-    """Drafts from the reference continuation with one draft spoiled, at index L % (k + 1) for a
-    context of L tokens (k: all kept): accepted counts cycle through 0 .. k whatever the tiny
+    """Drafts from the reference continuation with one draft spoiled, at index (3L + 1) % (k + 2)
+    for a context of L tokens (k or more: all kept): accepted counts cycle through 0 .. k whatever the tiny
     random model's outputs (its greedy text rarely repeats, so prompt lookup alone is mostly
     rejected). Stands in for `propose_ngram`; exactness may not depend on where drafts come from."""
 
@@ -163,9 +160,9 @@ class OracleDrafts:
         L = len(tokens)
         for full in self.continuations:
             if len(full) > L and full[:L] == tokens.tolist():
-                draft = full[L : L + k]
-                if L % (k + 1) < len(draft):
-                    draft[L % (k + 1)] = (draft[L % (k + 1)] + 1) % self.vocab
+                draft, spoil = full[L : L + k], (3 * L + 1) % (k + 2)
+                if spoil < len(draft):
+                    draft[spoil] = (draft[spoil] + 1) % self.vocab
                 return draft
         return []
 
@@ -182,7 +179,7 @@ def _round(spec, off, requests, oracle, monkeypatch):
     return got, ref
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypatch):
     """Chunked prefill, preemption and prefix hits (GDN checkpoints restored) with drafts both
     accepted (every count 0 .. k) and rejected: token for token the outputs without speculation,
@@ -194,6 +191,18 @@ def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypa
     got, ref = _round(spec, off, _greedy_requests(tokenizer, "g"), oracle, monkeypatch)  # chunked prefill, preemption
     hit_before = spec.stats()["prefix_cache_hit_tokens"]
     more = _round(spec, off, _greedy_requests(tokenizer, "h"), oracle, monkeypatch)  # the same prompts: prefix hits
+    got.update(more[0])
+    ref.update(more[1])
+    # the next turn: prompt + output + more, hitting the state checkpoints saved while speculating
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    turns = [
+        EngineRequest("c" + rid[1:], r.prompt_token_ids + got[rid].token_ids + r.prompt_token_ids[:5], params)
+        for r in _greedy_requests(tokenizer, "g")
+        for rid in [r.request_id]
+    ]
+    hit_before = spec.stats()["prefix_cache_hit_tokens"]
+    more = _round(spec, off, turns, oracle, monkeypatch)
+    assert spec.stats()["prefix_cache_hit_tokens"] - hit_before > sum(len(r.prompt_token_ids) for r in turns) // 2
     got.update(more[0])
     ref.update(more[1])
     stats = spec.stats()
@@ -232,4 +241,18 @@ def test_prompt_lookup_drafts_on_a_hybrid(engines, monkeypatch):
     before = spec.stats()["spec_decode_num_draft_tokens"]
     got, ref = _round(spec, off, quoting, None, monkeypatch)
     assert spec.stats()["spec_decode_num_draft_tokens"] > before
+    assert {rid: o.token_ids for rid, o in got.items()} == {rid: o.token_ids for rid, o in ref.items()}
+
+
+@pytest.mark.slow
+def test_seeded_sampling_equals_no_speculation(engines, monkeypatch):
+    """Temperature 1 with seeds: a drafted token is accepted exactly when the row's own sample
+    equals it, so the outputs equal the plain engine's (drafts from those outputs, some spoiled)."""
+    spec, off = engines("qwen3_next")
+    prompt = spec.tokenizer.encode(PROMPTS[2])
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=5, seed=s, ignore_eos=True) for s in range(6)]
+    requests = [EngineRequest(f"t{i}", prompt, p) for i, p in enumerate(params)]
+    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    got, ref = _round(spec, off, requests, OracleDrafts(spec.model.cfg.vocab_size), monkeypatch)
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > before
     assert {rid: o.token_ids for rid, o in got.items()} == {rid: o.token_ids for rid, o in ref.items()}
