@@ -88,8 +88,9 @@ def replay_conv(old, x, counts):
 
 def replay_recurrent(old, k, v, g, beta, counts):
     """old [M, H, K, V] states, per-token k [M, K+1, Hk, dk], v [M, K+1, H, dv], g / beta
-    [M, K+1, H], counts [M] -> each state advanced by its first `counts` tokens (f32, in old's dtype):
-    the reference's per-token step, the steps past a count skipped."""
+    [M, K+1, H], counts [M] -> each state advanced by its first `counts` tokens: the reference's
+    per-token step in f32, the steps past a count skipped, rounded to old's dtype after each token
+    as decode steps one token at a time store it (a bf16 pool: the state decoding would commit)."""
     h = v.shape[2]
     kx = jnp.repeat(k, h // k.shape[2], axis=2).astype(jnp.float32)  # value head h reads key head h // (H // Hk)
     f32 = lambda a: a.astype(jnp.float32)
@@ -97,7 +98,7 @@ def replay_recurrent(old, k, v, g, beta, counts):
     state = f32(old)
     for j in range(k.shape[1]):
         advanced, _ = step(state, kx[:, j], kx[:, j], f32(v[:, j]), f32(g[:, j]), f32(beta[:, j]))
-        state = jnp.where((j < counts)[:, None, None, None], advanced, state)
+        state = jnp.where((j < counts)[:, None, None, None], advanced.astype(old.dtype).astype(jnp.float32), state)
     return state.astype(old.dtype)
 
 

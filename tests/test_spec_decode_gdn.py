@@ -197,7 +197,7 @@ def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypa
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     turns = [
         EngineRequest("c" + rid[1:], r.prompt_token_ids + got[rid].token_ids + r.prompt_token_ids[:5], params)
-        for r in _greedy_requests(tokenizer, "g")
+        for r in _greedy_requests(tokenizer, "g")[: len(PROMPTS)]
         for rid in [r.request_id]
     ]
     hit_before = spec.stats()["prefix_cache_hit_tokens"]
@@ -299,3 +299,26 @@ def test_no_compile_after_startup_on_a_hybrid(tiny_checkpoint, monkeypatch):
     assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_all_free(engine)
+
+
+def test_bf16_state_replays_as_decode_steps_store_it():
+    """A bf16 state pool: the replayed state equals one token at a time through the reference,
+    rounded to bf16 after each (what decode steps commit)."""
+    rng = np.random.default_rng(2)
+    stash, conv, rec, slots, batch = _replay_case(rng)
+    rec = rec.astype(jnp.bfloat16)
+    accepted = np.array([2, 3, 1, 0, 0], np.int32)
+    caches = {"kv": (None,), "conv": (conv,), "rec": (rec,)}
+    out = gdn_replay.replay(caches, (stash,), batch, jnp.asarray(accepted), KernelOptions(gdn="chunked"))
+    assert out["rec"][0].dtype == jnp.bfloat16
+    N = rec.shape[0] // 2
+    for g in range(2):
+        for s in (0, 1):
+            state = rec[g * N + slots[s]]
+            for j in range(int(accepted[s]) + 1):
+                at = lambda name, j=j: stash[name][g, s, j : j + 1]
+                _, state = gdn_recurrent_reference(at("k"), at("k"), at("v"), at("g"), at("beta"), state)
+                state = state.astype(jnp.bfloat16)
+            np.testing.assert_array_equal(
+                np.asarray(out["rec"][0][g * N + slots[s]], np.float32), np.asarray(state, np.float32)
+            )
