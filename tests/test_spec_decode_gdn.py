@@ -123,17 +123,39 @@ def _engine(path, spec, **overrides):
     return LLMEngine(EngineConfig(**{**config, **overrides}))
 
 
+SCANNED_NEXT = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
+def engines(tiny_checkpoint, tmp_path_factory):
+    """family -> (engine with speculation, without, checkpoint path). Qwen3.5: the tests' tiny
+    checkpoint and the CPU defaults (layers unrolled, the C++ recurrence). Qwen3-Next: four layers
+    in two repetitions of (GDN, attention), scanned, with the jnp GDN path: stashes leave the layer
+    scan stacked over groups, and the masked replay writes each group's slots."""
     built = {}
 
     def get(family):
         if family not in built:
-            path = tiny_checkpoint(family)
-            built[family] = (_engine(path, SPEC), _engine(path, None))
+            if family == "qwen3_next":
+                from models.random_checkpoint import write_random_checkpoint
+
+                path = write_random_checkpoint(family, tmp_path_factory.mktemp("next") / "ckpt", **SCANNED_NEXT)
+                variant = {"layer_loop": "scan", "gdn_backend": "chunked"}
+            else:
+                path, variant = tiny_checkpoint(family), {}
+            built[family] = (_engine(path, SPEC, **variant), _engine(path, None, **variant), path)
         return built[family]
 
     return get
+
+
+def _hf(family, path, hf_model):
+    if family != "qwen3_next":
+        return hf_model(family)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _serve(engine, requests):
@@ -184,7 +206,8 @@ def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypa
     """Chunked prefill, preemption and prefix hits (GDN checkpoints restored) with drafts both
     accepted (every count 0 .. k) and rejected: token for token the outputs without speculation,
     and HF's."""
-    spec, off = engines(family)
+    spec, off, path = engines(family)
+    assert (spec.model.num_groups > 1) == (family == "qwen3_next")
     tokenizer = spec.tokenizer
     oracle = OracleDrafts(spec.model.cfg.vocab_size)
     before = spec.stats()
@@ -220,7 +243,7 @@ def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypa
         want = ref[rid]
         assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
         assert len(out.token_ids) == NUM_TOKENS
-    hf = hf_model(family)
+    hf = _hf(family, path, hf_model)
     for i, prompt in enumerate(PROMPTS[:3]):
         expected, scores = hf_greedy(hf, tokenizer.encode(prompt), NUM_TOKENS)
         assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"{family} {prompt!r}")
@@ -229,7 +252,7 @@ def test_greedy_equals_no_speculation_and_hf(family, engines, hf_model, monkeypa
 def test_prompt_lookup_drafts_on_a_hybrid(engines, monkeypatch):
     """The real n-gram drafter on prompts that quote the model's own earlier output (a few
     drafts accepted, most rejected): outputs unchanged."""
-    spec, off = engines("qwen3_5")
+    spec, off, _ = engines("qwen3_5")
     tokenizer = spec.tokenizer
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     firsts = [EngineRequest(f"q{i}", tokenizer.encode(p), params) for i, p in enumerate(PROMPTS)]
@@ -248,7 +271,7 @@ def test_prompt_lookup_drafts_on_a_hybrid(engines, monkeypatch):
 def test_seeded_sampling_equals_no_speculation(engines, monkeypatch):
     """Temperature 1 with seeds: a drafted token is accepted exactly when the row's own sample
     equals it, so the outputs equal the plain engine's (drafts from those outputs, some spoiled)."""
-    spec, off = engines("qwen3_next")
+    spec, off, _ = engines("qwen3_next")
     prompt = spec.tokenizer.encode(PROMPTS[2])
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=5, seed=s, ignore_eos=True) for s in range(6)]
     requests = [EngineRequest(f"t{i}", prompt, p) for i, p in enumerate(params)]
