@@ -15,6 +15,9 @@ which, given it is not x, is distributed as p with x removed and renormalised; t
 last accepted draft emits the bonus token. Greedy rows are argmax, so greedy output is unchanged.
 The table's `num_computed` of each row is rewound by its rejected drafts here, on the device (the
 KV written for them is overwritten by the next step); the host mirror is rewound by the caller.
+On a GDN hybrid the batch carries `spec_rows` (`spec_rows`): the GDN layers commit no state for
+drafting sequences and stash their inputs, and once `accepted` is known the accepted prefix is
+replayed into the committed state in the same compiled step (models/gdn_replay.py).
 
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
     caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
