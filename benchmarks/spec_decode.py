@@ -15,11 +15,23 @@ request is greedy with `ignore_eos`, so both must produce identical text, which 
 
 The machine's load average is recorded before and after (CPU numbers on a shared 2-core machine
 are noisy; compare the ratio, measured in the same process and interleaved).
+
+A tiny random GDN hybrid (the drafts' GDN state rolled back by replay, models/gdn_replay.py):
+
+    python -m benchmarks.spec_decode tiny:qwen3_5 --oracle-drafts --concurrency 1,4,16 \
+        --json benchmarks/results/spec-decode/tiny-qwen3_5-cpu-2core.json
+
+`tiny:<family>` builds (or reuses) the tests' tiny checkpoint. A random model does not copy its
+prompt, so prompt lookup is mostly rejected there (the `ngram` rows: what speculation costs when
+it fails); `--oracle-drafts` adds `oracle` rows whose drafts are the off engine's own output for
+the same prompt (every draft accepted until the end: the ceiling of verify + replay on this
+model, not a drafting method).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -93,6 +105,29 @@ def run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     return {"tokens": out, "output_tokens": n, "wall_s": wall, "tokens_per_s": n / wall, **spec}
 
 
+class OracleDrafts:
+    """Stands in for `propose_ngram`: the next k tokens of the reference output whose prompt the
+    context extends ([] if none)."""
+
+    def __init__(self):
+        self.continuations: list[list[int]] = []
+
+    def __call__(self, tokens, k, min_n, max_n):
+        context = tokens.tolist()
+        for full in self.continuations:
+            if len(full) > len(context) and full[: len(context)] == context:
+                return full[len(context) : len(context) + k]
+        return []
+
+
+def resolve_checkpoint(name: str) -> str:
+    if name.startswith("tiny:"):
+        from benchmarks.tiny_checkpoints import build_cached_checkpoint
+
+        return str(build_cached_checkpoint(name.split(":", 1)[1]))
+    return name
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
@@ -106,7 +141,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--oracle-drafts", action="store_true", help="also a mode drafting the off engine's own output")
     args = ap.parse_args(argv)
+    checkpoint = resolve_checkpoint(args.checkpoint)
 
     from runtime.engine.llm_engine import LLMEngine
     from runtime.engine_config import EngineConfig
@@ -120,11 +157,12 @@ def main(argv=None) -> None:
     }
     concurrency = [int(c) for c in args.concurrency.split(",")]
     engines = {}
-    for mode, spec in (("ngram", spec_config), ("off", None)):
+    modes = [("ngram", spec_config), ("off", None)] + ([("oracle", spec_config)] if args.oracle_drafts else [])
+    for mode, spec in modes:
         t0 = time.perf_counter()
         engines[mode] = LLMEngine(
             EngineConfig(
-                model=args.checkpoint,
+                model=checkpoint,
                 dtype="float32",
                 max_model_len=args.max_model_len,
                 max_num_seqs=max(concurrency),
@@ -138,6 +176,12 @@ def main(argv=None) -> None:
         print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     tokenizer = engines["off"].tokenizer
     prompts = {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
+    oracle = OracleDrafts()
+    if args.oracle_drafts:  # the reference outputs, then the oracle engine's drafts from them
+        for ids in prompts.values():
+            for n in (args.max_tokens, args.sweep_max_tokens):
+                oracle.continuations.append(ids + run(engines["off"], [ids], n)["tokens"][0])
+        engines["oracle"].speculator.propose = functools.partial(propose_from, oracle, engines["oracle"].speculator)
 
     single = {}
     for name, ids in prompts.items():
@@ -161,13 +205,16 @@ def main(argv=None) -> None:
                 "accepted_tokens": rs[-1]["spec_decode_num_accepted_tokens"],
             }
         entry["speedup"] = entry["ngram"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
+        if "oracle" in entry:
+            entry["oracle_speedup"] = entry["oracle"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
         single[name] = entry
-        print(
-            f"single {name}: ngram {entry['ngram']['tokens_per_s']:.1f} tok/s, off {entry['off']['tokens_per_s']:.1f} "
-            f"tok/s, x{entry['speedup']:.2f}, accepted {entry['ngram']['accepted_tokens']}/"
-            f"{entry['ngram']['draft_tokens']}, identical {identical}",
-            flush=True,
-        )
+        for mode in (m for m in runs if m != "off"):
+            print(
+                f"single {name}: {mode} {entry[mode]['tokens_per_s']:.1f} tok/s, off {entry['off']['tokens_per_s']:.1f} "
+                f"tok/s, x{entry[mode]['tokens_per_s'] / entry['off']['tokens_per_s']:.2f}, accepted "
+                f"{entry[mode]['accepted_tokens']}/{entry[mode]['draft_tokens']}, identical {identical}",
+                flush=True,
+            )
 
     sweep = []
     cycle = list(prompts.values())
@@ -179,19 +226,25 @@ def main(argv=None) -> None:
         results = {mode: run(engine, batch, args.sweep_max_tokens) for mode, engine in engines.items()}
         for mode, r in results.items():
             row[mode] = {k: r[k] for k in ("tokens_per_s", "output_tokens", "wall_s")}
-        row["ngram"]["accepted_tokens"] = results["ngram"]["spec_decode_num_accepted_tokens"]
-        row["ngram"]["draft_tokens"] = results["ngram"]["spec_decode_num_draft_tokens"]
-        row["identical_text"] = results["ngram"]["tokens"] == results["off"]["tokens"]
-        row["speedup"] = row["ngram"]["tokens_per_s"] / row["off"]["tokens_per_s"]
+        for mode in (m for m in results if m != "off"):
+            row[mode]["accepted_tokens"] = results[mode]["spec_decode_num_accepted_tokens"]
+            row[mode]["draft_tokens"] = results[mode]["spec_decode_num_draft_tokens"]
+            row[mode]["speedup"] = row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"]
+            print(
+                f"concurrency {n}: {mode} {row[mode]['tokens_per_s']:.1f} tok/s, off {row['off']['tokens_per_s']:.1f} "
+                f"tok/s, x{row[mode]['speedup']:.2f}, accepted {row[mode]['accepted_tokens']}/{row[mode]['draft_tokens']}",
+                flush=True,
+            )
+        row["identical_text"] = all(r["tokens"] == results["off"]["tokens"] for r in results.values())
+        row["speedup"] = row["ngram"]["speedup"]
         sweep.append(row)
-        print(
-            f"concurrency {n}: ngram {row['ngram']['tokens_per_s']:.1f} tok/s, off {row['off']['tokens_per_s']:.1f} "
-            f"tok/s, x{row['speedup']:.2f}, identical {row['identical_text']}",
-            flush=True,
-        )
+        print(f"concurrency {n}: identical {row['identical_text']}", flush=True)
 
     report = {
         "checkpoint": args.checkpoint,
+        "oracle_note": "oracle: drafts are the off engine's output for the prompt (a ceiling, not a method)"
+        if args.oracle_drafts
+        else None,
         "speculative_config": spec_config,
         "max_tokens": args.max_tokens,
         "sweep_max_tokens": args.sweep_max_tokens,
@@ -204,6 +257,20 @@ def main(argv=None) -> None:
         "concurrency": sweep,
     }
     write_json(args.json, report)
+
+
+def propose_from(oracle: OracleDrafts, spec, running) -> None:
+    """`Speculator.propose` with the oracle for prompt lookup."""
+    import numpy as np
+
+    from runtime.speculative.speculator import can_draft
+
+    for req in running:
+        decoding = req.num_tokens - req.num_computed_tokens == 1
+        tokens = np.asarray(req.all_token_ids)
+        req.draft_token_ids = (
+            oracle(tokens, spec.config.num_speculative_tokens, 0, 0) if decoding and can_draft(req) else []
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ class ForwardBatch:
     # and KV slots (their page pool); None: those layers use block_tables / slot_mapping too
     window_block_tables: jax.Array | None = None  # [S, max_blocks] int32, 0 = null page (also: slid past)
     window_slot_mapping: jax.Array | None = None  # [T] int32, -1 for padding
+    # speculative verify (runtime/speculative/verify.py): per sequence its last real token's row, then
+    # its drafted rows (-1 past them: a sequence without drafts has -1 from column 1). Set, the GDN
+    # layers commit no state for drafting sequences and stash their inputs (models/gdn_replay.py)
+    spec_rows: jax.Array | None = None  # [S, K+1] int32
 
     @property
     def num_valid_rows(self) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import ops
+from models import gdn_replay, ops
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import deepseek_moe
@@ -112,10 +112,14 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     slots, rows = batch.state_slot_ids + slot_offset, batch.num_valid_rows
-    mixed = ops.linear(x, p["in_qkv"], opts, valid_rows=rows)  # [T, conv_dim] = [Q all | K all | V all]
-    mixed, conv_state = ops.causal_conv1d(
-        mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
-    )
+    raw = ops.linear(x, p["in_qkv"], opts, valid_rows=rows)  # [T, conv_dim] = [Q all | K all | V all]
+    verify = batch.spec_rows is not None  # a speculative verify pass: no state for drafts (models/gdn_replay.py)
+    if verify:
+        mixed, conv_state = gdn_replay.verify_conv(raw, p["conv_w"], conv_state, batch, slots, opts)
+    else:
+        mixed, conv_state = ops.causal_conv1d(
+            raw, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
+        )
     q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
     q = q.reshape(T, hk, dk).astype(jnp.float32)
     k = k.reshape(T, hk, dk).astype(jnp.float32)
@@ -125,26 +129,22 @@ def gdn_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
     beta = jax.nn.sigmoid(qdot(x, p["in_b"], rows).astype(jnp.float32))  # [T, hv]
     a = qdot(x, p["in_a"], rows).astype(jnp.float32)
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a + p["dt_bias"])
-    o, rec_state = ops.gated_delta_rule(
-        q.astype(x.dtype),
-        k.astype(x.dtype),
-        v,
-        g,
-        beta,
-        rec_state,
-        batch.cu_q_lens,
-        slots,
-        batch.has_initial_state,
-        batch.num_seqs,
-        opts,
-    )
+    q, k = q.astype(x.dtype), k.astype(x.dtype)
+    stash = None
+    if verify:
+        o, rec_state = gdn_replay.verify_rule(q, k, v, g, beta, rec_state, batch, slots, opts)
+        stash = gdn_replay.stash_rows(batch, raw, k, v, g, beta)
+    else:
+        o, rec_state = ops.gated_delta_rule(
+            q, k, v, g, beta, rec_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
+        )
     z = ops.linear(x, p["in_z"], opts, valid_rows=rows).reshape(T, hv, dv)
     o = o.astype(x.dtype)
     o32 = o.astype(jnp.float32)
     normed = (o32 * lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + cfg.rms_norm_eps)).astype(x.dtype)
     o = (p["gated_norm"] * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
     out = ops.linear(o.astype(x.dtype).reshape(T, hv * dv), p["out_proj"], opts, valid_rows=rows)
-    return out, conv_state, rec_state
+    return (out, conv_state, rec_state) if stash is None else (out, conv_state, rec_state, stash)
 
 
 ACTIVATIONS = {
@@ -202,10 +202,12 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
     """Run one repetition of the layer pattern (layers g*period + j for each j). `ropes`: the
     (full-attention, sliding-window) layers' RoPE tables. With `cfg.sandwich_norms` (Gemma 3) the
     attention and MLP outputs are normed before the residual adds (`post_norm` is the pre-MLP norm).
-    A layer without a mixer or without an MLP (Nemotron-H's single-mixer blocks) skips that half."""
+    A layer without a mixer or without an MLP (Nemotron-H's single-mixer blocks) skips that half.
+    -> (x, caches, stash): stash per position, a verify pass's GDN inputs (`gdn_layer`), else None."""
     period = len(params_g)
     n_groups = cfg.num_layers // period
     kv_list, conv_list, rec_list = list(caches["kv"]), list(caches["conv"]), list(caches["rec"])
+    stash = [None] * period
     for j in range(period):
         p = params_g[j]
         layer = j  # position in the group; the layer's kind is the same in every group
@@ -223,7 +225,10 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
             else:  # recurrent: GDN or Mamba-2, its states in slots
                 slots = rec_list[j].shape[0] // n_groups
                 mixer = mamba2_layer if kind == MAMBA else kda_layer if cfg.kda else gdn_layer
-                h, conv_list[j], rec_list[j] = mixer(p, h, conv_list[j], rec_list[j], batch, g * slots, cfg, opts)
+                h, conv_list[j], rec_list[j], *extra = mixer(
+                    p, h, conv_list[j], rec_list[j], batch, g * slots, cfg, opts
+                )
+                stash[j] = extra[0] if extra else None
             if cfg.sandwich_norms:
                 h = rms_norm(h, p["attn_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
             x = x + h
@@ -238,35 +243,45 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         if cfg.sandwich_norms:
             h = rms_norm(h, p["mlp_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         x = x + h
-    return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}
+    return x, {"kv": tuple(kv_list), "conv": tuple(conv_list), "rec": tuple(rec_list)}, tuple(stash)
 
 
 def forward(
     params, caches, batch: ForwardBatch, *, cfg: ModelConfig, opts: ops.KernelOptions, scan_layers: bool = True
 ):
     """-> (hidden [R, H] at batch.logits_indices, new caches). Every projection gets
-    `batch.num_valid_rows`: the native CPU matmul skips the bucket's padding rows after them."""
+    `batch.num_valid_rows`: the native CPU matmul skips the bucket's padding rows after them.
+    A verify pass (`batch.spec_rows`) adds caches["replay"]: per position in the layer group, the GDN
+    layers' stashed inputs stacked over groups (`models.gdn_replay.replay` commits them)."""
     x = embed_lookup(params["embed"], batch.input_ids, params["final_norm"].dtype)
     if cfg.scale_embeddings:  # Gemma: times sqrt(hidden_size), the scale rounded to the model dtype as HF does
         x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5), x.dtype)
     rope = rope_tables(batch.positions, cfg)
     ropes = (rope, rope_tables(batch.positions, cfg, sliding=True) if cfg.has_sliding_rope else rope)
     n_groups = cfg.num_layers // cfg.layer_period()
+    stashes = []
     if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
         for g, params_g in enumerate(params["layers"]):
-            x, caches = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
+            x, caches, stash = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
+            stashes.append(stash)
     elif scan_layers and n_groups > 1:
 
         def body(carry, xs):
             x, caches = carry
             params_g, g = xs
-            return _group_step(params_g, x, caches, g, batch, ropes, cfg, opts), None
+            x, caches, stash = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
+            return (x, caches), stash
 
-        (x, caches), _ = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
+        (x, caches), stacked = lax.scan(body, (x, caches), (params["groups"], jnp.arange(n_groups)))
     else:
         for g in range(n_groups):
             params_g = jax.tree.map(lambda a: a[g], params["groups"])
-            x, caches = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
+            x, caches, stash = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
+            stashes.append(stash)
+    if batch.spec_rows is not None:
+        if stashes:
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *stashes)
+        caches = {**caches, "replay": stacked}
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
 

@@ -147,7 +147,10 @@ class Scheduler:
             drafts = self._drafts(request, num_new, budget)
             if self._grow_or_preempt(request, num_new + len(drafts), scheduled, out):
                 scheduled.add(request.request_id)
+                saves = len(out.copy_after)
                 seq = self._schedule_chunk(request, num_new, out)
+                if len(out.copy_after) > saves:  # a hybrid saves its state after this token: no drafts
+                    drafts = []  # (accepted ones would move the state past the checkpoint's boundary)
                 if drafts:  # speculative decoding (runtime/speculative/): verified in this step
                     seq.token_ids, seq.num_draft = seq.token_ids + drafts, len(drafts)
                 out.sequences.append(seq)

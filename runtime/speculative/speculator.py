@@ -9,9 +9,10 @@ the accepted tokens recorded after it. Built with the engine (`build_speculator`
 A request drafts when its next token is what the verify sampler computes: no penalties, logit
 bias, banned tokens (min_tokens), logprobs, prompt logprobs or grammar (those requests decode one
 token a step; a step carrying one verifies nothing). Speculation runs the synchronous path
-(asynchronous scheduling is turned off, logged). Refused at start-up: GDN / Mamba hybrids (their
-recurrent state would hold the rejected drafts), window-aware paging, attention data
-parallelism, tensor parallelism and P/D roles.
+(asynchronous scheduling is turned off, logged). GDN hybrids (Qwen3.5, Qwen3-Next) verify
+without committing the drafts' GDN state and replay the accepted prefix into it inside the same
+compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
+paging, attention data parallelism, tensor parallelism and P/D roles.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import numpy as np
 
 from configs.speculative import SpeculativeConfig
+from models.mamba2_config import MAMBA
 from runtime.scheduled import SchedulerOutput
 from runtime.speculative.ngram import propose_ngram
 from runtime.speculative.verify import VerifyExecutables, VerifyRows
@@ -49,10 +51,10 @@ def can_draft(req) -> bool:
 def refusal(engine) -> str | None:
     """Why this engine cannot speculate, or None."""
     cfg = engine.model.cfg
-    if cfg.is_hybrid:
+    if cfg.kda or MAMBA in cfg.layer_types:
         return (
-            "GDN / Mamba hybrids are not supported yet: their recurrent and conv state would keep the "
-            "rejected drafts (issue 35's replay design is not built)"
+            "KDA and Mamba-2 hybrids are not supported yet: only GDN layers replay the accepted drafts "
+            "into their state (models/gdn_replay.py)"
         )
     if engine.dp is not None:
         return "attention data parallelism is not supported yet"
@@ -77,7 +79,9 @@ def build_speculator(engine) -> Speculator | None:
     if engine.async_scheduling:
         log.info("speculative decoding runs the synchronous path: asynchronous scheduling is off")
         engine.async_scheduling = False
-    verify = VerifyExecutables(engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k)
+    verify = VerifyExecutables(
+        engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k, config.num_speculative_tokens
+    )
     if engine.plan.aot_compile:
         verify.compile_all()
     return Speculator(config, verify)

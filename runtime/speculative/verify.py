@@ -15,6 +15,9 @@ which, given it is not x, is distributed as p with x removed and renormalised; t
 last accepted draft emits the bonus token. Greedy rows are argmax, so greedy output is unchanged.
 The table's `num_computed` of each row is rewound by its rejected drafts here, on the device (the
 KV written for them is overwritten by the next step); the host mirror is rewound by the caller.
+On a GDN hybrid the batch carries `spec_rows` (`spec_rows`): the GDN layers commit no state for
+drafting sequences and stash their inputs, and once `accepted` is known the accepted prefix is
+replayed into the committed state in the same compiled step (models/gdn_replay.py).
 
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
     caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.gdn_replay import replay
 from models.transformer import compute_logits
 from runtime.buckets import BucketMiss
 from runtime.steps import specs
@@ -90,16 +94,46 @@ def verify_sample(params, hidden, table, verify: VerifyRows, *, all_greedy, max_
     return sample(logits, meta, None, max_top_k=max_top_k, all_greedy=all_greedy).tokens
 
 
+def spec_rows(verify: VerifyRows, width: int) -> jax.Array:
+    """[S, width] i32: each sequence's verify rows by offset (its last real token, then its drafts),
+    -1 past them (`ForwardBatch.spec_rows`)."""
+    S = verify.num_draft.shape[0]
+    seqs = jnp.where(verify.seqs >= 0, verify.seqs, S)  # padding: dropped
+    return jnp.full((S, width), -1, jnp.int32).at[seqs, verify.offsets].set(verify.rows, mode="drop")
+
+
 def verify_backbone(
-    params, caches, table, step, prev_tokens, verify: VerifyRows, *, all_greedy, forward, page_size, max_top_k, softcap
+    params,
+    caches,
+    table,
+    step,
+    prev_tokens,
+    verify: VerifyRows,
+    *,
+    all_greedy,
+    forward,
+    page_size,
+    max_top_k,
+    softcap,
+    gdn_replay=None,
+    num_speculative_tokens=0,
 ):
     """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
     drafts rewound, tokens [T]: sequence i emits tokens[first_i : first_i + accepted_i + 1], the
-    accepted drafts and then the target's token, accepted [S], each sequence's first token [S])."""
+    accepted drafts and then the target's token, accepted [S], each sequence's first token [S]).
+    A GDN hybrid (`gdn_replay`: `models.gdn_replay.replay` with the kernel options bound): the
+    forward pass commits no GDN state for drafting sequences; the accepted prefix is replayed
+    into it after acceptance."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
-    hidden, caches = forward(params, caches, dataclasses.replace(batch, logits_indices=verify.rows))  # [T, H]
+    batch = dataclasses.replace(batch, logits_indices=verify.rows)
+    if gdn_replay is not None:
+        batch = dataclasses.replace(batch, spec_rows=spec_rows(verify, num_speculative_tokens + 1))
+    hidden, caches = forward(params, caches, batch)  # [T, H]
+    stashes = caches.pop("replay", None) if gdn_replay is not None else None
     tokens = verify_sample(params, hidden, table, verify, all_greedy=all_greedy, max_top_k=max_top_k, softcap=softcap)
     accepted = accepted_counts(tokens, verify)
+    if stashes is not None:
+        caches = gdn_replay(caches, stashes, batch, accepted)
     # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
     # match, so this only makes the acceptance rule the one place that decides what is output)
     S = verify.num_draft.shape[0]
@@ -115,7 +149,8 @@ def verify_backbone(
 class VerifyExecutables:
     """`verify_backbone` compiled per token bucket, greedy or sampled (one engine, no mesh)."""
 
-    def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int):
+    def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0):
+        """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows."""
         ex = executables
         self.max_num_seqs, self.max_blocks_per_seq, self.page_size = (
             ex.max_num_seqs,
@@ -129,6 +164,8 @@ class VerifyExecutables:
             page_size=ex.page_size,
             max_top_k=max_top_k,
             softcap=ex.model.cfg.final_logit_softcapping,
+            gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy",))
         self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)
