@@ -48,6 +48,10 @@ from models.quantization import QuantizedWeight, take_columns
 log = logging.getLogger("jaxserve.sharding")
 
 MODEL_AXIS = "model"
+NEMOTRON_EP_REFUSAL = (
+    "expert parallelism is not supported for Nemotron-H MoE blocks (gateless relu2 experts): "
+    "serve them with expert-intermediate TP (parallel.expert: false)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,8 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
+    if m > 1 and expert_parallel and cfg.mamba is not None and "moe" in cfg.mlp_types:
+        raise ValueError(NEMOTRON_EP_REFUSAL)
     if m > 1 and cfg.mamba is not None:
         raise ValueError(
             f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
@@ -121,6 +127,8 @@ def kv_heads_held(cfg: ModelConfig, plan: TensorParallel | None) -> int:
 def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
     if not asked or m == 1:
         return False
+    if cfg.mamba is not None and "moe" in cfg.mlp_types:
+        raise ValueError(NEMOTRON_EP_REFUSAL)
     if "moe" not in cfg.mlp_types:
         log.warning("expert parallelism asked for a model without MoE layers: ignored")
         return False

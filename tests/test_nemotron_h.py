@@ -10,7 +10,7 @@ GPU kernel interpreted too), a dt clamp (`time_step_limit`) that bites, greedy d
 and one engine (16-token steps, pages of 8, a small pool, prefix caching) whose greedy output is
 HF's under chunked prefill, prefix-cache hits (state checkpoints) and preemptions, with every page
 and state slot back afterwards; the abstract parameter tree, the shipped Nemotron-H-8B config's
-size, and what we refuse (MoE blocks, tensor parallelism) with a message.
+size, and what we refuse with a message (MoE blocks: tests/test_nemotron_h_moe.py).
 """
 
 from __future__ import annotations
@@ -296,8 +296,7 @@ def test_shipped_nemotron_h_8b_config():
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(layers_block_type=None, hybrid_override_pattern="M-E*-"), "MoE"),
-        (dict(layers_block_type=["mamba", "moe"]), "MoE"),
+        (dict(layers_block_type=None, hybrid_override_pattern="M-E*-", moe_latent_size=8), "moe_latent_size"),
         (dict(layers_block_type=["mamba", "cross_attention"]), "unknown block types"),
         (dict(mamba_hidden_act="gelu"), "mamba_hidden_act"),
         (dict(mlp_hidden_act="tanh"), "mlp_hidden_act"),
