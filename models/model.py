@@ -190,7 +190,8 @@ class Model:
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""
         per_slot = self.state_bytes_per_slot()
-        return per_slot // self.tp.size if self.tp is not None and self.tp.gdn else per_slot
+        split = self.tp is not None and (self.tp.gdn or self.tp.mamba)
+        return per_slot // self.tp.size if split else per_slot
 
     def logits(
         self, token_ids, opts: KernelOptions | None = None, page_size: int = 16, kv_dtype: str = "auto"
