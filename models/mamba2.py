@@ -53,8 +53,8 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
     if "in_bias" in p:
         proj = proj + p["in_bias"]
     tp = opts.tp if opts.tp is not None and opts.tp.mamba else None
-    shards = 1 if tp is None else tp.size
-    z, xbc, dt = mamba2_tp.split_projection(proj, m, shards)
+    shards, mh = 1 if tp is None else tp.size, mamba2_tp.held(m, tp)  # mh: B / C groups as held
+    z, xbc, dt = mamba2_tp.split_projection(proj, mh, shards)
     conv = mamba2_tp.on_shards(
         lambda *args: causal_conv1d(*args, activation=None), tp, *mamba2_tp.conv_specs(tp and tp.axis)
     )
@@ -63,7 +63,7 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
     )
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
-    xs, b, c = mamba2_tp.split_conv_out(jax.nn.silu(xbc), m, shards)
+    xs, b, c = mamba2_tp.split_conv_out(jax.nn.silu(xbc), mh, shards)
     scan = mamba2_tp.on_shards(
         lambda *args: ssd.ssd(*args, impl=ssd_impl(opts), interpret=opts.interpret, dt_limit=m.dt_limit),
         tp,

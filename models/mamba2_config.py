@@ -110,10 +110,11 @@ class Mamba2Config:
         return self.intermediate_size + self.conv_dim + self.num_heads
 
 
-def recurrent_state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def recurrent_state_shapes(cfg, mamba: Mamba2Config | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv state [W-1, C], recurrent state) of one slot of one recurrent layer of `cfg` (a
-    models.config.ModelConfig): Mamba-2's SSM state [H, P, N], GDN's [Hv, K, V]."""
-    m = cfg.mamba
+    models.config.ModelConfig): Mamba-2's SSM state [H, P, N], GDN's [Hv, K, V]. `mamba`: the
+    Mamba-2 mixer as held under tensor parallelism (models/mamba2_tp.py's `held`), else cfg's."""
+    m = mamba or cfg.mamba
     if m is not None:
         return (m.conv_kernel - 1, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
     rec = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)

@@ -16,15 +16,22 @@ z / xBC / dt and x / B / C; with one shard they are the canonical splits. The co
 scan run under `jax.shard_map` (one shard's heads each: the Pallas kernels see local shapes), the
 rest by GSPMD.
 
-Heads or groups that do not divide by M (`n_groups % M != 0`, e.g. one group on 2 chips) keep the
-Mamba-2 layers whole on every device (logged), as the GDN / KDA layers fall back. Nemotron-H's MoE
+B / C groups that do not divide by M (one group on 2 chips; 2 groups on 3) are *replicated*, as
+repeat_kv_heads repeats KV heads: each group is held r = lcm(G, M) / G times (held group j is group
+j // r: `held`), in in_proj's B / C columns, the conv's rows and the conv state (so a slot's conv
+state is wider), and held head h still reads a copy of its own group (h // (H / (G r)) // r =
+h // (H / G)); the gated norm keeps the checkpoint's G groups (GSPMD reduces across shards where a
+group straddles two). SSM heads that do not divide by M keep the Mamba-2 layers whole on every
+device (logged), as the GDN / KDA layers fall back. Nemotron-H's MoE
 experts split on their intermediate dimension (models/sharding.py's MOE_RULES); expert parallelism
 is refused (its all-to-all runs SwiGLU experts, models/expert_parallel.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +64,35 @@ CONV_PARAMS = ("conv_w", "conv_bias")
 
 
 def mamba_split(m: Mamba2Config, shards: int) -> bool:
-    """Whether `shards` devices split the Mamba-2 heads (heads and B / C groups divide); logs a fallback."""
+    """Whether `shards` devices split the Mamba-2 heads (they divide); logs a fallback."""
     if shards == 1:
         return False
-    if m.num_heads % shards == 0 and m.n_groups % shards == 0:
+    if m.num_heads % shards == 0:
+        if m.n_groups % shards:
+            log.info(
+                "Mamba-2 B/C groups replicated: %d groups held %d times each",
+                m.n_groups,
+                held_groups(m, shards) // m.n_groups,
+            )
         return True
-    log.warning(
-        "Mamba-2 replicated: %d heads / %d B/C groups do not divide by model axis %d", m.num_heads, m.n_groups, shards
-    )
+    log.warning("Mamba-2 replicated: %d SSM heads do not divide by model axis %d", m.num_heads, shards)
     return False
+
+
+def held_groups(m: Mamba2Config, shards: int) -> int:
+    """B / C groups held over `shards` devices that split the heads: lcm(G, shards)."""
+    return math.lcm(m.n_groups, shards)
+
+
+def held(m: Mamba2Config | None, tp) -> Mamba2Config | None:
+    """The mixer as held under `tp` (a models.sharding.TensorParallel or None): B / C groups repeated."""
+    if m is None or tp is None or not tp.mamba:
+        return m
+    return _held(m, tp.size)
+
+
+def _held(m: Mamba2Config, shards: int) -> Mamba2Config:
+    return dataclasses.replace(m, n_groups=held_groups(m, shards))
 
 
 def _blocks(widths: tuple[int, ...], shards: int) -> np.ndarray:
@@ -90,9 +117,21 @@ def in_proj_permutation(m: Mamba2Config, shards: int) -> np.ndarray:
     return _blocks((I, I, GN, GN, m.num_heads), shards)
 
 
+def _sources(m: Mamba2Config, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """Checkpoint index of every held in_proj column and conv channel, in the per-shard order."""
+    h = _held(m, shards)
+    I, N, GN, r = m.intermediate_size, m.state_size, m.n_groups * m.state_size, h.n_groups // m.n_groups
+    bc = np.arange(h.n_groups * N)
+    bc = (bc // N // r) * N + bc % N  # held B (or C) column -> the checkpoint's
+    conv = np.concatenate([np.arange(I), I + bc, I + GN + bc])
+    cols = np.concatenate([np.arange(I), I + conv, I + m.conv_dim + np.arange(m.num_heads)])
+    return cols[in_proj_permutation(h, shards)], conv[conv_permutation(h, shards)]
+
+
 def reorder_params(params: dict, m: Mamba2Config, shards: int) -> dict:
-    """in_proj (and its bias) columns, conv_w rows and conv_bias in the per-shard order."""
-    cols, conv = in_proj_permutation(m, shards), conv_permutation(m, shards)
+    """in_proj (and its bias) columns, conv_w rows and conv_bias: B / C groups repeated where held
+    so, then in the per-shard order."""
+    cols, conv = _sources(m, shards)
     groups = []
     for g in params["groups"]:
         if "in_proj" in g:

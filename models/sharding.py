@@ -398,9 +398,8 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, expert_parallel: bo
     """Place every parameter on `mesh` with its Megatron split (KV heads repeated where fewer than
     the devices, GDN qkv channels reordered)."""
     plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
-    params = repeat_kv_heads(params, cfg, plan)
+    params = _reorder_gdn(repeat_kv_heads(params, cfg, plan), cfg, plan)  # Mamba-2: may repeat B/C groups
     specs = param_specs(params, cfg, plan)
-    params = _reorder_gdn(params, cfg, plan)
     return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
 
 
@@ -441,7 +440,7 @@ def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
         perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
         caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
     if plan.mamba:
-        perm = mamba2_tp.conv_permutation(cfg.mamba, plan.size)
+        perm = mamba2_tp.conv_permutation(mamba2_tp.held(cfg.mamba, plan), plan.size)
         caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
     shardings = cache_shardings(caches, cfg, plan)
     return jax.tree.map(_place, caches, shardings)

@@ -1,12 +1,13 @@
-"""Nemotron-H under tensor parallelism on simulated CPU devices (a subprocess: the device count must not
-leak), on the tiny `nemotron_h_moe` checkpoint with every block kind (M, E, *, -).
+"""Nemotron-H under tensor parallelism on simulated CPU devices (subprocesses: the device count must
+not leak), on the tiny `nemotron_h_moe` checkpoint with every block kind (M, E, *, -).
 
 Model axis 2: the 6 Mamba-2 heads and 2 B/C groups split (in_proj / conv in the per-shard order of
 models/mamba2_tp.py, the conv and the SSD scan per shard), attention heads split, MoE experts and the
-MLP on their intermediate dimension. Checked against the one-device model (logits, within the bound
-the tests hold against HF) and against HF itself: the TP=2 engine's greedy output (chunked prefill,
-a prefix-cache hit on a continuation, preemptions) is HF's and the TP=1 engine's, token for token.
-"""
+MLP on their intermediate dimension. Model axis 3: the heads split, the 2 groups held 3 times each
+(replicated), attention and the shared expert whole. Checked against the one-device model (logits,
+within the bound the tests hold against HF) and against HF itself: the TP=2 and TP=3 engines' greedy
+output (chunked prefill, a prefix-cache hit on a continuation, preemptions) is HF's and the TP=1
+engine's, token for token."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ FAMILY = "nemotron_h_moe"
 SCRIPT = """
 import json, sys
 import jax
-jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_num_cpu_devices", int(sys.argv[3]))
 import numpy as np
 from models.model import load_model
 from models.sharding import shard_model
@@ -34,14 +35,17 @@ from runtime.engine_config import EngineConfig
 from runtime.parallel.mesh import make_mesh
 from runtime.types import EngineRequest, SamplingParams
 
-path, prompts = sys.argv[1], json.loads(sys.argv[2])
+path, prompts, devices = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 ids = prompts["logits"]
 ref = load_model(path, dtype="float32").logits(ids)
-model = shard_model(load_model(path, dtype="float32"), make_mesh(1, 2, devices=jax.devices()[:2]))
-g = next(g for g in model.params["groups"] if "in_proj" in g)
-e = next(g for g in model.params["groups"] if "experts_up" in g)
-split = [model.tp.mamba, model.tp.attention, str(g["in_proj"].sharding.spec), str(e["experts_up"].sharding.spec)]
-err = float(np.abs(model.logits(ids) - ref).max())
+split, err = {}, {}
+for m in (devices,):
+    model = shard_model(load_model(path, dtype="float32"), make_mesh(1, m, devices=jax.devices()[:m]))
+    g = next(g for g in model.params["groups"] if "in_proj" in g)
+    e = next(g for g in model.params["groups"] if "experts_up" in g)
+    split[m] = [model.tp.mamba, model.tp.attention, g["in_proj"].shape[-1], str(g["in_proj"].sharding.spec),
+                str(e["experts_up"].sharding.spec)]
+    err[m] = float(np.abs(model.logits(ids) - ref).max())
 
 def run(mesh_shape):
     engine = LLMEngine(EngineConfig(model=path, load_tokenizer=False, mesh_shape=mesh_shape, page_size=8, num_pages=22,
@@ -62,7 +66,7 @@ def run(mesh_shape):
     return {"tokens": done, "cached": cached, "preemptions": s["num_preemptions"], "leaked": s["pages_used"] + s["slots_used"],
             "prompts": used}
 
-print("REPORT " + json.dumps({"split": split, "err": err, "tp1": run(None), "tp2": run((1, 2))}))
+print("REPORT " + json.dumps({"split": split, "err": err, "tp1": run(None) if devices == 2 else None, f"tp{devices}": run((1, devices))}))
 """
 
 
@@ -80,25 +84,32 @@ def report_and_prompts(tiny_checkpoint):
     }
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_checkpoint(FAMILY)), json.dumps(prompts)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
-    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
-    return json.loads(line[len("REPORT ") :]), prompts
+    report = {}
+    for devices in (2, 3):
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(tiny_checkpoint(FAMILY)), json.dumps(prompts), str(devices)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
+        assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+        for key, value in json.loads(line[len("REPORT ") :]).items():
+            report[key] = {**report.get(key, {}), **value} if key in ("split", "err") else report.get(key) or value
+    return report, prompts
 
 
-def test_tp2_splits_mamba_heads_and_matches_one_device(report_and_prompts):
+def test_tp_splits_mamba_heads_and_matches_one_device(report_and_prompts):
+    """Model axis 2: heads and groups split, in_proj as wide as the checkpoint's (2*72 + 2*2*10 + 6).
+    Model axis 3: the 2 groups do not divide, each is held 3 times (lcm(2, 3) = 6 groups: in_proj
+    2*72 + 2*6*10 + 6 wide), the heads still split; attention (4 heads) stays whole."""
     report, _ = report_and_prompts
-    mamba, attention, in_proj, experts = report["split"]
-    assert mamba and attention, report["split"]
-    assert in_proj == "P(None, None, 'model')" and experts == "P(None, None, None, 'model')"
-    assert report["err"] <= 1e-4, report["err"]
+    split = report["split"]
+    assert split["2"] == [True, True, 190, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert split["3"] == [True, False, 270, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert max(report["err"].values()) <= 1e-4, report["err"]
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +122,12 @@ def hf(tiny_checkpoint):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def test_tp2_engine_greedy_matches_tp1_and_hf(report_and_prompts, hf):
+def test_tp_engine_greedy_matches_tp1_and_hf(report_and_prompts, hf):
     report, _ = report_and_prompts
-    tp1, tp2 = report["tp1"], report["tp2"]
-    assert tp2["tokens"] == tp1["tokens"] and len(tp2["tokens"]) == 6
-    assert tp2["leaked"] == tp1["leaked"] == 0 and tp2["preemptions"] > 0, (tp1, tp2)
-    assert tp2["cached"]["c"] >= 24, tp2["cached"]
+    tp1, tp2, tp3 = report["tp1"], report["tp2"], report["tp3"]
+    assert tp3["tokens"] == tp2["tokens"] == tp1["tokens"] and len(tp2["tokens"]) == 6
+    for run in (tp1, tp2, tp3):
+        assert run["leaked"] == 0 and run["preemptions"] > 0 and run["cached"]["c"] >= 24, run
     for rid, ids in tp2["prompts"].items():
         expected, scores = hf_greedy(hf, ids, 12)
         assert_greedy_match(tp2["tokens"][rid], expected, scores, f"TP=2 engine {rid} ({len(ids)} tokens)")

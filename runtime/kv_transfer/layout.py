@@ -87,7 +87,7 @@ def conv_permutation(model) -> np.ndarray | None:
     """The conv-state channel order of a GDN- or Mamba-2-split TP engine (models/sharding.py), or None."""
     tp = model.tp
     if tp is not None and tp.mamba:
-        return mamba2_tp.conv_permutation(model.cfg.mamba, tp.size)
+        return mamba2_tp.conv_permutation(mamba2_tp.held(model.cfg.mamba, tp), tp.size)
     if tp is None or not tp.gdn:
         return None
     return qkv_permutation(tp.gdn_qkv_widths, tp.size)
