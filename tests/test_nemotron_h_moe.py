@@ -201,3 +201,39 @@ def test_expert_parallelism_is_refused_with_a_message(ours):
     mesh = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(ValueError, match="expert parallelism"):
         tensor_parallel_plan(ours.cfg, mesh, expert_parallel=True)
+
+
+def test_shipped_nemotron_3_nano_config():
+    """configs/models/nemotron-3-nano-30b-a3b.json: 52 blocks (23 Mamba-2, 23 MoE, 6 attention), HF's
+    own NemotronHConfig reads the same pattern, 31.6B parameters (the model card's total)."""
+    import jax
+    from transformers import NemotronHConfig
+
+    from configs import CONFIG_DIR
+    from models.config import parse_config
+    from models.weights import abstract_params
+
+    published = read_json(CONFIG_DIR / "models" / "nemotron-3-nano-30b-a3b.json")
+    cfg = parse_config(published)
+    text = NemotronHConfig(**{k: v for k, v in published.items() if not k.startswith("_")})
+    assert [t == "moe" for t in text.layers_block_type] == [t == "moe" for t in cfg.mlp_types]
+    assert (cfg.layer_types.count(MAMBA), cfg.mlp_types.count("moe"), cfg.num_attention_layers) == (23, 23, 6)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.deepseek_moe.routed_scaling_factor) == (128, 6, 2.5)
+    count = sum(x.size for x in jax.tree.leaves(abstract_params(cfg, "bfloat16")))
+    assert abs(count / 31.6e9 - 1) < 0.01, count
+
+
+def test_jaxserve_plan_splits_nemotron_3_nano_over_a_tpu_v5e_8():
+    """The v5e-8 config (TP8) pointed at Nemotron 3 Nano, shapes only (the compiled plan:
+    benchmarks/results/plan/): 64 SSM heads / 8 groups, 2 KV heads held 4 times each, experts on
+    their 1856 columns, all split 8 ways; the bf16 weights take under half of a 16 GiB chip."""
+    from configs import CONFIG_DIR, load_config
+    from runtime.aot.chip_report import plan_config
+
+    name = "tpu-v5e-8-qwen3_5-27b.yaml"
+    over = {"model.path": "/models/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "model.max_model_len": 32768}
+    report = plan_config(load_config(CONFIG_DIR / name, over), name, token_buckets=(), compile_sampler=False)
+    assert report.fits, report.problems
+    assert abs(report.param_count / 31.6e9 - 1) < 0.01
+    assert report.weight_bytes < 8 * 2**30, report.weight_bytes  # per chip
+    assert report.kv_bytes_per_token == 2 * 6 * 128  # fp8 K and V of one held KV head per chip, 6 layers
