@@ -9,6 +9,8 @@ when `has_initial_state` (a later prefill chunk, a decode step, a prefix-cache c
 zeros otherwise, and leaves its state in its slot. The scan is pallas_kernels/ssd.py's ragged op;
 its implementation follows the GDN back-end choice where the SSD op has one of that name, "auto"
 otherwise (the per-token loop on CPU, the Pallas kernels on TPU / GPU and with `interpret`).
+Under tensor parallelism (`opts.tp.mamba`) the heads are split: in_proj's columns and the conv's
+channels arrive in a per-shard order, and the conv and the scan run per shard (models/mamba2_tp.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import ops
+from models import mamba2_tp, ops
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from pallas_kernels import ssd
@@ -45,26 +47,34 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
     """x [T, hidden] -> (out [T, hidden], conv_state, ssm_state); the states are this layer's slot
     pools ([slots, W-1, conv_dim], [slots, H, P, N]), `slot_offset` its layer group's first slot."""
     m = cfg.mamba
-    T, H, P, G, N = x.shape[0], m.num_heads, m.head_dim, m.n_groups, m.state_size
-    I = m.intermediate_size
+    T, G, I = x.shape[0], m.n_groups, m.intermediate_size
     slots, rows = batch.state_slot_ids + slot_offset, batch.num_valid_rows
     proj = ops.linear(x, p["in_proj"], opts, valid_rows=rows)  # [T, I + conv_dim + H]
     if "in_bias" in p:
         proj = proj + p["in_bias"]
-    z, xbc, dt = jnp.split(proj, [I, I + m.conv_dim], axis=-1)
-    xbc, conv_state = causal_conv1d(
-        xbc, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, activation=None
+    tp = opts.tp if opts.tp is not None and opts.tp.mamba else None
+    shards, mh = 1 if tp is None else tp.size, mamba2_tp.held(m, tp)  # mh: B / C groups as held
+    z, xbc, dt = mamba2_tp.split_projection(proj, mh, shards)
+    conv = mamba2_tp.on_shards(
+        lambda *args: causal_conv1d(*args, activation=None), tp, *mamba2_tp.conv_specs(tp and tp.axis)
+    )
+    xbc, conv_state = conv(
+        xbc, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs
     )
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
-    xbc = jax.nn.silu(xbc)
-    xs, b, c = jnp.split(xbc, [I, I + G * N], axis=-1)
-    y, ssm_state = ssd.ssd(
-        xs.reshape(T, H, P),
+    xs, b, c = mamba2_tp.split_conv_out(jax.nn.silu(xbc), mh, shards)
+    scan = mamba2_tp.on_shards(
+        lambda *args: ssd.ssd(*args, impl=ssd_impl(opts), interpret=opts.interpret, dt_limit=m.dt_limit),
+        tp,
+        *mamba2_tp.ssd_specs(tp and tp.axis),
+    )
+    y, ssm_state = scan(
+        xs,
         dt,
         -jnp.exp(p["A_log"].astype(jnp.float32)),
-        b.reshape(T, G, N),
-        c.reshape(T, G, N),
+        b,
+        c,
         p["D"],
         p["dt_bias"],
         ssm_state,
@@ -72,9 +82,6 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
         slots,
         batch.has_initial_state,
         batch.num_seqs,
-        impl=ssd_impl(opts),
-        interpret=opts.interpret,
-        dt_limit=m.dt_limit,
     )
     y = gated_rms_norm(y.reshape(T, I), z, p["gated_norm"], G, m.norm_eps)
     out = ops.linear(y.astype(x.dtype), p["out_proj"], opts, valid_rows=rows)

@@ -2,18 +2,21 @@
 
 Nemotron-H (`NemotronHForCausalLM`) stacks single-mixer blocks (norm -> mixer -> residual) named by
 `hybrid_override_pattern` (or HF 5.x's `layers_block_type` list): M = Mamba-2, * = attention
-(no RoPE), - = an MLP block (up -> relu2 -> down, no gate), E = MoE (refused). Each block is one of
-our layers: a mixer with no MLP (`NO_MLP`), or an MLP with no mixer (`NO_MIXER`), so the scan over
+(no RoPE), - = an MLP block (up -> relu2 -> down, no gate), E = MoE (models/nemotron_moe.py: DeepSeek's
+router, gateless relu2 experts, one shared expert). Each block is one of our layers: a mixer with no
+MLP (`NO_MLP`), or an MLP (dense or MoE) with no mixer (`NO_MIXER`), so the scan over
 layer groups (models/transformer.py) runs them unchanged. `recurrent_state_shapes` is the one
 place that says what a state slot holds per recurrent layer, GDN or Mamba-2.
 
-This module imports nothing of ours (models/config.py imports it).
+This module imports only models/deepseek_config.py of ours (models/config.py imports it).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from models.deepseek_config import DeepseekMoEConfig
 
 MAMBA = "mamba"  # a layer kind beside models/config.py's ATTENTION and LINEAR (GDN)
 NO_MIXER = "none"  # a layer_types entry: an MLP-only block
@@ -30,6 +33,8 @@ BLOCKS = {
     "full_attention": (ATTENTION, NO_MLP),
     "attention": (ATTENTION, NO_MLP),
     "mlp": (NO_MIXER, "dense"),
+    "E": (NO_MIXER, "moe"),
+    "moe": (NO_MIXER, "moe"),
 }
 MOE_BLOCKS = ("E", "moe")
 MLP_ACTIVATIONS = ("relu2", "silu", "gelu", "gelu_pytorch_tanh")
@@ -56,6 +61,15 @@ DEFAULTS = dict(
     max_position_embeddings=4096,
     num_key_value_heads=8,
     time_step_limit=(0.0, math.inf),
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=7688,
+    moe_shared_expert_intermediate_size=7688,
+    n_shared_experts=1,
+    routed_scaling_factor=1.0,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
 )
 LEGACY_NAMES = {
     "mamba_n_groups": "n_groups",
@@ -96,10 +110,11 @@ class Mamba2Config:
         return self.intermediate_size + self.conv_dim + self.num_heads
 
 
-def recurrent_state_shapes(cfg) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def recurrent_state_shapes(cfg, mamba: Mamba2Config | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv state [W-1, C], recurrent state) of one slot of one recurrent layer of `cfg` (a
-    models.config.ModelConfig): Mamba-2's SSM state [H, P, N], GDN's [Hv, K, V]."""
-    m = cfg.mamba
+    models.config.ModelConfig): Mamba-2's SSM state [H, P, N], GDN's [Hv, K, V]. `mamba`: the
+    Mamba-2 mixer as held under tensor parallelism (models/mamba2_tp.py's `held`), else cfg's."""
+    m = mamba or cfg.mamba
     if m is not None:
         return (m.conv_kernel - 1, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
     rec = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
@@ -117,7 +132,7 @@ def _blocks(hf: dict, error) -> list[str]:
         return list(listed)
     pattern = hf.get("hybrid_override_pattern")
     if pattern is None:
-        return ["linear_attention", "moe", "full_attention", "mlp"]  # HF's default (has MoE: refused)
+        return ["linear_attention", "moe", "full_attention", "mlp"]  # HF's default
     if not isinstance(pattern, str) or not pattern:
         raise error(f"hybrid_override_pattern must be a non-empty string, got {pattern!r}")
     return list(pattern)
@@ -130,15 +145,10 @@ def nemotron_h_config(hf: dict, error) -> tuple[dict, dict]:
     hf = {LEGACY_NAMES.get(k, k): v for k, v in hf.items() if v is not None}
     hf = {**DEFAULTS, **hf}
     blocks = _blocks(hf, error)
-    moe = sorted({b for b in blocks if b in MOE_BLOCKS})
-    if moe:
-        raise error(
-            f"Nemotron-H MoE blocks ({moe[0]!r} in the layer pattern) are not supported: "
-            "jaxserve serves the dense Nemotron-H models (Mamba-2 M, attention *, MLP -)"
-        )
     unknown = sorted({b for b in blocks if b not in BLOCKS})
     if unknown:
-        raise error(f"Nemotron-H layer pattern has unknown block types {unknown} (M, *, - or their HF names)")
+        raise error(f"Nemotron-H layer pattern has unknown block types {unknown} (M, *, -, E or their HF names)")
+    moe_fields = _moe_fields(hf, error) if any(b in MOE_BLOCKS for b in blocks) else {}
     if hf["mamba_hidden_act"] not in ("silu", "swish"):
         raise error(f"Nemotron-H mamba_hidden_act {hf['mamba_hidden_act']!r} is not supported (silu)")
     if hf["mlp_hidden_act"] not in MLP_ACTIVATIONS:
@@ -178,5 +188,41 @@ def nemotron_h_config(hf: dict, error) -> tuple[dict, dict]:
         mlp_types=tuple(m for _, m in kinds),
         hidden_act=hf["mlp_hidden_act"],
         mamba=mamba,
+        **moe_fields,
     )
     return common, fields
+
+
+def _moe_fields(hf: dict, error) -> dict:
+    """The ModelConfig MoE fields of HF's NemotronHMoE (its router is DeepSeek-V3's)."""
+    E, K = int(hf["n_routed_experts"]), int(hf["num_experts_per_tok"])
+    groups, kept = int(hf["n_group"]), int(hf["topk_group"])
+    if hf.get("moe_latent_size") is not None:
+        raise error(
+            f"Nemotron-H moe_latent_size {hf['moe_latent_size']} (latent MoE projections) is not supported: "
+            "jaxserve serves MoE blocks whose experts read the hidden state (moe_latent_size null)"
+        )
+    if hf["mlp_hidden_act"] != "relu2":
+        raise error(f"Nemotron-H MoE experts with mlp_hidden_act {hf['mlp_hidden_act']!r} are not supported (relu2)")
+    if groups < 1 or E % groups or E // groups < 2 or not 1 <= kept <= groups:
+        raise error(
+            f"Nemotron-H n_routed_experts {E} must split into n_group {groups} groups of >= 2 experts, "
+            f"with 1 <= topk_group {kept} <= n_group"
+        )
+    if not 1 <= K <= kept * (E // groups):
+        raise error(
+            f"Nemotron-H num_experts_per_tok {K} must be in [1, {kept * (E // groups)}] (the kept groups' experts)"
+        )
+    return dict(
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(hf["moe_shared_expert_intermediate_size"]),
+        norm_topk_prob=bool(hf["norm_topk_prob"]),
+        deepseek_moe=DeepseekMoEConfig(
+            n_group=groups,
+            topk_group=kept,
+            routed_scaling_factor=float(hf["routed_scaling_factor"]),
+            n_shared_experts=int(hf["n_shared_experts"]),
+        ),
+    )

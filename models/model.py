@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import mamba2_tp
 from models.batch import decode_batch, single_sequence_batch
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.mamba2_config import NO_MIXER, recurrent_state_shapes
@@ -164,7 +165,7 @@ class Model:
                 rec.append(None)
             else:
                 kv.append(None)
-                conv_shape, rec_shape = recurrent_state_shapes(cfg)
+                conv_shape, rec_shape = recurrent_state_shapes(cfg, mamba2_tp.held(cfg.mamba, self.tp))
                 conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
                 rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
@@ -184,13 +185,15 @@ class Model:
 
     def state_bytes_per_slot(self) -> int:
         """One state slot's bytes (conv and recurrent states of every GDN / Mamba-2 layer, in `state_dtype`)."""
-        per_layer = sum(np.prod(shape) for shape in recurrent_state_shapes(self.cfg))
+        shapes = recurrent_state_shapes(self.cfg, mamba2_tp.held(self.cfg.mamba, self.tp))
+        per_layer = sum(np.prod(shape) for shape in shapes)
         return int(jnp.dtype(self.state_dtype).itemsize * per_layer * self.cfg.num_linear_layers)
 
     def state_bytes_per_slot_per_device(self) -> int:
         """One state slot's bytes on one device: GDN heads split over the model axis (`tp.gdn`)."""
         per_slot = self.state_bytes_per_slot()
-        return per_slot // self.tp.size if self.tp is not None and self.tp.gdn else per_slot
+        split = self.tp is not None and (self.tp.gdn or self.tp.mamba)
+        return per_slot // self.tp.size if split else per_slot
 
     def logits(
         self, token_ids, opts: KernelOptions | None = None, page_size: int = 16, kv_dtype: str = "auto"

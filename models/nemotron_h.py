@@ -12,12 +12,13 @@ from collections.abc import Callable
 
 from models.config import ATTENTION, ModelConfig
 from models.mamba2_config import MAMBA, NO_MIXER
+from models.nemotron_moe import nemotron_moe_params, nemotron_moe_shapes
 
 EMBEDDING, FINAL_NORM = "embeddings.weight", "norm_f.weight"
 PREFIXES = ("backbone.", "model.")
 
 
-def layer_params(cfg: ModelConfig, get: Callable, lin: Callable, i: int) -> dict:
+def layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
     """Layer i's parameters from `get(name, shape)` (norms, vectors) and `lin(module, out, in)`
     (Linear weights as [in, out]); names are relative to the decoder prefix."""
     H, kind, b = cfg.hidden_size, cfg.layer_types[i], f"layers.{i}."
@@ -38,6 +39,8 @@ def layer_params(cfg: ModelConfig, get: Callable, lin: Callable, i: int) -> dict
             inp, out = shapes[name]
             p[name] = lin(mixer + name, out, inp)
         biases = {}
+    elif cfg.mlp_types[i] == "moe":
+        return {**p, **nemotron_moe_params(cfg, get, has, lin, mixer)}
     else:
         I = cfg.intermediate_size
         p["up_proj"] = lin(mixer + "up_proj", I, H)
@@ -78,6 +81,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             "v_proj": (H, kv_out),
             "o_proj": (q_out, H),
         }
+    if cfg.mlp_types[i] == "moe":
+        return nemotron_moe_shapes(cfg)
     I = cfg.intermediate_size
     shapes = {"post_norm": (H,), "up_proj": (H, I), "down_proj": (I, H)}
     if cfg.mlp_bias:

@@ -31,10 +31,10 @@ from models.random_deepseek import DEEPSEEK_SPECS
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
 from models.random_kimi import KIMI_SPECS
-from models.random_nemotron_h import NEMOTRON_H_SPEC
+from models.random_nemotron_h import NEMOTRON_H_SPECS
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
-OWN_SPECS = dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, nemotron_h=NEMOTRON_H_SPEC, **DEEPSEEK_SPECS, **KIMI_SPECS)
+OWN_SPECS = dict(gpt_oss=GPT_OSS_SPEC, gemma3=GEMMA3_SPEC, **NEMOTRON_H_SPECS, **DEEPSEEK_SPECS, **KIMI_SPECS)
 ALL_FAMILIES = (*FAMILIES, *OWN_SPECS)  # OWN_SPECS: each with its own test module
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

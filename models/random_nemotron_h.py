@@ -1,4 +1,4 @@
-"""The tiny Nemotron-H spec of `models.random_checkpoint` (family `nemotron_h`), kept beside it.
+"""The tiny Nemotron-H specs of `models.random_checkpoint` (families `nemotron_h`, `nemotron_h_moe`).
 
 Ten single-mixer blocks "M-M*-M-M*-" (Mamba-2, MLP, Mamba-2, attention, MLP, twice) so the layer
 scan runs two groups and a Mamba-2 layer follows a Mamba-2 layer, an MLP and an attention block.
@@ -8,6 +8,11 @@ so test prompts span many chunks; conv bias on. `time_step_limit` is left at its
 5.24's mixer clamps dt at `time_step_min` instead, and at 0.001 neither clamp is reached by these
 weights (dt_bias ~ N(-2, 0.5)), so both versions are the same oracle; tests/test_nemotron_h.py checks
 a limit that does clamp separately.
+
+`nemotron_h_moe` (Nemotron 3 Nano's block kinds): twelve blocks "MEM*E-MEM*E-" with every kind, M, E,
+* and -, in two layer groups; E blocks of 8 gateless relu2 experts in 4 groups of 2 of which 2 are
+kept, top-3, normalised and scaled by 2.5, plus a shared expert of 40 (!= the experts' 24 and the
+dense MLP's 72). The random router bias (`e_score_correction_bias`) moves the choice.
 """
 
 from __future__ import annotations
@@ -38,3 +43,21 @@ NEMOTRON_H_SPEC: tuple[str, str, dict[str, Any]] = (
         tie_word_embeddings=False,
     ),
 )
+
+NEMOTRON_H_MOE_SPEC: tuple[str, str, dict[str, Any]] = (
+    "NemotronHConfig",
+    "NemotronHForCausalLM",
+    dict(
+        NEMOTRON_H_SPEC[2],
+        hybrid_override_pattern="MEM*E-MEM*E-",
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    ),
+)
+NEMOTRON_H_SPECS = {"nemotron_h": NEMOTRON_H_SPEC, "nemotron_h_moe": NEMOTRON_H_MOE_SPEC}

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import mamba2_tp
 from models.config import ModelConfig
 from models.quantization import QuantizedWeight, take_columns
 
@@ -60,6 +61,7 @@ class TensorParallel:
     mesh: Mesh
     attention: bool  # Hq and Hkv split over the model axis (else attention is replicated)
     gdn: bool  # GDN key and value heads split (else GDN is replicated)
+    mamba: bool = False  # Mamba-2 heads and B / C groups split (models/mamba2_tp.py)
     gdn_qkv_widths: tuple[int, int, int] = (0, 0, 0)  # (Hk*K, Hk*K, H*V) conv channels
     axis: str = MODEL_AXIS
     expert: bool = False  # routed experts split on the expert index (expert parallelism)
@@ -82,11 +84,8 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
-    if m > 1 and cfg.mamba is not None:
-        raise ValueError(
-            f"tensor parallelism (model axis {m}) is not supported for Mamba-2 hybrids (Nemotron-H): "
-            "its in_proj / conv / SSM heads have no split rule yet; serve it with parallel.mesh.model 1"
-        )
+    if m > 1 and expert_parallel and cfg.mamba is not None and "moe" in cfg.mlp_types:
+        raise ValueError(mamba2_tp.EP_REFUSAL)
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
@@ -97,7 +96,7 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     if m > 1 and cfg.num_attention_layers and kv_repeat > 1:
         log.info("attention split: each of %d KV heads repeated on %d of %d devices", hkv, kv_repeat, m)
     gdn, widths = False, (0, 0, 0)
-    if cfg.is_hybrid:
+    if cfg.is_hybrid and cfg.mamba is None:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         gdn = _divides(hk, m) and _divides(hv, m)  # KDA (Kimi Linear): the same split, its gates by head too
         qk = hk * cfg.linear_key_head_dim
@@ -109,6 +108,7 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
         mesh=mesh,
         attention=attention and m > 1,
         gdn=gdn and m > 1,
+        mamba=cfg.mamba is not None and mamba2_tp.mamba_split(cfg.mamba, m),
         gdn_qkv_widths=widths,
         expert=expert,
         kv_repeat=kv_repeat if attention and m > 1 else 1,
@@ -123,6 +123,8 @@ def kv_heads_held(cfg: ModelConfig, plan: TensorParallel | None) -> int:
 def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
     if not asked or m == 1:
         return False
+    if cfg.mamba is not None and "moe" in cfg.mlp_types:
+        raise ValueError(mamba2_tp.EP_REFUSAL)
     if "moe" not in cfg.mlp_types:
         log.warning("expert parallelism asked for a model without MoE layers: ignored")
         return False
@@ -197,6 +199,7 @@ MLP_RULES = {
 MOE_RULES = {
     "router": REPLICATED,
     "experts_gate_up": COLUMN,
+    "experts_up": COLUMN,  # Nemotron-H's gateless experts
     "experts_down": ROW,
     "shared_gate_proj": COLUMN,
     "shared_up_proj": COLUMN,
@@ -224,8 +227,6 @@ MLA_RULES = {
     "e_score_bias": REPLICATED,
 }
 EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
-# Mamba-2's own names (the rest are GDN's): whole on one device (`tensor_parallel_plan` refuses m > 1)
-MAMBA2_RULES = dict.fromkeys(("in_proj", "in_bias", "conv_bias", "D", "out_bias"), REPLICATED)
 # KDA's own names (the rest are GDN's): the low-rank gate projections' first halves [hidden, K] whole,
 # their second halves [K, H K] split by head (column), as f_b's decay and g_b's output gate are per head
 KDA_RULES = {"f_a": REPLICATED, "f_b": COLUMN, "g_a": REPLICATED, "g_b": COLUMN}
@@ -265,9 +266,11 @@ def group_param_specs(cfg: ModelConfig, params_g: dict, position: int, plan: Ten
         **MOE_RULES,
         **NORM_RULES,
         **MLA_RULES,
-        **MAMBA2_RULES,
         **KDA_RULES,
     }
+    if cfg.mamba is not None:  # Mamba-2's names, some shared with GDN's: split with `plan.mamba`
+        rules.update(mamba2_tp.RULES)
+        kind_ok.update(dict.fromkeys(mamba2_tp.RULES, plan.mamba))
     if plan.expert:
         rules.update(EXPERT_PARALLEL_RULES)
     specs = {}
@@ -350,7 +353,10 @@ def _place(x, sharding: NamedSharding):
 
 
 def _reorder_gdn(params: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
-    """in_qkv columns and conv_w rows in per-shard [Q_i K_i V_i] order (see module docstring)."""
+    """in_qkv columns and conv_w rows in per-shard [Q_i K_i V_i] order (see module docstring);
+    Mamba-2's in_proj / conv in theirs (models/mamba2_tp.py)."""
+    if plan.mamba:
+        return mamba2_tp.reorder_params(params, cfg.mamba, plan.size)
     if not plan.gdn:
         return params
     perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
@@ -396,9 +402,8 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, expert_parallel: bo
     """Place every parameter on `mesh` with its Megatron split (KV heads repeated where fewer than
     the devices, GDN qkv channels reordered)."""
     plan = tensor_parallel_plan(cfg, mesh, expert_parallel)
-    params = repeat_kv_heads(params, cfg, plan)
+    params = _reorder_gdn(repeat_kv_heads(params, cfg, plan), cfg, plan)  # Mamba-2: may repeat B/C groups
     specs = param_specs(params, cfg, plan)
-    params = _reorder_gdn(params, cfg, plan)
     return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
 
 
@@ -420,8 +425,9 @@ def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     axis = plan.axis
     head = P(None, axis) if plan.attention and cfg.mla is None else P()  # MLA's latent rows: replicated
     kv = tuple(None if pages is None else jax.tree.map(lambda _: head, pages) for pages in caches["kv"])
-    conv = tuple(None if c is None else (P(None, None, axis) if plan.gdn else P()) for c in caches["conv"])
-    rec = tuple(None if r is None else (P(None, axis) if plan.gdn else P()) for r in caches["rec"])
+    split = plan.gdn or plan.mamba  # Mamba-2: conv channels in the per-shard order, SSM state on heads
+    conv = tuple(None if c is None else (P(None, None, axis) if split else P()) for c in caches["conv"])
+    rec = tuple(None if r is None else (P(None, axis) if split else P()) for r in caches["rec"])
     return {"kv": kv, "conv": conv, "rec": rec}
 
 
@@ -436,6 +442,9 @@ def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     plan = tensor_parallel_plan(cfg, mesh)
     if plan.gdn:
         perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
+        caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
+    if plan.mamba:
+        perm = mamba2_tp.conv_permutation(mamba2_tp.held(cfg.mamba, plan), plan.size)
         caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
     shardings = cache_shardings(caches, cfg, plan)
     return jax.tree.map(_place, caches, shardings)

@@ -29,6 +29,7 @@ from models.kda_layer import kda_layer
 from models.mamba2 import mamba2_layer
 from models.mamba2_config import MAMBA, NO_MIXER, NO_MLP
 from models.mla_attention import mla_layer
+from models.nemotron_moe import nemotron_moe
 from models.quantization import QuantizedWeight, embed_lookup, out_in, qdot, tied_head
 from models.tokenwise import tokenwise
 from pallas_kernels import cpu_native
@@ -238,7 +239,15 @@ def _group_step(params_g, x, caches, g, batch, ropes, cfg: ModelConfig, opts):
         if cfg.mlp_types[layer] == "dense":
             h = dense_mlp(p, h, opts=opts, rows=batch.num_valid_rows, act=cfg.hidden_act)
         else:  # per token: under attention DP's vmap, one call over every rank's tokens (models/tokenwise.py)
-            moe = gpt_oss_moe if cfg.gpt_oss_moe else deepseek_moe if cfg.deepseek_moe is not None else moe_mlp
+            moe = (
+                nemotron_moe
+                if cfg.mamba is not None
+                else gpt_oss_moe
+                if cfg.gpt_oss_moe
+                else deepseek_moe
+                if cfg.deepseek_moe is not None
+                else moe_mlp
+            )
             h = tokenwise(lambda p_, h_, rows: moe(p_, h_, cfg, opts, rows))(p, h, batch.num_valid_rows)
         if cfg.sandwich_norms:
             h = rms_norm(h, p["mlp_out_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

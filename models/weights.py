@@ -66,7 +66,7 @@ def _prefix(src: TensorSource, embed: str = "embed_tokens.weight", prefixes=()) 
 
 def _layer_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, i: int) -> dict:
     if cfg.mamba is not None:  # Nemotron-H: single-mixer blocks
-        return nemotron_h.layer_params(cfg, get, lin, i)
+        return nemotron_h.layer_params(cfg, get, has, lin, i)
     if cfg.kda:  # Kimi Linear: KDA and NoPE MLA layers, Moonshot's tensor names
         return kimi_linear.layer_params(cfg, get, has, lin, i)
     H, D = cfg.hidden_size, cfg.head_dim

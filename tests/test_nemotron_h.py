@@ -10,7 +10,7 @@ GPU kernel interpreted too), a dt clamp (`time_step_limit`) that bites, greedy d
 and one engine (16-token steps, pages of 8, a small pool, prefix caching) whose greedy output is
 HF's under chunked prefill, prefix-cache hits (state checkpoints) and preemptions, with every page
 and state slot back afterwards; the abstract parameter tree, the shipped Nemotron-H-8B config's
-size, and what we refuse (MoE blocks, tensor parallelism) with a message.
+size, and what we refuse with a message (MoE blocks: tests/test_nemotron_h_moe.py).
 """
 
 from __future__ import annotations
@@ -296,8 +296,7 @@ def test_shipped_nemotron_h_8b_config():
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(layers_block_type=None, hybrid_override_pattern="M-E*-"), "MoE"),
-        (dict(layers_block_type=["mamba", "moe"]), "MoE"),
+        (dict(layers_block_type=None, hybrid_override_pattern="M-E*-", moe_latent_size=8), "moe_latent_size"),
         (dict(layers_block_type=["mamba", "cross_attention"]), "unknown block types"),
         (dict(mamba_hidden_act="gelu"), "mamba_hidden_act"),
         (dict(mlp_hidden_act="tanh"), "mlp_hidden_act"),
@@ -316,15 +315,18 @@ def test_unsupported_options_are_refused_at_load(tiny_checkpoint, tmp_path, chan
         load_model(tmp_path)
 
 
-def test_tensor_parallelism_is_refused_with_a_message(ours):
-    """Mamba-2's heads have no split rule: a model axis > 1 is refused naming the fix."""
+def test_tensor_parallel_plan_splits_mamba_heads_that_divide(ours):
+    """6 SSM heads in 2 B/C groups: a model axis of 2 splits them (models/mamba2_tp.py; checked
+    against HF in tests/test_nemotron_h_tp.py); 4 does not divide them: the Mamba-2 layers stay whole."""
     from jax.sharding import AbstractMesh, AxisType
 
     from models.sharding import tensor_parallel_plan
 
-    mesh = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    with pytest.raises(ValueError, match="parallel.mesh.model 1"):
-        tensor_parallel_plan(ours.cfg, mesh)
+    plans = [
+        tensor_parallel_plan(ours.cfg, AbstractMesh((1, m), ("data", "model"), axis_types=(AxisType.Auto,) * 2))
+        for m in (2, 4)
+    ]
+    assert [p.mamba for p in plans] == [True, False] and not any(p.gdn for p in plans)
 
 
 # Nemotron-H-8B's state slot from its published config, by hand: 24 Mamba-2 layers, each with a conv
@@ -408,16 +410,19 @@ def test_data_parallel_engine_matches_single_device(tiny_checkpoint):
     assert dp["prefix_cache_hit_tokens"] > 0 and dp["pages_used"] == dp["slots_used"] == 0, dp
 
 
-def test_jaxserve_plan_refuses_a_tensor_parallel_mesh():
+def test_jaxserve_plan_splits_nemotron_h_8b_over_a_tpu_v5e_8():
+    """The v5e-8 TP8 config pointed at Nemotron-H-8B (shapes only): 128 SSM heads and 8 B/C groups
+    split 8 ways, so a state slot on one chip is an eighth of the whole."""
     from configs import load_config
-    from runtime.aot.chip_report import PlanError, plan_config
+    from runtime.aot.chip_report import plan_config
 
     name = "tpu-v5e-8-qwen3_5-27b.yaml"
     launch = load_config(
         CONFIG_DIR / name, {"model.path": "/models/Nemotron-H-8B-Base-8K", "model.max_model_len": 8192}
     )
-    with pytest.raises(PlanError, match="not supported for Mamba-2 hybrids"):
-        plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    report = plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    assert report.fits, report.problems
+    assert report.state_bytes_per_slot == NEMOTRON_H_8B_SLOT_BYTES // 8
 
 
 def test_bfloat16_state_slots_refused_at_start_up(tiny_checkpoint):

@@ -78,6 +78,8 @@ SHIPPED_MODEL_CONFIGS = {
     "gemma-3-27b-it": "gemma-3-27b.json",
     "gemma-3-27b-pt": "gemma-3-27b.json",
     "Nemotron-H-8B-Base-8K": "nemotron-h-8b.json",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "nemotron-3-nano-30b-a3b.json",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B": "nemotron-3-nano-30b-a3b.json",
     "DeepSeek-V3": "deepseek-v3.json",
     "Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b.json",
 }

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import ops
+from models import mamba2_tp, ops
 from models.config import ATTENTION
 from models.mamba2_config import NO_MIXER
 from models.sharding import qkv_permutation
@@ -84,8 +84,10 @@ def _names(caches) -> list[str]:
 
 
 def conv_permutation(model) -> np.ndarray | None:
-    """The conv-state channel order of a GDN-split TP engine (models/sharding.py), or None."""
+    """The conv-state channel order of a GDN- or Mamba-2-split TP engine (models/sharding.py), or None."""
     tp = model.tp
+    if tp is not None and tp.mamba:
+        return mamba2_tp.conv_permutation(mamba2_tp.held(model.cfg.mamba, tp), tp.size)
     if tp is None or not tp.gdn:
         return None
     return qkv_permutation(tp.gdn_qkv_widths, tp.size)

@@ -1,0 +1,133 @@
+"""Nemotron-H under tensor parallelism on simulated CPU devices (subprocesses: the device count must
+not leak), on the tiny `nemotron_h_moe` checkpoint with every block kind (M, E, *, -).
+
+Model axis 2: the 6 Mamba-2 heads and 2 B/C groups split (in_proj / conv in the per-shard order of
+models/mamba2_tp.py, the conv and the SSD scan per shard), attention heads split, MoE experts and the
+MLP on their intermediate dimension. Model axis 3: the heads split, the 2 groups held 3 times each
+(replicated), attention and the shared expert whole. Checked against the one-device model (logits,
+within the bound the tests hold against HF) and against HF itself: the TP=2 and TP=3 engines' greedy
+output (chunked prefill, a prefix-cache hit on a continuation, preemptions) is HF's and the TP=1
+engine's, token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_reference import assert_greedy_match, hf_greedy
+
+FAMILY = "nemotron_h_moe"
+
+SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[3]))
+import numpy as np
+from models.model import load_model
+from models.sharding import shard_model
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.parallel.mesh import make_mesh
+from runtime.types import EngineRequest, SamplingParams
+
+path, prompts, devices = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+ids = prompts["logits"]
+ref = load_model(path, dtype="float32").logits(ids)
+split, err = {}, {}
+for m in (devices,):
+    model = shard_model(load_model(path, dtype="float32"), make_mesh(1, m, devices=jax.devices()[:m]))
+    g = next(g for g in model.params["groups"] if "in_proj" in g)
+    e = next(g for g in model.params["groups"] if "experts_up" in g)
+    split[m] = [model.tp.mamba, model.tp.attention, g["in_proj"].shape[-1], str(g["in_proj"].sharding.spec),
+                str(e["experts_up"].sharding.spec)]
+    err[m] = float(np.abs(model.logits(ids) - ref).max())
+
+def run(mesh_shape):
+    engine = LLMEngine(EngineConfig(model=path, load_tokenizer=False, mesh_shape=mesh_shape, page_size=8, num_pages=22,
+                                    max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(4, 16), max_model_len=128,
+                                    enable_prefix_caching=True, aot_compile=False, dtype="float32"))
+    done, cached, used = {}, {}, {}
+    for wave in prompts["waves"]:
+        for rid, p in wave.items():
+            if isinstance(p, dict):  # a chat continuation: an earlier prompt, its output, new tokens
+                p = used[p["continue"]] + done[p["continue"]] + p["extra"]
+            used[rid] = p
+            engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+        while engine.has_unfinished():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens or 0)
+    s = engine.stats()
+    return {"tokens": done, "cached": cached, "preemptions": s["num_preemptions"], "leaked": s["pages_used"] + s["slots_used"],
+            "prompts": used}
+
+print("REPORT " + json.dumps({"split": split, "err": err, "tp1": run(None) if devices == 2 else None, f"tp{devices}": run((1, devices))}))
+"""
+
+
+@pytest.fixture(scope="module")
+def report_and_prompts(tiny_checkpoint):
+    rng = np.random.default_rng(3)
+    draw = lambda n: rng.integers(3, 1031, size=n).tolist()
+    shared = draw(41)
+    prompts = {
+        "logits": draw(40),
+        "waves": [
+            {"a": shared, "b": draw(23)},
+            {"c": {"continue": "a", "extra": draw(6)}, "d": draw(60), "e": draw(55), "f": draw(50)},
+        ],
+    }
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    report = {}
+    for devices in (2, 3):
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(tiny_checkpoint(FAMILY)), json.dumps(prompts), str(devices)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
+        assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+        for key, value in json.loads(line[len("REPORT ") :]).items():
+            report[key] = {**report.get(key, {}), **value} if key in ("split", "err") else report.get(key) or value
+    return report, prompts
+
+
+def test_tp_splits_mamba_heads_and_matches_one_device(report_and_prompts):
+    """Model axis 2: heads and groups split, in_proj as wide as the checkpoint's (2*72 + 2*2*10 + 6).
+    Model axis 3: the 2 groups do not divide, each is held 3 times (lcm(2, 3) = 6 groups: in_proj
+    2*72 + 2*6*10 + 6 wide), the heads still split; attention (4 heads) stays whole."""
+    report, _ = report_and_prompts
+    split = report["split"]
+    assert split["2"] == [True, True, 190, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert split["3"] == [True, False, 270, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert max(report["err"].values()) <= 1e-4, report["err"]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoint):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    path = tiny_checkpoint(FAMILY)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_tp_engine_greedy_matches_tp1_and_hf(report_and_prompts, hf):
+    report, _ = report_and_prompts
+    tp1, tp2, tp3 = report["tp1"], report["tp2"], report["tp3"]
+    assert tp3["tokens"] == tp2["tokens"] == tp1["tokens"] and len(tp2["tokens"]) == 6
+    for run in (tp1, tp2, tp3):
+        assert run["leaked"] == 0 and run["preemptions"] > 0 and run["cached"]["c"] >= 24, run
+    for rid, ids in tp2["prompts"].items():
+        expected, scores = hf_greedy(hf, ids, 12)
+        assert_greedy_match(tp2["tokens"][rid], expected, scores, f"TP=2 engine {rid} ({len(ids)} tokens)")
