@@ -5,9 +5,11 @@ prefill-role and a decode-role engine; references: a colocated engine with the d
 configuration, and HF `generate` for it (float KV). Checked: the latent descriptor validated
 entry by entry without an engine (fast); DeepSeek-V3 greedy P/D == colocated == HF with a
 prefill-side prefix hit, page 16 -> 32, FP8 latent pages on both sides (pages and scales copied
-verbatim) and float32 -> FP8 (requantized by the decode side's own write); tampered descriptors
-and pulled FP8 scales refused (prefilled locally, counted) while the decode engine keeps serving;
-Kimi Linear (KDA conv + recurrent state next to MLA pages) P/D == colocated == HF. The
+verbatim) and float32 -> FP8 (requantized by the decode side's own write: layer-0 pages and
+scales against a colocated FP8 engine); tampered descriptors and pulled FP8 scales refused
+(prefilled locally, counted) while the decode engine keeps serving; Kimi Linear (KDA conv +
+recurrent state next to MLA pages) P/D == colocated == HF, and with FP8 on both sides the adopt
+rule == a colocated FP8 engine. The
 three-process versions over the proxy are tests/test_disagg.py's `deepseek_v3*` / `kimi_linear` layouts.
 """
 
@@ -288,6 +290,47 @@ def test_kimi_linear_pd_equals_colocated_and_hf(tiny_checkpoint, hf_model):
     params = _check_pd(prefill, decode, colocated, _prompts()[1:5], hf_model("kimi_linear"))
     names = [name for name, _, _ in params["descriptor"]["arrays"]]
     assert any(n.startswith("conv") for n in names) and any(n.endswith(".c") for n in names), names
+    assert decode.stats()["kv_transfer_fallbacks"] == 0
+    for engine in (prefill, decode):
+        _all_free(engine)
+
+
+@pytest.mark.slow
+def test_deepseek_float_prefill_to_fp8_decode_quantizes_with_its_own_scales(tiny_checkpoint):
+    """float32 latent pages on prefill, fp8_e4m3 on decode: the received rows go through the decode
+    side's own latent write, so the first layer's pages and per-page scales equal a colocated FP8
+    engine's up to float32 rounding of the rows themselves (computed in other batch shapes: scales
+    within 1e-6, < 1% of FP8 codes one step apart). Deeper layers differ by design (the colocated
+    engine attended over FP8 pages there), as for GQA (tests/test_kv_transfer.py)."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", max_num_seqs=1)
+    prefill, decode, colocated = _engines(tiny_checkpoint("deepseek_v3"), decode=fp8)
+    # 65 tokens: 64 shipped fill 4 pages; token 65 opens the next page on both sides (a partly
+    # shipped last page would be requantized when token N joins it, unlike a colocated prefill's)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, 65)]
+    params = _run(prefill, prompt, {"do_remote_decode": True}).kv_transfer_params
+    assert params["descriptor"]["kv_dtype"] == "float32"
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    _run(decode, prompt, params, rid="d", sampling=one), _run(colocated, prompt, rid="c", sampling=one)
+    assert decode.stats()["kv_transfer_fallbacks"] == 0
+    pages = 64  # num_pages per layer: layer 0 owns pages [0, 64) of the stacked pool
+    got, want = decode.caches["kv"][0], colocated.caches["kv"][0]
+    np.testing.assert_allclose(np.asarray(got.c_scale[:pages]), np.asarray(want.c_scale[:pages]), rtol=1e-6)
+    a, b = (np.asarray(x.load(x.c[:pages]).astype(np.float32)) for x in (got, want))
+    assert np.abs(b).max() > 0 and np.mean(a != b) < 0.01
+    np.testing.assert_allclose(a, b, rtol=0.07, atol=0)  # at most one e4m3 step (2^-3)
+    _all_free(decode)
+
+
+@pytest.mark.slow
+def test_kimi_linear_fp8_both_sides_adopts_the_first_token(tiny_checkpoint):
+    """FP8 latent pages on both sides of the hybrid: the adopt rule (KDA state and pages after all
+    N tokens, plus the prefill side's first greedy token, emitted once by the decode side); greedy
+    tokens equal a colocated FP8 engine's."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", max_num_seqs=1)
+    prefill, decode, colocated = _engines(tiny_checkpoint("kimi_linear"), prefill=fp8, decode=fp8)
+    params = _check_pd(prefill, decode, colocated, _prompts()[2:5])
+    desc = params["descriptor"]
+    assert desc["rule"] == "prefill_n_adopt" and desc["num_tokens"] == len(_prompts()[4])
     assert decode.stats()["kv_transfer_fallbacks"] == 0
     for engine in (prefill, decode):
         _all_free(engine)
