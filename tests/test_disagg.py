@@ -141,6 +141,17 @@ LAYOUTS = {
     "deepseek_v3": Layout("deepseek_v3", decode=PAGE32, decode_page=32),
     "deepseek_v3-fp8": Layout("deepseek_v3", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
     "kimi_linear": Layout("kimi_linear"),
+    # MLA bridged: prefill TP 5 (the 5 query heads split, latent rows on every device) -> decode
+    # on one device with 32-token pages; Kimi's decode side on 2 devices (its MLA and KDA layers
+    # whole on each: 5 heads), the pulled arrays replicated onto its mesh
+    "deepseek_v3-tp5-page32": Layout(
+        "deepseek_v3",
+        prefill=("--set", "parallel.mesh.model=5"),
+        decode=PAGE32,
+        prefill_env=(("JAX_NUM_CPU_DEVICES", "5"),),
+        decode_page=32,
+    ),
+    "kimi_linear-decode-tp2": Layout("kimi_linear", decode=TP2[0], decode_env=TP2[1]),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
@@ -157,6 +168,8 @@ SLOW_LAYOUTS = {
     "deepseek_v3",
     "deepseek_v3-fp8",
     "kimi_linear",
+    "deepseek_v3-tp5-page32",
+    "kimi_linear-decode-tp2",
 }
 EXACTNESS = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name

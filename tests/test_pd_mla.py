@@ -185,15 +185,15 @@ def test_latent_descriptor_validated_field_by_field(tiny_checkpoint, family):
     refused(lambda d: d["model"].pop("mla"), "model mismatch", check_descriptor)
     # pulled FP8 scales of the used pages must be finite and positive (padding pages are not read)
     arrays = [np.ones(shape, np.float32 if dtype == "float32" else np.uint8) for _, shape, dtype in desc["arrays"]]
-    check_pulled_scales(arrays, desc)
+    check_pulled_scales(arrays, desc, cfg)
     for value in (np.nan, 0.0, -1.0, np.inf):
         bad = [a.copy() for a in arrays]
         bad[k + 1][0] = value
         with pytest.raises(TransferError, match=rf"pulled kv{j}\.c_scale holds scales that are not finite"):
-            check_pulled_scales(bad, desc)
+            check_pulled_scales(bad, desc, cfg)
     bad = [a.copy() for a in arrays]
     bad[k + 1][3] = np.nan  # page 3 of group 0: padding (33 tokens fill 3 pages)
-    check_pulled_scales(bad, desc)
+    check_pulled_scales(bad, desc, cfg)
 
 
 # ---- engines: DeepSeek-V3 -------------------------------------------------------------------------

@@ -302,9 +302,9 @@ class DisaggregationHooks:
             error = result.error
             if result.arrays is not None:
                 try:  # FP8 scales a page cannot be used with (NaN, zero, negative): not admitted
-                    check_pulled_scales(result.arrays, desc)
-                except TransferError as err:
-                    error = str(err)
+                    check_pulled_scales(result.arrays, desc, self.model.cfg)
+                except Exception as err:  # never the engine loop's failure: this request's
+                    error = str(err) if isinstance(err, TransferError) else f"unusable pulled state ({err!r:.200})"
             if result.arrays is None or error is not None:
                 self._staged_bytes.pop(req.request_id, None)
                 self._failed(req, error, in_engine=True)

@@ -74,7 +74,7 @@ def check_latent_arrays(got, want: list) -> None:
             f"descriptor carries {len(got)} arrays; this MLA model expects {len(want)} "
             f"({', '.join(name for name, _, _ in want)})"
         )
-    fields = ("rows (pages x layer groups)", "page size", "latent width (kv_lora_rank + qk_rope_head_dim)")
+    fields = ("rows (layer groups x pages)", "page size", "latent width (kv_lora_rank + qk_rope_head_dim)")
     for (name, shape, dtype), (want_name, want_shape, want_dtype) in zip(got, want):
         if name != want_name:
             raise TransferError(f"descriptor array {name!r} where this model expects {want_name!r}")
@@ -82,22 +82,29 @@ def check_latent_arrays(got, want: list) -> None:
             raise TransferError(f"descriptor array {name}: shape {shape}, this model expects {want_shape}")
         for axis, (have, need) in enumerate(zip(shape, want_shape)):
             if have != need:
-                what = fields[axis] if name.endswith(".c") else "rows (pages x layer groups)"
+                what = fields[axis] if name.endswith(".c") else f"dimension {axis}"
                 raise TransferError(f"descriptor array {name}: {what} {have}, this model expects {need}")
         if dtype != want_dtype:
             raise TransferError(f"descriptor array {name}: wire dtype {dtype!r}, this model expects {want_dtype!r}")
 
 
-def check_pulled_scales(arrays: list, desc: dict) -> None:
+def check_pulled_scales(arrays: list, desc: dict, cfg) -> None:
     """TransferError unless every pulled FP8 scale (GQA `k_scale` / `v_scale`, MLA `c_scale`) of
-    the pages a request uses is finite and positive. Host-side, once per pulled request."""
-    used = -(-desc["num_tokens"] // desc["page_size"])
-    n, G = desc["num_pages"], desc["model"]["num_groups"]
+    the pages a request uses is finite and positive (padding pages are never read). A window
+    layer's arrays (window_layout.py) carry blocks first_block .. of the descriptor's `window`.
+    Host-side, once per pulled request, after `expected_arrays` accepted the list."""
+    num_blocks = -(-desc["num_tokens"] // desc["page_size"])
+    window, G = desc.get("window"), desc["model"]["num_groups"]
     for (name, _, _), array in zip(desc["arrays"], arrays):
-        if name.endswith("_scale"):
-            scales = np.asarray(array).reshape(G, n, -1)[:, :used]
-            if not np.all(np.isfinite(scales) & (scales > 0)):
-                raise TransferError(f"pulled {name} holds scales that are not finite and positive")
+        if not name.endswith("_scale"):
+            continue
+        j = int(name[2 : name.index(".")])  # kv{j}.<k|v|c>_scale
+        used = num_blocks
+        if window is not None and cfg.sliding_window(j) is not None:
+            used = num_blocks - window["first_block"]
+        scales = np.asarray(array).reshape(G, array.shape[0] // G, -1)[:, :used]
+        if not np.all(np.isfinite(scales) & (scales > 0)):
+            raise TransferError(f"pulled {name} holds scales that are not finite and positive")
 
 
 def write_latent_pages(
