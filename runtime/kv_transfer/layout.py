@@ -9,6 +9,7 @@ decode side's page size, KV dtype (FP8: quantized with this side's per-page scal
 tensor-parallel sharding all apply, whatever the prefill side used. The wire holds the
 checkpoint's KV heads: a side that repeats them (fewer KV heads than chips, models/sharding.py)
 sends one copy of each and repeats what it receives. Page and token counts are padded to powers of two (one compile per size).
+MLA pools (DeepSeek-V3, Kimi Linear) travel as latent rows: runtime/kv_transfer/latent_layout.py.
 """
 
 from __future__ import annotations
