@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from models import ops
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.quantization import dequantize, is_quantized
 from pallas_kernels import mla
 from pallas_kernels.kernel_impls import resolve
 from pallas_kernels.kv_cache import KVPages
@@ -106,6 +107,17 @@ def write_latent(latent: mla.LatentPages, rows, slots, opts: ops.KernelOptions, 
     return mla.LatentPages(c=out.k[:, 0], c_scale=c_scale, view=latent.view)
 
 
+def absorbed_weight(w):
+    """kv_b_proj [L, H*(nope + V)] as a float array. Absorbed, it is used per head on both sides of
+    attention (W_UK against the query's nope channels, W_UV after), contracting its output
+    columns, across which a quantized weight's per-column scales cannot be factored out of a
+    matmul: a quantized one (models/quant_rules.py) is dequantized here, in the step."""
+    if not is_quantized(w):
+        return w
+    deq = dequantize(w)
+    return deq if w.perm is None else jnp.zeros_like(deq).at[w.perm].set(deq)  # act-order rows back in order
+
+
 def _rms_norm(x, w, eps: float):
     x32 = x.astype(jnp.float32)
     return w * (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
@@ -145,7 +157,7 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
     latent = write_latent(latent, jnp.concatenate([c, k_pe], axis=-1), slots, opts, batch.block_tables.shape[0])
 
-    w_kv_b = p["kv_b_proj"].reshape(L, H, nope + m.v_head_dim)  # [L, H, nope + V]
+    w_kv_b = absorbed_weight(p["kv_b_proj"]).reshape(L, H, nope + m.v_head_dim)  # [L, H, nope + V]
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_uk.astype(q.dtype))  # [T, H, L]
     impl = mla_impl(opts, latent)

@@ -32,6 +32,14 @@ MODULE_PATHS = {
     "k_proj": "self_attn.k_proj",
     "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj",
+    "q_a_proj": "self_attn.q_a_proj",  # MLA (models/mla_attention.py)
+    "q_b_proj": "self_attn.q_b_proj",
+    "kv_a_proj": "self_attn.kv_a_proj_with_mqa",
+    "kv_b_proj": "self_attn.kv_b_proj",  # absorbed: dequantized in the step (mla_attention.absorbed_weight)
+    "f_a": "self_attn.f_a_proj",  # KDA's low-rank decay gate and output gate (models/kda_layer.py)
+    "f_b": "self_attn.f_b_proj",
+    "g_a": "self_attn.g_a_proj",
+    "g_b": "self_attn.g_b_proj",
     "in_qkv": "linear_attn.in_proj_qkv",
     "in_z": "linear_attn.in_proj_z",
     "in_b": "linear_attn.in_proj_b",
@@ -53,7 +61,8 @@ MODULE_PATHS = {
 # Kept in float unless the user's rules say otherwise: the embedding and lm_head (as vLLM's AWQ /
 # GPTQ / FP8 checkpoints do; quantizing SmolLM2's tied one to int4 drops greedy agreement with fp32
 # from 0.69 to 0.03, docs/quantization.md), and tiny, precision-sensitive matmuls: the MoE router
-# and shared-expert gate (routing flips), GDN's decay / beta inputs (a, b: a few columns).
+# and shared-expert gate (routing flips), GDN's decay / beta inputs (a, b: a few columns), and
+# KDA's decay gate (f_a, f_b: the per-channel decay, GDN's `a` per channel; its beta is in_proj_b).
 DEFAULT_KEEP_FLOAT = (
     "embed_tokens",
     "lm_head",
@@ -61,6 +70,8 @@ DEFAULT_KEEP_FLOAT = (
     "mlp.shared_expert_gate",
     "linear_attn.in_proj_a",
     "linear_attn.in_proj_b",
+    "self_attn.f_a_proj",
+    "self_attn.f_b_proj",
 )
 
 

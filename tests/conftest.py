@@ -115,6 +115,7 @@ SLOW_MODULES_FIRST = (
     "test_nemotron_h.py",  # not in that run (added after it): ~5 min alone on this machine
     "test_kimi_linear.py",  # not in that run either: ~1 min alone here (the rest is -m slow)
     "test_kv_transfer.py",
+    "test_pd_mla.py",  # not in that run: ~1 min alone on this machine
     "test_server_engine.py",
     "test_engine_process.py",
     "test_sharding.py",

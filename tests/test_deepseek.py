@@ -416,13 +416,6 @@ def test_tensor_and_expert_parallel_logits_match_single_device(tiny_checkpoint):
     assert len(pools) == 2 and all(pages == (1 << 20) // (per_token * 8) for pages, per_token in pools), pools
 
 
-def test_pd_is_refused_at_start_up(ours):
-    from runtime.kv_transfer.hooks import DisaggregationHooks
-
-    with pytest.raises(ValueError, match="P/D disaggregation does not transfer MLA latent pages"):
-        DisaggregationHooks(None, None, model=ours("deepseek_v3"), caches={}, cache_config=None, opts=None)
-
-
 @pytest.mark.parametrize(
     "field,value,match",
     [

@@ -135,6 +135,23 @@ LAYOUTS = {
     # 2 KV heads on a decode side of 4 devices: it repeats each head twice (models/sharding.py)
     # and the received pages' heads with them
     "qwen3_next-decode-tp4": Layout("qwen3_next", decode=TP4[0], decode_env=TP4[1]),
+    # MLA latent pages (runtime/kv_transfer/latent_layout.py): DeepSeek-V3 float32 with 16 -> 32-token
+    # pages (token by token through the latent write), FP8 latent pages and scales copied verbatim,
+    # and Kimi Linear (KDA conv + recurrent state slots next to its MLA pages)
+    "deepseek_v3": Layout("deepseek_v3", decode=PAGE32, decode_page=32),
+    "deepseek_v3-fp8": Layout("deepseek_v3", prefill=FP8, decode=FP8, kv_cache_dtype="fp8_e4m3", in_flight=1),
+    "kimi_linear": Layout("kimi_linear"),
+    # MLA bridged: prefill TP 5 (the 5 query heads split, latent rows on every device) -> decode
+    # on one device with 32-token pages; Kimi's decode side on 2 devices (its MLA and KDA layers
+    # whole on each: 5 heads), the pulled arrays replicated onto its mesh
+    "deepseek_v3-tp5-page32": Layout(
+        "deepseek_v3",
+        prefill=("--set", "parallel.mesh.model=5"),
+        decode=PAGE32,
+        prefill_env=(("JAX_NUM_CPU_DEVICES", "5"),),
+        decode_page=32,
+    ),
+    "kimi_linear-decode-tp2": Layout("kimi_linear", decode=TP2[0], decode_env=TP2[1]),
 }
 # CI time: FP8 runs one request at a time (~100 s contended), so it joins the slow matrix; the
 # verbatim page copy itself runs by default (equal layouts take that path with float32 pages).
@@ -148,6 +165,11 @@ SLOW_LAYOUTS = {
     "qwen3_next",
     "qwen3_next-tp2-page32",
     "qwen3_next-decode-tp4",
+    "deepseek_v3",
+    "deepseek_v3-fp8",
+    "kimi_linear",
+    "deepseek_v3-tp5-page32",
+    "kimi_linear-decode-tp2",
 }
 EXACTNESS = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
@@ -358,6 +380,32 @@ def test_replayed_malformed_and_expired_transfers_fall_back_exactly(cluster):
     assert prefill["jaxserve_kv_transfer_leases_expired"] >= 1 and prefill["jaxserve_kv_transfer_claims_refused"] >= 2
     for metrics, url in ((decode, cluster.decode.url), (prefill, cluster.prefill.url)):
         assert metrics["jaxserve_kv_transfer_leases_held"] == 0, url
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["deepseek_v3"], indirect=True)
+def test_mla_tampered_layout_refused_decode_keeps_serving(cluster):
+    """A descriptor whose latent rows were resized, or whose MLA split names another checkpoint's,
+    is refused by the decode instance before it pulls (the log says which field; the request is
+    prefilled locally, exact, counted); the untampered transfer after them goes through."""
+    prompt = _prompts(500)[3]
+    want = _colocated(cluster, [prompt])[0].text
+    before = scrape(cluster.decode.url)["jaxserve_kv_transfer_fallbacks"]
+    params = _prefill_leg(cluster, prompt)
+    wide = json.loads(json.dumps(params))
+    wide["descriptor"]["arrays"][0][1][2] += 1
+    assert _decode_leg(cluster, prompt, wide) == want
+    split = json.loads(json.dumps(params))
+    split["descriptor"]["model"]["mla"]["kv_lora_rank"] -= 2
+    split["descriptor"]["model"]["mla"]["qk_rope_head_dim"] += 2
+    assert _decode_leg(cluster, prompt, split) == want
+    assert _decode_leg(cluster, prompt, params) == want  # the lease is still there: pulled
+    time.sleep(1.0)  # /metrics reads the engine loop's stats snapshot, refreshed every <= 0.5 s when idle
+    decode = wait_all_free(cluster.decode.url)
+    assert decode["jaxserve_kv_transfer_fallbacks"] - before == 2, decode
+    log = "".join(cluster.decode.tail)
+    assert "latent width (kv_lora_rank + qk_rope_head_dim)" in log and "model mismatch" in log, log[-3000:]
+    _assert_all_free(cluster)
 
 
 @pytest.mark.parametrize("cluster", ["llama"], indirect=True)

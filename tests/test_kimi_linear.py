@@ -420,13 +420,6 @@ def test_shipped_kimi_linear_48b_config():
     assert abs(count / 48e9 - 1) < 0.05, count
 
 
-def test_pd_is_refused_at_start_up(ours):
-    from runtime.kv_transfer.hooks import DisaggregationHooks
-
-    with pytest.raises(ValueError, match="P/D disaggregation does not transfer MLA latent pages"):
-        DisaggregationHooks(None, None, model=ours("kimi_linear"), caches={}, cache_config=None, opts=None)
-
-
 @pytest.mark.parametrize(
     "change,match",
     [

@@ -4,14 +4,16 @@
      "token_digest": sha256 of the K ids, "first_token": id (prefill_n_adopt only),
      "page_size": 16, "num_pages": n (padded), "kv_dtype": "float32", "kv_wire": "values" | "bits",
      "state_dtype": "float32" | "bfloat16" (GDN state slots; absent: float32),
-     "model": {layer_types, num_kv_heads, head_dim, conv, rec, num_groups, vocab_size, fingerprint},
+     "model": {layer_types, num_kv_heads, head_dim, conv, rec, mla, num_groups, vocab_size, fingerprint},
      "window": {"first_block": f, "num_pages": nw} (window-aware paging on the prefill side only),
      "arrays": [[name, shape, wire dtype], ...]}          # the pulled arrays, in this order
 
 Arrays: per attention position j of the layer pattern, `kv{j}.k` / `kv{j}.v` `[G*n, Hkv, ps, D]`
 (the request's pages of every layer group g, g-major, padded with the null page; with `window`, a
 sliding-window position's pages are blocks f .. f+nw-1 only: runtime/kv_transfer/window_layout.py) and for FP8
-`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per GDN (Mamba-2) position j, `conv{j}` `[G, W-1, C]`
+`kv{j}.k_scale` / `kv{j}.v_scale` `[G*n, Hkv]`; per MLA position (DeepSeek-V3, Kimi Linear) `kv{j}.c`
+`[G*n, ps, kv_lora_rank + qk_rope_head_dim]` and for FP8 `kv{j}.c_scale` `[G*n]` (the model
+signature then carries `mla`: runtime/kv_transfer/latent_layout.py); per GDN (Mamba-2) position j, `conv{j}` `[G, W-1, C]`
 and `rec{j}` `[G, H, K, V]` (`[G, H, P, N]`) (the request's slot) in the prefill side's `state_dtype`,
 bfloat16 as raw bits; the decode side casts them to its own state dtype; an MLP-only position has none.
 The decode side checks every field
@@ -78,7 +80,10 @@ def model_signature(cfg, num_groups: int, fingerprint: str = "") -> dict:
         "vocab_size": cfg.vocab_size,
         "fingerprint": fingerprint,
     }
-    if cfg.is_hybrid:  # one slot's states per recurrent layer (GDN or Mamba-2)
+    if cfg.mla is not None:  # MLA latent rows: how the row's channels split (latent_layout.py)
+        m = cfg.mla
+        sig["mla"] = {"kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim, "rope": bool(m.rope)}
+    if cfg.is_hybrid:  # one slot's states per recurrent layer (GDN, KDA or Mamba-2)
         conv, rec = recurrent_state_shapes(cfg)
         sig["conv"], sig["rec"] = list(conv), list(rec)
     return sig

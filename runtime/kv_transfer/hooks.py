@@ -43,6 +43,7 @@ from runtime.kv_transfer.descriptor import (
     descriptor_nbytes,
     model_signature,
 )
+from runtime.kv_transfer.latent_layout import check_pulled_scales, is_quantized
 from runtime.kv_transfer.layout import (
     conv_permutation,
     expected_arrays,
@@ -110,10 +111,6 @@ class DisaggregationHooks:
     """`KVTransferHooks` for the prefill and decode roles, over a connector from KV_CONNECTORS."""
 
     def __init__(self, config: KVTransferConfig, engine: EngineRequests, *, model, caches: dict, cache_config, opts):
-        if model.cfg.mla is not None:
-            raise ValueError(
-                "P/D disaggregation does not transfer MLA latent pages (DeepSeek-V3) yet: serve the model colocated"
-            )
         self.engine = engine
         self.config = config
         self.model, self.opts, self.page_size = model, opts, cache_config.page_size
@@ -132,7 +129,7 @@ class DisaggregationHooks:
         kv = [x for x in caches["kv"] if x is not None]
         # FP8 KV: the prefill side computes all N prompt tokens. The last-token rule: adopt for FP8
         # KV next to GDN state (whose state after N-1 tokens a full prefill never holds), else N-1.
-        self._computes_last_token = bool(kv) and kv[0].k_scale is not None
+        self._computes_last_token = bool(kv) and is_quantized(kv[0])
         hybrid = model.cfg.is_hybrid  # recurrent layers (not just fewer KV pools: MLP-only blocks have none)
         self.rule = ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
@@ -302,9 +299,15 @@ class DisaggregationHooks:
             if entry is None:
                 continue  # cancelled meanwhile
             req, desc = entry
-            if result.arrays is None:
+            error = result.error
+            if result.arrays is not None:
+                try:  # FP8 scales a page cannot be used with (NaN, zero, negative): not admitted
+                    check_pulled_scales(result.arrays, desc, self.model.cfg)
+                except Exception as err:  # never the engine loop's failure: this request's
+                    error = str(err) if isinstance(err, TransferError) else f"unusable pulled state ({err!r:.200})"
+            if result.arrays is None or error is not None:
                 self._staged_bytes.pop(req.request_id, None)
-                self._failed(req, result.error, in_engine=True)
+                self._failed(req, error, in_engine=True)
                 continue
             req.num_external_tokens = desc["num_tokens"]
             self._staged[req.request_id] = (result.arrays, desc)

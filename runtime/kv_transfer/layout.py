@@ -9,6 +9,7 @@ decode side's page size, KV dtype (FP8: quantized with this side's per-page scal
 tensor-parallel sharding all apply, whatever the prefill side used. The wire holds the
 checkpoint's KV heads: a side that repeats them (fewer KV heads than chips, models/sharding.py)
 sends one copy of each and repeats what it receives. Page and token counts are padded to powers of two (one compile per size).
+MLA pools (DeepSeek-V3, Kimi Linear) travel as latent rows: runtime/kv_transfer/latent_layout.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from models.mamba2_config import NO_MIXER
 from models.sharding import qkv_permutation
 from runtime.kv_transfer.base import TransferError
 from runtime.kv_transfer.descriptor import LAST_TOKEN_RULE, build_descriptor, model_signature
+from runtime.kv_transfer.latent_layout import (
+    check_latent_arrays,
+    expected_latent,
+    gather_latent,
+    is_latent,
+    latent_names,
+    pool_pages,
+    write_latent_pages,
+)
 from runtime.kv_transfer.window_layout import (
     check_window,
     first_window_block,
@@ -56,7 +66,10 @@ def _gather(
 ):
     out = []
     for j, (kv, conv, rec) in enumerate(zip(caches["kv"], caches["conv"], caches["rec"])):
-        if kv is not None:
+        if is_latent(kv):  # MLA: one latent row per token (latent_layout.py)
+            G = kv.c.shape[0] // num_pages
+            out += gather_latent(kv, (jnp.arange(G)[:, None] * num_pages + pages[None]).reshape(-1), _to_wire)
+        elif kv is not None:
             P, own = (num_window_pages, window_pages) if windowed[j] else (num_pages, pages)  # window pool
             G = kv.k.shape[0] // P
             idx = (jnp.arange(G)[:, None] * P + own[None]).reshape(-1)  # [G*n]
@@ -76,7 +89,9 @@ def _gather(
 def _names(caches) -> list[str]:
     names = []
     for j, (kv, rec) in enumerate(zip(caches["kv"], caches["rec"])):
-        if kv is not None:
+        if is_latent(kv):
+            names += latent_names(j, kv)
+        elif kv is not None:
             names += [f"kv{j}.k", f"kv{j}.v"] + ([f"kv{j}.k_scale", f"kv{j}.v_scale"] if kv.k_scale is not None else [])
         elif rec is not None:
             names += [f"conv{j}", f"rec{j}"]
@@ -173,14 +188,14 @@ def gather_request_state(
 def kv_repeat_of(caches, cfg) -> int:
     """How many times the caches hold each of the checkpoint's KV heads (models.sharding.repeat_kv_heads)."""
     kv = next((x for x in caches["kv"] if x is not None), None)
-    return 1 if kv is None else kv.num_kv_heads // cfg.num_kv_heads
+    return 1 if kv is None or is_latent(kv) else kv.num_kv_heads // cfg.num_kv_heads
 
 
 def model_groups(caches, num_pages: int, num_slots: int, windowed=()) -> int:
     """The layer groups G (`windowed`: the positions whose pages live in the window pool: skipped)."""
     for j, (kv, rec) in enumerate(zip(caches["kv"], caches["rec"])):
         if (kv is not None and not (j < len(windowed) and windowed[j])) or rec is not None:
-            return kv.k.shape[0] // num_pages if kv is not None else rec.shape[0] // num_slots
+            return pool_pages(kv) // num_pages if kv is not None else rec.shape[0] // num_slots
     return 1
 
 
@@ -196,7 +211,9 @@ def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
     state_wire = state_dtype.name if state_dtype == jnp.float32 else _bits(state_dtype).name
     want = []
     for j, kind in enumerate(sig["layer_types"]):
-        if kind == ATTENTION:
+        if kind == ATTENTION and cfg.mla is not None:  # MLA latent rows (latent_layout.py)
+            want += expected_latent(j, cfg, G, desc["num_pages"], ps, kv_dtype, wire)
+        elif kind == ATTENTION:
             n = window_pages_of(desc) if cfg.sliding_window(j) is not None else desc["num_pages"]
             page = [G * n, cfg.num_kv_heads, ps, cfg.head_dim]
             want += [[f"kv{j}.k", page, wire], [f"kv{j}.v", page, wire]]
@@ -204,6 +221,8 @@ def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
                 want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
         elif kind != NO_MIXER:
             want += [[f"conv{j}", [G] + sig["conv"], state_wire], [f"rec{j}", [G] + sig["rec"], state_wire]]
+    if cfg.mla is not None:
+        check_latent_arrays(desc["arrays"], want)
     if desc["arrays"] != want:
         raise TransferError(f"descriptor arrays {desc['arrays']} differ from what this model expects {want}")
     return want
@@ -276,6 +295,22 @@ def _write(
     logical = jnp.dtype(kv_dtype)
     for j, kv in enumerate(caches["kv"]):
         if kv is None and caches["rec"][j] is None:  # an MLP-only block
+            continue
+        if is_latent(kv):  # MLA latent rows (latent_layout.py)
+            c = arrays.pop(0)
+            scale = arrays.pop(0) if logical.itemsize == 1 else None
+            kv_out[j] = write_latent_pages(
+                kv,
+                c,
+                scale,
+                logical=logical,
+                page_mapping=page_mapping,
+                slot_mapping=slot_mapping,
+                num_groups=G,
+                num_tokens=num_tokens_pad,
+                verbatim=verbatim,
+                opts=opts,
+            )
             continue
         if kv is None:
             conv, rec = arrays.pop(0), arrays.pop(0)
