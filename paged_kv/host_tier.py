@@ -54,6 +54,16 @@ class HostStore:
         self.num_puts += 1
         return True
 
+    def resize(self, capacity_bytes: int) -> None:
+        """A new cap; the least recently used entries go until the rest fit."""
+        if capacity_bytes <= 0:
+            raise ValueError(f"the host tier needs a positive byte capacity, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        while self.bytes > capacity_bytes:
+            _, (_, old_bytes) = self.entries.popitem(last=False)
+            self.bytes -= old_bytes
+            self.num_evictions += 1
+
     def touch(self, key: Hashable) -> None:
         if key in self.entries:
             self.entries.move_to_end(key)
