@@ -59,6 +59,7 @@ class TieredCacheManager(CacheManager):
         self.loads: dict[tuple[str, int], tuple[BlockHash, object]] = {}  # (kind, id) -> (hash, host value)
         self._superseding = self._adopting = False
         self._restore: list[tuple[tuple[str, BlockHash], object]] = []
+        self._wait_for_room = False  # the last lookup's host hit had no room: the next allocate declines
         self._pinned: set[int] = set()  # materialized checkpoints not evictable before their load ran
         if self.slots is not None:
             self.slots.adopt_checkpoint = self._adopt_checkpoint
@@ -120,6 +121,7 @@ class TieredCacheManager(CacheManager):
 
     # ---- lookup over both tiers ---------------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> PrefixHit:
+        self._wait_for_room = False
         hit = super().lookup_prefix(token_ids, extra_keys)
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return hit
@@ -135,6 +137,14 @@ class TieredCacheManager(CacheManager):
             return hit
         return super().lookup_prefix(token_ids, extra_keys)
 
+    def allocate(self, *args, **kwargs):
+        """`CacheManager.allocate`, or None (wait) right after a lookup whose host hit found no room:
+        a chunk of recompute would fit now, but the hit is worth more once running requests finish."""
+        if self._wait_for_room:
+            self._wait_for_room = False
+            return None
+        return super().allocate(*args, **kwargs)
+
     def _has_checkpoint(self, block_hash: BlockHash) -> bool:
         return self.slots.lookup_checkpoint(block_hash) is not None or (STATE, block_hash) in self.host
 
@@ -147,6 +157,7 @@ class TieredCacheManager(CacheManager):
         pinned = [p for p in device if p is not None]
         evictable = sum(1 for p in pinned if p in self.page_index.evictable)
         if self.pages.num_free + self.page_index.num_evictable - evictable < len(missing):
+            self._wait_for_room = bool(self.allocations)  # admission waits until running requests free pages
             return False
         state_hash = hashes[-1] if self.slots is not None and self.slots.lookup_checkpoint(hashes[-1]) is None else None
         values = {}
