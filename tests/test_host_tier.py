@@ -306,3 +306,15 @@ def test_host_bytes_stay_within_the_cap_and_nothing_leaks(engines, chat):
     assert stats["pages_used"] == 0 and stats["slots_used"] == 0, stats
     assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
     assert stats["host_cache_bytes"] == cache.host.bytes and stats["host_cache_load_batches"] > 0
+
+
+def test_metrics_expose_the_host_tier(engines, chat):
+    from server.metrics import ServerMetrics
+
+    tiered, off = engines
+    text = ServerMetrics(tiered.stats).render().decode()
+    stats = tiered.stats()
+    assert f"jaxserve_host_cache_bytes {float(stats['host_cache_bytes'])}" in text
+    assert f"jaxserve_host_cache_hits_total {float(stats['host_cache_hits'])}" in text
+    assert "jaxserve_host_cache_evictions_total" in text and "jaxserve_host_cache_load_seconds_mean" in text
+    assert "jaxserve_host_cache" not in ServerMetrics(off.stats).render().decode()  # off: no series
