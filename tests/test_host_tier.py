@@ -150,6 +150,21 @@ def test_a_materialized_checkpoint_survives_until_its_load_ran():
     assert hit.checkpoint_slot in cache.slots.checkpoints.evictable  # loaded: evictable again
 
 
+def test_offloading_size_from_yaml_keys_and_the_cli_flag():
+    from configs.schema import config_from_dict
+    from runtime.engine_config import build_engine_config
+    from server.cli import _load, _parser
+
+    launch = config_from_dict({"cache": {"kv_offloading_size": 2, "kv_offloading_backend": "native"}})
+    engine = build_engine_config(launch, "m")
+    assert (engine.kv_offloading_size, engine.kv_offloading_backend) == (2, "native")
+    with pytest.raises(ValueError, match="native"):
+        config_from_dict({"cache": {"kv_offloading_backend": "lmcache"}})
+    args = _parser().parse_args(["config", "--kv-offloading-size", "1.5", "--kv-offloading-backend", "native"])
+    assert _load(args).cache.kv_offloading_size == 1.5
+    assert build_engine_config(config_from_dict({}), "m").kv_offloading_size is None  # off by default
+
+
 def test_config_keys_and_start_up_refusals():
     config = EngineConfig(model="x", kv_offloading_size=0.5)
     assert config.cache_config(num_pages=40, max_model_len=64).host_tier_bytes == 2**29
