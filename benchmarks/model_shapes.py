@@ -172,6 +172,7 @@ def plan_memory(
         budget_fraction=budget_fraction,
         cache_bytes=cache_bytes,
         state_bytes_per_slot=shape.state_bytes_per_slot,
+        page_bytes=shape.kv_bytes_per_token(kv_dtype) * page_size,
     )
     page_bytes = shape.kv_bytes_per_token(kv_dtype) * page_size
     num_pages = (cache_bytes - num_slots * shape.state_bytes_per_slot) // page_bytes

@@ -34,6 +34,8 @@ if __package__ in (None, ""):  # run as a script from the repository root
 from benchmarks.model_shapes import GIB, MemoryPlan, load_shape, plan_memory
 from benchmarks.prefix_traces import TRACES, Session, make_trace
 from paged_kv import CacheManager
+from paged_kv.host_tier import KV, STATE
+from paged_kv.tiered_cache import TieredCacheManager
 from runtime.engine_config import SchedulerConfig
 from runtime.scheduling.request import Request
 from runtime.scheduling.scheduler import Scheduler
@@ -74,8 +76,20 @@ def _prefix_pages(sessions: list[Session]) -> int:
     return sum(len(s.prompt(len(s.turns) - 1)) + len(s.turns[-1].output) for s in sessions)
 
 
-def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -> dict:
-    """Serve every session's turns through the real scheduler; returns counts and usage."""
+def drain_host_transfers(cache, page_bytes: int, state_bytes: int) -> None:
+    """The engine's part of a host tier (runtime/engine/host_tier.py), without arrays: every offload
+    is stored at its real size (a page's or a state slot's bytes), loads need nothing."""
+    offloads, _, restores = cache.take_transfers()
+    size = {KV: page_bytes, STATE: state_bytes}
+    for kind, _, block_hash in offloads:
+        cache.store(kind, block_hash, kind, size[kind])  # no arrays: any value but None
+    for (kind, block_hash), value in restores:
+        cache.store(kind, block_hash, value, size[kind])
+
+
+def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig, sizes=(1, 1)) -> dict:
+    """Serve every session's turns through the real scheduler; returns counts and usage. A
+    `TieredCacheManager` (host tier) has its transfers drained each step at `sizes` (page, slot bytes)."""
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -104,6 +118,8 @@ def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -
                 Request(request_id, session.prompt(k), SamplingParams(max_tokens=len(output), ignore_eos=True))
             )
         out = scheduler.schedule()
+        if isinstance(cache, TieredCacheManager):
+            drain_host_transfers(cache, *sizes)
         sampled = {}
         for seq in out.sequences:
             if seq.request.num_tokens - seq.start_position > 1:
@@ -126,16 +142,17 @@ def run_trace(sessions: list[Session], cache: CacheManager, config: SimConfig) -
     return {"stats": stats, "usage": usage, "prefill_tokens": prefill_tokens, "steps": usage.steps}
 
 
-def simulate(sessions: list[Session], plan: MemoryPlan, policy: str, config: SimConfig) -> dict:
-    """One policy at one memory plan: the summary row (GiB, rates)."""
-    cache = CacheManager(
+def simulate(sessions: list[Session], plan: MemoryPlan, policy: str, config: SimConfig, host_gib: float = 0) -> dict:
+    """One policy at one memory plan (and `host_gib` of host tier): the summary row (GiB, rates)."""
+    kwargs = dict(
         page_size=config.page_size,
         num_pages=plan.num_pages,
         num_state_slots=plan.num_state_slots,
         checkpoint_policy=policy,
         num_checkpoint_slots=plan.num_checkpoint_slots,
     )
-    run = run_trace(sessions, cache, config)
+    cache = TieredCacheManager(host_bytes=int(host_gib * GIB), **kwargs) if host_gib else CacheManager(**kwargs)
+    run = run_trace(sessions, cache, config, (plan.page_bytes, plan.state_bytes))
     stats, usage = run["stats"], run["usage"]
     page_gib, slot_gib = plan.page_bytes / GIB, plan.state_bytes / GIB
     gib = {"kv_running": page_gib, "kv_cached": page_gib, "slots_running": slot_gib, "checkpoints": slot_gib}
@@ -153,6 +170,8 @@ def simulate(sessions: list[Session], plan: MemoryPlan, policy: str, config: Sim
         "checkpoint_evictions": stats["checkpoint_evictions"],
         "preemptions": stats["num_preemptions"],
         "steps": run["steps"],
+        "host_gib": host_gib,
+        **{k: v for k, v in stats.items() if k.startswith("host_cache_")},
     }
 
 
@@ -202,6 +221,9 @@ def main(argv=None) -> None:
         help="largest fraction of cache memory for checkpoint slots (2 per sequence; repeatable; default "
         "0.25 as the engine; -1: the original 2 x max_num_seqs shared slots)",
     )
+    parser.add_argument(
+        "--host-gib", type=float, action="append", default=None, help="host tier GiB (repeatable; 0: off)"
+    )
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--device-gib", type=float, default=139.0)
     parser.add_argument("--memory-fraction", type=float, default=0.9)
@@ -236,8 +258,8 @@ def main(argv=None) -> None:
                     max_num_seqs=config.max_num_seqs,
                     budget_fraction=None if budget < 0 else budget,
                 )
-                for policy in args.policy or ["auto"]:
-                    row = simulate(sessions, plan, policy, config)
+                for policy, host_gib in [(p, h) for p in args.policy or ["auto"] for h in args.host_gib or [0]]:
+                    row = simulate(sessions, plan, policy, config, host_gib)
                     row.update(
                         model=shape.name,
                         trace=trace_name,
@@ -250,7 +272,7 @@ def main(argv=None) -> None:
                     )
                     rows.append(row)
                     print(
-                        f"{shape.name:20s} {trace_name:13s} budget {budget:5} {policy:24s} hit {row['hit_rate']:.3f} "
+                        f"{shape.name:20s} {trace_name:13s} budget {budget:5} host {host_gib:5} GiB {policy:12s} hit {row['hit_rate']:.3f} "
                         f"ceiling {top['hit_rate']:.3f} ({row['of_ceiling']}) ckpt {row['checkpoint_share_of_cache']:.0%} "
                         f"of cache, avg GiB {row['avg_gib']} evict pages {row['page_evictions']} "
                         f"ckpts {row['checkpoint_evictions']} written {row['checkpoints_written']} "

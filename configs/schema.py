@@ -135,6 +135,9 @@ class CacheSection(_Section):
     hybrid_checkpoint_budget: Annotated[float | None, AfterValidator(rules.optional(rules.checkpoint_budget))] = 0.25
     # sliding-window layers' KV in a window-sized pool (paged_kv/window_pages.py); null: on where a model has them
     window_paging: bool | None = None
+    # host-memory tier for evicted KV pages and GDN checkpoints, in GiB (vLLM's kv_offloading_size); 0/null: off
+    kv_offloading_size: Annotated[float | None, AfterValidator(rules.optional(rules.at_least(0)))] = None
+    kv_offloading_backend: Annotated[str | None, AfterValidator(rules.optional(rules.one_of(("native",))))] = None
 
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> CacheSection:

@@ -192,24 +192,31 @@ def plan_state_slots(
     budget_fraction: float | None,
     cache_bytes: int,
     state_bytes_per_slot: int,
+    page_bytes: int | None = None,
 ) -> tuple[int, int | None]:
     """(num_state_slots incl. the null slot, num_checkpoint_slots) for a hybrid's cache.
 
-    One running slot per sequence; with prefix caching, CHECKPOINTS_PER_SEQ checkpoint slots
-    per sequence, but at most `budget_fraction` of `cache_bytes` (all KV pages + state
-    slots). Two per sequence: `auto` keeps one rolling checkpoint per running request and
-    one per conversation waiting for its next turn; fewer made the simulated chat trace's hit
-    rate fall off a cliff (docs/prefix_caching.md). `budget_fraction=None` is the original
+    One running slot per sequence; with prefix caching, checkpoint slots sized by memory:
+    `budget_fraction` of `cache_bytes` (all KV pages + state slots), capped at
+    CHECKPOINTS_PER_SEQ per sequence and (given `page_bytes`, one KV page's bytes) at one
+    checkpoint per KV page the rest of the memory holds (a checkpoint sits on a page boundary).
+    Idle conversations outnumber running sequences on a chat trace: the old cap of 2 per
+    sequence reached 0.60 of the hit-rate ceiling there, the memory-sized pool ~1.0
+    (benchmarks/results/host-tier/chat_trace_hits.json). `budget_fraction=None` is the original
     sizing (2 x max_num_seqs extra slots shared with running requests, no budget).
     """
     if not prefix_caching:
         return 1 + max_num_seqs, None
     if budget_fraction is None:
         return 1 + 3 * max_num_seqs, None
-    checkpoints = num_checkpoint_slots(
-        budget_fraction, cache_bytes, state_bytes_per_slot, max_slots=CHECKPOINTS_PER_SEQ * max_num_seqs
-    )
+    cap = CHECKPOINTS_PER_SEQ * max_num_seqs
+    if page_bytes:  # c <= pages = (cache - (1 + seqs + c) x slot) / page
+        cap = min(
+            cap,
+            max(0, (cache_bytes - (1 + max_num_seqs) * state_bytes_per_slot) // (page_bytes + state_bytes_per_slot)),
+        )
+    checkpoints = num_checkpoint_slots(budget_fraction, cache_bytes, state_bytes_per_slot, max_slots=cap)
     return 1 + max_num_seqs + checkpoints, checkpoints
 
 
-CHECKPOINTS_PER_SEQ = 2
+CHECKPOINTS_PER_SEQ = 32  # at most this many checkpoint slots per sequence (max_num_seqs)

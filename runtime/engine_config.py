@@ -53,6 +53,7 @@ class CacheConfig:
     num_checkpoint_slots: int | None = None  # hybrids: checkpoint budget in slots; None: shared pool
     window: int | None = None  # window-aware paging: the sliding window whose layers page apart
     num_window_pages: int = 0  # their pool, with the null page
+    host_tier_bytes: int = 0  # host-memory tier for evicted pages / checkpoints (paged_kv/tiered_cache.py); 0: off
 
     def __post_init__(self) -> None:
         rules.check_fields(
@@ -61,7 +62,14 @@ class CacheConfig:
         )
 
     def build_manager(self) -> CacheManager:
-        return CacheManager(
+        if self.host_tier_bytes:
+            from paged_kv.tiered_cache import TieredCacheManager
+
+            return TieredCacheManager(host_bytes=self.host_tier_bytes, **self._manager_args())
+        return CacheManager(**self._manager_args())
+
+    def _manager_args(self) -> dict:
+        return dict(
             page_size=self.page_size,
             num_pages=self.num_pages,
             num_state_slots=self.num_state_slots,
@@ -203,6 +211,8 @@ class EngineConfig:
     hybrid_checkpoint_budget: float | None = _C.hybrid_checkpoint_budget
     # window-aware paging for sliding-window layers; None: on where the model has them (one rank, no P/D role)
     window_paging: bool | None = _C.window_paging
+    kv_offloading_size: float | None = _C.kv_offloading_size  # GiB of host memory for evicted pages/checkpoints
+    kv_offloading_backend: str | None = _C.kv_offloading_backend  # "native" (paged_kv/host_tier.py)
     # ---- scheduler: launch section `scheduler`
     max_num_seqs: int = _S.max_num_seqs
     max_num_batched_tokens: int = _S.max_num_batched_tokens
@@ -263,6 +273,7 @@ class EngineConfig:
             num_checkpoint_slots=num_checkpoint_slots,
             window=window,
             num_window_pages=num_window_pages,
+            host_tier_bytes=int((self.kv_offloading_size or 0) * 2**30),
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -320,6 +331,8 @@ _ENGINE_RULES = {
     "state_dtype": rules.one_of(rules.STATE_DTYPES),
     "num_state_slots": rules.optional(rules.num_state_slots),
     "hybrid_checkpoint_budget": rules.optional(rules.checkpoint_budget),
+    "kv_offloading_size": rules.optional(rules.at_least(0)),
+    "kv_offloading_backend": rules.optional(rules.one_of(("native",))),
     **{name: rule for name, rule in _SCHEDULER_RULES.items() if name != "max_model_len"},
     "attention_backend": _named("attention_backend"),
     "gdn_backend": _named("gdn_backend"),
@@ -345,6 +358,8 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "hybrid_checkpoint_policy": "cache.hybrid_checkpoint_policy",
     "hybrid_checkpoint_budget": "cache.hybrid_checkpoint_budget",
     "window_paging": "cache.window_paging",
+    "kv_offloading_size": "cache.kv_offloading_size",
+    "kv_offloading_backend": "cache.kv_offloading_backend",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "policy": "scheduler.policy",

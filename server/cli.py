@@ -82,12 +82,11 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ),
     ConfigFlag("--max-num-seqs", "scheduler.max_num_seqs", "most sequences in one step", type=int),
     ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", "token budget of one step", type=int),
+    ConfigFlag("--async-scheduling", "scheduler.async_scheduling", "plan step n+1 while step n runs", boolean=True),
     ConfigFlag(
-        "--async-scheduling",
-        "scheduler.async_scheduling",
-        "plan the next step while the device runs this one",
-        boolean=True,
+        "--kv-offloading-size", "cache.kv_offloading_size", "GiB of host memory for evicted KV/state", type=float
     ),
+    ConfigFlag("--kv-offloading-backend", "cache.kv_offloading_backend", "host tier backend", choices=("native",)),
     ConfigFlag(
         "--gpu-memory-utilization",
         "cache.memory_fraction",

@@ -70,6 +70,17 @@ class _EngineStatsCollector:
             for position, value in enumerate(per_position):
                 family.add_metric([str(position)], float(value))
             yield family
+        host_tier = {  # cache.kv_offloading_size (paged_kv/tiered_cache.py)
+            "host_cache_bytes": (GaugeMetricFamily, "Bytes held by the host-memory tier"),
+            "host_cache_hits": (CounterMetricFamily, "Host-tier entries loaded back for a prefix hit"),
+            "host_cache_evictions": (CounterMetricFamily, "Host-tier entries dropped for its byte cap"),
+            "host_cache_offloads": (CounterMetricFamily, "Evicted pages and checkpoints copied to host memory"),
+            "host_cache_load_failures": (CounterMetricFamily, "Host-tier reads that failed (recomputed)"),
+            "host_cache_load_seconds_mean": (GaugeMetricFamily, "Mean dispatch time of a host-to-device load"),
+        }
+        for name, (family, doc) in host_tier.items():
+            if name in stats:
+                yield family(f"jaxserve_{name}", doc, value=float(stats[name]))
         for name, value in stats.items():  # P/D (runtime/kv_transfer): counters and held pages/slots
             if name.startswith("kv_transfer_"):
                 yield GaugeMetricFamily(

@@ -92,7 +92,9 @@ def test_block_aligned_checkpoints_never_hit_chat_prompts_shorter_than_the_block
 def test_simulation_is_deterministic_and_reports_memory_by_use():
     shape = load_shape(MODELS / "qwen3_5-9b.json")
     plan = plan_memory(shape, max_num_seqs=8, budget_fraction=0.1)
-    assert plan.num_checkpoint_slots == 16  # 2 per sequence, within 10% of the cache
+    assert (
+        plan.num_checkpoint_slots == int(0.1 * plan.cache_bytes // shape.state_bytes_per_slot) < 8 * 32
+    )  # memory binds
     assert plan_memory(shape, max_num_seqs=256, budget_fraction=0.05).num_checkpoint_slots == int(
         0.05 * plan.cache_bytes // shape.state_bytes_per_slot
     )  # the fraction binds

@@ -24,6 +24,7 @@ from paged_kv.window_pages import window_pool_pages
 from pallas_kernels import cpu_native
 from pallas_kernels.kv_cache import token_minor_fits
 from runtime.buckets import pages_for
+from runtime.engine.host_tier import refuse_host_tier
 from runtime.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from runtime.parallel.data_parallel import DataParallel, build_data_parallel, data_parallel_size, rank_share
 from runtime.parallel.mesh import make_mesh
@@ -107,6 +108,7 @@ def size_cache(
             budget_fraction=config.hybrid_checkpoint_budget,
             cache_bytes=cache_budget_bytes(config),
             state_bytes_per_slot=model.state_bytes_per_slot_per_device(),  # cache_bytes is per device too
+            page_bytes=page_bytes(config, model, "all" if window is None else "full"),
         )
         if config.num_state_slots:
             num_slots, num_checkpoint_slots = config.num_state_slots, None
@@ -192,6 +194,7 @@ def build_step_parts(
     num_pages, num_slots, num_checkpoint_slots, num_window_pages = size_cache(
         config, model, max_blocks_per_seq, dp_size, window
     )
+    refuse_host_tier(config, dp_size, window)
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
     scheduler_config = config.scheduler_config(max_model_len)

@@ -19,9 +19,8 @@ when the engine is built, from the config; nothing is swapped in afterwards.
 A step's inputs (the device-resident request table, or attention DP's host-built batch), its
 sampler inputs and prompt logprobs: runtime/engine/step_inputs.py.
 
-Asynchronous scheduling (one step in flight, and when the next schedule waits for it) and
-failures (local to their step; `EngineDeadError` when the device caches are lost):
-runtime/engine/postprocess.py.
+Asynchronous scheduling (one step in flight, and when the next schedule waits for it) and failures
+(local to their step; `EngineDeadError` when the device caches are lost): runtime/engine/postprocess.py.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from models.model import Model
 from runtime.engine.construction import build_step_parts, prepare_model
 from runtime.engine.deltas import RequestOutputs
 from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.host_tier import build_host_tier
 from runtime.engine.postprocess import EngineDeadError, check_step_failure, log_step_failure, needs_host_tokens
 from runtime.engine.prompt_logprobs import PromptLogprobRecords, prompt_targets
 from runtime.engine.step_inputs import plain_greedy, sampler_inputs, table_inputs, token_feed
@@ -119,6 +119,7 @@ class LLMEngine:
             opts=self.opts,
         )
         self.speculator = build_speculator(self)  # None unless speculative_config (runtime/speculative/)
+        self.host_tier = build_host_tier(self)  # cache.kv_offloading_size (runtime/engine/host_tier.py)
         if wrap_executables is not None:
             self.executables = wrap_executables(self.executables)
 
@@ -224,6 +225,7 @@ class LLMEngine:
         stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
         if self.speculator is not None:
             stats.update(self.speculator.stats())
+        stats.update(self.host_tier.stats() if self.host_tier is not None else {})
         return stats if self.kv_transfer is None else self.kv_transfer.stats(stats)
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -339,6 +341,7 @@ class LLMEngine:
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
         speculate = self.speculator is not None and self.speculator.verifies(out)
+        self.caches = self.caches if self.host_tier is None else self.host_tier.run(self.caches)  # before any copy
         if self.dp is not None:
             batch = self.dp.build_batch(out)
             T, targets = batch.input_ids.shape[0], prompt_targets(out, batch.input_ids.shape[0])

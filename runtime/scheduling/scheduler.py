@@ -380,6 +380,7 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         return {
             **self.cache.stats(),
+            "max_checkpoint_slots": self.cache.num_checkpoint_slots or 0,  # the checkpoint budget (0: none/shared)
             "num_preemptions": self.num_preemptions,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
