@@ -64,7 +64,7 @@ def test_engine_with_bf16_state_agrees_with_hf(tiny_checkpoint, hf):
 # the dense and shared MLPs, the routed experts. Float: the gates' low-rank f_a/f_b/g_a/g_b, b_proj,
 # MLA's latent kv_a / kv_b, the router, the embedding and lm_head (models/quant_rules.py).
 INT8_TENSORS = re.compile(
-    r"self_attn\.[qkvo]_proj\.weight$|block_sparse_moe\.(gate|up|down)_proj\.weight$"
+    r"self_attn\.([qkvo]|q_a|q_b|kv_a|kv_b|g_a|g_b)_proj(_with_mqa)?\.weight$|block_sparse_moe\.(gate|up|down)_proj\.weight$"
     r"|experts\.\d+\.w[123]\.weight$|shared_experts\.(gate|up|down)_proj\.weight$"
 )
 
