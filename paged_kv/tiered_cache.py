@@ -106,13 +106,19 @@ class TieredCacheManager(CacheManager):
         """-> (offloads: (kind, id, hash) to gather from the device and `store`, loads: (kind, id,
         host value) to scatter into the device, restores: ((kind, hash), value) to `store` as is);
         the queues are empty afterwards. Offloads must read the device before loads write it."""
+        for slot in self._pinned:  # loaded by the time anything reads it again: evictable from now on
+            self.slots.checkpoints.mark_evictable(slot)
+        self._pinned.clear()
+        if self.num_checkpoint_slots is not None:  # a host hit's checkpoint may have gone above the budget
+            over = self.slots.num_checkpoints + self.num_pending_checkpoints - self.num_checkpoint_slots
+            idle = [s for s in self.slots.checkpoints.evictable if (STATE, s) not in self.loads]
+            for slot in idle[: max(0, over)]:  # least recently used first; never one being loaded
+                self.slots.checkpoints.remove(slot)
+                self._evict_checkpoint(slot)
         offloads = self.offloads
         loads = [(kind, rid, value) for (kind, rid), (_, value) in self.loads.items()]
         restores = list(self._restore)
         self.offloads, self.loads, self._restore = [], {}, []
-        for slot in self._pinned:  # loaded by the time anything reads it again: evictable from now on
-            self.slots.checkpoints.mark_evictable(slot)
-        self._pinned.clear()
         return offloads, loads, restores
 
     def store(self, kind: str, block_hash: BlockHash, value: object, nbytes: int) -> None:
@@ -168,9 +174,10 @@ class TieredCacheManager(CacheManager):
         state = None
         if state_hash is not None:
             state = self.host.get((STATE, state_hash))
-            if state is None or not self._make_room_for_checkpoint():
+            if state is None:
                 return False
-            slot = self.slots.acquire()
+            self._make_room_for_checkpoint()  # within the budget if it can; else above it until loaded
+            slot = self.slots.acquire()  # at worst the slot the request is about to run in (it adopts it)
             if slot is None:
                 return False
             self.loads[(STATE, slot)] = (state_hash, state)
@@ -203,11 +210,15 @@ class TieredCacheManager(CacheManager):
         }
 
     def check_invariants(self) -> None:
-        for slot in self._pinned:  # evictable once loaded
+        budget = self.num_checkpoint_slots
+        for slot in self._pinned:  # evictable once loaded, and back within the budget then
             self.slots.checkpoints.evictable[slot] = None
+        if budget is not None:
+            self.num_checkpoint_slots = budget + len(self._pinned) + sum(k == STATE for k, _ in self.loads)
         try:
             super().check_invariants()
         finally:
+            self.num_checkpoint_slots = budget
             for slot in self._pinned:
                 self.slots.checkpoints.unmark_evictable(slot)
         self.host.check_invariants()
