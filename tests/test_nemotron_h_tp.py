@@ -4,7 +4,8 @@ not leak), on the tiny `nemotron_h_moe` checkpoint with every block kind (M, E, 
 Model axis 2: the 6 Mamba-2 heads and 2 B/C groups split (in_proj / conv in the per-shard order of
 models/mamba2_tp.py, the conv and the SSD scan per shard), attention heads split, MoE experts and the
 MLP on their intermediate dimension. Model axis 3: the heads split, the 2 groups held 3 times each
-(replicated), attention and the shared expert whole. Checked against the one-device model (logits,
+(replicated), attention and the shared expert whole. Expert parallelism on 2: the 8 routed experts
+4 per device behind the all-to-all of models/expert_parallel.py, with the gateless relu2 MLP. Checked against the one-device model (logits,
 within the bound the tests hold against HF) and against HF itself: the TP=2 and TP=3 engines' greedy
 output (chunked prefill, a prefix-cache hit on a continuation, preemptions) is HF's and the TP=1
 engine's, token for token."""
@@ -46,6 +47,11 @@ for m in (devices,):
     split[m] = [model.tp.mamba, model.tp.attention, g["in_proj"].shape[-1], str(g["in_proj"].sharding.spec),
                 str(e["experts_up"].sharding.spec)]
     err[m] = float(np.abs(model.logits(ids) - ref).max())
+if devices == 2:  # expert parallelism: the 8 routed experts 4 per device, tokens moved by all-to-all
+    model = shard_model(load_model(path, dtype="float32"), make_mesh(1, 2), expert_parallel=True)
+    e = next(g for g in model.params["groups"] if "experts_up" in g)
+    split["ep2"] = [model.tp.expert, str(e["experts_up"].sharding.spec)]
+    err["ep2"] = float(np.abs(model.logits(ids) - ref).max())
 
 def run(mesh_shape):
     engine = LLMEngine(EngineConfig(model=path, load_tokenizer=False, mesh_shape=mesh_shape, page_size=8, num_pages=22,
@@ -101,7 +107,7 @@ def report_and_prompts(tiny_checkpoint):
     return report, prompts
 
 
-def test_tp_splits_mamba_heads_and_matches_one_device(report_and_prompts):
+def test_tp_and_ep_split_and_match_one_device(report_and_prompts):
     """Model axis 2: heads and groups split, in_proj as wide as the checkpoint's (2*72 + 2*2*10 + 6).
     Model axis 3: the 2 groups do not divide, each is held 3 times (lcm(2, 3) = 6 groups: in_proj
     2*72 + 2*6*10 + 6 wide), the heads still split; attention (4 heads) stays whole."""
@@ -109,6 +115,7 @@ def test_tp_splits_mamba_heads_and_matches_one_device(report_and_prompts):
     split = report["split"]
     assert split["2"] == [True, True, 190, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
     assert split["3"] == [True, False, 270, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert split["ep2"] == [True, "P(None, 'model', None, None)"], split  # experts [G, E, H, I] by index
     assert max(report["err"].values()) <= 1e-4, report["err"]
 
 
