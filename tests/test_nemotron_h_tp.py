@@ -138,3 +138,42 @@ def test_tp_engine_greedy_matches_tp1_and_hf(report_and_prompts, hf):
     for rid, ids in tp2["prompts"].items():
         expected, scores = hf_greedy(hf, ids, 12)
         assert_greedy_match(tp2["tokens"][rid], expected, scores, f"TP=2 engine {rid} ({len(ids)} tokens)")
+
+
+def test_per_shard_order_with_a_replicated_group_by_hand():
+    """4 heads of 1 channel, one B/C group of state 1, on 2 shards: the group is held twice and
+    each shard's block reads [its z, its x, B, C, its dt] from the checkpoint's columns
+    [z 0-3 | x 4-7 | B 8 | C 9 | dt 10-13] (conv channels [x 0-3 | B 4 | C 5])."""
+    from models.mamba2_config import Mamba2Config
+    from models.mamba2_tp import _sources, held_groups
+
+    m = Mamba2Config(num_heads=4, head_dim=1, state_size=1, n_groups=1, conv_kernel=4, chunk_size=8)
+    cols, conv = _sources(m, 2)
+    assert held_groups(m, 2) == 2
+    assert cols.tolist() == [0, 1, 4, 5, 8, 9, 10, 11, 2, 3, 6, 7, 8, 9, 12, 13]
+    assert conv.tolist() == [0, 1, 4, 5, 2, 3, 4, 5]
+    split = Mamba2Config(num_heads=4, head_dim=1, state_size=1, n_groups=2, conv_kernel=4, chunk_size=8)
+    cols, conv = _sources(split, 2)  # [z 0-3 | x 4-7 | B 8-9 | C 10-11 | dt 12-15]: each shard its own group
+    assert cols.tolist() == [0, 1, 4, 5, 8, 10, 12, 13, 2, 3, 6, 7, 9, 11, 14, 15]
+    assert conv.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+
+
+def test_pd_transfer_refuses_replicated_groups(tiny_checkpoint):
+    """The P/D wire carries the checkpoint's conv width: a layout that holds groups twice is refused."""
+    from types import SimpleNamespace
+
+    from jax.sharding import AbstractMesh, AxisType
+
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+    from models.sharding import tensor_parallel_plan
+    from runtime.kv_transfer.layout import conv_permutation
+
+    cfg = parse_config(read_json(tiny_checkpoint(FAMILY) / "config.json"))
+    plans = {
+        m: tensor_parallel_plan(cfg, AbstractMesh((1, m), ("data", "model"), axis_types=(AxisType.Auto,) * 2))
+        for m in (2, 3)
+    }
+    assert conv_permutation(SimpleNamespace(cfg=cfg, tp=plans[2])) is not None
+    with pytest.raises(ValueError, match="B/C groups replicated"):
+        conv_permutation(SimpleNamespace(cfg=cfg, tp=plans[3]))
