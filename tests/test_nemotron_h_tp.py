@@ -5,7 +5,8 @@ Model axis 2: the 6 Mamba-2 heads and 2 B/C groups split (in_proj / conv in the 
 models/mamba2_tp.py, the conv and the SSD scan per shard), attention heads split, MoE experts and the
 MLP on their intermediate dimension. Model axis 3: the heads split, the 2 groups held 3 times each
 (replicated), attention and the shared expert whole. Expert parallelism on 2: the 8 routed experts
-4 per device behind the all-to-all of models/expert_parallel.py, with the gateless relu2 MLP. Checked against the one-device model (logits,
+4 per device behind the all-to-all of models/expert_parallel.py, with the gateless relu2 MLP. An
+orbax checkpoint restored straight onto both meshes. Checked against the one-device model (logits,
 within the bound the tests hold against HF) and against HF itself: the TP=2 and TP=3 engines' greedy
 output (chunked prefill, a prefix-cache hit on a continuation, preemptions) is HF's and the TP=1
 engine's, token for token."""
@@ -30,6 +31,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[3]))
 import numpy as np
 from models.model import load_model
+from models.orbax_io import write_checkpoint
 from models.sharding import shard_model
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
@@ -47,6 +49,13 @@ for m in (devices,):
     split[m] = [model.tp.mamba, model.tp.attention, g["in_proj"].shape[-1], str(g["in_proj"].sharding.spec),
                 str(e["experts_up"].sharding.spec)]
     err[m] = float(np.abs(model.logits(ids) - ref).max())
+# an orbax checkpoint restored straight onto the mesh (models/orbax_io.py: the held layout's shardings)
+base = load_model(path, dtype="float32")
+out = write_checkpoint(base.params, base.cfg, path, f"{sys.argv[4]}/orbax{devices}", "float32")
+restored = load_model(out, mesh=make_mesh(1, devices))
+err[f"orbax{devices}"] = float(np.abs(restored.logits(ids) - ref).max())
+g = next(g for g in restored.params["groups"] if "in_proj" in g)
+split[f"orbax{devices}"] = [g["in_proj"].shape[-1], str(g["in_proj"].sharding.spec)]
 if devices == 2:  # expert parallelism: the 8 routed experts 4 per device, tokens moved by all-to-all
     model = shard_model(load_model(path, dtype="float32"), make_mesh(1, 2), expert_parallel=True)
     e = next(g for g in model.params["groups"] if "experts_up" in g)
@@ -77,7 +86,7 @@ print("REPORT " + json.dumps({"split": split, "err": err, "tp1": run(None) if de
 
 
 @pytest.fixture(scope="module")
-def report_and_prompts(tiny_checkpoint):
+def report_and_prompts(tiny_checkpoint, tmp_path_factory):
     rng = np.random.default_rng(3)
     draw = lambda n: rng.integers(3, 1031, size=n).tolist()
     shared = draw(41)
@@ -90,10 +99,10 @@ def report_and_prompts(tiny_checkpoint):
     }
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    report = {}
+    report, tmp = {}, tmp_path_factory.mktemp("nemotron_tp")
     for devices in (2, 3):
         proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tiny_checkpoint(FAMILY)), json.dumps(prompts), str(devices)],
+            [sys.executable, "-c", SCRIPT, str(tiny_checkpoint(FAMILY)), json.dumps(prompts), str(devices), str(tmp)],
             cwd=root,
             env=env,
             capture_output=True,
@@ -115,8 +124,9 @@ def test_tp_and_ep_split_and_match_one_device(report_and_prompts):
     split = report["split"]
     assert split["2"] == [True, True, 190, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
     assert split["3"] == [True, False, 270, "P(None, None, 'model')", "P(None, None, None, 'model')"], split
+    assert split["orbax2"] == [190, "P(None, None, 'model')"] and split["orbax3"] == [270, "P(None, None, 'model')"]
     assert split["ep2"] == [True, "P(None, 'model', None, None)"], split  # experts [G, E, H, I] by index
-    assert max(report["err"].values()) <= 1e-4, report["err"]
+    assert len(report["err"]) == 5 and max(report["err"].values()) <= 1e-4, report["err"]  # 2, 3, ep2, orbax 2 / 3
 
 
 @pytest.fixture(scope="module")
