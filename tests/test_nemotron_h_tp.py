@@ -187,3 +187,20 @@ def test_pd_transfer_refuses_replicated_groups(tiny_checkpoint):
     assert conv_permutation(SimpleNamespace(cfg=cfg, tp=plans[2])) is not None
     with pytest.raises(ValueError, match="B/C groups replicated"):
         conv_permutation(SimpleNamespace(cfg=cfg, tp=plans[3]))
+
+
+def test_abstract_model_holds_the_repeated_groups(tiny_checkpoint):
+    """`jaxserve plan`'s abstract model (models/abstract.py) holds the layout the forward reads: on
+    a model axis of 3 the 2 groups held 3 times (in_proj 270 wide, conv state 72 + 2*6*10)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from models.abstract import abstract_caches, abstract_model, shard_abstract_model
+    from models.config import parse_config
+    from models.safetensors_io import read_json
+
+    model = abstract_model(parse_config(read_json(tiny_checkpoint(FAMILY) / "config.json")), "float32")
+    shard_abstract_model(model, AbstractMesh((1, 3), ("data", "model"), axis_types=(AxisType.Auto,) * 2))
+    g = next(g for g in model.params["groups"] if "in_proj" in g)
+    assert g["in_proj"].shape[-1] == 270 and g["conv_w"].shape[-2] == 72 + 2 * 6 * 10
+    caches = abstract_caches(model, num_pages=4, page_size=8, num_slots=3)
+    assert next(c for c in caches["conv"] if c is not None).shape[-1] == 72 + 2 * 6 * 10
