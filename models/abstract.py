@@ -26,13 +26,15 @@ def abstract_model(cfg: ModelConfig, dtype: str, path: str | Path = "<abstract>"
 
 def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> Model:
     """`models.sharding.shard_model` for abstract params: KV heads repeated where fewer than the
-    devices, then each leaf's NamedSharding attached (the GDN channel reorder changes no shape)."""
+    devices and Mamba-2's B / C groups where they do not divide (the GDN channel reorder changes no
+    shape), then each leaf's NamedSharding attached."""
     from jax.sharding import NamedSharding
 
-    from models.sharding import param_specs, repeat_kv_heads, tensor_parallel_plan
+    from models.sharding import _reorder_gdn, param_specs, repeat_kv_heads, tensor_parallel_plan
 
     plan = tensor_parallel_plan(model.cfg, mesh, expert_parallel)
-    model.params = jax.eval_shape(lambda p: repeat_kv_heads(p, model.cfg, plan), model.params)
+    held = lambda p: _reorder_gdn(repeat_kv_heads(p, model.cfg, plan), model.cfg, plan)
+    model.params = jax.eval_shape(held, model.params)
     specs = param_specs(model.params, model.cfg, plan)
     model.params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), model.params, specs

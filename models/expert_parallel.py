@@ -51,17 +51,17 @@ def expert_ffn(xs, w_gate_up, w_down, group_sizes):
     return qragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [N, H]
 
 
-def _local_experts(rows, local_ids, w_gate_up, w_down, num_local: int):
+def _local_experts(rows, local_ids, w_gate_up, w_down, num_local: int, ffn=expert_ffn):
     """rows [N, H] with local expert ids [N] (num_local = empty slot) -> expert outputs [N, H]
     in the same order; empty slots give zeros."""
     order = jnp.argsort(local_ids)  # empty slots (id num_local) sort last and fall outside every group
     group_sizes = jnp.sum(local_ids[:, None] == jnp.arange(num_local)[None, :], axis=0).astype(jnp.int32)
-    y = expert_ffn(rows[order], w_gate_up, w_down, group_sizes)  # [N, H]
+    y = ffn(rows[order], w_gate_up, w_down, group_sizes)  # [N, H]
     y = jnp.where((local_ids[order] < num_local)[:, None], y, 0)
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _ep_shard(x, weights, experts, w_gate_up, w_down, *, axis: str, num_devices: int, num_experts: int):
+def _ep_shard(x, weights, experts, w_gate_up, w_down, *, axis: str, num_devices: int, num_experts: int, ffn):
     """One device's part. x [Tl, H], weights / experts [Tl, K]; w_* hold this device's E/M experts."""
     M, E = num_devices, num_experts
     El = E // M
@@ -79,16 +79,18 @@ def _ep_shard(x, weights, experts, w_gate_up, w_down, *, axis: str, num_devices:
     send_ids = jnp.full((M, C), El, jnp.int32).at[dest_sorted, slot].set((flat_expert[order] % El).astype(jnp.int32))
     recv = lax.all_to_all(send, axis, 0, 0, tiled=True)  # [M, C, H]: block s came from device s
     recv_ids = lax.all_to_all(send_ids, axis, 0, 0, tiled=True)  # [M, C]
-    out = _local_experts(recv.reshape(M * C, H), recv_ids.reshape(M * C), w_gate_up, w_down, El)
+    out = _local_experts(recv.reshape(M * C, H), recv_ids.reshape(M * C), w_gate_up, w_down, El, ffn)
     back = lax.all_to_all(out.reshape(M, C, H), axis, 0, 0, tiled=True)  # block d: my rows that device d ran
     y = back[dest_sorted, slot] * weights.reshape(-1)[order][:, None].astype(x.dtype)  # [Tl*K, H]
     return jnp.zeros((Tl, H), y.dtype).at[token_of].add(y)
 
 
-def routed_experts_ep(x, weights, experts, w_gate_up, w_down, plan):
+def routed_experts_ep(x, weights, experts, w_gate_up, w_down, plan, ffn=expert_ffn):
     """Expert-parallel routed experts. x [T, H]; weights [T, K] (routing probabilities) and experts
     [T, K] (expert ids) from the router; w_gate_up [E, H, 2I], w_down [E, I, H] split on E over
-    `plan.axis`. Returns the weighted sum of each token's k expert outputs, [T, H]."""
+    `plan.axis`. Returns the weighted sum of each token's k expert outputs, [T, H]. `ffn(xs, w_in,
+    w_down, group_sizes)`: the experts' MLP over expert-sorted rows, SwiGLU (`expert_ffn`) unless
+    given (Nemotron-H's gateless relu2: models/nemotron_moe.py)."""
     M, axis = plan.size, plan.axis
     T = x.shape[0]
     E = w_gate_up.q.shape[0] if isinstance(w_gate_up, QuantizedWeight) else w_gate_up.shape[0]
@@ -100,7 +102,7 @@ def routed_experts_ep(x, weights, experts, w_gate_up, w_down, plan):
     tokens = P(axis, None)
 
     def shard(x, weights, experts, w_gate_up, w_down):
-        return _ep_shard(x, weights, experts, w_gate_up, w_down, axis=axis, num_devices=M, num_experts=E)
+        return _ep_shard(x, weights, experts, w_gate_up, w_down, axis=axis, num_devices=M, num_experts=E, ffn=ffn)
 
     run = jax.shard_map(
         shard,

@@ -23,8 +23,8 @@ state is wider), and held head h still reads a copy of its own group (h // (H / 
 h // (H / G)); the gated norm keeps the checkpoint's G groups (GSPMD reduces across shards where a
 group straddles two). SSM heads that do not divide by M keep the Mamba-2 layers whole on every
 device (logged), as the GDN / KDA layers fall back. Nemotron-H's MoE
-experts split on their intermediate dimension (models/sharding.py's MOE_RULES); expert parallelism
-is refused (its all-to-all runs SwiGLU experts, models/expert_parallel.py).
+experts split on their intermediate dimension (models/sharding.py's MOE_RULES), or with expert
+parallelism by expert index (models/nemotron_moe.py).
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ from models.quantization import take_columns
 
 log = logging.getLogger("jaxserve.sharding")
 
-EP_REFUSAL = (
-    "expert parallelism is not supported for Nemotron-H MoE blocks (gateless relu2 experts): "
-    "serve them with expert-intermediate TP (parallel.expert: false)"
-)
 # rule names as models/sharding.py's: column / row / vector / conv / replicated
 RULES = {
     "in_proj": "column",

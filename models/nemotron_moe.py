@@ -11,7 +11,8 @@ checkpoint), and the shared expert is one such MLP of `moe_shared_expert_interme
 float32 (HF's `_keep_in_fp32_modules_strict`): they reuse DeepSeek's parameter names `ds_router` /
 `e_score_bias` so models/weights.py keeps them float32 and models/sharding.py replicates them.
 Routed experts run as grouped matmuls over expert-sorted token copies, split on their intermediate
-dimension under tensor parallelism; expert parallelism is refused (models/mamba2_tp.py).
+dimension under tensor parallelism, or, with expert parallelism, whole experts per device behind
+models/expert_parallel.py's all-to-all (its `ffn` then this module's `relu2_ffn`).
 
 Tensor names: HF 5's fused `experts.up_proj` [E, I, H] / `experts.down_proj` [E, H, I], or one
 module per expert as NVIDIA publishes them (`experts.{e}.up_proj.weight`).
@@ -25,9 +26,18 @@ import numpy as np
 from models import ops
 from models.config import ModelConfig
 from models.deepseek_moe import _rows, route
+from models.expert_parallel import routed_experts_ep
 from models.quantization import qragged_dot
 
-ACTIVATIONS = {"relu2": lambda x: jnp.square(jnp.maximum(x, 0))}
+
+def relu2(x):
+    return jnp.square(jnp.maximum(x, 0))
+
+
+def relu2_ffn(xs, w_up, w_down, group_sizes):
+    """xs [N, H] sorted by expert, group_sizes [E] -> down(relu2(up(xs))) per expert, [N, H]."""
+    h = relu2(qragged_dot(xs, w_up, group_sizes))
+    return qragged_dot(h.astype(xs.dtype), w_down, group_sizes)
 
 
 def nemotron_moe_params(cfg: ModelConfig, get, has, lin, m: str) -> dict:
@@ -62,16 +72,18 @@ def nemotron_moe(p, x, cfg: ModelConfig, opts=None, rows=None):
     """x [T, H] -> [T, H]. `rows`: x's leading real rows (as `transformer.dense_mlp`)."""
     T, H = x.shape
     K = cfg.num_experts_per_tok
-    act = ACTIVATIONS[cfg.hidden_act]
     weights, experts = route(p, x, cfg)
-    flat_expert = experts.reshape(-1)
-    order = jnp.argsort(flat_expert)
-    token_of = order // K
-    group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
-    h = act(qragged_dot(x[token_of], p["experts_up"], group_sizes))  # [T*K, I] by expert
-    y = qragged_dot(h.astype(x.dtype), p["experts_down"], group_sizes)  # [T*K, H]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((T, H), jnp.float32).at[token_of].add(y)
+    if opts is not None and opts.tp is not None and opts.tp.expert:  # whole experts per device, all-to-all
+        out = routed_experts_ep(x, weights, experts, p["experts_up"], p["experts_down"], opts.tp, relu2_ffn)
+        out = out.astype(jnp.float32)
+    else:
+        flat_expert = experts.reshape(-1)
+        order = jnp.argsort(flat_expert)
+        token_of = order // K
+        group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts).astype(jnp.int32)
+        y = relu2_ffn(x[token_of], p["experts_up"], p["experts_down"], group_sizes)  # [T*K, H] by expert
+        y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        out = jnp.zeros((T, H), jnp.float32).at[token_of].add(y)
     up = ops.linear(x, p["shared_up_proj"], opts, valid_rows=rows)
-    shared = ops.linear(act(up).astype(x.dtype), p["shared_down_proj"], opts, valid_rows=rows)
+    shared = ops.linear(relu2(up).astype(x.dtype), p["shared_down_proj"], opts, valid_rows=rows)
     return (out + shared.astype(jnp.float32)).astype(x.dtype)

@@ -96,8 +96,8 @@ def restore_params(
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise CheckpointError(f"{path}: orbax checkpoint does not match config.json: {err}") from None
     shardings = jax.tree.map(lambda x: x.sharding, target)
-    if plan is not None and plan.kv_repeat > 1:  # the held layout's shardings (KV heads repeated)
-        held = jax.eval_shape(lambda p: repeat_kv_heads(p, cfg, plan), abstract)
+    if plan is not None and (plan.kv_repeat > 1 or plan.mamba):  # the held layout's (KV heads, B/C groups repeated)
+        held = jax.eval_shape(lambda p: _reorder_gdn(repeat_kv_heads(p, cfg, plan), cfg, plan), abstract)
         shardings = jax.tree.map(lambda _, s: NamedSharding(mesh, s), held, param_specs(held, cfg, plan))
 
     def finish(p):

@@ -84,8 +84,6 @@ def tensor_parallel_plan(cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = F
     """Which layer kinds split over `mesh`'s model axis; logs every fallback to replication.
     `expert_parallel` splits MoE experts by expert index (ValueError when E does not divide)."""
     m = mesh.shape[MODEL_AXIS]
-    if m > 1 and expert_parallel and cfg.mamba is not None and "moe" in cfg.mlp_types:
-        raise ValueError(mamba2_tp.EP_REFUSAL)
     expert = _expert_parallel(cfg, m, expert_parallel)
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     kv_repeat = m // hkv if _divides(hq, m) and 0 < hkv < m and m % hkv == 0 and cfg.mla is None else 1
@@ -123,8 +121,6 @@ def kv_heads_held(cfg: ModelConfig, plan: TensorParallel | None) -> int:
 def _expert_parallel(cfg: ModelConfig, m: int, asked: bool) -> bool:
     if not asked or m == 1:
         return False
-    if cfg.mamba is not None and "moe" in cfg.mlp_types:
-        raise ValueError(mamba2_tp.EP_REFUSAL)
     if "moe" not in cfg.mlp_types:
         log.warning("expert parallelism asked for a model without MoE layers: ignored")
         return False
@@ -226,7 +222,7 @@ MLA_RULES = {
     "ds_router": REPLICATED,
     "e_score_bias": REPLICATED,
 }
-EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_down": EXPERT}
+EXPERT_PARALLEL_RULES = {"experts_gate_up": EXPERT, "experts_up": EXPERT, "experts_down": EXPERT}
 # KDA's own names (the rest are GDN's): the low-rank gate projections' first halves [hidden, K] whole,
 # their second halves [K, H K] split by head (column), as f_b's decay and g_b's output gate are per head
 KDA_RULES = {"f_a": REPLICATED, "f_b": COLUMN, "g_a": REPLICATED, "g_b": COLUMN}

@@ -7,7 +7,8 @@ a shared expert. Checked: logits within 1e-4 of HF's over several lengths (NVIDI
 expert layout, as HF saves it, and HF 5's fused `experts.up_proj`), each routing feature moving the
 logits far beyond that bound, greedy decoding, and one engine (16-token steps, pages of 8, a small
 pool, prefix caching) whose greedy output is HF's under chunked prefill, prefix-cache hits and
-preemptions; what we refuse (latent MoE projections, expert parallelism) with a message.
+preemptions; what we refuse (latent MoE projections, other expert activations) with a message.
+Tensor and expert parallelism: tests/test_nemotron_h_tp.py.
 """
 
 from __future__ import annotations
@@ -191,16 +192,6 @@ def test_unsupported_moe_options_are_refused_at_load(tiny_checkpoint, tmp_path, 
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     with pytest.raises(ConfigError, match=match):
         load_model(tmp_path)
-
-
-def test_expert_parallelism_is_refused_with_a_message(ours):
-    from jax.sharding import AbstractMesh, AxisType
-
-    from models.sharding import tensor_parallel_plan
-
-    mesh = AbstractMesh((1, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    with pytest.raises(ValueError, match="expert parallelism"):
-        tensor_parallel_plan(ours.cfg, mesh, expert_parallel=True)
 
 
 def test_shipped_nemotron_3_nano_config():

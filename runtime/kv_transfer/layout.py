@@ -102,7 +102,14 @@ def conv_permutation(model) -> np.ndarray | None:
     """The conv-state channel order of a GDN- or Mamba-2-split TP engine (models/sharding.py), or None."""
     tp = model.tp
     if tp is not None and tp.mamba:
-        return mamba2_tp.conv_permutation(mamba2_tp.held(model.cfg.mamba, tp), tp.size)
+        held = mamba2_tp.held(model.cfg.mamba, tp)
+        if held.n_groups != model.cfg.mamba.n_groups:  # the wire carries the checkpoint's conv width
+            raise ValueError(
+                f"P/D transfer of Mamba-2 states with B/C groups replicated over model axis {tp.size} "
+                f"({model.cfg.mamba.n_groups} groups held {held.n_groups // model.cfg.mamba.n_groups} times) "
+                "is not supported: use a model axis that divides n_groups"
+            )
+        return mamba2_tp.conv_permutation(held, tp.size)
     if tp is None or not tp.gdn:
         return None
     return qkv_permutation(tp.gdn_qkv_widths, tp.size)
