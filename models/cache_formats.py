@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 
 from pallas_kernels.mla import LatentPages
@@ -35,12 +36,11 @@ def on_tpu(sharding) -> bool:
 def pin_formats(caches: dict, shardings: dict) -> dict:
     """`shardings` (the tree of `caches`: arrays or ShapeDtypeStructs) with each MLA latent pool's
     replaced by a `Format` pinning it rows-minor, on TPU; everything else unchanged."""
-    from pallas_kernels.mla_kernel_tpu import pool_format
-
     kv = []
     for pages, sharding in zip(caches["kv"], shardings["kv"], strict=True):
-        if isinstance(pages, LatentPages) and on_tpu(sharding.c):
-            sharding = dataclasses.replace(sharding, c=pool_format(sharding.c))
+        if isinstance(pages, LatentPages) and on_tpu(sharding.c):  # `mla_kernel_tpu.pool_format`, any leading dims
+            rows_minor = Layout(major_to_minor=tuple(range(len(pages.c.shape))))
+            sharding = dataclasses.replace(sharding, c=Format(rows_minor, sharding.c))
         kv.append(sharding)
     return {**shardings, "kv": tuple(kv)}
 

@@ -99,3 +99,17 @@ def test_the_step_reads_and_writes_the_pool_in_place(compiled):
     assert memory.temp_size_in_bytes < pool_bytes / 20, (memory.temp_size_in_bytes, pool_bytes)
     # arguments include both pools at 640 lanes a row (576 padded to a lane multiple)
     assert memory.alias_size_in_bytes >= 2 * pool_bytes * 640 // 576
+
+
+def test_the_plan_counts_the_pools_as_the_compiler_lays_them_out(compiled):
+    """The planner's KV bytes (and the engine's page budget, `cache_bytes_per_token(lane_padded=True)`)
+    count the 640 lanes a pinned 576-channel row takes, as the compiled step's aliased arguments do."""
+    from runtime.aot.costs import per_device_bytes
+
+    caches, step = compiled
+    kv_bytes = per_device_bytes(caches["kv"])
+    assert kv_bytes == 2 * NUM_PAGES * PAGE_SIZE * 640 * 2
+    assert kv_bytes <= step.memory_analysis().alias_size_in_bytes < kv_bytes * 1.01
+    model = abstract_model(small_deepseek(), "bfloat16")
+    assert model.cache_bytes_per_token(lane_padded=True) == 2 * 640 * 2
+    assert model.cache_bytes_per_token() == 2 * 576 * 2

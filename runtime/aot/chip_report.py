@@ -262,7 +262,8 @@ def plan_config(
         state_device + window_device,
         sched.max_num_seqs * blocks_per_seq + 1,
     )
-    token_minor, layout_warning = kv_page_layout(cfg.head_dim, page_size, chip.platform)
+    mla = cfg.mla is not None  # latent rows [P, ps, W], pinned rows-minor on TPU (models/cache_formats.py)
+    token_minor, layout_warning = (False, None) if mla else kv_page_layout(cfg.head_dim, page_size, chip.platform)
     caches = abstract_caches(
         model,
         num_pages,
