@@ -54,6 +54,7 @@ def abstract_caches(
     token_minor: bool = False,
 ):
     """ShapeDtypeStructs of `model.init_caches(...)`, with the cache shardings of a sharded model."""
+    from models.cache_formats import pin_formats
     from models.sharding import cache_shardings
 
     shapes = jax.eval_shape(
@@ -70,7 +71,7 @@ def abstract_caches(
     )
     if model.tp is None:
         return shapes
-    shardings = cache_shardings(shapes, model.cfg, model.tp)
+    shardings = pin_formats(shapes, cache_shardings(shapes, model.cfg, model.tp))  # the MLA pool pinned on TPU
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 

@@ -171,12 +171,15 @@ class Model:
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
         return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
 
-    def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all") -> int:
+    def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all", lane_padded: bool = False) -> int:
         """KV bytes per token over all devices (repeated KV heads counted) of the attention layers
-        `layers`: "all", "full" (no sliding window) or "window" (window-aware paging's two pools)."""
+        `layers`: "all", "full" (no sliding window) or "window" (window-aware paging's two pools).
+        `lane_padded`: MLA rows as TPU holds them, pinned rows-minor (models/cache_formats.py): the
+        row width rounded up to 128 lanes (DeepSeek-V3: 576 -> 640)."""
         itemsize = jnp.dtype(resolve_kv_dtype(kv_dtype, self.dtype)).itemsize
         if self.cfg.mla is not None:  # MLA: one row of latent + RoPE key, no heads
-            return self.cfg.num_attention_layers * self.cfg.mla.latent_width * itemsize
+            width = -(-self.cfg.mla.latent_width // 128) * 128 if lane_padded else self.cfg.mla.latent_width
+            return self.cfg.num_attention_layers * width * itemsize
         heads = kv_heads_held(self.cfg, self.tp)
         cfg = self.cfg
         windowed = sum(t == ATTENTION and cfg.sliding_window(i) is not None for i, t in enumerate(cfg.layer_types))

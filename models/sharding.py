@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import mamba2_tp
+from models.cache_formats import pin_formats
 from models.config import ModelConfig
 from models.quantization import QuantizedWeight, take_columns
 
@@ -434,7 +435,7 @@ def cache_shardings(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dic
 
 
 def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Place caches on `mesh`; conv-state channels go to the per-shard [Q_i K_i V_i] order."""
+    """Place caches on `mesh` (MLA pools pinned: cache_formats.py); conv channels in per-shard [Q_i K_i V_i] order."""
     plan = tensor_parallel_plan(cfg, mesh)
     if plan.gdn:
         perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
@@ -442,5 +443,4 @@ def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     if plan.mamba:
         perm = mamba2_tp.conv_permutation(mamba2_tp.held(cfg.mamba, plan), plan.size)
         caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}
-    shardings = cache_shardings(caches, cfg, plan)
-    return jax.tree.map(_place, caches, shardings)
+    return jax.tree.map(_place, caches, pin_formats(caches, cache_shardings(caches, cfg, plan)))

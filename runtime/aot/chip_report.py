@@ -243,7 +243,7 @@ def plan_config(
     page_size = cache.page_size
     blocks_per_seq = -(-max_model_len // page_size)
     kv_dtype = cache.kv_cache_dtype
-    per_token = model.cache_bytes_per_token(kv_dtype)
+    per_token = model.cache_bytes_per_token(kv_dtype, lane_padded=chip.platform == "tpu")  # models/cache_formats.py
     # per_token counts the KV heads the model holds (repeated where fewer than the devices): split over all
     split = model.tp is not None and model.tp.attention and cfg.mla is None  # MLA's latent rows are replicated
     per_token_device = per_token // tp_size if split else per_token
@@ -262,7 +262,8 @@ def plan_config(
         state_device + window_device,
         sched.max_num_seqs * blocks_per_seq + 1,
     )
-    token_minor, layout_warning = kv_page_layout(cfg.head_dim, page_size, chip.platform)
+    mla = cfg.mla is not None  # latent rows [P, ps, W], pinned rows-minor on TPU (models/cache_formats.py)
+    token_minor, layout_warning = (False, None) if mla else kv_page_layout(cfg.head_dim, page_size, chip.platform)
     caches = abstract_caches(
         model,
         num_pages,

@@ -39,10 +39,14 @@ class StepFigures:
 
 
 def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (a leaf pinned to a layout,
+    an MLA pool on TPU (models/cache_formats.py), with its minor dim padded to 128 lanes)."""
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        fmt = getattr(x, "format", None)
+        if fmt is not None and fmt.layout is not None and fmt.layout.major_to_minor[-1] == len(shape) - 1:
+            shape = (*shape[:-1], -(-shape[-1] // 128) * 128)
         total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
     return total
 

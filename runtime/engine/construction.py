@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from models.cache_formats import on_tpu
 from models.config import ConfigError
 from models.model import Model, load_model
 from models.ops import KernelOptions
@@ -127,7 +128,8 @@ def size_cache(
 
 def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
-    per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers), 1) * config.page_size
+    tpu = model.tp is not None and on_tpu(model.tp.spec())  # MLA pools pinned lane-padded (models/cache_formats.py)
+    per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers, lane_padded=tpu), 1) * config.page_size
     tp = model.tp
     if tp is not None and tp.attention and model.cfg.mla is None:
         per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA's latent rows: all)

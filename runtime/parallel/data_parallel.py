@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.batch import ForwardBatch
+from models.cache_formats import cache_formats
 from models.transformer import forward
 from runtime.buckets import bucket_for, pow2_buckets
 from runtime.parallel.mesh import DATA_AXIS
@@ -200,7 +201,7 @@ class DataParallelExecutables(StepExecutables):
                 "rec": tuple(map(copy, caches["rec"])),
             }
 
-        cache_shardings = jax.tree.map(lambda x: x.sharding, caches)
+        cache_shardings = cache_formats(caches)  # MLA pools kept in their pinned layout on TPU
         self._copy_jit = jax.jit(copy_rank_states, donate_argnums=0, out_shardings=cache_shardings)
 
     def _batch_spec(self, T: int) -> ForwardBatch:

@@ -48,6 +48,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.batch import ForwardBatch
+from models.cache_formats import cache_formats, format_specs
 from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import forward
@@ -161,8 +162,9 @@ class StepExecutables:
         # outputs are pinned to the input shardings, so donated caches keep their layout.
         self._specs = specs.abstract_spec if opts.tp is None else specs.sharded_spec
         self._replicated = None if opts.tp is None else opts.tp.spec()
-        self._cache_shardings = None if opts.tp is None else jax.tree.map(lambda x: x.sharding, caches)
-        self._cache_specs = jax.tree.map(self._specs, caches)
+        # (on TPU an MLA latent pool's sharding is a Format pinning it rows-minor: models/cache_formats.py)
+        self._cache_shardings = None if opts.tp is None else cache_formats(caches)
+        self._cache_specs = jax.tree.map(self._specs, caches) if opts.tp is None else format_specs(caches)
         self.fuse_greedy = fuse_greedy
         self.greedy_buckets = tuple(T for T in self.token_buckets if max_num_seqs >= T) if fuse_greedy else ()
         self.executables: dict[StepKey, object] = {}  # the table: key -> compiled executable
