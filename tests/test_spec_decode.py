@@ -374,3 +374,52 @@ def test_disable_by_batch_size_stops_drafting_in_large_batches(engines):
         spec.speculator.config = config
     ref = _serve(off, requests)
     assert all(got[rid].token_ids == ref[rid].token_ids for rid in ref)
+
+
+def test_disable_by_batch_size_auto_is_the_plans_measured_crossover():
+    from runtime.steps.execution_plan import SPEC_DISABLE_BY_BATCH_SIZE_CPU, _spec_disable_by_batch_size
+
+    auto = parse_speculative_config({"method": "ngram"})
+    assert auto.disable_by_batch_size == "auto"
+    assert _spec_disable_by_batch_size(auto, "cpu") == SPEC_DISABLE_BY_BATCH_SIZE_CPU == 16
+    assert _spec_disable_by_batch_size(auto, "gpu") is None  # not measured there: always draft
+    never = parse_speculative_config({"method": "ngram", "disable_by_batch_size": None})
+    assert _spec_disable_by_batch_size(never, "cpu") is None
+    assert _spec_disable_by_batch_size(SpeculativeConfig(disable_by_batch_size=3), "tpu") == 3
+    assert _spec_disable_by_batch_size(None, "cpu") is None
+    with pytest.raises(ValueError, match="disable_by_batch_size: must be an integer"):
+        parse_speculative_config({"method": "ngram", "disable_by_batch_size": "often"})
+
+
+def test_threshold_crossed_mid_run_equals_no_speculation(engines, monkeypatch):
+    """Four greedy requests of different lengths: while more than two decode no step drafts; as they
+    finish the batch falls under the threshold and drafting resumes. Outputs equal no speculation."""
+    import dataclasses
+
+    spec, off = engines
+    speculator = spec.speculator
+    assert speculator.config.disable_by_batch_size == 16  # "auto" resolved by the CPU plan
+    seen = []  # per schedule: (decoding requests, drafted tokens)
+    propose = speculator.propose
+
+    def recording(running):
+        propose(running)
+        decoding = sum(req.num_tokens - req.num_computed_tokens == 1 for req in running)
+        seen.append((decoding, sum(len(req.draft_token_ids) for req in running)))
+
+    monkeypatch.setattr(speculator, "propose", recording)
+    monkeypatch.setattr(speculator, "config", dataclasses.replace(speculator.config, disable_by_batch_size=2))
+    prompts = [spec.tokenizer.encode(p) for p in PROMPTS[:4]]
+    requests = [
+        EngineRequest(f"m{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        for i, (prompt, m) in enumerate(zip(prompts, (3, 6, 12, NUM_TOKENS)))
+    ]
+    before = spec.stats()
+    got, ref = _serve(spec, requests), _serve(off, requests)
+    stats = spec.stats()
+    assert any(d > 2 for d, _ in seen) and all(n == 0 for d, n in seen if d > 2), seen  # crowded: no drafts
+    assert any(n > 0 for d, n in seen if d <= 2), seen  # under the threshold: drafts
+    assert stats["spec_decode_num_disabled_steps"] > before["spec_decode_num_disabled_steps"]
+    assert stats["spec_decode_num_draft_tokens"] > before["spec_decode_num_draft_tokens"]
+    for rid in ref:
+        assert (got[rid].token_ids, got[rid].text) == (ref[rid].token_ids, ref[rid].text), rid

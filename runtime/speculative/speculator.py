@@ -17,6 +17,7 @@ paging, attention data parallelism, tensor parallelism and P/D roles.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -79,6 +80,8 @@ def build_speculator(engine) -> Speculator | None:
     if engine.async_scheduling:
         log.info("speculative decoding runs the synchronous path: asynchronous scheduling is off")
         engine.async_scheduling = False
+    # "auto" -> the plan's measured crossover (runtime/steps/execution_plan.py)
+    config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     verify = VerifyExecutables(
         engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k, config.num_speculative_tokens
     )
@@ -94,12 +97,14 @@ class Speculator:
         self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verified sequences that carried drafts
+        self.num_crowded_steps = 0  # schedules without drafts for `disable_by_batch_size`
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence)
 
     def stats(self) -> dict:
         return {
             "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_disabled_steps": self.num_crowded_steps,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
@@ -107,12 +112,15 @@ class Speculator:
 
     # ---- before the schedule ----------------------------------------------------------------
     def propose(self, running) -> None:
-        """Set each running request's drafts (prompt lookup over prompt + output)."""
+        """Set each running request's drafts (prompt lookup over prompt + output); none at all while
+        more requests decode than `disable_by_batch_size` (the adaptive rule: speculation stops
+        paying in large batches)."""
         c = self.config
-        crowded = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
-        for req in running:
-            decoding = req.num_tokens - req.num_computed_tokens == 1
-            if decoding and not crowded and can_draft(req):
+        decoding = [req.num_tokens - req.num_computed_tokens == 1 for req in running]
+        crowded = c.disable_by_batch_size is not None and sum(decoding) > c.disable_by_batch_size
+        self.num_crowded_steps += bool(crowded)
+        for req, decodes in zip(running, decoding):
+            if decodes and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
                     tokens, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
