@@ -423,3 +423,47 @@ def test_threshold_crossed_mid_run_equals_no_speculation(engines, monkeypatch):
     assert stats["spec_decode_num_draft_tokens"] > before["spec_decode_num_draft_tokens"]
     for rid in ref:
         assert (got[rid].token_ids, got[rid].text) == (ref[rid].token_ids, ref[rid].text), rid
+
+
+def test_metrics_endpoint_reports_the_spec_decode_counters(engines):
+    """A live server on the speculating engine: /metrics (scraped over HTTP, parsed by
+    prometheus_client) reports vLLM's counters and acceptance per position equal to `stats()`,
+    after a copy-heavy request whose drafts were accepted. Last in the module: the engine's loop
+    runs on the server's thread."""
+    import asyncio
+
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from runtime.engine.thread_client import AsyncEngine
+    from server.testing import LiveServer
+
+    spec, _ = engines
+    engine = AsyncEngine(spec, "tiny-model")
+    live = LiveServer(engine)
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "tiny-model", "prompt": PROMPTS[0] * 2, "max_tokens": NUM_TOKENS, "temperature": 0}
+            async with session.post(live.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            async with session.get(live.url + "/metrics") as r:
+                return await r.text()
+
+    try:
+        text = asyncio.run(go())
+        stats = spec.stats()
+    finally:
+        live.close()
+        asyncio.run(engine.shutdown())
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, s.labels.get("position"))] = s.value
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_disabled_steps"):
+        assert samples[(f"jaxserve_spec_decode_{name}_total", None)] == stats[f"spec_decode_{name}"], name
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == SPEC["num_speculative_tokens"]
+    for position, value in enumerate(per_pos):
+        assert samples[("jaxserve_spec_decode_num_accepted_tokens_per_pos_total", str(position))] == value
