@@ -189,20 +189,63 @@ def test_stops_inside_accepted_drafts_end_where_no_speculation_does(engines):
         ), rid
 
 
-def test_penalties_and_logprobs_decode_without_drafts(engines):
-    """Requests the verify sampler cannot serve exactly decode one token a step, unchanged."""
+def _accepted(engine, before):
+    return engine.stats()["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+
+
+def test_logprobs_compose_with_drafts(engines):
+    """Requests asking for logprobs draft; each accepted token's logprob and top alternatives are
+    the ones the engine without speculation reports for it (raw logits of its own verify row)."""
     spec, off = engines
-    prompt = spec.tokenizer.encode(PROMPTS[0])
     params = [
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),  # drafts, but shares steps with the above
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=5, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True),  # shares the verify steps
     ]
-    requests = [EngineRequest(f"p{i}", prompt, p) for i, p in enumerate(params)]
+    prompts = [spec.tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    requests = [EngineRequest(f"l{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    before = spec.stats()
     got, ref = _serve(spec, requests), _serve(off, requests)
-    for rid in ref:
+    assert _accepted(spec, before) > 0, spec.stats()
+    for rid in ("l0", "l1"):
         assert got[rid].token_ids == ref[rid].token_ids, rid
-    assert got["p1"].logprobs is not None and len(got["p1"].logprobs) == 8
+        assert len(got[rid].logprobs) == NUM_TOKENS
+        for a, b in zip(got[rid].logprobs, ref[rid].logprobs):
+            assert a.token_id == b.token_id
+            np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-4, atol=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top], rid
+            np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=1e-4, atol=1e-4)
+    assert got["l2"].token_ids == ref["l2"].token_ids
+
+
+PENALTIES = {
+    "repetition": dict(repetition_penalty=1.2),
+    "frequency": dict(frequency_penalty=0.3),
+    "presence": dict(presence_penalty=0.4),
+    "all": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+}
+
+
+def test_penalties_compose_with_drafts(engines):
+    """Greedy requests with each penalty draft; every verify row counts the output so far plus the
+    drafts before it, so the output equals the engine without speculation's."""
+    spec, off = engines
+    prompts = [spec.tokenizer.encode(p) for p in (PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] * 2)]
+    requests = [
+        EngineRequest(
+            f"q{name}{i}", prompt, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+        )
+        for name, kw in PENALTIES.items()
+        for i, prompt in enumerate(prompts)
+    ]
+    before = spec.stats()
+    got = _serve(spec, requests)
+    drafted = spec.stats()["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = _accepted(spec, before)
+    ref = _serve(off, requests)
+    assert 0 < accepted < drafted, spec.stats()
+    for rid in ref:
+        assert (got[rid].token_ids, got[rid].text) == (ref[rid].token_ids, ref[rid].text), rid
 
 
 # ---- sampling ----------------------------------------------------------------------------------

@@ -420,10 +420,10 @@ class LLMEngine:
             for m, token in enumerate(tokens, 1):
                 logprob = None
                 if record.logprobs is not None:
-                    lp, top_ids, top_lp = step.logprobs
+                    lp, top_ids, top_lp = step.token_logprobs(row, m - 1)
                     n = req.params.logprobs
-                    top = [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
-                    logprob = TokenLogprob(token, float(lp[row]), top)
+                    top = [(int(t), float(v)) for t, v in zip(top_ids[:n], top_lp[:n])]
+                    logprob = TokenLogprob(token, float(lp), top)
                 hit = record.add_token(token, logprob)
                 if hit is not None:
                     if not req.is_finished:
