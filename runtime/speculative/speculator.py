@@ -10,8 +10,10 @@ A request drafts when its next token is what the verify sampler computes: logpro
 accepted token's raw logprobs from its own verify row) and penalties (repetition, frequency,
 presence: each verify row counts the output so far plus the drafts before it, the tokens a plain
 step would have counted) compose; logit bias, banned tokens (min_tokens), prompt logprobs and
-grammars do not (those requests decode one token a step; a step carrying one verifies nothing). Speculation runs the synchronous path
-(asynchronous scheduling is turned off, logged). GDN hybrids (Qwen3.5, Qwen3-Next) verify
+grammars do not (those requests decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
+(the engine settles the step in flight before drafting: drafts read the tokens so far, and a
+verify step is resolved at once, its accepted tokens settled); a step where
+`disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
 compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
 paging, attention data parallelism, tensor parallelism and P/D roles.
@@ -94,9 +96,6 @@ def build_speculator(engine) -> Speculator | None:
     why = refusal(engine)
     if why is not None:
         raise ValueError(f"speculative_config: {why}")
-    if engine.async_scheduling:
-        log.info("speculative decoding runs the synchronous path: asynchronous scheduling is off")
-        engine.async_scheduling = False
     # "auto" -> the plan's measured crossover (runtime/steps/execution_plan.py)
     config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     verify = VerifyExecutables(
@@ -128,13 +127,27 @@ class Speculator:
         }
 
     # ---- before the schedule ----------------------------------------------------------------
+    def crowded(self, decoding: int) -> bool:
+        """More requests decode than `disable_by_batch_size`: no drafts this step."""
+        limit = self.config.disable_by_batch_size
+        return limit is not None and decoding > limit
+
+    def may_draft(self, running) -> bool:
+        """Whether the next schedule may draft: the engine then settles the step in flight first."""
+        decoding = [req for req in running if req.num_tokens - req.num_computed_tokens == 1]
+        return not self.crowded(len(decoding)) and any(can_draft(req) for req in decoding)
+
+    def verified(self, out) -> bool:
+        """Whether `out` ran as a verify step (the engine resolves it at once)."""
+        return self._pending is not None and self._pending[0] is out
+
     def propose(self, running) -> None:
         """Set each running request's drafts (prompt lookup over prompt + output); none at all while
         more requests decode than `disable_by_batch_size` (the adaptive rule: speculation stops
         paying in large batches)."""
         c = self.config
         decoding = [req.num_tokens - req.num_computed_tokens == 1 for req in running]
-        crowded = c.disable_by_batch_size is not None and sum(decoding) > c.disable_by_batch_size
+        crowded = self.crowded(sum(decoding))
         self.num_crowded_steps += bool(crowded)
         for req, decodes in zip(running, decoding):
             if decodes and not crowded and can_draft(req):
