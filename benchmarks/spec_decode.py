@@ -5,7 +5,8 @@ and tokens/s against concurrency.
         --json benchmarks/results/spec-decode/smollm2-cpu-2core.json
 
 Two engines of the same configuration are built: one with `speculative_config` (ngram), one
-without (its default asynchronous scheduling; speculation runs the synchronous path). Every
+without (its default asynchronous scheduling; speculation runs the synchronous path in steps that
+may draft). Every
 request is greedy with `ignore_eos`, so both must produce identical text, which is checked.
 
   single_stream   each copy-heavy prompt (a code edit, a summary quoting its text) alone, the
@@ -259,7 +260,8 @@ def main(argv=None) -> None:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),
-        "note": "off runs the default asynchronous scheduling; ngram runs the synchronous path",
+        "note": "off runs the default asynchronous scheduling; ngram runs the synchronous path while it "
+        "may draft (adaptive: asynchronous above disable_by_batch_size)",
         "single_stream": single,
         "concurrency": sweep,
     }
