@@ -5,13 +5,17 @@ and tokens/s against concurrency.
         --json benchmarks/results/spec-decode/smollm2-cpu-2core.json
 
 Two engines of the same configuration are built: one with `speculative_config` (ngram), one
-without (its default asynchronous scheduling; speculation runs the synchronous path). Every
+without (its default asynchronous scheduling; speculation runs the synchronous path in steps that
+may draft). Every
 request is greedy with `ignore_eos`, so both must produce identical text, which is checked.
 
   single_stream   each copy-heavy prompt (a code edit, a summary quoting its text) alone, the
                   modes interleaved per repeat; output tokens / wall time, the median of repeats
   concurrency     N copies of the prompts (cycled) added at once, for each N; output tokens / wall
   acceptance      drafted and accepted tokens per run (the engine's spec_decode_* counters)
+
+`--adaptive` adds a mode `adaptive`: ngram with `disable_by_batch_size: auto` (no drafts while more
+requests decode than the execution plan's measured crossover; `ngram` always drafts).
 
 The machine's load average is recorded before and after (CPU numbers on a shared 2-core machine
 are noisy; compare the ratio, measured in the same process and interleaved).
@@ -141,6 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--adaptive", action="store_true", help="also ngram with disable_by_batch_size: auto")
     ap.add_argument("--oracle-drafts", action="store_true", help="also a mode drafting the off engine's own output")
     args = ap.parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
@@ -154,10 +159,13 @@ def main(argv=None) -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "disable_by_batch_size": None,  # ngram: always draft; adaptive: the plan's "auto"
     }
     concurrency = [int(c) for c in args.concurrency.split(",")]
     engines = {}
     modes = [("ngram", spec_config), ("off", None)] + ([("oracle", spec_config)] if args.oracle_drafts else [])
+    if args.adaptive:
+        modes.append(("adaptive", {**spec_config, "disable_by_batch_size": "auto"}))
     for mode, spec in modes:
         t0 = time.perf_counter()
         engines[mode] = LLMEngine(
@@ -252,7 +260,8 @@ def main(argv=None) -> None:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),
-        "note": "off runs the default asynchronous scheduling; ngram runs the synchronous path",
+        "note": "off runs the default asynchronous scheduling; ngram runs the synchronous path while it "
+        "may draft (adaptive: asynchronous above disable_by_batch_size)",
         "single_stream": single,
         "concurrency": sweep,
     }

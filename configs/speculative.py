@@ -23,6 +23,7 @@ PLANNED_METHODS = {
 }
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 16
+AUTO = "auto"  # disable_by_batch_size's default: the execution plan picks it per backend
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,15 @@ class SpeculativeConfig:
     """method: how drafts are made ("ngram": prompt lookup over the prompt and the output so far);
     num_speculative_tokens: drafted tokens per step and request (k: the step verifies k + 1 rows);
     prompt_lookup_min / _max: the n-gram lengths matched, longest first; disable_by_batch_size: no
-    drafts while more requests than this are running (vLLM's field; None: always draft)."""
+    drafts in a step while more decoding requests than this are running (vLLM's field; None: always
+    draft; "auto": the execution plan's measured crossover, `runtime.steps.execution_plan.
+    spec_disable_by_batch_size`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | str | None = AUTO
 
     def __post_init__(self):
         check_fields(self.__dict__)
@@ -61,7 +64,7 @@ def check_fields(raw: Mapping[str, Any]) -> None:
     _int_field(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     _int_field(raw, "prompt_lookup_min", 1, 1024)
     _int_field(raw, "prompt_lookup_max", 1, 1024)
-    if raw.get("disable_by_batch_size") is not None:
+    if raw.get("disable_by_batch_size", AUTO) not in (None, AUTO):
         _int_field(raw, "disable_by_batch_size", 1, 1 << 20)
     if raw["prompt_lookup_min"] > raw["prompt_lookup_max"]:
         raise ValueError(

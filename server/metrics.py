@@ -56,6 +56,7 @@ class _EngineStatsCollector:
             "spec_decode_num_drafts": "Sequences verified with drafted tokens",
             "spec_decode_num_draft_tokens": "Drafted tokens verified",
             "spec_decode_num_accepted_tokens": "Drafted tokens accepted",
+            "spec_decode_num_disabled_steps": "Schedules without drafts: more decoding than disable_by_batch_size",
         }
         for name, doc in spec_counters.items():
             if name in stats:

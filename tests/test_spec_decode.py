@@ -189,20 +189,63 @@ def test_stops_inside_accepted_drafts_end_where_no_speculation_does(engines):
         ), rid
 
 
-def test_penalties_and_logprobs_decode_without_drafts(engines):
-    """Requests the verify sampler cannot serve exactly decode one token a step, unchanged."""
+def _accepted(engine, before):
+    return engine.stats()["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+
+
+def test_logprobs_compose_with_drafts(engines):
+    """Requests asking for logprobs draft; each accepted token's logprob and top alternatives are
+    the ones the engine without speculation reports for it (raw logits of its own verify row)."""
     spec, off = engines
-    prompt = spec.tokenizer.encode(PROMPTS[0])
     params = [
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),  # drafts, but shares steps with the above
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=5, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True),  # shares the verify steps
     ]
-    requests = [EngineRequest(f"p{i}", prompt, p) for i, p in enumerate(params)]
+    prompts = [spec.tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    requests = [EngineRequest(f"l{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    before = spec.stats()
     got, ref = _serve(spec, requests), _serve(off, requests)
-    for rid in ref:
+    assert _accepted(spec, before) > 0, spec.stats()
+    for rid in ("l0", "l1"):
         assert got[rid].token_ids == ref[rid].token_ids, rid
-    assert got["p1"].logprobs is not None and len(got["p1"].logprobs) == 8
+        assert len(got[rid].logprobs) == NUM_TOKENS
+        for a, b in zip(got[rid].logprobs, ref[rid].logprobs):
+            assert a.token_id == b.token_id
+            np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-4, atol=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top], rid
+            np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=1e-4, atol=1e-4)
+    assert got["l2"].token_ids == ref["l2"].token_ids
+
+
+PENALTIES = {
+    "repetition": dict(repetition_penalty=1.2),
+    "frequency": dict(frequency_penalty=0.3),
+    "presence": dict(presence_penalty=0.4),
+    "all": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+}
+
+
+def test_penalties_compose_with_drafts(engines):
+    """Greedy requests with each penalty draft; every verify row counts the output so far plus the
+    drafts before it, so the output equals the engine without speculation's."""
+    spec, off = engines
+    prompts = [spec.tokenizer.encode(p) for p in (PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] * 2)]
+    requests = [
+        EngineRequest(
+            f"q{name}{i}", prompt, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+        )
+        for name, kw in PENALTIES.items()
+        for i, prompt in enumerate(prompts)
+    ]
+    before = spec.stats()
+    got = _serve(spec, requests)
+    drafted = spec.stats()["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = _accepted(spec, before)
+    ref = _serve(off, requests)
+    assert 0 < accepted < drafted, spec.stats()
+    for rid in ref:
+        assert (got[rid].token_ids, got[rid].text) == (ref[rid].token_ids, ref[rid].text), rid
 
 
 # ---- sampling ----------------------------------------------------------------------------------
@@ -330,7 +373,7 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
             speculative_config=SPEC,
         )
     )
-    assert engine.speculator.verify.sealed and not engine.async_scheduling
+    assert engine.speculator.verify.sealed and engine.async_scheduling  # kept for steps that cannot draft
     counter = CompileCounter()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
@@ -374,3 +417,96 @@ def test_disable_by_batch_size_stops_drafting_in_large_batches(engines):
         spec.speculator.config = config
     ref = _serve(off, requests)
     assert all(got[rid].token_ids == ref[rid].token_ids for rid in ref)
+
+
+def test_disable_by_batch_size_auto_is_the_plans_measured_crossover():
+    from runtime.steps.execution_plan import SPEC_DISABLE_BY_BATCH_SIZE_CPU, _spec_disable_by_batch_size
+
+    auto = parse_speculative_config({"method": "ngram"})
+    assert auto.disable_by_batch_size == "auto"
+    assert _spec_disable_by_batch_size(auto, "cpu") == SPEC_DISABLE_BY_BATCH_SIZE_CPU == 16
+    assert _spec_disable_by_batch_size(auto, "gpu") is None  # not measured there: always draft
+    never = parse_speculative_config({"method": "ngram", "disable_by_batch_size": None})
+    assert _spec_disable_by_batch_size(never, "cpu") is None
+    assert _spec_disable_by_batch_size(SpeculativeConfig(disable_by_batch_size=3), "tpu") == 3
+    assert _spec_disable_by_batch_size(None, "cpu") is None
+    with pytest.raises(ValueError, match="disable_by_batch_size: must be an integer"):
+        parse_speculative_config({"method": "ngram", "disable_by_batch_size": "often"})
+
+
+def test_threshold_crossed_mid_run_equals_no_speculation(engines, monkeypatch):
+    """Four greedy requests of different lengths: while more than two decode no step drafts; as they
+    finish the batch falls under the threshold and drafting resumes. Outputs equal no speculation."""
+    import dataclasses
+
+    spec, off = engines
+    speculator = spec.speculator
+    assert speculator.config.disable_by_batch_size == 16  # "auto" resolved by the CPU plan
+    seen = []  # per schedule: (decoding requests, drafted tokens)
+    propose = speculator.propose
+
+    def recording(running):
+        propose(running)
+        decoding = sum(req.num_tokens - req.num_computed_tokens == 1 for req in running)
+        seen.append((decoding, sum(len(req.draft_token_ids) for req in running)))
+
+    monkeypatch.setattr(speculator, "propose", recording)
+    monkeypatch.setattr(speculator, "config", dataclasses.replace(speculator.config, disable_by_batch_size=2))
+    prompts = [spec.tokenizer.encode(p) for p in PROMPTS[:4]]
+    requests = [
+        EngineRequest(f"m{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        for i, (prompt, m) in enumerate(zip(prompts, (3, 6, 12, NUM_TOKENS)))
+    ]
+    before = spec.stats()
+    got, ref = _serve(spec, requests), _serve(off, requests)
+    stats = spec.stats()
+    assert any(d > 2 for d, _ in seen) and all(n == 0 for d, n in seen if d > 2), seen  # crowded: no drafts
+    assert any(n > 0 for d, n in seen if d <= 2), seen  # under the threshold: drafts
+    assert stats["spec_decode_num_disabled_steps"] > before["spec_decode_num_disabled_steps"]
+    assert stats["spec_decode_num_draft_tokens"] > before["spec_decode_num_draft_tokens"]
+    for rid in ref:
+        assert (got[rid].token_ids, got[rid].text) == (ref[rid].token_ids, ref[rid].text), rid
+
+
+def test_metrics_endpoint_reports_the_spec_decode_counters(engines):
+    """A live server on the speculating engine: /metrics (scraped over HTTP, parsed by
+    prometheus_client) reports vLLM's counters and acceptance per position equal to `stats()`,
+    after a copy-heavy request whose drafts were accepted. Last in the module: the engine's loop
+    runs on the server's thread."""
+    import asyncio
+
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from runtime.engine.thread_client import AsyncEngine
+    from server.testing import LiveServer
+
+    spec, _ = engines
+    engine = AsyncEngine(spec, "tiny-model")
+    live = LiveServer(engine)
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "tiny-model", "prompt": PROMPTS[0] * 2, "max_tokens": NUM_TOKENS, "temperature": 0}
+            async with session.post(live.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            async with session.get(live.url + "/metrics") as r:
+                return await r.text()
+
+    try:
+        text = asyncio.run(go())
+        stats = spec.stats()
+    finally:
+        live.close()
+        asyncio.run(engine.shutdown())
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, s.labels.get("position"))] = s.value
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_disabled_steps"):
+        assert samples[(f"jaxserve_spec_decode_{name}_total", None)] == stats[f"spec_decode_{name}"], name
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == SPEC["num_speculative_tokens"]
+    for position, value in enumerate(per_pos):
+        assert samples[("jaxserve_spec_decode_num_accepted_tokens_per_pos_total", str(position))] == value

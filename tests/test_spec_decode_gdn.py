@@ -345,3 +345,37 @@ def test_bf16_state_replays_as_decode_steps_store_it():
             np.testing.assert_array_equal(
                 np.asarray(out["rec"][0][g * N + slots[s]], np.float32), np.asarray(state, np.float32)
             )
+
+
+def test_penalties_and_logprobs_with_replayed_drafts(engines, monkeypatch):
+    """Penalties (each verify row counting the drafts before it) and logprobs on a hybrid, drafts from
+    the reference output with one spoiled (every accepted count occurs): tokens equal the outputs
+    without speculation, and each token's logprob and top alternatives too."""
+    spec, off, _ = engines("qwen3_5")
+    tokenizer = spec.tokenizer
+    kinds = [
+        dict(repetition_penalty=1.2, logprobs=2),
+        dict(frequency_penalty=0.4, presence_penalty=0.3),
+        dict(temperature=1.0, seed=3, frequency_penalty=0.2, logprobs=1),
+    ]
+    requests = [
+        EngineRequest(
+            f"p{i}{j}",
+            tokenizer.encode(p),
+            SamplingParams(**{"temperature": 0.0, **kw}, max_tokens=NUM_TOKENS, ignore_eos=True),
+        )
+        for i, kw in enumerate(kinds)
+        for j, p in enumerate(PROMPTS[:3])
+    ]
+    before = spec.stats()
+    got, ref = _round(spec, off, requests, OracleDrafts(spec.model.cfg.vocab_size), monkeypatch)
+    stats = spec.stats()
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 2 * len(requests), stats
+    for rid, want in ref.items():
+        out = got[rid]
+        assert out.token_ids == want.token_ids, rid
+        if want.logprobs is not None:
+            for a, b in zip(out.logprobs, want.logprobs, strict=True):
+                np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-4, atol=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top], rid

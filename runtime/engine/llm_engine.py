@@ -247,7 +247,9 @@ class LLMEngine:
         outputs = self.kv_transfer.poll() if self.kv_transfer is not None else []
         if self._prev is not None and needs_host_tokens(self._prev):
             outputs += self._settle_prev()[0]
-        if self.speculator is not None:
+        if self.speculator is not None:  # drafts read the tokens so far; none above disable_by_batch_size
+            if self._prev is not None and not self._prev.resolved and self.speculator.may_draft(self.scheduler.running):
+                outputs += self._settle_prev()[0]
             self.speculator.propose(self.scheduler.running)
         return outputs, self.scheduler.schedule()
 
@@ -307,7 +309,7 @@ class LLMEngine:
         scheduling resolves them at once."""
         sampled, scores = pending
         step = InFlightStep(out, sampled, scores, self.scheduler.update_with_placeholders(out))
-        if not self.async_scheduling:
+        if not self.async_scheduling or (self.speculator is not None and self.speculator.verified(out)):
             self._resolve(step)
         return step
 
@@ -420,10 +422,10 @@ class LLMEngine:
             for m, token in enumerate(tokens, 1):
                 logprob = None
                 if record.logprobs is not None:
-                    lp, top_ids, top_lp = step.logprobs
+                    lp, top_ids, top_lp = step.token_logprobs(row, m - 1)
                     n = req.params.logprobs
-                    top = [(int(t), float(v)) for t, v in zip(top_ids[row, :n], top_lp[row, :n])]
-                    logprob = TokenLogprob(token, float(lp[row]), top)
+                    top = [(int(t), float(v)) for t, v in zip(top_ids[:n], top_lp[:n])]
+                    logprob = TokenLogprob(token, float(lp), top)
                 hit = record.add_token(token, logprob)
                 if hit is not None:
                     if not req.is_finished:

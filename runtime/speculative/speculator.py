@@ -6,10 +6,14 @@ the accepted tokens recorded after it. Built with the engine (`build_speculator`
     caches, table, sampled = speculator.run(params, caches, T, table_args, out)
     speculator.settle(step, scheduler, request_table)   # after the first token is resolved
 
-A request drafts when its next token is what the verify sampler computes: no penalties, logit
-bias, banned tokens (min_tokens), logprobs, prompt logprobs or grammar (those requests decode one
-token a step; a step carrying one verifies nothing). Speculation runs the synchronous path
-(asynchronous scheduling is turned off, logged). GDN hybrids (Qwen3.5, Qwen3-Next) verify
+A request drafts when its next token is what the verify sampler computes: logprobs (each
+accepted token's raw logprobs from its own verify row) and penalties (repetition, frequency,
+presence: each verify row counts the output so far plus the drafts before it, the tokens a plain
+step would have counted) compose; logit bias, banned tokens (min_tokens), prompt logprobs and
+grammars do not (those requests decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
+(the engine settles the step in flight before drafting: drafts read the tokens so far, and a
+verify step is resolved at once, its accepted tokens settled); a step where
+`disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
 compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
 paging, attention data parallelism, tensor parallelism and P/D roles.
@@ -17,6 +21,7 @@ paging, attention data parallelism, tensor parallelism and P/D roles.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -27,6 +32,8 @@ from runtime.scheduled import SchedulerOutput
 from runtime.speculative.ngram import propose_ngram
 from runtime.speculative.verify import VerifyExecutables, VerifyRows
 from runtime.steps.sampler import SamplerOutput
+from runtime.steps.sampling_metadata import SamplingMetadata
+from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.speculative")
 
@@ -34,18 +41,31 @@ _NO_TOP_IDS = np.zeros((0, 0), np.int32)
 
 
 def can_draft(req) -> bool:
-    """The verify step samples this request's tokens exactly as a plain step would."""
+    """The verify step samples this request's tokens exactly as a plain step would: logprobs and
+    penalties compose (each verify row counts the drafts before it); logit bias, banned tokens,
+    prompt logprobs and grammars do not draft."""
     p = req.params
-    return (
-        p.logprobs is None
-        and p.prompt_logprobs is None
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and not p.logit_bias
-        and p.structured_output is None
-        and not req.banned_token_ids()
+    return p.prompt_logprobs is None and not p.logit_bias and p.structured_output is None and not req.banned_token_ids()
+
+
+def penalty_ids(reqs, S: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(output_ids [S, Wo], prompt_ids [S, Wp]) of a verify step's sequences (-1 padded, widths as
+    the plain sampler's: runtime/steps/sampling_metadata.py), None when no request has a penalty."""
+    if all(_no_penalty(req.params) for req in reqs):
+        return None
+    meta = SamplingMetadata.from_params(
+        [r.params for r in reqs],
+        [r.num_output_tokens for r in reqs],
+        [r.output_token_ids for r in reqs],
+        [r.prompt_token_ids for r in reqs],
+        pad_to=S,
+        row_params=False,
     )
+    return meta.output_ids, meta.prompt_ids
+
+
+def _no_penalty(p) -> bool:
+    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
 
 
 def refusal(engine) -> str | None:
@@ -76,14 +96,13 @@ def build_speculator(engine) -> Speculator | None:
     why = refusal(engine)
     if why is not None:
         raise ValueError(f"speculative_config: {why}")
-    if engine.async_scheduling:
-        log.info("speculative decoding runs the synchronous path: asynchronous scheduling is off")
-        engine.async_scheduling = False
+    # "auto" -> the plan's measured crossover (runtime/steps/execution_plan.py)
+    config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     verify = VerifyExecutables(
         engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k, config.num_speculative_tokens
     )
     if engine.plan.aot_compile:
-        verify.compile_all()
+        verify.compile_all(every_variant=engine.config.compile_config().every_variant)
     return Speculator(config, verify)
 
 
@@ -94,25 +113,44 @@ class Speculator:
         self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verified sequences that carried drafts
+        self.num_crowded_steps = 0  # schedules without drafts for `disable_by_batch_size`
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence)
 
     def stats(self) -> dict:
         return {
             "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_disabled_steps": self.num_crowded_steps,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
 
     # ---- before the schedule ----------------------------------------------------------------
+    def crowded(self, decoding: int) -> bool:
+        """More requests decode than `disable_by_batch_size`: no drafts this step."""
+        limit = self.config.disable_by_batch_size
+        return limit is not None and decoding > limit
+
+    def may_draft(self, running) -> bool:
+        """Whether the next schedule may draft: the engine then settles the step in flight first."""
+        decoding = [req for req in running if req.num_tokens - req.num_computed_tokens == 1]
+        return not self.crowded(len(decoding)) and any(can_draft(req) for req in decoding)
+
+    def verified(self, out) -> bool:
+        """Whether `out` ran as a verify step (the engine resolves it at once)."""
+        return self._pending is not None and self._pending[0] is out
+
     def propose(self, running) -> None:
-        """Set each running request's drafts (prompt lookup over prompt + output)."""
+        """Set each running request's drafts (prompt lookup over prompt + output); none at all while
+        more requests decode than `disable_by_batch_size` (the adaptive rule: speculation stops
+        paying in large batches)."""
         c = self.config
-        crowded = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
-        for req in running:
-            decoding = req.num_tokens - req.num_computed_tokens == 1
-            if decoding and not crowded and can_draft(req):
+        decoding = [req.num_tokens - req.num_computed_tokens == 1 for req in running]
+        crowded = self.crowded(sum(decoding))
+        self.num_crowded_steps += bool(crowded)
+        for req, decodes in zip(running, decoding):
+            if decodes and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
                     tokens, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
@@ -154,14 +192,17 @@ class Speculator:
                 drafts[v] = seq.token_ids[len(seq.token_ids) - k + j] if j < k else -1
                 v += 1
         verify = VerifyRows(rows, seqs, offsets, steps, drafts, num_draft)
-        all_greedy = all(seq.request.params.temperature <= 0.0 for seq in out.sequences)
+        reqs = [seq.request for seq in out.sequences]
+        all_greedy = all(req.params.temperature <= 0.0 for req in reqs)
+        num_logprobs = MAX_LOGPROBS if any(req.params.logprobs is not None for req in reqs) else 0
         table, step, prev_tokens = table_args
-        caches, table, tokens, accepted, first_tokens = self.verify.run(
-            params, caches, table, step, prev_tokens, verify, all_greedy
+        caches, table, row_out, accepted, first_out = self.verify.run(
+            params, caches, table, step, prev_tokens, verify, all_greedy, penalty_ids(reqs, S), num_logprobs
         )
-        self._pending = (out, tokens, accepted, first[: len(out.sequences)])
-        sampled = SamplerOutput(tokens=first_tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
-        return caches, table, sampled
+        self._pending = (out, row_out, accepted, first[: len(out.sequences)])
+        if not num_logprobs:
+            first_out = SamplerOutput(tokens=first_out.tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
+        return caches, table, first_out
 
     def settle(self, step, scheduler, request_table) -> None:
         """After the step's first tokens are resolved: append each sequence's accepted drafts'
@@ -169,9 +210,12 @@ class Speculator:
         rejected drafts, count, and hand `_emit` the extra tokens (`step.more_tokens`)."""
         if self._pending is None or self._pending[0] is not step.out:
             return
-        out, tokens, accepted, first = self._pending
+        out, row_out, accepted, first = self._pending
         self._pending = None
-        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+        tokens, accepted = np.asarray(row_out.tokens), np.asarray(accepted)
+        logprobs = None
+        if row_out.top_ids.shape[1]:
+            logprobs = tuple(np.asarray(a) for a in (row_out.logprobs, row_out.top_ids, row_out.top_logprobs))
         placed = {row for row, _, index in step.placed if index is not None}
         for i, seq in enumerate(out.sequences):
             k = seq.num_draft
@@ -190,3 +234,6 @@ class Speculator:
                 continue
             more = [int(t) for t in tokens[first[i] + 1 : first[i] + a + 1]]
             step.more_tokens[i] = more[: scheduler.accept_drafts(req, more)]
+            if logprobs is not None:  # rows first_i + 1 .. : the accepted tokens' own rows
+                rows = slice(first[i] + 1, first[i] + 1 + len(step.more_tokens[i]))
+                step.more_logprobs[i] = tuple(a[rows] for a in logprobs)

@@ -32,6 +32,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from models.gdn_replay import replay
@@ -41,6 +42,7 @@ from runtime.steps import specs
 from runtime.steps.sampler import sample
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.steps.table_device import prepare, row_sampling
+from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.speculative")
 
@@ -74,24 +76,57 @@ def accepted_counts(tokens: jax.Array, verify: VerifyRows) -> jax.Array:
     return jnp.minimum(first, verify.num_draft).astype(jnp.int32)
 
 
-def verify_sample(params, hidden, table, verify: VerifyRows, *, all_greedy, max_top_k, softcap):
-    """tokens [T]: the target's token at every verify row, each with its request's parameters."""
+def earlier_drafts(verify: VerifyRows, k: int) -> jax.Array:
+    """[T, k] i32: each verify row's sequence's drafts before it (row j of a sequence: its drafts
+    0 .. j-1, -1 after; a sequence's rows are consecutive), the tokens a penalty counts on top of
+    the output so far: a row is emitted only when every draft before it was accepted."""
+    T = verify.rows.shape[0]
+    m = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, k]
+    src = jnp.arange(T, dtype=jnp.int32)[:, None] - verify.offsets[:, None] + m  # [T, k]
+    taken = verify.drafts[jnp.clip(src, 0, T - 1)]
+    return jnp.where((m < verify.offsets[:, None]) & (verify.seqs[:, None] >= 0), taken, -1)
+
+
+def verify_sample(
+    params,
+    hidden,
+    table,
+    verify: VerifyRows,
+    penalty_ids=None,
+    *,
+    all_greedy,
+    max_top_k,
+    softcap,
+    num_logprobs=0,
+    num_speculative_tokens=0,
+):
+    """SamplerOutput [T]: the target's token at every verify row, each with its request's
+    parameters (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or (output_ids [S, Wo],
+    prompt_ids [S, Wp]) per sequence (-1 padded): a row's penalties count its sequence's output
+    plus the drafts before it (`earlier_drafts`), as a plain step after those tokens would."""
     T, S = verify.rows.shape[0], verify.num_draft.shape[0]
     null_row = table.row_params.shape[0] - 1  # its parameters are neutral (greedy, no filter)
     table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
     fields = row_sampling(dataclasses.replace(table, step_rows=table_rows), T)
     empty = jnp.zeros((T, 0), jnp.int32)
+    output_ids = prompt_ids = empty
+    if penalty_ids is not None:
+        seq = jnp.clip(verify.seqs, 0, S - 1)
+        output_ids = jnp.concatenate(
+            [penalty_ids[0][seq], earlier_drafts(verify, num_speculative_tokens)], axis=1
+        )  # [T, Wo + k]
+        prompt_ids = penalty_ids[1][seq]  # [T, Wp]
     meta = SamplingMetadata(
         **fields,
         steps=verify.steps,
-        output_ids=empty,
-        prompt_ids=empty,
+        output_ids=output_ids,
+        prompt_ids=prompt_ids,
         banned_ids=empty,
         logit_bias_ids=empty,
         logit_bias_values=jnp.zeros((T, 0), jnp.float32),
     )
     logits = compute_logits(params, hidden, softcap)  # [T, V]
-    return sample(logits, meta, None, max_top_k=max_top_k, all_greedy=all_greedy).tokens
+    return sample(logits, meta, None, max_top_k=max_top_k, all_greedy=all_greedy, num_logprobs=num_logprobs)
 
 
 def spec_rows(verify: VerifyRows, width: int) -> jax.Array:
@@ -109,6 +144,7 @@ def verify_backbone(
     step,
     prev_tokens,
     verify: VerifyRows,
+    penalty_ids=None,
     *,
     all_greedy,
     forward,
@@ -117,10 +153,12 @@ def verify_backbone(
     softcap,
     gdn_replay=None,
     num_speculative_tokens=0,
+    num_logprobs=0,
 ):
     """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
-    drafts rewound, tokens [T]: sequence i emits tokens[first_i : first_i + accepted_i + 1], the
-    accepted drafts and then the target's token, accepted [S], each sequence's first token [S]).
+    drafts rewound, rows: SamplerOutput [T] (sequence i emits tokens[first_i : first_i +
+    accepted_i + 1], the accepted drafts and then the target's token, each with its raw logprobs
+    when `num_logprobs`), accepted [S], first: SamplerOutput [S] of each sequence's first token).
     A GDN hybrid (`gdn_replay`: `models.gdn_replay.replay` with the kernel options bound): the
     forward pass commits no GDN state for drafting sequences; the accepted prefix is replayed
     into it after acceptance."""
@@ -130,7 +168,19 @@ def verify_backbone(
         batch = dataclasses.replace(batch, spec_rows=spec_rows(verify, num_speculative_tokens + 1))
     hidden, caches = forward(params, caches, batch)  # [T, H]
     stashes = caches.pop("replay", None) if gdn_replay is not None else None
-    tokens = verify_sample(params, hidden, table, verify, all_greedy=all_greedy, max_top_k=max_top_k, softcap=softcap)
+    rows = verify_sample(
+        params,
+        hidden,
+        table,
+        verify,
+        penalty_ids,
+        all_greedy=all_greedy,
+        max_top_k=max_top_k,
+        softcap=softcap,
+        num_logprobs=num_logprobs,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    tokens = rows.tokens
     accepted = accepted_counts(tokens, verify)
     if stashes is not None:
         caches = gdn_replay(caches, stashes, batch, accepted)
@@ -142,12 +192,15 @@ def verify_backbone(
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
     table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
     heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
-    first = jnp.zeros(S, jnp.int32).at[heads].set(tokens, mode="drop")  # [S]: each sequence's first new token
-    return caches, table, tokens, lax.stop_gradient(accepted), first
+    rows = dataclasses.replace(rows, tokens=tokens)  # an accepted draft is the row's sample: its logprob holds
+    first = jax.tree.map(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype).at[heads].set(a, mode="drop"), rows)
+    return caches, table, rows, lax.stop_gradient(accepted), first  # first: each sequence's first new token
 
 
 class VerifyExecutables:
-    """`verify_backbone` compiled per token bucket, greedy or sampled (one engine, no mesh)."""
+    """`verify_backbone` compiled per token bucket, greedy or sampled, plain or "full" (penalty
+    token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
+    asking for logprobs or penalties; one engine, no mesh)."""
 
     def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0):
         """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows."""
@@ -157,6 +210,7 @@ class VerifyExecutables:
             ex.max_blocks_per_seq,
             ex.page_size,
         )
+        self.full_widths = getattr(ex, "full_widths", None)  # None: penalty widths as the step needs
         self.token_buckets = tuple(token_buckets)
         fn = functools.partial(
             verify_backbone,
@@ -167,42 +221,80 @@ class VerifyExecutables:
             gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
         )
-        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy",))
+        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"))
         self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)
         self._cache_spec = jax.tree.map(specs.abstract_spec, caches)
-        self.executables: dict[tuple[int, bool], object] = {}
-        self.sealed = False
+        self.executables: dict[tuple, object] = {}
+        self.sealed = self._full_sealed = False  # sealed: plain variants; _full_sealed: all
 
-    def _args_spec(self, T: int) -> tuple:
+    def _args_spec(self, T: int, widths: tuple[int, int] | None) -> tuple:
         S, i32 = self.max_num_seqs, jnp.int32
         table = specs.table_spec(S, self.max_blocks_per_seq)
         step = specs.table_step_spec(T, S, self.page_size)
         row = specs.host_spec((T,), i32)
         verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32))
-        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32), verify
+        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32) for w in widths)
+        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32), verify, penalty
 
-    def compile(self, T: int, all_greedy: bool):
-        if self.sealed:
-            raise RuntimeError(f"verify[T={T}] was not compiled at start-up")
-        exe = self._jitted.trace(*self._args_spec(T), all_greedy=all_greedy).lower().compile()
-        self.executables[(T, all_greedy)] = exe
+    def compile(self, T: int, all_greedy: bool, widths: tuple[int, int] | None = None, num_logprobs: int = 0):
+        key = (T, all_greedy, widths, num_logprobs)
+        if self.sealed and (self._full_sealed or (widths is None and not num_logprobs)):
+            raise RuntimeError(f"verify{list(key)} was not compiled at start-up")
+        exe = (
+            self._jitted.trace(*self._args_spec(T, widths), all_greedy=all_greedy, num_logprobs=num_logprobs)
+            .lower()
+            .compile()
+        )
+        self.executables[key] = exe
         return exe
 
-    def compile_all(self) -> None:
-        """Every token bucket, greedy and sampled; then sealed (no compile after start-up)."""
+    def full_variant(self) -> tuple[tuple[int, int] | None, int]:
+        """(penalty widths, logprobs) of the bounded full variant (None widths: unbounded engine)."""
+        w = self.full_widths
+        return (None if w is None else (w.output_ids, w.prompt_ids)), MAX_LOGPROBS
+
+    def compile_all(self, every_variant: bool = False) -> None:
+        """Every token bucket, greedy and sampled, and with `every_variant` (bounded widths) the
+        full variants too, then sealed (no compile after start-up)."""
         t0 = time.perf_counter()
+        widths, n = self.full_variant()
+        full = every_variant and widths is not None
         for T in self.token_buckets:
             for greedy in (True, False):
                 self.compile(T, greedy)
-        self.sealed = True
+                if full:
+                    self.compile(T, greedy, widths, n)
+        self.sealed, self._full_sealed = True, full
         log.info("compiled %d verify executables in %.1fs", len(self.executables), time.perf_counter() - t0)
 
-    def run(self, params, caches, table, step, prev_tokens, verify: VerifyRows, all_greedy: bool):
+    def run(
+        self,
+        params,
+        caches,
+        table,
+        step,
+        prev_tokens,
+        verify: VerifyRows,
+        all_greedy: bool,
+        penalty=None,
+        num_logprobs=0,
+    ):
+        """`penalty`: None or (output_ids [S, Wo], prompt_ids [S, Wp]) host arrays; with bounded
+        widths a step using penalties or logprobs runs the full variant (padded here)."""
         T = step.host_tokens.shape[0]
         if T not in self.token_buckets:
             raise BucketMiss(f"token count {T} has no verify bucket {self.token_buckets}")
-        exe = self.executables.get((T, all_greedy))
+        widths, full_n = self.full_variant()
+        if widths is not None and (penalty is not None or num_logprobs):
+            S = self.max_num_seqs
+            penalty = tuple(
+                np.pad(a, ((0, 0), (0, w - a.shape[1])), constant_values=-1)
+                for a, w in zip(penalty if penalty is not None else (np.zeros((S, 0), np.int32),) * 2, widths)
+            )
+            num_logprobs = full_n
+        key = (T, all_greedy, None if penalty is None else tuple(a.shape[1] for a in penalty), num_logprobs)
+        exe = self.executables.get(key)
         if exe is None:
-            log.info("compiling verify[T=%d%s] (not compiled ahead of time)", T, ",greedy" if all_greedy else "")
-            exe = self.compile(T, all_greedy)
-        return exe(params, caches, table, step, prev_tokens, verify)
+            log.info("compiling verify%s (not compiled ahead of time)", list(key))
+            exe = self.compile(*key)
+        return exe(params, caches, table, step, prev_tokens, verify, penalty)

@@ -39,6 +39,13 @@ class InFlightStep:
     logprobs: tuple | None = None  # (logprobs [S], top_ids [S, n], top_logprobs [S, n]) host copies
     _rows: dict[str, int] = field(default_factory=dict)
     more_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> tokens after its first (speculation)
+    more_logprobs: dict[int, tuple] = field(default_factory=dict)  # row -> (logprobs, top_ids, top_logprobs) of those
+
+    def token_logprobs(self, row: int, m: int) -> tuple:
+        """(logprob, top_ids [n], top_logprobs [n]) of the row's m-th token (0: its sampled one)."""
+        source = self.logprobs if m == 0 else self.more_logprobs[row]
+        index = row if m == 0 else m - 1
+        return tuple(a[index] for a in source)
 
     def row_tokens(self, row: int) -> list[int]:
         """The tokens the step produced for `row`: its sampled token, then any accepted with it."""

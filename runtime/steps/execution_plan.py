@@ -89,6 +89,13 @@ _CPU_DTYPE_WARNING = (
     "float32's tokens/s at saturation, benchmarks/saturation.py); prefer model.dtype: bfloat16 or float32 for CPU serving"
 )
 CPU_WARNED_DTYPES = ("float16",)
+# Speculative decoding's `disable_by_batch_size: auto` (issue 35): no drafts in a step while more
+# decoding requests than this run. CPU: 16, the largest concurrency measured where ngram still
+# paid (SmolLM2-135M Q4_1, 2 cores, k = 4, tokens/s ngram / off: 2.71x, 1.50x, 1.15x, 0.82x at
+# concurrency 1, 4, 16, 64: benchmarks/results/spec-decode/smollm2-cpu-2core-final.json): the
+# crossover lies between 16 and 64. Accelerators: not measured (no device run): None, always draft
+# (vLLM's default), until a device measurement sets it.
+SPEC_DISABLE_BY_BATCH_SIZE_CPU = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,8 @@ class ExecutionPlan:
     weight_layout: str
     aot_compile: bool  # compile every executable at start-up
     grammar_samplers: bool  # with aot_compile: also the grammar-masked samplers
+    # speculative decoding: no drafts while more decoding requests run (None: always draft / off)
+    spec_disable_by_batch_size: int | None = None
     warnings: tuple[str, ...] = ()  # logged at start-up
 
     def describe(self) -> str:
@@ -120,6 +129,11 @@ class ExecutionPlan:
             f"attention {self.attention_path}, gdn {self.gdn_path}, kv bit storage {self.kv_bit_storage}, "
             f"weights {self.weight_layout}, "
             f"aot {self.aot_compile}{' (+grammar samplers)' if self.aot_compile and self.grammar_samplers else ''}"
+            + (
+                f", no drafts above {self.spec_disable_by_batch_size} decoding"
+                if self.spec_disable_by_batch_size is not None
+                else ""
+            )
         )
 
 
@@ -153,6 +167,7 @@ def plan_execution(
         weight_layout=_weight_layout(on_cpu and mesh is None, dtype, native_matmul),
         aot_compile=compile_.aot,
         grammar_samplers=compile_.grammar_samplers,
+        spec_disable_by_batch_size=_spec_disable_by_batch_size(getattr(c, "speculative_config", None), backend),
         warnings=warnings,
     )
 
@@ -169,6 +184,16 @@ def plan_buckets(
         fine_until=max_num_seqs if on_cpu else 0,
     )
     return tokens, pow2_buckets(max_num_seqs, minimum=MIN_SEQ_BUCKET)
+
+
+def _spec_disable_by_batch_size(config, backend: str) -> int | None:
+    """`speculative_config.disable_by_batch_size` resolved: "auto" -> the measured CPU crossover
+    (SPEC_DISABLE_BY_BATCH_SIZE_CPU) or None on accelerators; an explicit value or None as given."""
+    if config is None:
+        return None
+    if config.disable_by_batch_size != "auto":
+        return config.disable_by_batch_size
+    return SPEC_DISABLE_BY_BATCH_SIZE_CPU if backend == "cpu" else None
 
 
 def _weight_layout(cpu_single_device: bool, dtype: str, native_matmul: bool) -> str:
