@@ -223,9 +223,8 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = {**self.scheduler.stats(), "weight_bytes": self.weight_bytes}
         stats["table_rows_used"] = 0 if self.request_table is None else self.request_table.num_used
-        if self.speculator is not None:
-            stats.update(self.speculator.stats())
-        stats.update(self.host_tier.stats() if self.host_tier is not None else {})
+        for part in (self.speculator, self.host_tier):  # runtime/speculative/, runtime/engine/host_tier.py
+            stats.update(part.stats() if part is not None else {})
         return stats if self.kv_transfer is None else self.kv_transfer.stats(stats)
 
     # ---- one iteration ----------------------------------------------------------------------
