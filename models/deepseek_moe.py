@@ -23,7 +23,7 @@ from jax import lax
 from models import ops
 from models.config import ModelConfig
 from models.expert_parallel import expert_ffn, routed_experts_ep
-from models.prequantized import dequantize_np
+from models.prequantized import concat_columns, dequantize_np, stack_layers
 from models.quantization import QuantizedWeight
 
 ROUTER_PARAMS = ("ds_router", "e_score_bias")  # float32 whatever the model dtype, as HF keeps them
@@ -40,16 +40,22 @@ def deepseek_moe_params(cfg: ModelConfig, get, has, lin, m: str) -> dict:
         p["experts_gate_up"] = np.swapaxes(get(m + "experts.gate_up_proj", (E, 2 * I, H)), 1, 2)  # [E, H, 2I]
         p["experts_down"] = np.swapaxes(get(m + "experts.down_proj", (E, H, I)), 1, 2)  # [E, I, H]
     else:
-        gate_up = [
-            np.concatenate([_rows(lin(f"{m}experts.{e}.{n}_proj", I, H)) for n in ("gate", "up")]) for e in range(E)
-        ]
-        p["experts_gate_up"] = np.stack([w.T for w in gate_up])
-        p["experts_down"] = np.stack([_rows(lin(f"{m}experts.{e}.down_proj", H, I)).T for e in range(E)])
+        # block-FP8 experts stay quantized (stacked per expert), other quantized ones are dequantized
+        gate_up = [concat_columns([lin(f"{m}experts.{e}.{n}_proj", I, H) for n in ("gate", "up")]) for e in range(E)]
+        p["experts_gate_up"] = stack_layers(gate_up)  # [E, H, 2I]
+        p["experts_down"] = stack_layers(
+            [_block_fp8_or_float(lin(f"{m}experts.{e}.down_proj", H, I)) for e in range(E)]
+        )
     if Is:
         p["shared_gate_proj"] = lin(m + "shared_experts.gate_proj", Is, H)
         p["shared_up_proj"] = lin(m + "shared_experts.up_proj", Is, H)
         p["shared_down_proj"] = lin(m + "shared_experts.down_proj", H, Is)
     return p
+
+
+def _block_fp8_or_float(w):
+    """A Linear weight [in, out] as read: kept if block-FP8, else float (dequantized if stored quantized)."""
+    return w if isinstance(w, QuantizedWeight) and w.block_n else _rows(w).T
 
 
 def _rows(w) -> np.ndarray:

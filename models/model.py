@@ -345,6 +345,11 @@ def _load_unsharded(path: Path, dtype: str, progress: bool, keep_gguf_quantized:
     params = load_params(cfg, SafetensorsDir(path), dtype, progress, quantization=stored)
     model = Model(cfg, params, dtype, path)
     if stored is not None:
-        model.quantization = {"checkpoint": stored.method + (f"-g{stored.group_size}" if stored.group_size else "")}
+        kind = (
+            f"-{stored.block[0]}x{stored.block[1]}"
+            if stored.block
+            else (f"-g{stored.group_size}" if stored.group_size else "")
+        )
+        model.quantization = {"checkpoint": stored.method + kind}
         log.info("weights stored quantized (%s): kept quantized", model.quantization["checkpoint"])
     return model

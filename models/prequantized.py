@@ -19,6 +19,15 @@ On-disk layouts (HF `[out, in]` Linear weights; int4 codes packed eight to an in
 - compressed-tensors FP8 (`float-quantized`): `weight` float8_e4m3fn `[out, in]`, `weight_scale`
   float32 `[out, 1]` (channel) or `[1]` (tensor); dynamic per-token FP8 input activations, when
   configured, make it W8A8-fp8.
+- HF fine-grained FP8 (`quant_method: fp8`, DeepSeek-V3/R1, Kimi K2, Qwen3-Next-FP8): `weight`
+  float8_e4m3fn `[out, in]` and `weight_scale_inv` float32 `[ceil(out/bo), ceil(in/bi)]` for
+  `weight_block_size` `[bo, bi]` (128 x 128 as published; the last block of a dim that does not
+  divide is partial), w = fp8 * scale_inv per block. Which modules are quantized is what the
+  tensors say (a `weight_scale_inv` present; `modules_to_not_convert` lists the rest, e.g. the
+  embedding, lm_head and MoE router): a float8 weight without its scale is refused. Kept as FP8
+  codes with their block scales (`QuantizedWeight.block_n`); the step dequantizes per block, and
+  activations stay in the model dtype (`activation_scheme: dynamic` is HF's per-token-group FP8
+  input quantization, an accelerator speed path; not applied here).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from models.quantization import QuantizedWeight, pack_int4, unpack_int4_np
+from models.quantization import QuantizedWeight, block_scales, pack_int4, per_column, unpack_int4_np
 from models.safetensors_io import CheckpointError
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
@@ -37,10 +46,11 @@ _SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuantization:
-    method: str  # "awq" | "gptq" | "fp8" | "mxfp4" (gpt-oss experts only: models/mxfp4.py)
+    method: str  # "awq" | "gptq" | "fp8" | "fp8-block" | "mxfp4" (gpt-oss experts only: models/mxfp4.py)
     group_size: int = 0  # 0: one group per output channel
     desc_act: bool = False
     act: str = "none"  # "fp8": dynamic per-token FP8 activations (compressed-tensors W8A8)
+    block: tuple[int, int] | None = None  # "fp8-block": weight_block_size [out rows, in columns]; None per tensor
 
 
 _REQUIRED = object()
@@ -104,10 +114,38 @@ def parse_quantization_config(qc) -> CheckpointQuantization | None:
         return _parse_compressed_tensors(qc)
     if method == "mxfp4":  # gpt-oss's experts (models/mxfp4.py); every other weight is stored in float
         return CheckpointQuantization("mxfp4", 32)
+    if method == "fp8":
+        return _parse_fp8_blocks(qc)
     raise CheckpointError(
-        "config.json quantization_config.quant_method: supported are awq, gptq, compressed-tensors and mxfp4, "
+        "config.json quantization_config.quant_method: supported are awq, gptq, compressed-tensors, fp8 and mxfp4, "
         f"got {method!r}"
     )
+
+
+def _parse_fp8_blocks(qc: dict) -> CheckpointQuantization:
+    """HF's FineGrainedFP8Config (`quant_method: fp8`)."""
+    where = "config.json quantization_config"
+    scheme = _field(qc, "activation_scheme", str, "dynamic").lower()
+    if scheme != "dynamic":
+        raise CheckpointError(
+            f"{where}.activation_scheme: only 'dynamic' is supported (static input scales are not), got {scheme!r}"
+        )
+    fmt = _field(qc, "fmt", str, "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{where}.fmt: only 'e4m3' (float8_e4m3fn weights) is supported, got {fmt!r}")
+    experts = _field(qc, "expert_dtype", str, "fp8")
+    if experts != "fp8":
+        raise CheckpointError(f"{where}.expert_dtype: only 'fp8' experts are supported, got {experts!r}")
+    block = qc.get("weight_block_size", [128, 128])
+    if block is None:
+        return CheckpointQuantization("fp8-block")
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise CheckpointError(f"{where}.weight_block_size: expected two positive integers [out, in], got {block!r}")
+    return CheckpointQuantization("fp8-block", block=(block[0], block[1]))
 
 
 def _parse_compressed_tensors(qc: dict) -> CheckpointQuantization:
@@ -181,11 +219,19 @@ def _check(src, name: str, shape) -> np.ndarray:
 
 def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantization | None):
     """The `[in, out]` weight of Linear `module`: a host QuantizedWeight if stored quantized, else float."""
-    if fmt is None or (f"{module}.qweight" not in src and f"{module}.weight_scale" not in src):
+    if fmt is None or all(f"{module}.{t}" not in src for t in ("qweight", "weight_scale", "weight_scale_inv")):
         stored = src.get(f"{module}.weight")
         if isinstance(stored, QuantizedWeight):  # GGUF blocks kept quantized: already [in, out]
             return _checked(src, f"{module}.weight", stored, (inp, out))
-        return np.asarray(src.get(f"{module}.weight", (out, inp))).T
+        w = np.asarray(src.get(f"{module}.weight", (out, inp)))
+        if w.dtype == ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(
+                f"{src_name(src)}: tensor {module}.weight is float8_e4m3fn but its scale "
+                f"({module}.weight_scale_inv or .weight_scale) is missing"
+            )
+        return w.T
+    if fmt.method == "fp8-block":
+        return _read_fp8_blocks(src, module, out, inp, fmt.block)
     if fmt.method == "fp8":
         q = _check(src, f"{module}.weight", (out, inp))
         if q.dtype != ml_dtypes.float8_e4m3fn:
@@ -214,6 +260,47 @@ def read_linear(src, module: str, out: int, inp: int, fmt: CheckpointQuantizatio
         zeros = unpack_gptq_cols(_check(src, f"{module}.qzeros", (groups, out // 8))).astype(np.float32) + 1
         codes, perm = _group_rows(src, module, codes, g, inp)
     return QuantizedWeight(pack_int4(codes), scale, -zeros * scale, perm, bits=4, group_size=fmt.group_size and g)
+
+
+def _read_fp8_blocks(src, module: str, out: int, inp: int, block) -> QuantizedWeight:
+    """HF fine-grained FP8: fp8 [out, in] + scale_inv [ceil(out/bo), ceil(in/bi)] -> [in, out] codes
+    with [ceil(in/bi), ceil(out/bo)] block scales (a per-tensor scale is one block of the whole matrix)."""
+    q = _check(src, f"{module}.weight", (out, inp))
+    if q.dtype != ml_dtypes.float8_e4m3fn:
+        raise CheckpointError(f"{src_name(src)}: tensor {module}.weight is {q.dtype}, expected float8_e4m3fn")
+    bo, bi = block or (out, inp)
+    expected = (-(-out // bo), -(-inp // bi))
+    scale = np.asarray(src.get(f"{module}.weight_scale_inv"))
+    if block is None and scale.size == 1:
+        scale = scale.reshape(expected)
+    if tuple(scale.shape) != expected:
+        raise CheckpointError(
+            f"{src_name(src)}: tensor {module}.weight_scale_inv has shape {list(scale.shape)}, expected "
+            f"{list(expected)} (weight [{out}, {inp}] in blocks of [{bo}, {bi}])"
+        )
+    if scale.dtype.kind in "iub":
+        raise CheckpointError(f"{src_name(src)}: tensor {module}.weight_scale_inv is {scale.dtype}, expected float")
+    scale = np.ascontiguousarray(scale.astype(np.float32).T)
+    return QuantizedWeight(np.ascontiguousarray(q.T), scale, bits=8, group_size=bi, block_n=bo)
+
+
+def concat_columns(ws: list):
+    """Linear weights [in, out_i] side by side along out (MoE gate | up): block-FP8 weights stay
+    quantized (block scales joined when every width fills whole blocks, else per column); other
+    quantized weights are dequantized, as are mixes."""
+    if all(isinstance(w, QuantizedWeight) and w.block_n for w in ws):
+        first = ws[0]
+        if len({(w.group_size, w.block_n, w.q.shape[:-1]) for w in ws}) == 1:
+            if any(w.q.shape[-1] % w.block_n for w in ws[:-1]):
+                ws = [per_column(w) for w in ws]
+            return QuantizedWeight(
+                np.concatenate([w.q for w in ws], -1),
+                np.concatenate([w.scale for w in ws], -1),
+                bits=8,
+                group_size=first.group_size,
+                block_n=ws[0].block_n,
+            )
+    return np.concatenate([dequantize_np(w) if isinstance(w, QuantizedWeight) else w for w in ws], -1)
 
 
 def _checked(src, name: str, w: QuantizedWeight, shape) -> QuantizedWeight:
@@ -261,16 +348,32 @@ def stack_layers(values: list):
             None if getattr(first, f) is None else np.stack([getattr(v, f) for v in values])
             for f in ("q", "scale", "offset", "perm")
         ]
-        return QuantizedWeight(*leaves, bits=first.bits, group_size=first.group_size, act=first.act)
+        return QuantizedWeight(
+            *leaves, bits=first.bits, group_size=first.group_size, act=first.act, block_n=first.block_n
+        )
     return np.stack([dequantize_np(v) if isinstance(v, QuantizedWeight) else v for v in values])
 
 
 def _layout(w: QuantizedWeight):
-    return (w.bits, w.group_size, w.act, w.q.shape, w.q.dtype, w.offset is None, w.perm is None)
+    return (
+        w.bits,
+        w.group_size,
+        w.act,
+        w.block_n,
+        w.q.shape,
+        w.scale.shape,
+        w.q.dtype,
+        w.offset is None,
+        w.perm is None,
+    )
 
 
 def dequantize_np(w: QuantizedWeight) -> np.ndarray:
     """Host float32 dequantization [K, N] in original input-row order (for float fallbacks)."""
+    if w.block_n:
+        return w.q.astype(np.float32) * block_scales(
+            np.asarray(w.scale, np.float32), w.q.shape, w.group_size, w.block_n, np
+        )
     codes = unpack_int4_np(w.q).astype(np.float32) if w.bits == 4 else w.q.astype(np.float32)
     g = w.group_size or codes.shape[-2]
     s = np.repeat(w.scale, g, axis=-2)

@@ -18,7 +18,11 @@ and `unstack_layers` slice it like an array. Fields (groups run along K, the inp
 - `perm`: int32 `[..., K]` or None (GPTQ act-order): the rows of `q` are the input rows
   `perm[0], perm[1], ...`, so `qdot` multiplies `x[:, perm]`;
 - static `bits` (4 or 8), `group_size` (0: per output channel), `act` (`"none"`, or
-  `"int8"` / `"fp8"`: W8A8, activations quantized per token with a dynamic scale).
+  `"int8"` / `"fp8"`: W8A8, activations quantized per token with a dynamic scale);
+- static `block_n` (0: scales per output column as above): 2-D blocks of `group_size` input rows
+  x `block_n` output columns, one float32 scale each, `scale` `[..., ceil(K/g), ceil(N/block_n)]`,
+  the last block of either dim partial when it does not divide (HF fine-grained FP8, DeepSeek-V3's
+  128 x 128 blocks: models/prequantized.py); 8-bit codes, `w = q * scale[block]`.
 
 `qdot` is the jnp path (dequantize inside the jitted step; XLA fuses the convert into the dot)
 that `pallas_kernels/quantized_matmul.py` mirrors tile by tile on accelerators.
@@ -53,6 +57,7 @@ class QuantizedWeight:
     bits: int = dataclasses.field(default=8, metadata=dict(static=True))
     group_size: int = dataclasses.field(default=0, metadata=dict(static=True))
     act: str = dataclasses.field(default="none", metadata=dict(static=True))
+    block_n: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -236,7 +241,25 @@ def quantize_weight(w: np.ndarray, scheme: str | Scheme, group_size: int = 128) 
 # ---- dequantize / matmuls -----------------------------------------------------------------------
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     """The float weight [..., K, N] in the rows of `w.q` (act-order rows stay permuted)."""
+    if w.block_n:
+        return (w.q.astype(jnp.float32) * block_scales(w.scale, w.q.shape, w.group_size, w.block_n)).astype(dtype)
     return dequantize_codes(w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size, dtype=dtype)
+
+
+def block_scales(scale, shape, block_k: int, block_n: int, xp=jnp):
+    """Block scales [..., ceil(K/bk), ceil(N/bn)] -> one per weight [..., K, N] (partial last blocks cut)."""
+    *_, k, n = shape
+    return xp.repeat(xp.repeat(scale, block_k, axis=-2)[..., :k, :], block_n, axis=-1)[..., :n]
+
+
+def per_column(w):
+    """A block-scaled QuantizedWeight with one scale per output column within each row block
+    (`block_n` 1: columns can then be picked or concatenated freely); anything else unchanged."""
+    if not isinstance(w, QuantizedWeight) or w.block_n <= 1:
+        return w
+    xp = np if isinstance(w.scale, np.ndarray) else jnp
+    n = w.q.shape[-1]
+    return dataclasses.replace(w, scale=xp.repeat(w.scale, w.block_n, axis=-1)[..., :n], block_n=1)
 
 
 def quantize_activations(x, act: str):
@@ -294,6 +317,7 @@ def kernel_supports(w) -> bool:
         and w.act == "none"
         and w.perm is None
         and w.q.ndim == 2
+        and not w.block_n
         and (w.offset is None or w.group_size > 0)
     )
 
@@ -356,6 +380,7 @@ def take_columns(w, columns):
     """w[..., columns] for a float weight or a QuantizedWeight (codes, scales, offsets)."""
     if not isinstance(w, QuantizedWeight):
         return w[..., columns]
+    w = per_column(w)
     pick = lambda a: None if a is None else a[..., columns]
     return dataclasses.replace(w, q=pick(w.q), scale=pick(w.scale), offset=pick(w.offset))
 

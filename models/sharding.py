@@ -305,16 +305,12 @@ def _leaf_spec(rule: str, leaf, m: int, axis: str):
             return None
         if m == 1 or not splittable or (rule == ROW and a.shape[-2] % m):
             return P()
+        if rule == COLUMN and leaf.block_n and a.shape[-1] % m:  # fewer column blocks than shards
+            return P()
         return _spec_for(rule, a.ndim, axis)
 
-    return QuantizedWeight(
-        part(leaf.q),
-        part(leaf.scale),
-        part(leaf.offset),
-        part(leaf.perm, False),
-        bits=leaf.bits,
-        group_size=leaf.group_size,
-        act=leaf.act,
+    return dataclasses.replace(
+        leaf, q=part(leaf.q), scale=part(leaf.scale), offset=part(leaf.offset), perm=part(leaf.perm, False)
     )
 
 

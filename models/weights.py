@@ -24,7 +24,14 @@ from models.config import ATTENTION, ModelConfig
 from models.deepseek_moe import ROUTER_PARAMS, deepseek_moe_params, deepseek_moe_shapes
 from models.mla_attention import mla_params, mla_shapes
 from models.mxfp4 import Mxfp4Source
-from models.prequantized import CheckpointQuantization, dequantize_np, read_embedding, read_linear, stack_layers
+from models.prequantized import (
+    CheckpointQuantization,
+    concat_columns,
+    dequantize_np,
+    read_embedding,
+    read_linear,
+    stack_layers,
+)
 from models.quantization import QuantizedWeight, take_columns, to_device
 from models.safetensors_io import CheckpointError
 
@@ -171,18 +178,22 @@ def _moe_params(cfg: ModelConfig, get: Callable, has: Callable, lin: Callable, m
         p["experts_gate_up"] = np.swapaxes(gate_up, 1, 2)  # [E, H, 2I]
         p["experts_down"] = np.swapaxes(get(m + "experts.down_proj", (E, H, I)), 1, 2)  # [E, I, H]
     else:
-        # quantized experts are dequantized here (kept quantized only when quantized online)
-        gates = [_float_rows(lin(f"{m}experts.{e}.gate_proj", I, H)) for e in range(E)]
-        ups = [_float_rows(lin(f"{m}experts.{e}.up_proj", I, H)) for e in range(E)]
-        downs = [_float_rows(lin(f"{m}experts.{e}.down_proj", H, I)) for e in range(E)]
-        p["experts_gate_up"] = np.stack([np.concatenate([g, u]).T for g, u in zip(gates, ups)])
-        p["experts_down"] = np.stack([d.T for d in downs])
+        # block-FP8 experts stay quantized (stacked per expert); other quantized ones are dequantized
+        # here (kept quantized only when quantized online)
+        gate_up = [concat_columns([lin(f"{m}experts.{e}.{n}_proj", I, H) for n in ("gate", "up")]) for e in range(E)]
+        downs = [lin(f"{m}experts.{e}.down_proj", H, I) for e in range(E)]
+        p["experts_gate_up"] = stack_layers(gate_up)  # [E, H, 2I]
+        p["experts_down"] = stack_layers([d if _block_fp8(d) else _float_rows(d).T for d in downs])
     if Is:
         p["shared_gate_proj"] = lin(m + "shared_expert.gate_proj", Is, H)
         p["shared_up_proj"] = lin(m + "shared_expert.up_proj", Is, H)
         p["shared_down_proj"] = lin(m + "shared_expert.down_proj", H, Is)
         p["shared_expert_gate"] = lin(m + "shared_expert_gate", 1, H)
     return p
+
+
+def _block_fp8(w) -> bool:
+    return isinstance(w, QuantizedWeight) and bool(w.block_n)
 
 
 def _float_rows(w) -> np.ndarray:
@@ -193,6 +204,8 @@ def _float_rows(w) -> np.ndarray:
 def _cast(name: str, arr, dtype):
     if isinstance(arr, QuantizedWeight):
         return to_device(arr)
+    if arr.dtype == ml_dtypes.float8_e4m3fn:  # read as a float tensor: its scale was not applied
+        raise CheckpointError(f"parameter {name!r} is stored as float8_e4m3fn without a scale this loader reads")
     target = np.float32 if name in FP32_PARAMS else dtype
     return jnp.asarray(np.asarray(arr, dtype=np.float32).astype(target) if arr.dtype != target else arr)
 
