@@ -140,7 +140,7 @@ def ours(checkpoints):
 
 @pytest.mark.parametrize(
     "family,block",
-    [(FLOAT_FAMILY, b) for b in BLOCKS] + [("deepseek_v3_qnone", [16, 16])],
+    [(FLOAT_FAMILY, b) for b in BLOCKS] + [("deepseek_v3_qnone", [16, 16]), ("qwen3_next", [16, 16])],
     ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, list) else v,
 )
 def test_logits_match_hf_on_block_dequantized_weights(checkpoints, ours, family, block):
@@ -263,3 +263,51 @@ def test_published_config_parses():
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     parsed = parse_quantization_config(qc)
     assert (parsed.method, parsed.block) == ("fp8-block", (128, 128))
+
+
+TP_SCRIPT = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 5)
+import numpy as np
+from models.model import load_model
+from models.sharding import shard_model
+from runtime.parallel.mesh import make_mesh
+
+ids = np.random.default_rng(0).integers(3, 1031, size=40).tolist()
+for path, devices, ep in ((sys.argv[1], 5, False), (sys.argv[2], 2, True)):
+    ref = load_model(path).logits(ids)
+    model = shard_model(load_model(path), make_mesh(1, devices, devices=jax.devices()[:devices]), expert_parallel=ep)
+    g = model.params["groups"][-1]
+    q_b = g["q_b_proj" if "q_b_proj" in g else "q_proj"]
+    kv_b, down = g["kv_b_proj"], g["experts_down"]
+    print("SPEC", ep, q_b.q.sharding.spec, q_b.scale.sharding.spec, kv_b.q.sharding.spec, kv_b.scale.sharding.spec)
+    print("EXPERTS", down.q.sharding.spec, down.scale.sharding.spec)
+    print("ERR", float(np.abs(model.logits(ids) - ref).max()))
+"""
+
+
+def test_tensor_and_expert_parallel_logits_match_single_device(checkpoints):
+    """5 devices, heads split: q_b_proj's 100 columns in 25 blocks of 4 split with their scales;
+    kv_b_proj's 28 column blocks do not divide by 5 (scales replicated, codes split). 2 devices with
+    expert parallelism: the FP8 experts and their block scales split by expert. A subprocess (the
+    device count must not leak); the same logits as one device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    paths = [str(checkpoints(FLOAT_FAMILY, [4, 16])[0]), str(checkpoints("deepseek_v3_qnone", [16, 16])[0])]
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, *paths], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    specs = [x for x in proc.stdout.splitlines() if x.startswith("SPEC ")]
+    errs = [float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("ERR ")]
+    experts = [x for x in proc.stdout.splitlines() if x.startswith("EXPERTS ")]
+    split, whole = "P(None, None, 'model')", "P()"
+    assert specs[0] == f"SPEC False {split} {split} {split} {whole}", specs
+    assert experts[1] == "EXPERTS P(None, 'model', None, None) P(None, 'model', None, None)", experts
+    assert len(errs) == 2 and max(errs) <= 1e-5, errs
