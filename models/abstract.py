@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.model import Model
@@ -22,6 +23,36 @@ from models.weights import abstract_params
 def abstract_model(cfg: ModelConfig, dtype: str, path: str | Path = "<abstract>") -> Model:
     """A `Model` whose params are ShapeDtypeStructs: enough to trace, lower and compile its steps."""
     return Model(cfg, abstract_params(cfg, dtype), dtype, Path(path))
+
+
+# projections a block-FP8 checkpoint stores in FP8 (DeepSeek-V3 as published: every Linear of the
+# layers but the MoE router; embedding, lm_head and norms stay in the model dtype)
+BLOCK_FP8_PARAMS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"),
+    *("gate_proj", "up_proj", "down_proj", "experts_gate_up", "experts_down"),
+    *("shared_gate_proj", "shared_up_proj", "shared_down_proj"),
+)
+
+
+def block_fp8_params(params: dict, block: tuple[int, int] | None) -> dict:
+    """Abstract params with the projections held as a block-FP8 checkpoint loads them
+    (models/prequantized.py): float8_e4m3fn codes [..., K, N] and float32 scales
+    [..., ceil(K/bi), ceil(N/bo)] (`block` [bo, bi]; None: one scale per matrix). A gate | up
+    stack whose halves do not fill whole blocks holds a scale per column (as `concat_columns`)."""
+    from models.quantization import QuantizedWeight
+
+    def quantized(name, x):
+        *lead, k, n = x.shape
+        bo, bi = block or (n, k)
+        if name == "experts_gate_up" and (n // 2) % bo:
+            bo = 1
+        scale = jax.ShapeDtypeStruct((*lead, -(-k // bi), -(-n // bo)), jnp.float32)
+        return QuantizedWeight(
+            jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn), scale, bits=8, group_size=bi, block_n=bo
+        )
+
+    groups = tuple({k: quantized(k, v) if k in BLOCK_FP8_PARAMS else v for k, v in g.items()} for g in params["groups"])
+    return {**params, "groups": groups}
 
 
 def shard_abstract_model(model: Model, mesh, expert_parallel: bool = False) -> Model:

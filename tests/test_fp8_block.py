@@ -311,3 +311,19 @@ def test_tensor_and_expert_parallel_logits_match_single_device(checkpoints):
     assert specs[0] == f"SPEC False {split} {split} {split} {whole}", specs
     assert experts[1] == "EXPERTS P(None, 'model', None, None) P(None, 'model', None, None)", experts
     assert len(errs) == 2 and max(errs) <= 1e-5, errs
+
+
+def test_plan_abstract_params_are_the_loaded_tree(ours):
+    """`jaxserve plan`'s abstract block-FP8 params (models/abstract.py) have the loaded model's tree,
+    shapes and dtypes, for whole-block ([8, 32]) and per-column ([16, 16]) expert gate | up scales."""
+    from models.abstract import abstract_model, block_fp8_params
+
+    for block in ([8, 32], [16, 16]):
+        model = ours(FLOAT_FAMILY, block)
+        loaded = model.params
+        abstract = block_fp8_params(abstract_model(model.cfg, "float32").params, tuple(block))
+        # the checkpoint's one float layer-0 kv_a_proj is a per-checkpoint choice: compare the rest
+        abstract["groups"][0]["kv_a_proj"] = jax.ShapeDtypeStruct(loaded["groups"][0]["kv_a_proj"].shape, np.float32)
+        shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), tree)
+        assert jax.tree.structure(abstract) == jax.tree.structure(loaded), block
+        assert shapes(abstract) == shapes(loaded), block

@@ -43,9 +43,10 @@ from jax.sharding import AxisType, Mesh
 
 from configs.chips import CHIPS
 from configs.schema import CONFIG_DIR, DEFAULT_MEMORY_FRACTION, LaunchConfig
-from models.abstract import abstract_caches, abstract_model, shard_abstract_model
+from models.abstract import abstract_caches, abstract_model, block_fp8_params, shard_abstract_model
 from models.config import parse_config
 from models.ops import KernelOptions
+from models.prequantized import parse_quantization_config
 from models.safetensors_io import read_json
 from paged_kv.checkpoint_policy import plan_state_slots
 from paged_kv.window_pages import window_pool_pages
@@ -81,6 +82,7 @@ SHIPPED_MODEL_CONFIGS = {
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "nemotron-3-nano-30b-a3b.json",
     "NVIDIA-Nemotron-3-Nano-30B-A3B": "nemotron-3-nano-30b-a3b.json",
     "DeepSeek-V3": "deepseek-v3.json",
+    "DeepSeek-V3-FP8": "deepseek-v3-fp8.json",  # the same with its published block-FP8 quantization_config
     "Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b.json",
 }
 
@@ -225,12 +227,16 @@ def plan_config(
             f"{config_name}: parallel.chip is not set; plan needs a target chip ({', '.join(sorted(CHIPS))})"
         )
     chip = CHIPS[par.chip]
-    cfg = parse_config(read_json(model_config_json(launch)))
+    hf_config = read_json(model_config_json(launch))
+    cfg = parse_config(hf_config)
     dtype = launch.model.dtype
     model = abstract_model(cfg, dtype, launch.model.path)
     model.state_dtype = launch.cache.state_dtype
     # the checkpoint's count, taken before sharding may repeat KV heads (models.sharding.repeat_kv_heads)
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(model.params))
+    stored = parse_quantization_config(hf_config.get("quantization_config"))
+    if stored is not None and stored.method == "fp8-block":  # held as loaded: FP8 codes + block scales
+        model.params = block_fp8_params(model.params, stored.block)
     gpu = chip.platform == "gpu"
     mesh = None if gpu else target_mesh(launch)
     if mesh is not None:

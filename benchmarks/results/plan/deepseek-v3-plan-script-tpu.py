@@ -1,6 +1,9 @@
 """DeepSeek-V3 on a TPU v5p-64 slice (EP 32), planned with libtpu's compiler on the CPU host:
-    PYTHONPATH=. python benchmarks/results/plan/deepseek-v3-plan-script-tpu.py 64 [0.85]
-(the launch config of tpu-v5p-64-deepseek-v3-mf085-T64.txt; argv: token buckets, memory_fraction)."""
+    PYTHONPATH=. python benchmarks/results/plan/deepseek-v3-plan-script-tpu.py 64 [0.85] [/models/DeepSeek-V3-FP8]
+(the launch config of tpu-v5p-64-deepseek-v3-mf085-T64.txt; argv: token buckets, memory_fraction, model
+path: /models/DeepSeek-V3 (default) plans the shipped config without its quantization_config, bf16
+weights; /models/DeepSeek-V3-FP8 the published block-FP8 one, its projections held as FP8 codes with
+128 x 128 block scales as models/prequantized.py loads them)."""
 
 import json
 import sys
@@ -11,7 +14,7 @@ from runtime.aot.chip_report import plan_config
 from runtime.aot.plan_report import format_report, report_json
 
 over = {
-    "model.path": "/models/DeepSeek-V3",
+    "model.path": sys.argv[3] if len(sys.argv) > 3 else "/models/DeepSeek-V3",
     "model.dtype": "bfloat16",
     "model.max_model_len": 32768,
     "cache.page_size": 128,
