@@ -169,7 +169,7 @@ class Model:
                 conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
                 rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
-        return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
+        return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh, self.tp)
 
     def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all", lane_padded: bool = False) -> int:
         """KV bytes per token over all devices (repeated KV heads counted) of the attention layers
