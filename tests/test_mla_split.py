@@ -6,11 +6,13 @@ DeepSeek-V3 (5 heads) on 5 devices (heads split: the combine reduce-scatters hea
 (heads do not divide: attention replicated, the combine all-reduces), Kimi Linear (4 heads, KDA
 split too) on 2 and 4. Each split model's logits over a 40-token prompt (pages of 20 tokens:
 4 / 10 rows per chip per page) equal one device's within 1e-5 and HF's within 1e-4, the pool is
-really held 1/m per device, and greedy decoding through the split pool matches one device's.
+really held 1/m per device, and greedy decoding through the split pool matches one device's. An
+engine with the split pool (chunked prefill, prefix hits, a preemption) gives HF's greedy tokens.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +84,59 @@ def test_split_latent_matches_one_device_and_hf(tiny_checkpoint, hf_model, tmp_p
     for m in sizes.split(","):
         np.testing.assert_allclose(got[f"tp{m}"], got["one"], atol=1e-5, rtol=0, err_msg=f"tp{m} vs one device")
         np.testing.assert_allclose(got[f"tp{m}"], reference, atol=1e-4, rtol=0, err_msg=f"tp{m} vs HF")
+
+
+ENGINE_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.types import EngineRequest, SamplingParams
+
+rng = np.random.default_rng(0)
+shared = rng.integers(3, 1000, 24).tolist()
+prompts = {f"r{i}": shared + rng.integers(3, 1000, n).tolist() for i, n in enumerate([5, 60, 9, 73])}
+
+def run(mesh_shape, mode):
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", load_tokenizer=False, mesh_shape=mesh_shape,
+                                    mla_latent=mode, page_size=8, num_pages=22, max_num_seqs=4, max_num_batched_tokens=16,
+                                    token_buckets=(4, 16), max_model_len=160, enable_prefix_caching=True, aot_compile=False))
+    assert engine.model.tp is None or engine.model.tp.latent_split
+    done = {}
+    for i, (rid, ids) in enumerate(prompts.items()):
+        engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True)))
+    while engine.has_unfinished():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stats = engine.stats()
+    return done, [stats["num_preemptions"], stats["prefix_cache_hit_tokens"], stats["pages_used"]]
+
+print("RESULT " + json.dumps({"prompts": prompts, "split": run((1, 2), "split"), "one": run(None, "replicated")}))
+"""
+
+
+def test_split_engine_matches_one_device_and_hf(tiny_checkpoint, hf_model):
+    """An engine with the latent pool split over 2 devices (16-token steps: chunked prefill; a
+    shared 24-token prefix: prefix-cache hits; 21 pages of 8 for ~280 tokens: a preemption) gives
+    the one-device engine's greedy tokens and HF's, with the same preemptions and hits, every page back."""
+    from hf_reference import assert_greedy_match, hf_greedy
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    path = tiny_checkpoint("deepseek_v3")
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, str(path)], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    (split, split_stats), (one, one_stats) = result["split"], result["one"]
+    assert split == one and split_stats == one_stats, (split_stats, one_stats)
+    assert split_stats[0] >= 1 and split_stats[1] > 0 and split_stats[2] == 0, split_stats
+    for i, (rid, ids) in enumerate(result["prompts"].items()):
+        expected, scores = hf_greedy(hf_model("deepseek_v3"), ids, 8 + i)
+        assert_greedy_match(split[rid], expected, scores, f"split engine {rid}")
 
 
 def test_local_slots_interleave_tokens_over_chips():
