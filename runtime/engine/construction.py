@@ -140,7 +140,7 @@ def size_cache(
 
 def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
-    tpu = model.tp is not None and on_tpu(model.tp.spec())  # MLA pools pinned lane-padded (models/cache_formats.py)
+    tpu = on_tpu(model.tp.spec()) if model.tp else jax.default_backend() == "tpu"  # MLA pools pinned lane-padded
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers, lane_padded=tpu), 1) * config.page_size
     tp = model.tp
     if tp is not None and ((tp.attention and model.cfg.mla is None) or tp.latent_split):
