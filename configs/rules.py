@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # aut
 STATE_DTYPES = ("float32", "bfloat16")  # recurrent (GDN) state slots; vLLM's mamba_ssm_cache_dtype
 LAYER_LOOPS = ("auto", "scan", "unroll")
 ROLES = ("prefill", "decode", "both")
+MLA_LATENT = ("replicated", "split", "auto")  # MLA latent pools under TP (models/mla_split.py)
 PULL_FAILURE_ACTIONS = ("recompute", "error")
 MAX_PAGE_SIZE = 1024
 

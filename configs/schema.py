@@ -229,6 +229,10 @@ class ParallelConfig(_Section):
     # MoE expert parallelism: routed experts split by expert index over the `model` axis (E/M whole
     # experts per device, tokens moved by all-to-all); false: split on the expert intermediate dim.
     expert: bool = False
+    # MLA (DeepSeek-V3, Kimi) under TP: the latent pool replicated on every chip (query heads split),
+    # or split by token over `model` (each chip 1/model of the rows; logsumexp combine, models/mla_split.py);
+    # auto: the measured rule (models/mla_split.py AUTO_RULE)
+    mla_latent: Annotated[str, AfterValidator(rules.one_of(rules.MLA_LATENT))] = "replicated"
     role: Annotated[str, AfterValidator(rules.one_of(rules.ROLES))] = "both"
     # The accelerator the config is written for (a key of configs/chips.py) and, for a TPU slice,
     # its topology ("2x4", "2x2x2"): what `jaxserve plan` compiles for. null: the local devices.

@@ -12,6 +12,9 @@ and passed to or returned by a step (`runtime.steps.executables`, in and out sha
 donated pool aliases its output), the step reads and writes it in place
 (tests/test_mla_layout_tpu.py). KV pages need no pin: head_dim >= 128 is lane-dense in the
 default layout, and a narrower one is stored token-minor (`pallas_kernels.kv_cache`).
+One TPU chip without a mesh gets the same pin: its pools are placed pinned (`place_pinned`, from
+`Model.init_caches`) and the step takes and returns them so (`one_tpu`: the step's shardings are
+then the chip's `SingleDeviceSharding`, runtime/steps/executables.py; tests/test_mla_layout_tpu.py).
 Other platforms keep their default layouts (the shardings come back unchanged).
 """
 
@@ -21,16 +24,16 @@ import dataclasses
 
 import jax
 from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 from pallas_kernels.mla import LatentPages
 
 
 def on_tpu(sharding) -> bool:
     """Whether `sharding` places its array on TPU devices (a target topology's too, in `jaxserve plan`)."""
-    if not isinstance(sharding, NamedSharding):
+    if not isinstance(sharding, Sharding):
         return False
-    return next(iter(sharding.mesh.devices.flat)).platform == "tpu"
+    return next(iter(sharding.device_set)).platform == "tpu"
 
 
 def pin_formats(caches: dict, shardings: dict) -> dict:
@@ -55,3 +58,20 @@ def cache_formats(caches: dict) -> dict:
 def format_specs(caches: dict) -> dict:
     """ShapeDtypeStructs of `caches` carrying `cache_formats` (a step's abstract cache arguments)."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), caches, cache_formats(caches))
+
+
+def one_tpu(caches: dict) -> SingleDeviceSharding | None:
+    """The chip's sharding when `caches` (no mesh) hold an MLA pool on one TPU chip; else None."""
+    for pages in caches["kv"]:
+        sharding = getattr(pages.c, "sharding", None) if isinstance(pages, LatentPages) else None
+        if sharding is not None and on_tpu(sharding) and len(sharding.device_set) == 1:
+            return SingleDeviceSharding(next(iter(sharding.device_set)))
+    return None
+
+
+def place_pinned(caches: dict) -> dict:
+    """`caches` on one device with each MLA pool moved into its pinned layout on TPU (`pin_formats`)."""
+    if one_tpu(caches) is None:
+        return caches
+    pinned = cache_formats(caches)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s) if isinstance(s, Format) else x, caches, pinned)

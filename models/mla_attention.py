@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from models import ops
+from models import mla_split, ops
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.quantization import dequantize, is_quantized
@@ -155,27 +155,45 @@ def mla_layer(p, x, latent: mla.LatentPages, batch: ForwardBatch, rope, page_off
 
     page_size = latent.page_size
     slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + page_offset * page_size)
-    latent = write_latent(latent, jnp.concatenate([c, k_pe], axis=-1), slots, opts, batch.block_tables.shape[0])
+    new_rows, max_seqs = jnp.concatenate([c, k_pe], axis=-1), batch.block_tables.shape[0]  # [T, L + R]
 
     w_kv_b = absorbed_weight(p["kv_b_proj"]).reshape(L, H, nope + m.v_head_dim)  # [L, H, nope + V]
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_uk.astype(q.dtype))  # [T, H, L]
+    q_abs = jnp.concatenate([q_latent, q_pe], axis=-1)  # [T, H, L + R]
+    if opts.tp is not None and opts.tp.latent_split:  # the pool's tokens split over the chips (models/mla_split.py)
+        out, latent = mla_split.split_mla(
+            q_abs,
+            new_rows,
+            slots,
+            latent,
+            batch,
+            batch.block_tables + page_offset,
+            tp=opts.tp,
+            sm_scale=m.softmax_scale,
+            v_dim=L,
+            write=lambda lat, r, s: write_latent(lat, r, s, opts, max_seqs),
+        )
+    else:
+        latent = write_latent(latent, new_rows, slots, opts, max_seqs)
+        out = _attend(q_abs, latent, batch, page_offset, cfg, opts)  # [T, H, L]
+    o = jnp.einsum("thl,lhv->thv", out, w_uv.astype(out.dtype)).reshape(T, H * m.v_head_dim)
+    return ops.linear(o, p["o_proj"], opts, valid_rows=rows), latent
+
+
+def _attend(q_abs, latent: mla.LatentPages, batch: ForwardBatch, page_offset, cfg: ModelConfig, opts):
+    """The MLA op over the (replicated) pool: [T, H, L]; heads split under TP."""
     impl = mla_impl(opts, latent)
     attend = functools.partial(
-        mla.mla_ragged_paged_attention, sm_scale=m.softmax_scale, v_dim=L, impl=impl, interpret=opts.interpret
+        mla.mla_ragged_paged_attention,
+        sm_scale=cfg.mla.softmax_scale,
+        v_dim=cfg.mla.kv_lora_rank,
+        impl=impl,
+        interpret=opts.interpret,
     )
     if opts.tp is not None and mla.KERNELS[impl].per_shard:  # a kernel cannot be split by GSPMD: shard_map
         heads = P(None, opts.tp.axis) if opts.tp.attention else P()  # q, out [T, H, .]; the rows whole
         attend = jax.shard_map(
             attend, mesh=opts.tp.mesh, in_specs=(heads,) + (P(),) * 5, out_specs=heads, check_vma=False
         )
-    out = attend(
-        jnp.concatenate([q_latent, q_pe], axis=-1),  # [T, H, L + R]
-        latent,
-        batch.kv_lens,
-        batch.block_tables + page_offset,
-        batch.cu_q_lens,
-        batch.num_seqs,
-    )  # [T, H, L]
-    o = jnp.einsum("thl,lhv->thv", out, w_uv.astype(out.dtype)).reshape(T, H * m.v_head_dim)
-    return ops.linear(o, p["o_proj"], opts, valid_rows=rows), latent
+    return attend(q_abs, latent, batch.kv_lens, batch.block_tables + page_offset, batch.cu_q_lens, batch.num_seqs)

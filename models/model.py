@@ -20,6 +20,7 @@ import numpy as np
 
 from models import mamba2_tp
 from models.batch import decode_batch, single_sequence_batch
+from models.cache_formats import place_pinned
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.mamba2_config import NO_MIXER, recurrent_state_shapes
 from models.ops import KernelOptions
@@ -169,7 +170,9 @@ class Model:
                 conv.append(jnp.zeros((G * num_slots, *conv_shape), self.state_dtype))
                 rec.append(jnp.zeros((G * num_slots, *rec_shape), self.state_dtype))
         caches = {"kv": tuple(kv), "conv": tuple(conv), "rec": tuple(rec)}
-        return caches if self.tp is None or not place else shard_caches(caches, cfg, self.tp.mesh)
+        if not place:
+            return caches
+        return place_pinned(caches) if self.tp is None else shard_caches(caches, cfg, self.tp.mesh, self.tp)
 
     def cache_bytes_per_token(self, kv_dtype: str = "auto", layers: str = "all", lane_padded: bool = False) -> int:
         """KV bytes per token over all devices (repeated KV heads counted) of the attention layers

@@ -67,6 +67,7 @@ class TensorParallel:
     axis: str = MODEL_AXIS
     expert: bool = False  # routed experts split on the expert index (expert parallelism)
     kv_repeat: int = 1  # each KV head held this many times (repeat_kv_heads): Hkv * kv_repeat divides the axis
+    latent_split: bool = False  # MLA latent pools split by token over the axis (models/mla_split.py)
 
     @property
     def size(self) -> int:
@@ -417,6 +418,7 @@ def cache_specs(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
     scales [P, Hkv] on the (held: `kv_heads_held`) KV heads, conv state [N, W-1, C] on channels, rec [N, H, K, V] on value heads."""
     axis = plan.axis
     head = P(None, axis) if plan.attention and cfg.mla is None else P()  # MLA's latent rows: replicated
+    head = P(None, axis) if cfg.mla is not None and plan.latent_split else head  # or split by token (mla_split.py)
     kv = tuple(None if pages is None else jax.tree.map(lambda _: head, pages) for pages in caches["kv"])
     split = plan.gdn or plan.mamba  # Mamba-2: conv channels in the per-shard order, SSM state on heads
     conv = tuple(None if c is None else (P(None, None, axis) if split else P()) for c in caches["conv"])
@@ -430,9 +432,10 @@ def cache_shardings(caches: dict, cfg: ModelConfig, plan: TensorParallel) -> dic
     )
 
 
-def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Place caches on `mesh` (MLA pools pinned: cache_formats.py); conv channels in per-shard [Q_i K_i V_i] order."""
-    plan = tensor_parallel_plan(cfg, mesh)
+def shard_caches(caches: dict, cfg: ModelConfig, mesh: Mesh, plan: TensorParallel | None = None) -> dict:
+    """Place caches on `mesh` as `plan` says (default: `tensor_parallel_plan`; MLA pools pinned:
+    cache_formats.py); conv channels in per-shard [Q_i K_i V_i] order."""
+    plan = plan or tensor_parallel_plan(cfg, mesh)
     if plan.gdn:
         perm = qkv_permutation(plan.gdn_qkv_widths, plan.size)
         caches = {**caches, "conv": tuple(None if c is None else c[..., perm] for c in caches["conv"])}

@@ -129,6 +129,7 @@ class ParallelConfig:
 
     mesh_shape: tuple[int, int] | None = None
     expert_parallel: bool = False
+    mla_latent: str = "replicated"  # MLA latent pools under TP: replicated | split | auto (models/mla_split.py)
 
     @property
     def data_parallel_size(self) -> int:
@@ -232,6 +233,7 @@ class EngineConfig:
     # ---- parallel: launch section `parallel`
     mesh_shape: tuple[int, int] | None = None  # (data, model) devices; None: one device, no mesh
     expert_parallel: bool = False  # MoE experts split by expert index over `model` (else intermediate dim)
+    mla_latent: str = "replicated"  # MLA latent pools under TP: replicated | split | auto (models/mla_split.py)
     kv_transfer: KVTransferConfig | None = None  # a P/D role's (with section `kv_transfer`); None: role both
     # ---- compile: launch section `compile`
     aot_compile: bool = DEFAULTS.compile.aot
@@ -290,7 +292,7 @@ class EngineConfig:
         return KernelConfig(self.attention_backend, self.gdn_backend, self.layer_loop, self.fuse_greedy, self.interpret)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.mesh_shape, self.expert_parallel)
+        return ParallelConfig(self.mesh_shape, self.expert_parallel, self.mla_latent)
 
     def compile_config(self) -> CompileConfig:
         return CompileConfig(self.aot_compile, self.aot_grammar_samplers, self.aot_compile_all, self.compile_cache_dir)
@@ -338,6 +340,7 @@ _ENGINE_RULES = {
     "gdn_backend": _named("gdn_backend"),
     "layer_loop": rules.one_of(rules.LAYER_LOOPS),
     "mesh_shape": rules.optional(rules.mesh_shape),
+    "mla_latent": rules.one_of(rules.MLA_LATENT),
 }
 
 
@@ -370,6 +373,7 @@ ENGINE_FIELD_KEYS: dict[str, str] = {
     "layer_loop": "kernels.layer_loop",
     "fuse_greedy": "kernels.fuse_greedy",
     "expert_parallel": "parallel.expert",
+    "mla_latent": "parallel.mla_latent",
     "aot_compile": "compile.aot",
     "compile_cache_dir": "compile.cache_dir",
     "speculative_config": "speculative_config",

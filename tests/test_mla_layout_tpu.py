@@ -113,3 +113,52 @@ def test_the_plan_counts_the_pools_as_the_compiler_lays_them_out(compiled):
     model = abstract_model(small_deepseek(), "bfloat16")
     assert model.cache_bytes_per_token(lane_padded=True) == 2 * 640 * 2
     assert model.cache_bytes_per_token() == 2 * 576 * 2
+
+
+@pytest.fixture(scope="module")
+def one_chip():
+    """(caches, compiled 64-token backbone step) of a one-chip v5e engine without a mesh (model.tp
+    None): params and caches on the chip's `SingleDeviceSharding`, as a TPU engine holds them."""
+    from jax.sharding import SingleDeviceSharding
+
+    topology = topologies.get_topology_desc("v5e=1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1))
+    chip = SingleDeviceSharding(topology.devices[0])
+    on_chip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip)
+    model = abstract_model(small_deepseek(), "bfloat16")
+    assert model.tp is None
+    model.params = jax.tree.map(on_chip, model.params)
+    caches = jax.tree.map(on_chip, abstract_caches(model, NUM_PAGES, PAGE_SIZE, 2, "auto"))
+    exes = StepExecutables(
+        model,
+        caches,
+        KernelOptions(attention="pallas_tpu", gdn="pallas_tpu"),
+        token_buckets=(64,),
+        seq_buckets=(8,),
+        max_num_seqs=16,
+        max_blocks_per_seq=32768 // PAGE_SIZE,
+        page_size=PAGE_SIZE,
+    )
+    return caches, exes.compile(StepKey("backbone", 64))
+
+
+def test_one_chip_without_a_mesh_reads_and_writes_the_pool_in_place(one_chip):
+    """No mesh: the step still takes and returns the pools rows-minor (`cache_formats.one_tpu`), copies
+    no array of the pool's shape, and its temp is a small fraction of one pool."""
+    caches, step = one_chip
+    pools = [pages.c for pages in caches["kv"]]
+    shape = "[" + ",".join(map(str, pools[0].shape)) + "]"
+    entry = [leaf.layout.major_to_minor for leaf in jax.tree.leaves(step.input_formats[0][1]["kv"])]
+    out = [leaf.layout.major_to_minor for leaf in jax.tree.leaves(step.output_formats[0]["kv"])]
+    assert entry == out == [(0, 1, 2)] * 2
+    assert not [line for line in step.as_text().splitlines() if " copy(" in line and shape in line]
+    pool_bytes = pools[0].size * pools[0].dtype.itemsize
+    assert step.memory_analysis().temp_size_in_bytes < pool_bytes / 20
+
+
+def test_caches_off_tpu_are_not_pinned():
+    """On CPU (no TPU chip) the caches keep their default layout and the step its plain shardings."""
+    from models.cache_formats import one_tpu, place_pinned
+    from pallas_kernels.mla import LatentPages
+
+    caches = {"kv": (LatentPages.create(3, 8, 28, "float32"), None), "conv": (), "rec": ()}
+    assert one_tpu(caches) is None and place_pinned(caches) is caches

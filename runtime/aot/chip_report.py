@@ -45,6 +45,7 @@ from configs.chips import CHIPS
 from configs.schema import CONFIG_DIR, DEFAULT_MEMORY_FRACTION, LaunchConfig
 from models.abstract import abstract_caches, abstract_model, block_fp8_params, shard_abstract_model
 from models.config import parse_config
+from models.mla_split import check_split
 from models.ops import KernelOptions
 from models.prequantized import parse_quantization_config
 from models.safetensors_io import read_json
@@ -244,6 +245,18 @@ def plan_config(
             shard_abstract_model(model, mesh, par.expert)
         except ValueError as err:  # a split the model refuses (Mamba-2 under TP, experts that do not divide)
             raise PlanError(f"{config_name}: {err}") from None
+        try:  # MLA latent pools replicated or split by token (models/mla_split.py)
+            split = check_split(
+                par.mla_latent,
+                model.tp.size,
+                cache.page_size,
+                cfg.mla is not None,
+                cache.kv_cache_dtype,
+                par.role != "both",
+            )
+        except ValueError as err:
+            raise PlanError(f"{config_name}: {err}") from None
+        model.tp = dataclasses.replace(model.tp, latent_split=split)
     tp_size = 1 if model.tp is None else model.tp.size
     max_model_len = min(launch.model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     page_size = cache.page_size
@@ -251,7 +264,7 @@ def plan_config(
     kv_dtype = cache.kv_cache_dtype
     per_token = model.cache_bytes_per_token(kv_dtype, lane_padded=chip.platform == "tpu")  # models/cache_formats.py
     # per_token counts the KV heads the model holds (repeated where fewer than the devices): split over all
-    split = model.tp is not None and model.tp.attention and cfg.mla is None  # MLA's latent rows are replicated
+    split = model.tp is not None and ((model.tp.attention and cfg.mla is None) or model.tp.latent_split)  # MLA: or all
     per_token_device = per_token // tp_size if split else per_token
     weights_device = per_device_bytes(model.params)
     # what the engine's cache_budget_bytes is on the device once the weights are loaded
@@ -338,6 +351,7 @@ def plan_config(
                 blocks_per_seq=blocks_per_seq,
                 gpu=gpu,
                 expert_parallel=par.expert,
+                latent_split=model.tp is not None and model.tp.latent_split,
                 state_dtype=cache.state_dtype,
                 token_minor=token_minor,
             )
@@ -374,6 +388,7 @@ def plan_config(
         steps,
         problems,
         expert_parallel=model.tp is not None and model.tp.expert,
+        latent_split=model.tp is not None and model.tp.latent_split,
         num_checkpoint_slots=checkpoint_slots,
         checkpoint_budget=cache.hybrid_checkpoint_budget if cfg.is_hybrid and cache.enable_prefix_caching else None,
         cache_bytes=cache_bytes,

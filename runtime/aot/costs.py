@@ -97,6 +97,7 @@ def extrapolated_cost(
     expert_parallel: bool = False,
     state_dtype: str = "float32",
     token_minor: bool = False,
+    latent_split: bool = False,
 ) -> tuple[float, float]:
     """(flops, bytes accessed) of one backbone step of the whole model. XLA's cost analysis counts a
     `lax.scan` body once, so the step is compiled with 1 and 2 layer groups unrolled and the
@@ -107,6 +108,7 @@ def extrapolated_cost(
         model.state_dtype = state_dtype
         if mesh is not None:
             shard_abstract_model(model, mesh, expert_parallel)
+            model.tp = dataclasses.replace(model.tp, latent_split=latent_split)  # MLA pools split (models/mla_split.py)
         caches = abstract_caches(model, num_pages, page_size, num_slots, kv_dtype, token_minor=token_minor)
         model.params = unstack_abstract(model.params)
         opts_g = dataclasses.replace(opts, tp=model.tp)

@@ -40,6 +40,9 @@ class PlanReport:
     steps: list[StepFigures]
     problems: list[str]
     expert_parallel: bool = False  # MoE experts split by expert index (parallel.expert)
+    latent_split: bool = (
+        False  # MLA latent pools split by token over `model` (parallel.mla_latent, models/mla_split.py)
+    )
     num_checkpoint_slots: int | None = None  # of num_state_slots; None: no checkpoints, or shared (no budget)
     checkpoint_budget: float | None = None  # cache.hybrid_checkpoint_budget, when checkpoints are kept
     cache_bytes: int = 0  # per device: memory_fraction x HBM - weights (KV pages + state slots)
@@ -118,6 +121,7 @@ def gib(n: float) -> str:
 # ---- report ----------------------------------------------------------------------------------------
 def format_report(r: PlanReport) -> str:
     mesh = f"data {r.mesh[0]} x model {r.mesh[1]}" + (", experts split by index (EP)" if r.expert_parallel else "")
+    mesh += ", MLA latent split by token" if r.latent_split else ""
     scope = " (its DP rank's own pages and slots)" if r.mesh[0] > 1 else ""
     lines = [
         f"{r.config_name}: {r.model_name} ({r.param_count / 1e9:.2f}B parameters) on {r.num_devices} x {r.chip.name} "
@@ -186,6 +190,7 @@ def report_json(r: PlanReport) -> dict:
         "num_processes": r.num_processes,
         "mesh": {"data": r.mesh[0], "model": r.mesh[1]},
         "expert_parallel": r.expert_parallel,
+        "mla_latent_split": r.latent_split,
         "max_num_seqs": r.max_num_seqs,
         "max_model_len": r.max_model_len,
         "memory_fraction": r.memory_fraction,

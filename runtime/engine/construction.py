@@ -9,6 +9,7 @@ functions carry them out in the order the engine needs them, before any cache ex
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from models.cache_formats import on_tpu
 from models.config import ConfigError
+from models.mla_split import check_split
 from models.model import Model, load_model
 from models.ops import KernelOptions
 from models.sharding import shard_model
@@ -60,6 +62,16 @@ def prepare_model(
         model.quantize(qcfg)
     if mesh is not None and loaded.tp is None:
         shard_model(loaded, mesh, expert_parallel=parallel.expert_parallel)
+    if loaded.tp is not None:  # MLA latent pools split by token (models/mla_split.py): the weights' split is the same
+        split = check_split(
+            parallel.mla_latent,
+            loaded.tp.size,
+            config.page_size,
+            loaded.cfg.mla is not None,
+            config.kv_cache_dtype,
+            config.kv_transfer is not None,
+        )
+        loaded.tp = dataclasses.replace(loaded.tp, latent_split=split)
     loaded.state_dtype = config.state_dtype  # the GDN / KDA state slots' dtype (Model.init_caches)
     if config.state_dtype != "float32" and loaded.cfg.mamba is not None:
         raise ConfigError(
@@ -128,11 +140,11 @@ def size_cache(
 
 def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
-    tpu = model.tp is not None and on_tpu(model.tp.spec())  # MLA pools pinned lane-padded (models/cache_formats.py)
+    tpu = on_tpu(model.tp.spec()) if model.tp else jax.default_backend() == "tpu"  # MLA pools pinned lane-padded
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers, lane_padded=tpu), 1) * config.page_size
     tp = model.tp
-    if tp is not None and tp.attention and model.cfg.mla is None:
-        per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA's latent rows: all)
+    if tp is not None and ((tp.attention and model.cfg.mla is None) or tp.latent_split):
+        per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA: its tokens' rows, or all)
     return per_page
 
 

@@ -48,7 +48,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.batch import ForwardBatch
-from models.cache_formats import cache_formats, format_specs
+from models.cache_formats import cache_formats, format_specs, one_tpu
 from models.model import Model
 from models.ops import KernelOptions
 from models.transformer import forward
@@ -160,11 +160,11 @@ class StepExecutables:
         self._tables = 2 if window_paging else 1
         # Under a mesh (opts.tp) specs carry the arrays' shardings, step inputs are replicated and
         # outputs are pinned to the input shardings, so donated caches keep their layout.
-        self._specs = specs.abstract_spec if opts.tp is None else specs.sharded_spec
-        self._replicated = None if opts.tp is None else opts.tp.spec()
-        # (on TPU an MLA latent pool's sharding is a Format pinning it rows-minor: models/cache_formats.py)
-        self._cache_shardings = None if opts.tp is None else cache_formats(caches)
-        self._cache_specs = jax.tree.map(self._specs, caches) if opts.tp is None else format_specs(caches)
+        # (on TPU an MLA latent pool's sharding is a Format pinning it rows-minor, one chip's too: models/cache_formats.py)
+        self._replicated = one_tpu(caches) if opts.tp is None else opts.tp.spec()
+        self._specs = specs.abstract_spec if self._replicated is None else specs.sharded_spec
+        self._cache_shardings = None if self._replicated is None else cache_formats(caches)
+        self._cache_specs = jax.tree.map(self._specs, caches) if self._replicated is None else format_specs(caches)
         self.fuse_greedy = fuse_greedy
         self.greedy_buckets = tuple(T for T in self.token_buckets if max_num_seqs >= T) if fuse_greedy else ()
         self.executables: dict[StepKey, object] = {}  # the table: key -> compiled executable
