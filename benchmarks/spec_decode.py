@@ -30,6 +30,14 @@ prompt, so prompt lookup is mostly rejected there (the `ngram` rows: what specul
 it fails); `--oracle-drafts` adds `oracle` rows whose drafts are the off engine's own output for
 the same prompt (every draft accepted until the end: the ceiling of verify + replay on this
 model, not a drafting method).
+
+`--mtp` (Qwen3.5 / Qwen3-Next) adds `mtp` rows (`method: mtp`, the checkpoint's MTP layer drafting
+inside the verify step; a random MTP layer is mostly rejected: its cost when it fails) and, with
+`--oracle-drafts`, `mtp_oracle` rows: the MTP layer still runs every draft step but the verify step
+checks the oracle's drafts (the ceiling of a well-trained MTP layer, its drafting cost included):
+
+    python -m benchmarks.spec_decode tiny:qwen3_5 --mtp --oracle-drafts --concurrency 1,4 \
+        --json benchmarks/results/spec-decode/tiny-qwen3_5-mtp-cpu-2core.json
 """
 
 from __future__ import annotations
@@ -147,6 +155,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--adaptive", action="store_true", help="also ngram with disable_by_batch_size: auto")
     ap.add_argument("--oracle-drafts", action="store_true", help="also a mode drafting the off engine's own output")
+    ap.add_argument("--mtp", action="store_true", help="also method mtp (and mtp_oracle with --oracle-drafts)")
     args = ap.parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
 
@@ -166,6 +175,9 @@ def main(argv=None) -> None:
     modes = [("ngram", spec_config), ("off", None)] + ([("oracle", spec_config)] if args.oracle_drafts else [])
     if args.adaptive:
         modes.append(("adaptive", {**spec_config, "disable_by_batch_size": "auto"}))
+    mtp_config = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": None}
+    if args.mtp:
+        modes += [("mtp", mtp_config)] + ([("mtp_oracle", mtp_config)] if args.oracle_drafts else [])
     for mode, spec in modes:
         t0 = time.perf_counter()
         engines[mode] = LLMEngine(
@@ -190,6 +202,9 @@ def main(argv=None) -> None:
             for n in (args.max_tokens, args.sweep_max_tokens):
                 oracle.continuations.append(ids + run(engines["off"], [ids], n)["tokens"][0])
         engines["oracle"].speculator.propose = functools.partial(propose_from, oracle, engines["oracle"].speculator)
+        if "mtp_oracle" in engines:
+            spec = engines["mtp_oracle"].speculator
+            spec.propose = functools.partial(propose_from, oracle, spec, mtp=True)
 
     single = {}
     for name, ids in prompts.items():
@@ -213,8 +228,9 @@ def main(argv=None) -> None:
                 "accepted_tokens": rs[-1]["spec_decode_num_accepted_tokens"],
             }
         entry["speedup"] = entry["ngram"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
-        if "oracle" in entry:
-            entry["oracle_speedup"] = entry["oracle"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
+        for mode in ("oracle", "mtp", "mtp_oracle"):
+            if mode in entry:
+                entry[f"{mode}_speedup"] = entry[mode]["tokens_per_s"] / entry["off"]["tokens_per_s"]
         single[name] = entry
         for mode in (m for m in runs if m != "off"):
             print(
@@ -254,6 +270,7 @@ def main(argv=None) -> None:
         if args.oracle_drafts
         else None,
         "speculative_config": spec_config,
+        "mtp_config": mtp_config if args.mtp else None,
         "max_tokens": args.max_tokens,
         "sweep_max_tokens": args.sweep_max_tokens,
         "repeats": args.repeats,
@@ -268,17 +285,20 @@ def main(argv=None) -> None:
     write_json(args.json, report)
 
 
-def propose_from(oracle: OracleDrafts, spec, running) -> None:
-    """`Speculator.propose` with the oracle for prompt lookup."""
+def propose_from(oracle: OracleDrafts, spec, running, mtp: bool = False) -> None:
+    """`Speculator.propose` with the oracle for prompt lookup (`mtp`: the oracle's drafts, the MTP's
+    placeholders after them, so every verify step still runs the MTP layer's k draft steps)."""
     import numpy as np
 
-    from runtime.speculative.speculator import can_draft
+    from runtime.speculative.speculator import MTP_DRAFT, can_draft
 
+    k = spec.config.num_speculative_tokens
     for req in running:
         decoding = req.num_tokens - req.num_computed_tokens == 1
         tokens = np.asarray(req.all_token_ids)
+        drafts = oracle(tokens, k, 0, 0) if decoding and can_draft(req) else []
         req.draft_token_ids = (
-            oracle(tokens, spec.config.num_speculative_tokens, 0, 0) if decoding and can_draft(req) else []
+            drafts + [MTP_DRAFT] * (k - len(drafts)) if mtp and decoding and can_draft(req) else drafts
         )
 
 

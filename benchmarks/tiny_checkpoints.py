@@ -30,7 +30,7 @@ def _library_versions() -> dict[str, str]:
 
 def checkpoint_cache_key(family: str) -> str:
     """Hash of what determines the checkpoint's bytes: builder source, spec, Python, libraries."""
-    from models import random_checkpoint
+    from models import random_checkpoint, random_mtp
 
     spec = {
         "family": family,
@@ -39,6 +39,7 @@ def checkpoint_cache_key(family: str) -> str:
         "versions": _library_versions(),
     }
     digest = hashlib.sha256(Path(random_checkpoint.__file__).read_bytes())
+    digest.update(Path(random_mtp.__file__).read_bytes())  # the MTP layer of Qwen3.5 / Qwen3-Next
     digest.update(json.dumps(spec, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 

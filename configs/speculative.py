@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # built
+METHODS = ("ngram", "mtp")  # built
 PLANNED_METHODS = {
-    "mtp": "the checkpoint's MTP layers (Qwen3.5 / Qwen3-Next) are not loaded yet (issue 35)",
     "draft_model": "a separate draft model is not supported yet (issue 35)",
 }
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
@@ -28,7 +27,8 @@ AUTO = "auto"  # disable_by_batch_size's default: the execution plan picks it pe
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: how drafts are made ("ngram": prompt lookup over the prompt and the output so far);
+    """method: how drafts are made ("ngram": prompt lookup over the prompt and the output so far;
+    "mtp": the checkpoint's own MTP layer, Qwen3.5 / Qwen3-Next, models/mtp.py);
     num_speculative_tokens: drafted tokens per step and request (k: the step verifies k + 1 rows);
     prompt_lookup_min / _max: the n-gram lengths matched, longest first; disable_by_batch_size: no
     drafts in a step while more decoding requests than this are running (vLLM's field; None: always

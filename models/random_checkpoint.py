@@ -3,8 +3,8 @@
 `write_random_checkpoint(family, out_dir)` builds an HF transformers model (torch, CPU) with deliberately
 awkward small dimensions (GQA ratios > 1, head_dim != hidden / heads, odd vocab, non-default hybrid layer
 patterns), fills every weight from a seeded normal distribution and saves it in the HF layout: config.json,
-model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json. HF transformers' PyTorch
-model of the same directory is the oracle our JAX models are tested against.
+model.safetensors (Qwen3.5 / Qwen3-Next: mtp.safetensors too, models/random_mtp.py), generation_config.json,
+tokenizer.json, tokenizer_config.json. HF transformers' PyTorch model of the same directory is the oracle.
 The tokenizer is a byte-level BPE trained in about a second on the Python standard library's own
 sources (nothing is downloaded), with the ChatML special tokens and chat template.
 
@@ -31,6 +31,7 @@ from models.random_deepseek import DEEPSEEK_SPECS
 from models.random_gemma3 import GEMMA3_SPEC
 from models.random_gpt_oss import GPT_OSS_SPEC
 from models.random_kimi import KIMI_SPECS
+from models.random_mtp import MTP_FAMILIES, write_mtp
 from models.random_nemotron_h import NEMOTRON_H_SPECS
 
 FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # the shared parametrized suites'
@@ -382,11 +383,10 @@ def write_random_checkpoint(
     _fill_random_(model, seed=seed, std=std)
     model = model.to(torch_dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
-    generation_config = transformers.GenerationConfig(
-        bos_token_id=None,
-        eos_token_id=[special_ids[IM_END], special_ids[ENDOFTEXT]],
-        pad_token_id=special_ids[ENDOFTEXT],
-    )
+    if family in MTP_FAMILIES:  # the MTP layer HF does not hold (models/random_mtp.py)
+        write_mtp(model, out_dir, functools.partial(_fill_random_, std=std), seed)
+    eos = [special_ids[IM_END], special_ids[ENDOFTEXT]]
+    generation_config = transformers.GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=eos[1])
     generation_config.save_pretrained(out_dir)
     return out_dir
 

@@ -268,7 +268,8 @@ def forward(
     rope = rope_tables(batch.positions, cfg)
     ropes = (rope, rope_tables(batch.positions, cfg, sliding=True) if cfg.has_sliding_rope else rope)
     n_groups = cfg.num_layers // cfg.layer_period()
-    stashes = []
+    stashes, mtp = [], caches.get("mtp")
+    caches = {k: v for k, v in caches.items() if k != "mtp"}
     if "layers" in params:  # unstacked (`unstack_layers`): one set of arrays per group
         for g, params_g in enumerate(params["layers"]):
             x, caches, stash = _group_step(params_g, x, caches, g, batch, ropes, cfg, opts)
@@ -291,8 +292,51 @@ def forward(
         if stashes:
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *stashes)
         caches = {**caches, "replay": stacked}
+    if mtp is not None:  # the MTP layer's K/V and carry from every row's final hidden state (models/mtp.py)
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        return x[batch.logits_indices], {**caches, "mtp": mtp_absorb(params, mtp, x, batch, cfg, opts)}
     x = x[batch.logits_indices]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), caches
+
+
+def mtp_fc_input(p, embed, tokens, hidden, cfg: ModelConfig):
+    """The MTP layer's input: fc([norm(embed(tokens)) | norm(hidden)]) (models/mtp.py)."""
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
+    e = rms_norm(embed_lookup(embed, tokens, hidden.dtype), p["pre_fc_norm_embedding"], eps, zc)
+    return qdot(jnp.concatenate([e, rms_norm(hidden, p["pre_fc_norm_hidden"], eps, zc)], -1), p["fc"])
+
+
+def mtp_absorb(params, mtp_cache: dict, hidden_all, batch: ForwardBatch, cfg: ModelConfig, opts) -> dict:
+    """hidden_all [T, H]: the final norm's output at every row. Each row at position p >= 1 writes
+    the MTP layer's K/V at p - 1 (its token, and the previous row's hidden state or, first in its
+    sequence, the carry); each sequence's last row becomes its carry (models/mtp.py)."""
+    p, T, S = params["mtp"], hidden_all.shape[0], batch.cu_q_lens.shape[0] - 1
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(batch.cu_q_lens[1:], t, side="right"), S - 1).astype(jnp.int32)
+    carry = mtp_cache["hidden"]
+    first = (t == batch.cu_q_lens[seq])[:, None]
+    prev = jnp.where(first, carry[batch.state_slot_ids[seq]].astype(hidden_all.dtype), jnp.roll(hidden_all, 1, 0))
+    h = rms_norm(
+        mtp_fc_input(p, params["embed"], batch.input_ids, prev, cfg),
+        p["layer"]["input_norm"],
+        cfg.rms_norm_eps,
+        cfg.zero_centred_norm,
+    )
+    rows, D, pos = batch.num_valid_rows, cfg.head_dim, jnp.maximum(batch.positions - 1, 0)
+    k = _linear(h, p["layer"]["k_proj"], None, opts, rows).reshape(T, -1, D)
+    v = _linear(h, p["layer"]["v_proj"], None, opts, rows).reshape(T, -1, D)
+    if cfg.qk_norm:
+        k = rms_norm(k, p["layer"]["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    cos, sin = rope_tables(pos, cfg)
+    k = apply_rope(k, cos, sin, cfg.rotary_dim)
+    ps = mtp_cache["kv"].page_size
+    slots = batch.block_tables[seq, pos // ps] * ps + pos % ps
+    slots = jnp.where((batch.slot_mapping >= 0) & (batch.positions >= 1), slots, -1)
+    kv = ops.write_kv(mtp_cache["kv"], k, v, slots, opts, max_seqs=S)
+    last, live = batch.cu_q_lens[1:] - 1, batch.cu_q_lens[1:] > batch.cu_q_lens[:-1]  # [S]
+    target = jnp.where(live, batch.state_slot_ids, carry.shape[0])  # not live: dropped
+    carry = carry.at[target].set(hidden_all[jnp.maximum(last, 0)].astype(carry.dtype), mode="drop")
+    return {"kv": kv, "hidden": carry}
 
 
 def unstack_layers(params: dict) -> dict:

@@ -78,7 +78,6 @@ def test_config_parsing_and_refusals():
     assert parse_speculative_config('{"method": "ngram"}') == SpeculativeConfig()
     assert EngineConfig(model="m", speculative_config=SPEC).speculative_config.num_speculative_tokens == 3
     cases = {
-        "mtp": ({"method": "mtp"}, "'mtp' is not built yet"),
         "draft": ({"method": "draft_model"}, "'draft_model' is not built yet"),
         "unknown": ({"method": "eagle"}, "unknown method 'eagle'"),
         "k": ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in [1, 16]"),
@@ -94,6 +93,7 @@ def test_config_parsing_and_refusals():
         with pytest.raises(ValueError) as err:
             EngineConfig(model="m", speculative_config=value)
         assert message in str(err.value)
+    assert parse_speculative_config({"method": "mtp", "num_speculative_tokens": 2}).method == "mtp"  # built
     with pytest.raises(ValueError, match="not a JSON object"):
         parse_speculative_config("{method: ngram")
 

@@ -19,7 +19,8 @@ import numpy as np
 from models.cache_formats import on_tpu
 from models.config import ConfigError
 from models.mla_split import check_split
-from models.model import Model, load_model
+from models.model import Model, load_model, resolve_kv_dtype
+from models.mtp import init_mtp_caches, load_mtp_params, mtp_refusal
 from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
@@ -91,6 +92,12 @@ def prepare_model(
         loaded.hold_out_in()
     elif plan.weight_layout == "packed":
         loaded.hold_packed()
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp" and "mtp" not in loaded.params:  # the checkpoint's MTP layer
+        why = mtp_refusal(loaded.cfg, loaded.path)
+        if why is not None:
+            raise ValueError(f"speculative_config: {why}")
+        loaded.params = {**loaded.params, "mtp": load_mtp_params(loaded.cfg, loaded.path, loaded.dtype)}
     return loaded, plan
 
 
@@ -244,6 +251,16 @@ def build_step_parts(
             window_paging=window is not None,
         )
         return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp" and model.tp is None:  # one more attention layer, same pages
+        caches["mtp"] = init_mtp_caches(
+            model,
+            cache_config.num_pages,
+            config.page_size,
+            max(cache_config.num_state_slots, 2),
+            resolve_kv_dtype(config.kv_cache_dtype, model.dtype),
+            plan.kv_bit_storage,
+        )
     executables = StepExecutables(
         model,
         caches,

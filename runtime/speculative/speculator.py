@@ -30,7 +30,7 @@ from configs.speculative import SpeculativeConfig
 from models.mamba2_config import MAMBA
 from runtime.scheduled import SchedulerOutput
 from runtime.speculative.ngram import propose_ngram
-from runtime.speculative.verify import VerifyExecutables, VerifyRows
+from runtime.speculative.verify import MTP_DRAFT, VerifyExecutables, VerifyRows
 from runtime.steps.sampler import SamplerOutput
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import MAX_LOGPROBS
@@ -38,6 +38,12 @@ from runtime.types import MAX_LOGPROBS
 log = logging.getLogger("jaxserve.speculative")
 
 _NO_TOP_IDS = np.zeros((0, 0), np.int32)
+
+
+def propose_mtp(req, k: int) -> list[int]:
+    """An MTP request's drafts before the step: k placeholders (`MTP_DRAFT`), made on the device in
+    the verify step (`runtime.speculative.verify.fill_drafts`); a real token here is kept (tests' oracles)."""
+    return [MTP_DRAFT] * k
 
 
 def can_draft(req) -> bool:
@@ -98,8 +104,16 @@ def build_speculator(engine) -> Speculator | None:
         raise ValueError(f"speculative_config: {why}")
     # "auto" -> the plan's measured crossover (runtime/steps/execution_plan.py)
     config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
+    mtp = config.method == "mtp"
+    if mtp and "mtp" not in engine.caches:
+        raise ValueError("speculative_config: method 'mtp' found no MTP caches (a mesh or attention DP build)")
     verify = VerifyExecutables(
-        engine.executables, engine.caches, engine.token_buckets, engine.config.max_top_k, config.num_speculative_tokens
+        engine.executables,
+        engine.caches,
+        engine.token_buckets,
+        engine.config.max_top_k,
+        config.num_speculative_tokens,
+        mtp=mtp,
     )
     if engine.plan.aot_compile:
         verify.compile_all(every_variant=engine.config.compile_config().every_variant)
@@ -115,7 +129,8 @@ class Speculator:
         self.num_drafts = 0  # verified sequences that carried drafts
         self.num_crowded_steps = 0  # schedules without drafts for `disable_by_batch_size`
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence)
+        self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence, MTP drafts)
+        self.draft_log: list | None = None  # tests: a list -> (context tokens, the MTP's drafts) per drafting sequence
 
     def stats(self) -> dict:
         return {
@@ -150,7 +165,9 @@ class Speculator:
         crowded = self.crowded(sum(decoding))
         self.num_crowded_steps += bool(crowded)
         for req, decodes in zip(running, decoding):
-            if decodes and not crowded and can_draft(req):
+            if decodes and not crowded and can_draft(req) and c.method == "mtp":
+                req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens)
+            elif decodes and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
                     tokens, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max
@@ -196,10 +213,12 @@ class Speculator:
         all_greedy = all(req.params.temperature <= 0.0 for req in reqs)
         num_logprobs = MAX_LOGPROBS if any(req.params.logprobs is not None for req in reqs) else 0
         table, step, prev_tokens = table_args
-        caches, table, row_out, accepted, first_out = self.verify.run(
+        caches, table, row_out, accepted, first_out, drafted = self.verify.run(
             params, caches, table, step, prev_tokens, verify, all_greedy, penalty_ids(reqs, S), num_logprobs
         )
-        self._pending = (out, row_out, accepted, first[: len(out.sequences)])
+        self._pending = (out, row_out, accepted, first[: len(out.sequences)], drafted)
+        if self.draft_log is not None:
+            self._contexts = [tuple(req.all_token_ids) for req in reqs]
         if not num_logprobs:
             first_out = SamplerOutput(tokens=first_out.tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
         return caches, table, first_out
@@ -210,8 +229,15 @@ class Speculator:
         rejected drafts, count, and hand `_emit` the extra tokens (`step.more_tokens`)."""
         if self._pending is None or self._pending[0] is not step.out:
             return
-        out, row_out, accepted, first = self._pending
+        out, row_out, accepted, first, drafted = self._pending
         self._pending = None
+        if self.draft_log is not None and drafted is not None:
+            drafted = np.asarray(drafted)
+            self.draft_log += [
+                (context, drafted[i, : seq.num_draft].tolist())
+                for i, (seq, context) in enumerate(zip(out.sequences, self._contexts))
+                if seq.num_draft
+            ]
         tokens, accepted = np.asarray(row_out.tokens), np.asarray(accepted)
         logprobs = None
         if row_out.top_ids.shape[1]:

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 
 from models.gdn_replay import replay
+from models.mtp import draft, keep_accepted
 from models.transformer import compute_logits
 from runtime.buckets import BucketMiss
 from runtime.steps import specs
@@ -45,6 +46,8 @@ from runtime.steps.table_device import prepare, row_sampling
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.speculative")
+
+MTP_DRAFT = np.iinfo(np.int32).max  # the host's placeholder for a draft the MTP makes in the step
 
 
 @jax.tree_util.register_dataclass
@@ -154,6 +157,7 @@ def verify_backbone(
     gdn_replay=None,
     num_speculative_tokens=0,
     num_logprobs=0,
+    drafter=None,
 ):
     """prepare + forward + per-row sampling + acceptance -> (caches, table with the rejected
     drafts rewound, rows: SamplerOutput [T] (sequence i emits tokens[first_i : first_i +
@@ -163,6 +167,9 @@ def verify_backbone(
     forward pass commits no GDN state for drafting sequences; the accepted prefix is replayed
     into it after acceptance."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
+    drafted = None
+    if drafter is not None:  # MTP: the drafts made here, on the device (models/mtp.py)
+        batch, verify, caches, drafted = fill_drafts(drafter, params, caches, batch, verify, num_speculative_tokens)
     batch = dataclasses.replace(batch, logits_indices=verify.rows)
     if gdn_replay is not None:
         batch = dataclasses.replace(batch, spec_rows=spec_rows(verify, num_speculative_tokens + 1))
@@ -184,6 +191,9 @@ def verify_backbone(
     accepted = accepted_counts(tokens, verify)
     if stashes is not None:
         caches = gdn_replay(caches, stashes, batch, accepted)
+    if "mtp" in caches:  # the carry: the hidden state at the last accepted row
+        mtp = keep_accepted(caches["mtp"], hidden, verify.seqs, verify.offsets, accepted, batch.state_slot_ids)
+        caches = {**caches, "mtp": mtp}
     # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
     # match, so this only makes the acceptance rule the one place that decides what is output)
     S = verify.num_draft.shape[0]
@@ -194,7 +204,35 @@ def verify_backbone(
     heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
     rows = dataclasses.replace(rows, tokens=tokens)  # an accepted draft is the row's sample: its logprob holds
     first = jax.tree.map(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype).at[heads].set(a, mode="drop"), rows)
-    return caches, table, rows, lax.stop_gradient(accepted), first  # first: each sequence's first new token
+    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts)
+    return caches, table, rows, lax.stop_gradient(accepted), first, drafted
+
+
+def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
+    """The MTP drafts each drafting sequence's k tokens from its last token (its verify row at
+    offset 0); they replace the placeholder drafts (`MTP_DRAFT`) in the verify rows and in the token
+    rows after them. -> (batch, verify, caches, drafts [S, k])."""
+    S = verify.num_draft.shape[0]
+    head = spec_rows(verify, k + 1)[:, 0]  # [S] the last real token's row, -1: not in the step
+    valid = (verify.num_draft > 0) & (head >= 0)
+    row = jnp.maximum(head, 0)
+    drafts, mtp = drafter(
+        params,
+        caches["mtp"],
+        batch.input_ids[row],
+        batch.positions[row],
+        batch.state_slot_ids,
+        valid,
+        batch.block_tables,
+        k,
+    )
+    seq = jnp.clip(verify.seqs, 0, S - 1)
+    fill = (verify.seqs >= 0) & (verify.offsets < verify.num_draft[seq]) & (verify.drafts == MTP_DRAFT)
+    new = jnp.where(fill, drafts[seq, jnp.clip(verify.offsets, 0, k - 1)], verify.drafts)
+    T = batch.input_ids.shape[0]
+    input_ids = batch.input_ids.at[jnp.where(fill, verify.rows + 1, T)].set(new, mode="drop")
+    batch = dataclasses.replace(batch, input_ids=input_ids)
+    return batch, dataclasses.replace(verify, drafts=new), {**caches, "mtp": mtp}, drafts
 
 
 class VerifyExecutables:
@@ -202,8 +240,11 @@ class VerifyExecutables:
     token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
     asking for logprobs or penalties; one engine, no mesh)."""
 
-    def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0):
-        """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows."""
+    def __init__(
+        self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0, mtp=False
+    ):
+        """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows.
+        `mtp`: the model's MTP layer drafts inside the step (`fill_drafts`)."""
         ex = executables
         self.max_num_seqs, self.max_blocks_per_seq, self.page_size = (
             ex.max_num_seqs,
@@ -220,6 +261,7 @@ class VerifyExecutables:
             softcap=ex.model.cfg.final_logit_softcapping,
             gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
+            drafter=functools.partial(draft, cfg=ex.model.cfg, opts=ex.opts) if mtp else None,
         )
         self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"))
         self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)

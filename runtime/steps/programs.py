@@ -147,7 +147,12 @@ def copy_states(caches, src, dst, n, *, num_groups: int):
 
         return lax.fori_loop(0, n, one, per_layer).reshape(a.shape)
 
-    return {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])), "rec": tuple(map(copy, caches["rec"]))}
+    out = {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])), "rec": tuple(map(copy, caches["rec"]))}
+    if "mtp" in caches:  # the MTP carry travels with the state (models/mtp.py)
+        hidden = caches["mtp"]["hidden"]
+        one = lambda i, x: lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, src[i], 1), dst[i], axis=0)
+        out["mtp"] = {**caches["mtp"], "hidden": lax.fori_loop(0, n, one, hidden)}
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""`speculative_config: {method: mtp}` (issue 35): Qwen3.5 / Qwen3-Next draft with their own MTP layer.
+
+References are independent of the code under test: the MTP module rebuilt in torch from HF's own
+decoder-layer class with the checkpoint's `mtp.*` weights (`models.random_mtp.torch_mtp`), fed by HF's
+target model, and run as vLLM's `Qwen3NextMultiTokenPredictor` does (written out below); for the
+engine, the same configuration without speculation and HF's greedy `generate`. Every draft the
+engine's MTP makes inside a verify step is compared with the torch chain for the same context, across
+chunked prefill, preemption, prefix hits and accepted / rejected drafts (an oracle feeds the verify
+step's drafts so that accepted counts cycle through 0 .. k while the MTP's own drafts are still logged).
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+from engine_testing import drain
+from hf_reference import assert_greedy_match, hf_greedy
+from test_engine_hf import assert_all_free
+from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests
+
+from models.random_mtp import torch_mtp
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+from runtime.speculative import speculator
+from runtime.types import EngineRequest, SamplingParams
+
+K = 3
+SPEC = {"method": "mtp", "num_speculative_tokens": K}
+
+
+def _engine(path, spec, **overrides):
+    config = dict(
+        aot_compile=False,
+        model=str(path),
+        dtype="float32",
+        page_size=4,
+        num_pages=64,  # small: the batch below preempts
+        max_num_seqs=8,
+        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
+        max_model_len=128,
+        token_buckets=(8, 16, 32),
+        enable_prefix_caching=True,
+        speculative_config=spec,
+    )
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+# ---- the torch reference ------------------------------------------------------------------------
+class TorchMTP:
+    """vLLM's MTP math on HF modules: e = fc([norm_e(embed(x[t+1])) | norm_h(h[t])]), the decoder
+    layer (causal, RoPE at t), the MTP's final norm, the target's lm_head; h: the target's
+    final-norm output, then for later drafts the MTP's own output."""
+
+    def __init__(self, hf, path):
+        import torch
+
+        self.torch, self.hf, self.mtp = torch, hf, torch_mtp(hf, path).float()
+        self.mrope = "mrope_section" in (getattr(hf.config, "rope_parameters", None) or {})
+
+    def drafts(self, context: list[int], k: int) -> tuple[list[int], list[np.ndarray]]:
+        """The k greedy drafts after `context` (its last token not yet run by the target), and the
+        logits [V] of each."""
+        torch, hf, mtp = self.torch, self.hf, self.mtp
+        with torch.no_grad():
+            h = hf.model(input_ids=torch.tensor([context[:-1]])).last_hidden_state[0]  # [L-1, H]
+            tokens, hidden, out, logits = list(context[1:]), list(h), [], []
+            for _ in range(k):
+                n = len(tokens)
+                e = mtp.pre_fc_norm_embedding(hf.model.embed_tokens(torch.tensor([tokens])))
+                x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(torch.stack(hidden)[None])], -1))
+                pos = torch.arange(n)[None]
+                rope = hf.model.rotary_emb(x, pos[None].expand(3, 1, n) if self.mrope else pos)
+                mask = torch.full((1, 1, n, n), float("-inf")).triu(1)
+                y = mtp.norm(mtp.layers[0](x, position_embeddings=rope, attention_mask=mask, position_ids=pos))
+                row = hf.lm_head(y[0, -1]).float()
+                out.append(int(row.argmax()))
+                logits.append(row.numpy())
+                tokens.append(out[-1])
+                hidden.append(y[0, -1])
+        return out, logits
+
+
+def assert_drafts_match(ref: TorchMTP, log, min_checked: int):
+    """Each logged (context, drafts) equals the torch chain; a near tie (the reference's logits of
+    the two tokens within 1e-4) ends that chain's comparison."""
+    checked = 0
+    for context, drafts in log:
+        want, logits = ref.drafts(list(context), len(drafts))
+        for got, exp, row in zip(drafts, want, logits):
+            if got != exp:
+                assert row.max() - row[got] < 1e-4, (context, drafts, want)
+                break
+            checked += 1
+    assert checked >= min_checked, (checked, len(log))
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint, tmp_path_factory):
+    """family -> (engine with MTP speculation, without, checkpoint path). Qwen3-Next: four layers in
+    two repetitions of (GDN, attention), scanned, jnp GDN path (its MTP layer is MoE)."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            if family == "qwen3_next":
+                from models.random_checkpoint import write_random_checkpoint
+
+                layers = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
+                path = write_random_checkpoint(family, tmp_path_factory.mktemp("next") / "ckpt", **layers)
+                variant = {"layer_loop": "scan", "gdn_backend": "chunked"}
+            else:
+                path, variant = tiny_checkpoint(family), {}
+            built[family] = (_engine(path, SPEC, **variant), _engine(path, None, **variant), path)
+        return built[family]
+
+    return get
+
+
+def _serve(engine, requests):
+    for request in requests:
+        engine.add_request(request)
+    done = drain(engine)
+    assert_all_free(engine)
+    return {rid: out.outputs[0] for rid, out in done.items()}
+
+
+class OracleMTP:
+    """Stands in for `propose_mtp`: the reference continuation's next k tokens with one spoiled (at
+    (3L + 1) % (k + 2) for a context of L tokens), so accepted counts cycle through 0 .. k; the MTP
+    still drafts in the step (its drafts are logged, not verified)."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.continuations = vocab, []
+
+    def __call__(self, req, k):
+        tokens, L = list(req.all_token_ids), req.num_tokens
+        for full in self.continuations:
+            if len(full) > L and full[:L] == tokens:
+                draft, spoil = full[L : L + k], (3 * L + 1) % (k + 2)
+                if spoil < len(draft):
+                    draft[spoil] = (draft[spoil] + 1) % self.vocab
+                return draft + [speculator.MTP_DRAFT] * (k - len(draft))
+        return [speculator.MTP_DRAFT] * k
+
+
+def _round(spec, off, requests, oracle, monkeypatch):
+    ref = _serve(off, requests)
+    if oracle is not None:
+        oracle.continuations += [r.prompt_token_ids + ref[r.request_id].token_ids for r in requests]
+        monkeypatch.setattr(speculator, "propose_mtp", oracle)
+    got = _serve(spec, requests)
+    monkeypatch.undo()
+    return got, ref
+
+
+def _check_greedy(family, engines, hf_model, monkeypatch, path_hf):
+    spec, off, path = engines(family)
+    tokenizer = spec.tokenizer
+    spec.speculator.draft_log = []
+    before = spec.stats()
+    got, ref = _round(spec, off, _greedy_requests(tokenizer, "g"), None, monkeypatch)  # the MTP's own drafts
+    oracle = OracleMTP(spec.model.cfg.vocab_size)
+    hits = spec.stats()["prefix_cache_hit_tokens"]
+    more = _round(spec, off, _greedy_requests(tokenizer, "h"), oracle, monkeypatch)  # prefix hits, accepted drafts
+    got.update(more[0])
+    ref.update(more[1])
+    stats = spec.stats()
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, stats
+    per_pos = (
+        np.array(stats["spec_decode_num_accepted_tokens_per_pos"]) - before["spec_decode_num_accepted_tokens_per_pos"]
+    )
+    assert per_pos[-1] > 0, stats  # all k drafts accepted in some steps
+    assert stats["num_preemptions"] > before["num_preemptions"], stats
+    assert stats["prefix_cache_hit_tokens"] > hits, stats
+    assert set(got) == set(ref)
+    for rid, out in got.items():
+        want = ref[rid]
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
+        assert len(out.token_ids) == NUM_TOKENS
+    hf = path_hf(path)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected, scores = hf_greedy(hf, tokenizer.encode(prompt), NUM_TOKENS)
+        assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"{family} {prompt!r}")
+    log, spec.speculator.draft_log = spec.speculator.draft_log, None
+    assert_drafts_match(TorchMTP(hf, path), log, min_checked=len(log))
+
+
+def test_mtp_drafts_and_greedy_output_qwen3_5(engines, hf_model, monkeypatch):
+    """Qwen3.5: greedy output with MTP equals no speculation and HF (chunked prefill, preemption,
+    prefix hits; drafts accepted and rejected), and every MTP draft equals the torch reference's."""
+    _check_greedy("qwen3_5", engines, hf_model, monkeypatch, lambda path: hf_model("qwen3_5"))
+
+
+@pytest.mark.slow
+def test_mtp_drafts_and_greedy_output_qwen3_next(engines, hf_model, monkeypatch):
+    """Qwen3-Next (scanned layer groups, an MoE MTP layer): as above."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _check_greedy("qwen3_next", engines, hf_model, monkeypatch, load)
+
+
+def test_sampled_output_equals_no_speculation(engines):
+    """Seeded temperature-1 sampling with MTP drafts (rejection sampling of a deterministic draft):
+    the same tokens as without speculation."""
+    spec, off, _ = engines("qwen3_5")
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    requests = [EngineRequest(f"t{i}", spec.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS[:3])]
+    got, ref = _serve(spec, requests), _serve(off, requests)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+def test_refused_without_mtp_weights(tiny_checkpoint, tmp_path):
+    """Llama, and a Qwen3.5 checkpoint stripped of its MTP layer: refused at start-up, by name."""
+    with pytest.raises(ValueError, match="speculative_config: method 'mtp' needs a Qwen3.5 / Qwen3-Next"):
+        _engine(tiny_checkpoint("llama"), SPEC)
+    stripped = tmp_path / "q35"
+    shutil.copytree(tiny_checkpoint("qwen3_5"), stripped, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    with pytest.raises(ValueError, match="has no MTP weights"):
+        _engine(stripped, SPEC)
+
+
+@pytest.mark.slow
+def test_no_compile_after_startup_with_mtp(tiny_checkpoint):
+    """Sealed start-up set on Qwen3.5 with the MTP layer (its K/V in every step, its drafts in the
+    verify executables): a mixed workload plus drafting greedy and sampled requests compile nothing."""
+    import logging
+
+    import jax
+    from test_no_compile_after_startup import CompileCounter, mixed_requests
+
+    engine = _engine(
+        tiny_checkpoint("qwen3_5"),
+        SPEC,
+        page_size=16,
+        num_pages=64,
+        max_num_batched_tokens=64,
+        token_buckets=(8, 64),
+        max_model_len=256,
+        aot_compile=True,
+        aot_compile_all=True,
+    )
+    assert engine.speculator.verify.sealed
+    counter = CompileCounter()
+    logger = logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        drafting = [
+            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            for i, p in enumerate(PROMPTS)
+            for t in (0.0, 1.0)
+        ]
+        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
+            engine.add_request(request)
+        drain(engine)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_all_free(engine)
