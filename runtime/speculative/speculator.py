@@ -16,7 +16,8 @@ verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
 compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
-paging, attention data parallelism, tensor parallelism and P/D roles.
+paging, attention data parallelism and P/D roles (a mesh: the verify executables are sharded like
+the plain steps, runtime/speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -78,8 +79,6 @@ def refusal(engine) -> str | None:
         )
     if engine.dp is not None:
         return "attention data parallelism is not supported yet"
-    if engine.opts.tp is not None:
-        return "tensor parallelism (a mesh) is not supported yet"
     if engine.kv_transfer is not None:
         return "P/D roles are not supported yet"
     if engine.request_table is None or engine.request_table.window_columns is not None:

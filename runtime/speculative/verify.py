@@ -200,7 +200,7 @@ def verify_backbone(
 class VerifyExecutables:
     """`verify_backbone` compiled per token bucket, greedy or sampled, plain or "full" (penalty
     token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
-    asking for logprobs or penalties; one engine, no mesh)."""
+    asking for logprobs or penalties); under a mesh sharded as the plain steps."""
 
     def __init__(self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0):
         """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows."""
@@ -221,20 +221,24 @@ class VerifyExecutables:
             gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
         )
-        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"))
-        self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)
-        self._cache_spec = jax.tree.map(specs.abstract_spec, caches)
+        # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
+        # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
+        rep = self._replicated = ex._replicated
+        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep, rep, rep, rep)}
+        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned)
+        self._params_spec = jax.tree.map(ex._specs, ex.model.params)
+        self._cache_spec = ex._cache_specs
         self.executables: dict[tuple, object] = {}
         self.sealed = self._full_sealed = False  # sealed: plain variants; _full_sealed: all
 
     def _args_spec(self, T: int, widths: tuple[int, int] | None) -> tuple:
-        S, i32 = self.max_num_seqs, jnp.int32
-        table = specs.table_spec(S, self.max_blocks_per_seq)
-        step = specs.table_step_spec(T, S, self.page_size)
-        row = specs.host_spec((T,), i32)
-        verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32))
-        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32) for w in widths)
-        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32), verify, penalty
+        S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
+        table = specs.table_spec(S, self.max_blocks_per_seq, rep)
+        step = specs.table_step_spec(T, S, self.page_size, rep)
+        row = specs.host_spec((T,), i32, rep)
+        verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
+        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32, rep) for w in widths)
+        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32, rep), verify, penalty
 
     def compile(self, T: int, all_greedy: bool, widths: tuple[int, int] | None = None, num_logprobs: int = 0):
         key = (T, all_greedy, widths, num_logprobs)
