@@ -354,13 +354,13 @@ class LLMEngine:
         greedy = targets is None and T in ex.greedy_buckets and all(plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
+        if self.kv_transfer is not None:  # P/D: pulled state written before the step reads it
+            self.caches = self.kv_transfer.load(self.caches, out)
         if speculate:  # a hybrid's checkpoints: never a drafting sequence's (Scheduler._drafts)
             self.caches, self.table, sampled = self.speculator.run(params, self.caches, T, table_args, out)
             if out.copy_after:
                 self.caches = ex.copy_states(self.caches, out.copy_after)
             return sampled, None
-        if self.kv_transfer is not None:
-            self.caches = self.kv_transfer.load(self.caches, out)
         scores = None
         if targets is not None:
             if self.dp is None:

@@ -16,7 +16,7 @@ verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
 compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
-paging, attention data parallelism and P/D roles (a mesh: the verify executables are sharded like
+paging, attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
 the plain steps, runtime/speculative/verify.py).
 """
 
@@ -79,8 +79,9 @@ def refusal(engine) -> str | None:
         )
     if engine.dp is not None:
         return "attention data parallelism is not supported yet"
-    if engine.kv_transfer is not None:
-        return "P/D roles are not supported yet"
+    kv = engine.config.kv_transfer
+    if kv is not None and kv.role == "prefill":
+        return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
     if engine.request_table is None or engine.request_table.window_columns is not None:
         return "window-aware paging is not supported yet (set cache.window_paging: false)"
     return None
