@@ -6,12 +6,22 @@ decode with drafts, and the output equals a colocated engine's without speculati
 reference: the decode side's configuration, `speculative_config` off). Drafts come from the
 reference continuation with one draft spoiled (`OracleDrafts`), so accepted counts cycle through
 0 .. k whatever the tiny random model says.
+
+Grammars: each verify row is masked by the grammar's state after the drafts before it (the
+llguidance matcher advanced tentatively and left as it was); a draft the grammar rejects ends
+the accepted prefix. JSON-schema and regex constrained greedy requests (a random model follows a
+grammar only through the mask), mixed with unconstrained ones, equal the engine without
+speculation token for token, with the same finish reasons (a grammar completed inside a run of
+accepted drafts stops there).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from engine_testing import drain, small_engine_config
+from structured_cases import json_schemas, regexes
 from test_kv_transfer import plugin  # noqa: F401 (the in-process connector's fixture)
 from test_spec_decode import PROMPTS, SPEC
 from test_spec_decode_gdn import OracleDrafts
@@ -19,7 +29,8 @@ from test_spec_decode_gdn import OracleDrafts
 from runtime.engine.llm_engine import LLMEngine
 from runtime.kv_transfer import KVTransferConfig
 from runtime.speculative import speculator
-from runtime.types import EngineRequest, SamplingParams
+from runtime.structured_output.manager import StructuredOutputManager
+from runtime.types import EngineRequest, SamplingParams, StructuredOutput
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -74,3 +85,45 @@ def test_pd_decode_side_speculates_and_equals_colocated(plugin, tiny_checkpoint,
     assert got == want
     for engine in (prefill, decode):
         _all_free(engine)
+
+
+def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("llama")
+    small = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), max_model_len=256)
+    spec = LLMEngine(small_engine_config(path, **small, speculative_config=SPEC))
+    off = LLMEngine(small_engine_config(path, **small))
+    tok = spec.tokenizer
+    grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::8]]
+    grammars += [StructuredOutput("regex", r) for r in regexes(12)[::3]]
+    reqs = [
+        EngineRequest(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), SamplingParams(max_tokens=48, temperature=0.0,
+                      structured_output=g))
+        for i, g in enumerate(grammars)
+    ]  # fmt: skip
+    reqs += [EngineRequest(f"p{i}", tok.encode(p), GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    want = _serve(off, reqs)
+    assert sum(out.outputs[0].finish_reason == "stop" for out in want.values()) >= len(grammars) // 2
+    oracle = OracleDrafts(spec.model.cfg.vocab_size)
+    for r in reqs:
+        oracle.add(r.prompt_token_ids, want[r.request_id].outputs[0].token_ids)
+    monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    cut = []  # drafts the grammar rejected (they end the accepted prefix)
+    allowed = StructuredOutputManager.allowed_drafts
+
+    def spy(self, request_id, drafts):
+        n = allowed(self, request_id, drafts)
+        cut.append(len(drafts) - n)
+        return n
+
+    monkeypatch.setattr(StructuredOutputManager, "allowed_drafts", spy)
+    got = _serve(spec, reqs)
+    stats = spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert stats["spec_decode_num_accepted_tokens_per_pos"][-1] > 0, stats
+    assert any(cut) and not all(cut), cut
+    assert set(got) == set(want)
+    for rid, out in got.items():
+        a, b = out.outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
+    assert len(spec.structured_output) == 0
+    _all_free(spec)

@@ -341,7 +341,7 @@ class LLMEngine:
         self.num_steps += 1
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        speculate = self.speculator is not None and self.speculator.verifies(out)
+        speculate = self.speculator is not None and self.speculator.verifies(out, self._structured)
         self.caches = self.caches if self.host_tier is None else self.host_tier.run(self.caches)  # before any copy
         if self.dp is not None:
             batch = self.dp.build_batch(out)
@@ -402,7 +402,7 @@ class LLMEngine:
             ]
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
         if self.speculator is not None:  # a verify step's accepted tokens after the first
-            self.speculator.settle(step, self.scheduler, self.request_table)
+            self.speculator.settle(step, self.scheduler, self.request_table, self._structured, grammar_done)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
             if req is not None:
