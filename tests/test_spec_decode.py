@@ -21,7 +21,7 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.engine_config import EngineConfig
 from runtime.speculative import verify as verify_module
 from runtime.speculative.ngram import propose_ngram
-from runtime.types import EngineRequest, SamplingParams
+from runtime.types import EngineRequest, SamplingParams, StructuredOutput
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 # Copy-heavy prompts (drafts get accepted) and one without repeats at first (drafts come later, or fail).
@@ -352,7 +352,7 @@ def test_prometheus_counters():
 @pytest.mark.slow
 def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
     """Sealed start-up set (verify executables included): a mixed workload plus copy-heavy
-    greedy and sampled requests compile nothing in the serving loop (JAX's own compile log)."""
+    greedy and sampled requests (two under a grammar: masked verify rows) compile nothing in the serving loop (JAX's own compile log)."""
     import logging
 
     import jax
@@ -384,6 +384,12 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
             for i, p in enumerate(PROMPTS)
             for t in (0.0, 1.0)
         ]
+        regex = StructuredOutput("regex", r"( ?[a-d])+")  # the prompt's n-grams are allowed: masked verify rows
+        copy_heavy += [
+            EngineRequest(f"r{t}", engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=12, temperature=t,
+                          structured_output=regex))
+            for t in (0.0, 1.0)
+        ]  # fmt: skip
         for request in mixed_requests(engine.model.cfg.vocab_size) + copy_heavy:
             engine.add_request(request)
         drain(engine)

@@ -341,7 +341,7 @@ class LLMEngine:
         self.num_steps += 1
         ex, params = self.executables, self.model.params
         reqs = [s.request for s in out.sequences]
-        speculate = self.speculator is not None and self.speculator.verifies(out)
+        speculate = self.speculator is not None and self.speculator.verifies(out, self._structured)
         self.caches = self.caches if self.host_tier is None else self.host_tier.run(self.caches)  # before any copy
         if self.dp is not None:
             batch = self.dp.build_batch(out)
@@ -354,13 +354,13 @@ class LLMEngine:
         greedy = targets is None and T in ex.greedy_buckets and all(plain_greedy(r) for r in reqs)
         if out.copy_before:
             self.caches = ex.copy_states(self.caches, out.copy_before)
+        if self.kv_transfer is not None:  # P/D: pulled state written before the step reads it
+            self.caches = self.kv_transfer.load(self.caches, out)
         if speculate:  # a hybrid's checkpoints: never a drafting sequence's (Scheduler._drafts)
             self.caches, self.table, sampled = self.speculator.run(params, self.caches, T, table_args, out)
             if out.copy_after:
                 self.caches = ex.copy_states(self.caches, out.copy_after)
             return sampled, None
-        if self.kv_transfer is not None:
-            self.caches = self.kv_transfer.load(self.caches, out)
         scores = None
         if targets is not None:
             if self.dp is None:
@@ -402,7 +402,7 @@ class LLMEngine:
             ]
         self.scheduler.resolve_placeholders(step.placed, step.tokens)
         if self.speculator is not None:  # a verify step's accepted tokens after the first
-            self.speculator.settle(step, self.scheduler, self.request_table)
+            self.speculator.settle(step, self.scheduler, self.request_table, self._structured, grammar_done)
         for rid in grammar_done:  # the grammar is complete: nothing but the end may follow
             req = self._requests.get(rid)
             if req is not None:

@@ -7,16 +7,19 @@ the accepted tokens recorded after it. Built with the engine (`build_speculator`
     speculator.settle(step, scheduler, request_table)   # after the first token is resolved
 
 A request drafts when its next token is what the verify sampler computes: logprobs (each
-accepted token's raw logprobs from its own verify row) and penalties (repetition, frequency,
+accepted token's raw logprobs from its own verify row), penalties (repetition, frequency,
 presence: each verify row counts the output so far plus the drafts before it, the tokens a plain
-step would have counted) compose; logit bias, banned tokens (min_tokens), prompt logprobs and
-grammars do not (those requests decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
+step would have counted) and grammars (each verify row masked by the grammar's state after the
+drafts before it; drafts past one the grammar rejects dropped) compose; logit bias, banned tokens
+(min_tokens) and prompt logprobs do not (those requests decode one token a step; a step carrying
+one verifies nothing). A step that may draft runs synchronously
 (the engine settles the step in flight before drafting: drafts read the tokens so far, and a
 verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
 compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
-paging, attention data parallelism, tensor parallelism and P/D roles.
+paging, attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
+the plain steps, runtime/speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ def propose_mtp(req, k: int) -> list[int]:
 
 
 def can_draft(req) -> bool:
-    """The verify step samples this request's tokens exactly as a plain step would: logprobs and
-    penalties compose (each verify row counts the drafts before it); logit bias, banned tokens,
-    prompt logprobs and grammars do not draft."""
+    """The verify step samples this request's tokens exactly as a plain step would: logprobs,
+    penalties (each verify row counts the drafts before it) and grammars (each verify row masked
+    by the grammar's state after the drafts before it) compose; logit bias, banned tokens and
+    prompt logprobs do not draft."""
     p = req.params
-    return p.prompt_logprobs is None and not p.logit_bias and p.structured_output is None and not req.banned_token_ids()
+    return p.prompt_logprobs is None and not p.logit_bias and not req.banned_token_ids()
 
 
 def penalty_ids(reqs, S: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -84,10 +88,9 @@ def refusal(engine) -> str | None:
         )
     if engine.dp is not None:
         return "attention data parallelism is not supported yet"
-    if engine.opts.tp is not None:
-        return "tensor parallelism (a mesh) is not supported yet"
-    if engine.kv_transfer is not None:
-        return "P/D roles are not supported yet"
+    kv = engine.config.kv_transfer
+    if kv is not None and kv.role == "prefill":
+        return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
     if engine.request_table is None or engine.request_table.window_columns is not None:
         return "window-aware paging is not supported yet (set cache.window_paging: false)"
     return None
@@ -116,7 +119,9 @@ def build_speculator(engine) -> Speculator | None:
         mtp=mtp,
     )
     if engine.plan.aot_compile:
-        verify.compile_all(every_variant=engine.config.compile_config().every_variant)
+        every = engine.config.compile_config().every_variant
+        masked = engine.bitmask_width if engine.plan.grammar_samplers or every else 0  # as the plain samplers
+        verify.compile_all(every_variant=every, mask_width=masked)
     return Speculator(config, verify)
 
 
@@ -131,6 +136,7 @@ class Speculator:
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence, MTP drafts)
         self.draft_log: list | None = None  # tests: a list -> (context tokens, the MTP's drafts) per drafting sequence
+        self._bitmask: np.ndarray | None = None  # the grammar masks of the step `verifies` accepted
 
     def stats(self) -> dict:
         return {
@@ -166,7 +172,9 @@ class Speculator:
         self.num_crowded_steps += bool(crowded)
         for req, decodes in zip(running, decoding):
             if decodes and not crowded and can_draft(req) and c.method == "mtp":
-                req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens)
+                # the MTP's drafts are made on the device, after the grammar masks: grammars draft no MTP tokens
+                mtp = req.params.structured_output is None
+                req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens) if mtp else []
             elif decodes and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
@@ -175,16 +183,25 @@ class Speculator:
             else:
                 req.draft_token_ids = []
 
-    def verifies(self, out: SchedulerOutput) -> bool:
+    def verifies(self, out: SchedulerOutput, grammar=None) -> bool:
         """Whether `out` runs as a verify step; if not, any drafts scheduled are dropped (their
-        pages stay allocated for the tokens to come)."""
+        pages stay allocated for the tokens to come). `grammar`: the engine's
+        StructuredOutputManager (or None): drafts past the first its grammar rejects are
+        dropped, and the verify rows get the masks of the grammar's state after the drafts
+        before them."""
+        self._bitmask = None
+        if grammar is not None and len(grammar):
+            for seq in out.sequences:
+                if seq.num_draft:
+                    drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft :]
+                    _drop_drafts(seq, seq.num_draft - grammar.allowed_drafts(seq.request_id, drafts))
         drafted = any(seq.num_draft for seq in out.sequences)
         if drafted and all(can_draft(seq.request) for seq in out.sequences):
+            if grammar is not None and len(grammar):
+                self._bitmask = grammar_masks(out, grammar, self.verify.mask_rows(out.num_batched_tokens))
             return True
         for seq in out.sequences:
-            if seq.num_draft:
-                seq.token_ids = seq.token_ids[: len(seq.token_ids) - seq.num_draft]
-                seq.num_draft = 0
+            _drop_drafts(seq, seq.num_draft)
         return False
 
     # ---- the step ---------------------------------------------------------------------------
@@ -213,8 +230,12 @@ class Speculator:
         all_greedy = all(req.params.temperature <= 0.0 for req in reqs)
         num_logprobs = MAX_LOGPROBS if any(req.params.logprobs is not None for req in reqs) else 0
         table, step, prev_tokens = table_args
+        bitmask, self._bitmask = self._bitmask, None
+        if bitmask is not None:  # the rows of the step's token bucket (filled for its real rows)
+            rows_t = self.verify.mask_rows(T)
+            bitmask = np.pad(bitmask, ((0, rows_t - bitmask.shape[0]), (0, 0)), constant_values=-1)[:rows_t]
         caches, table, row_out, accepted, first_out, drafted = self.verify.run(
-            params, caches, table, step, prev_tokens, verify, all_greedy, penalty_ids(reqs, S), num_logprobs
+            params, caches, table, step, prev_tokens, verify, all_greedy, penalty_ids(reqs, S), num_logprobs, bitmask
         )
         self._pending = (out, row_out, accepted, first[: len(out.sequences)], drafted)
         if self.draft_log is not None:
@@ -223,10 +244,12 @@ class Speculator:
             first_out = SamplerOutput(tokens=first_out.tokens, logprobs=None, top_ids=_NO_TOP_IDS, top_logprobs=None)
         return caches, table, first_out
 
-    def settle(self, step, scheduler, request_table) -> None:
+    def settle(self, step, scheduler, request_table, grammar=None, grammar_done: list | None = None) -> None:
         """After the step's first tokens are resolved: append each sequence's accepted drafts'
         successors (the scheduler's token rule applies to each), rewind the table mirror by the
-        rejected drafts, count, and hand `_emit` the extra tokens (`step.more_tokens`)."""
+        rejected drafts, count, and hand `_emit` the extra tokens (`step.more_tokens`). With a
+        `grammar` (StructuredOutputManager) each request's matcher advances over them; one that
+        completes ends the tokens there and joins `grammar_done` (already there: none follow)."""
         if self._pending is None or self._pending[0] is not step.out:
             return
         out, row_out, accepted, first, drafted = self._pending
@@ -259,7 +282,39 @@ class Speculator:
             if i not in placed or req.is_finished:
                 continue
             more = [int(t) for t in tokens[first[i] + 1 : first[i] + a + 1]]
+            if grammar is not None and grammar.has(req.request_id):
+                more = _grammar_cut(grammar, req.request_id, more, grammar_done)
             step.more_tokens[i] = more[: scheduler.accept_drafts(req, more)]
             if logprobs is not None:  # rows first_i + 1 .. : the accepted tokens' own rows
                 rows = slice(first[i] + 1, first[i] + 1 + len(step.more_tokens[i]))
                 step.more_logprobs[i] = tuple(a[rows] for a in logprobs)
+
+
+def _drop_drafts(seq, n: int) -> None:
+    """Drop the last `n` drafts of a scheduled sequence (their pages stay allocated)."""
+    if n > 0:
+        seq.token_ids = seq.token_ids[: len(seq.token_ids) - n]
+        seq.num_draft -= n
+
+
+def grammar_masks(out: SchedulerOutput, grammar, num_rows: int) -> np.ndarray | None:
+    """[num_rows, W] grammar masks of a verify step's rows (a sequence's k + 1 rows in batch
+    order, as `Speculator.run` lays them out), None when no row is constrained; rows of sequences
+    that sample nothing allow everything."""
+    rows, v = [], 0
+    for seq in out.sequences:
+        if seq.sample:
+            rows.append((seq.request_id, v, seq.token_ids[len(seq.token_ids) - seq.num_draft :]))
+        v += seq.num_draft + 1
+    return grammar.fill_drafts(rows, num_rows)
+
+
+def _grammar_cut(grammar, request_id: str, more: list[int], done: list) -> list[int]:
+    """The accepted tokens after the first up to the one completing the grammar (advanced over them)."""
+    if request_id in done:  # the first token completed it
+        return []
+    for n, token in enumerate(more, 1):
+        if grammar.advance(request_id, token):
+            done.append(request_id)
+            return more[:n]
+    return more

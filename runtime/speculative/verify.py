@@ -96,6 +96,7 @@ def verify_sample(
     table,
     verify: VerifyRows,
     penalty_ids=None,
+    bitmask=None,
     *,
     all_greedy,
     max_top_k,
@@ -106,7 +107,9 @@ def verify_sample(
     """SamplerOutput [T]: the target's token at every verify row, each with its request's
     parameters (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or (output_ids [S, Wo],
     prompt_ids [S, Wp]) per sequence (-1 padded): a row's penalties count its sequence's output
-    plus the drafts before it (`earlier_drafts`), as a plain step after those tokens would."""
+    plus the drafts before it (`earlier_drafts`), as a plain step after those tokens would.
+    `bitmask`: None, or [R, W] i32 grammar masks of the first R <= T rows (row v: the tokens its
+    sequence's grammar allows after the drafts before it; the rows past R allow everything)."""
     T, S = verify.rows.shape[0], verify.num_draft.shape[0]
     null_row = table.row_params.shape[0] - 1  # its parameters are neutral (greedy, no filter)
     table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
@@ -129,7 +132,9 @@ def verify_sample(
         logit_bias_values=jnp.zeros((T, 0), jnp.float32),
     )
     logits = compute_logits(params, hidden, softcap)  # [T, V]
-    return sample(logits, meta, None, max_top_k=max_top_k, all_greedy=all_greedy, num_logprobs=num_logprobs)
+    if bitmask is not None and bitmask.shape[0] < T:
+        bitmask = jnp.concatenate([bitmask, jnp.full((T - bitmask.shape[0], bitmask.shape[1]), -1, jnp.int32)])
+    return sample(logits, meta, bitmask, max_top_k=max_top_k, all_greedy=all_greedy, num_logprobs=num_logprobs)
 
 
 def spec_rows(verify: VerifyRows, width: int) -> jax.Array:
@@ -148,6 +153,7 @@ def verify_backbone(
     prev_tokens,
     verify: VerifyRows,
     penalty_ids=None,
+    bitmask=None,
     *,
     all_greedy,
     forward,
@@ -181,6 +187,7 @@ def verify_backbone(
         table,
         verify,
         penalty_ids,
+        bitmask,
         all_greedy=all_greedy,
         max_top_k=max_top_k,
         softcap=softcap,
@@ -238,7 +245,7 @@ def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
 class VerifyExecutables:
     """`verify_backbone` compiled per token bucket, greedy or sampled, plain or "full" (penalty
     token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
-    asking for logprobs or penalties; one engine, no mesh)."""
+    asking for logprobs or penalties); under a mesh sharded as the plain steps."""
 
     def __init__(
         self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0, mtp=False
@@ -263,27 +270,43 @@ class VerifyExecutables:
             num_speculative_tokens=num_speculative_tokens,
             drafter=functools.partial(draft, cfg=ex.model.cfg, opts=ex.opts) if mtp else None,
         )
-        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"))
-        self._params_spec = jax.tree.map(specs.abstract_spec, ex.model.params)
-        self._cache_spec = jax.tree.map(specs.abstract_spec, caches)
+        # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
+        # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
+        rep = self._replicated = ex._replicated
+        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep, rep, rep, rep)}
+        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned)
+        self._params_spec = jax.tree.map(ex._specs, ex.model.params)
+        self._cache_spec = ex._cache_specs
         self.executables: dict[tuple, object] = {}
-        self.sealed = self._full_sealed = False  # sealed: plain variants; _full_sealed: all
+        self.num_speculative_tokens = num_speculative_tokens
+        # sealed: plain variants; _full_sealed: the full ones; _mask_sealed: the grammar-masked ones
+        self.sealed = self._full_sealed = self._mask_sealed = False
 
-    def _args_spec(self, T: int, widths: tuple[int, int] | None) -> tuple:
-        S, i32 = self.max_num_seqs, jnp.int32
-        table = specs.table_spec(S, self.max_blocks_per_seq)
-        step = specs.table_step_spec(T, S, self.page_size)
-        row = specs.host_spec((T,), i32)
-        verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32))
-        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32) for w in widths)
-        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32), verify, penalty
+    def mask_rows(self, T: int) -> int:
+        """Rows of a verify step's grammar bitmask in token bucket T: at most k + 1 per sequence."""
+        return min(T, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
-    def compile(self, T: int, all_greedy: bool, widths: tuple[int, int] | None = None, num_logprobs: int = 0):
-        key = (T, all_greedy, widths, num_logprobs)
-        if self.sealed and (self._full_sealed or (widths is None and not num_logprobs)):
+    def _args_spec(self, T: int, widths: tuple[int, int] | None, mask_width: int = 0) -> tuple:
+        S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
+        table = specs.table_spec(S, self.max_blocks_per_seq, rep)
+        step = specs.table_step_spec(T, S, self.page_size, rep)
+        row = specs.host_spec((T,), i32, rep)
+        verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
+        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32, rep) for w in widths)
+        mask = specs.host_spec((self.mask_rows(T), mask_width), i32, rep) if mask_width else None
+        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32, rep), verify, penalty, mask
+
+    def compile(
+        self, T: int, all_greedy: bool, widths: tuple[int, int] | None = None, num_logprobs: int = 0, mask_width=0
+    ):
+        key = (T, all_greedy, widths, num_logprobs, mask_width)
+        full = widths is not None or num_logprobs
+        if self.sealed and (self._full_sealed or not full) and (self._mask_sealed or not mask_width):
             raise RuntimeError(f"verify{list(key)} was not compiled at start-up")
         exe = (
-            self._jitted.trace(*self._args_spec(T, widths), all_greedy=all_greedy, num_logprobs=num_logprobs)
+            self._jitted.trace(
+                *self._args_spec(T, widths, mask_width), all_greedy=all_greedy, num_logprobs=num_logprobs
+            )
             .lower()
             .compile()
         )
@@ -295,9 +318,10 @@ class VerifyExecutables:
         w = self.full_widths
         return (None if w is None else (w.output_ids, w.prompt_ids)), MAX_LOGPROBS
 
-    def compile_all(self, every_variant: bool = False) -> None:
+    def compile_all(self, every_variant: bool = False, mask_width: int = 0) -> None:
         """Every token bucket, greedy and sampled, and with `every_variant` (bounded widths) the
-        full variants too, then sealed (no compile after start-up)."""
+        full variants too, with `mask_width` the grammar-masked ones (full and masked: with
+        both), then sealed (no compile after start-up)."""
         t0 = time.perf_counter()
         widths, n = self.full_variant()
         full = every_variant and widths is not None
@@ -306,7 +330,11 @@ class VerifyExecutables:
                 self.compile(T, greedy)
                 if full:
                     self.compile(T, greedy, widths, n)
-        self.sealed, self._full_sealed = True, full
+                if mask_width:
+                    self.compile(T, greedy, mask_width=mask_width)
+                if mask_width and full:
+                    self.compile(T, greedy, widths, n, mask_width)
+        self.sealed, self._full_sealed, self._mask_sealed = True, full, bool(mask_width)
         log.info("compiled %d verify executables in %.1fs", len(self.executables), time.perf_counter() - t0)
 
     def run(
@@ -320,9 +348,11 @@ class VerifyExecutables:
         all_greedy: bool,
         penalty=None,
         num_logprobs=0,
+        bitmask=None,
     ):
         """`penalty`: None or (output_ids [S, Wo], prompt_ids [S, Wp]) host arrays; with bounded
-        widths a step using penalties or logprobs runs the full variant (padded here)."""
+        widths a step using penalties or logprobs runs the full variant (padded here). `bitmask`:
+        None or the grammar masks [mask_rows(T), W] (a masked variant)."""
         T = step.host_tokens.shape[0]
         if T not in self.token_buckets:
             raise BucketMiss(f"token count {T} has no verify bucket {self.token_buckets}")
@@ -334,9 +364,10 @@ class VerifyExecutables:
                 for a, w in zip(penalty if penalty is not None else (np.zeros((S, 0), np.int32),) * 2, widths)
             )
             num_logprobs = full_n
-        key = (T, all_greedy, None if penalty is None else tuple(a.shape[1] for a in penalty), num_logprobs)
+        mask_width = 0 if bitmask is None else bitmask.shape[1]
+        key = (T, all_greedy, None if penalty is None else tuple(a.shape[1] for a in penalty), num_logprobs, mask_width)
         exe = self.executables.get(key)
         if exe is None:
             log.info("compiling verify%s (not compiled ahead of time)", list(key))
             exe = self.compile(*key)
-        return exe(params, caches, table, step, prev_tokens, verify, penalty)
+        return exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)

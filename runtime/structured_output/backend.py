@@ -30,6 +30,9 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (only the end of the sequence)."""
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens the grammar would accept from here (nothing is consumed)."""
+
 
 class CompiledGrammar(Protocol):
     def new_matcher(self) -> GrammarMatcher: ...
@@ -46,6 +49,10 @@ class GrammarBackend(Protocol):
 
     def fill_bitmask(self, matchers: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed-token row into `bitmask[row]` ([rows, ceil(V/32)] int32), in place."""
+
+    def fill_bitmask_drafts(self, matchers: list[tuple[GrammarMatcher, int, list[int]]], bitmask: np.ndarray) -> None:
+        """Speculative decoding: for (matcher, row, drafts), `bitmask[row + j]` allows the tokens
+        after drafts[:j] (j = 0 .. len(drafts); the drafts are valid), the matcher left as it was."""
 
 
 def bitmask_width(vocab_size: int) -> int:

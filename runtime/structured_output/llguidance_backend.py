@@ -36,6 +36,11 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        if self.matcher.is_error() or self.matcher.is_stopped():
+            return 0
+        return int(self.matcher.validate_tokens(list(token_ids)))
+
     @property
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher.is_error() else ""
@@ -117,6 +122,18 @@ class LLGuidanceBackend:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         fill_next_token_bitmask_par(self._executor, [(m.matcher, row) for m, row in matchers], bitmask)
+
+    def fill_bitmask_drafts(
+        self, matchers: list[tuple[LLGuidanceMatcher, int, list[int]]], bitmask: np.ndarray
+    ) -> None:
+        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+        plain = [(m.matcher, row) for m, row, drafts in matchers if not drafts]  # llguidance wants >= 1 draft
+        drafted = [(m.matcher, row, list(drafts)) for m, row, drafts in matchers if drafts]
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
 
 
 def _first_lines(message: str, limit: int = 600) -> str:

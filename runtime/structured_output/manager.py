@@ -73,6 +73,42 @@ class StructuredOutputManager:
         self.backend.fill_bitmask(constrained, bitmask)
         return bitmask
 
+    # ---- speculative decoding (runtime/speculative/) --------------------------------------------
+    def allowed_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many leading drafts may be verified: those the grammar accepts (a draft it rejects
+        ends the accepted prefix; the rest are dropped), and for a grammar waiting for
+        `start_after`, up to the draft that starts it (the row after it is then masked)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return len(drafts)
+        if state.active:
+            return state.matcher.valid_prefix(drafts)
+        recent = state.recent
+        for j, token in enumerate(drafts, 1):
+            recent = (recent + [token])[-len(state.start_after) :]
+            if tuple(recent) == state.start_after:
+                return j
+        return len(drafts)
+
+    def fill_drafts(self, rows: list[tuple[str, int, list[int]]], num_rows: int) -> np.ndarray | None:
+        """A verify step's bitmask [num_rows, W]: for (request id, first row, drafts allowed by
+        `allowed_drafts`), row first + j allows the tokens after drafts[:j]; every other row all
+        ones. None when no row is constrained. The matchers are left as they were."""
+        work = []
+        for request_id, row, drafts in rows:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            if state.active:
+                work.append((state.matcher, row, drafts))
+            elif drafts and tuple((state.recent + list(drafts))[-len(state.start_after) :]) == state.start_after:
+                work.append((state.matcher, row + len(drafts), []))  # the grammar starts after the last draft
+        if not work:
+            return None
+        bitmask = np.full((num_rows, self.width), -1, np.int32)
+        self.backend.fill_bitmask_drafts(work, bitmask)
+        return bitmask
+
     def advance(self, request_id: str, token_id: int) -> bool:
         """Feed a generated token; True when the request's grammar is complete."""
         state = self._requests.get(request_id)

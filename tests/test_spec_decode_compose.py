@@ -1,0 +1,129 @@
+"""Speculative decoding composed with P/D disaggregation and grammars (issue 35).
+
+P/D: the decode instance speculates (the prefill instance computes prompts only and refuses
+`speculative_config`); requests carried by the in-process connector of tests/test_kv_transfer.py
+decode with drafts, and the output equals a colocated engine's without speculation (the
+reference: the decode side's configuration, `speculative_config` off). Drafts come from the
+reference continuation with one draft spoiled (`OracleDrafts`), so accepted counts cycle through
+0 .. k whatever the tiny random model says.
+
+Grammars: each verify row is masked by the grammar's state after the drafts before it (the
+llguidance matcher advanced tentatively and left as it was); a draft the grammar rejects ends
+the accepted prefix. JSON-schema and regex constrained greedy requests (a random model follows a
+grammar only through the mask), mixed with unconstrained ones, equal the engine without
+speculation token for token, with the same finish reasons (a grammar completed inside a run of
+accepted drafts stops there).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_testing import drain, small_engine_config
+from structured_cases import json_schemas, regexes
+from test_kv_transfer import plugin  # noqa: F401 (the in-process connector's fixture)
+from test_spec_decode import PROMPTS, SPEC
+from test_spec_decode_gdn import OracleDrafts
+
+from runtime.engine.llm_engine import LLMEngine
+from runtime.kv_transfer import KVTransferConfig
+from runtime.speculative import speculator
+from runtime.structured_output.manager import StructuredOutputManager
+from runtime.types import EngineRequest, SamplingParams, StructuredOutput
+
+NUM_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _all_free(engine):
+    s = engine.stats()
+    assert s["pages_free"] + s["pages_cached"] == s["pages_total"], s
+    assert s["slots_free"] + s["slots_cached"] == s["slots_total"], s
+
+
+def _serve(engine, requests) -> dict:
+    for r in requests:
+        engine.add_request(r)
+    return {rid: out for rid, out in drain(engine).items()}
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_pd_decode_side_speculates_and_equals_colocated(plugin, tiny_checkpoint, family, monkeypatch):  # noqa: F811
+    path = tiny_checkpoint(family)
+    small = dict(page_size=8, max_num_batched_tokens=32, token_buckets=(8, 16, 32), max_model_len=128)
+    with pytest.raises(ValueError, match="speculative_config: the prefill role computes prompts only"):
+        LLMEngine(small_engine_config(path, speculative_config=SPEC, kv_transfer=KVTransferConfig(role="prefill")))
+    prefill = LLMEngine(
+        small_engine_config(path, **small, kv_transfer=KVTransferConfig(role="prefill", connector=plugin))
+    )
+    decode = LLMEngine(
+        small_engine_config(
+            path, **small, speculative_config=SPEC, kv_transfer=KVTransferConfig(role="decode", connector=plugin)
+        )
+    )
+    colocated = LLMEngine(small_engine_config(path, **small))
+    tok = decode.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode(PROMPTS[1] * 2)]
+    reqs = [EngineRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    want = {rid: out.outputs[0].token_ids for rid, out in _serve(colocated, reqs).items()}
+    oracle = OracleDrafts(decode.model.cfg.vocab_size)
+    for r in reqs:
+        oracle.add(r.prompt_token_ids, want[r.request_id])
+    monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    legs = [EngineRequest(r.request_id, r.prompt_token_ids, GREEDY, kv_transfer_params={"do_remote_decode": True})
+            for r in reqs]  # fmt: skip
+    offered = {rid: out.kv_transfer_params for rid, out in _serve(prefill, legs).items()}
+    assert all(offered.values()), offered
+    pulled = [EngineRequest(r.request_id, r.prompt_token_ids, GREEDY, kv_transfer_params=offered[r.request_id])
+              for r in reqs]  # fmt: skip
+    got = {rid: out.outputs[0].token_ids for rid, out in _serve(decode, pulled).items()}
+    stats = decode.stats()
+    assert stats["kv_transfer_fallbacks"] == 0, stats
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert stats["spec_decode_num_accepted_tokens_per_pos"][-1] > 0, stats
+    assert got == want
+    for engine in (prefill, decode):
+        _all_free(engine)
+
+
+def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("llama")
+    small = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), max_model_len=256)
+    spec = LLMEngine(small_engine_config(path, **small, speculative_config=SPEC))
+    off = LLMEngine(small_engine_config(path, **small))
+    tok = spec.tokenizer
+    grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::8]]
+    grammars += [StructuredOutput("regex", r) for r in regexes(12)[::3]]
+    reqs = [
+        EngineRequest(f"s{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), SamplingParams(max_tokens=48, temperature=0.0,
+                      structured_output=g))
+        for i, g in enumerate(grammars)
+    ]  # fmt: skip
+    reqs += [EngineRequest(f"p{i}", tok.encode(p), GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    want = _serve(off, reqs)
+    assert sum(out.outputs[0].finish_reason == "stop" for out in want.values()) >= len(grammars) // 2
+    oracle = OracleDrafts(spec.model.cfg.vocab_size)
+    for r in reqs:
+        oracle.add(r.prompt_token_ids, want[r.request_id].outputs[0].token_ids)
+    monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    cut = []  # drafts the grammar rejected (they end the accepted prefix)
+    allowed = StructuredOutputManager.allowed_drafts
+
+    def spy(self, request_id, drafts):
+        n = allowed(self, request_id, drafts)
+        cut.append(len(drafts) - n)
+        return n
+
+    monkeypatch.setattr(StructuredOutputManager, "allowed_drafts", spy)
+    got = _serve(spec, reqs)
+    stats = spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert stats["spec_decode_num_accepted_tokens_per_pos"][-1] > 0, stats
+    assert any(cut) and not all(cut), cut
+    assert set(got) == set(want)
+    for rid, out in got.items():
+        a, b = out.outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
+    assert len(spec.structured_output) == 0
+    _all_free(spec)
