@@ -389,6 +389,35 @@ def test_the_cost_rule_picks_swap_or_recompute_in_the_engine(engines, chat):
     tiered.scheduler.check_invariants()
 
 
+def test_sealed_transfers_compile_nothing(engines, chat):
+    """The tier's gathers and scatters, compiled for the engine's caches and sealed (as start-up
+    does under aot_compile), serve evictions to host and a host hit without one compilation."""
+    import logging
+
+    from test_no_compile_after_startup import CompileCounter
+
+    tiered, _ = engines
+    draw, transfers = chat[3], tiered.host_tier
+    assert transfers.compile_all(tiered.caches, sealed=True) > 0
+    counter, logger = CompileCounter(), logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    before = tiered.stats()
+    try:
+        first = draw(3 * PS + 2)
+        back = first + _serve(tiered, {"sealed-0": first})["sealed-0"].outputs[0].token_ids + draw(4)
+        _serve(tiered, {f"sealed-flush{i}": draw(40) for i in range(4)})
+        _serve(tiered, {"sealed-back": back})
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+        transfers.sealed = False
+    after = tiered.stats()
+    assert after["host_cache_offloads"] > before["host_cache_offloads"]
+    assert after["host_cache_pages_loaded"] > before["host_cache_pages_loaded"]
+    assert not [c for c in counter.compiled if "gather" in c or "scatter" in c], counter.compiled
+
+
 def test_metrics_expose_the_host_tier(engines, chat):
     from prometheus_client.utils import floatToGoString
 
