@@ -64,6 +64,11 @@ class HostStore:
             self.bytes -= old_bytes
             self.num_evictions += 1
 
+    def nbytes(self, key: Hashable) -> int:
+        """An entry's bytes (0 when absent)."""
+        entry = self.entries.get(key)
+        return 0 if entry is None else entry[1]
+
     def touch(self, key: Hashable) -> None:
         if key in self.entries:
             self.entries.move_to_end(key)

@@ -14,6 +14,13 @@ dispatches the step that follows (`take_transfers`: offloads first, they read th
 the evictions left, then loads; runtime/engine/host_tier.py). A host read that fails (a missing
 entry or an injected fault) leaves the hit at the device's depth: the request recomputes the rest.
 
+Swap or recompute, by cost (`SwapCost`, its constants from the execution plan,
+runtime/steps/execution_plan.py): a host hit is taken — materialized, and admission waits for the
+device room it needs — only when loading its bytes is cheaper than recomputing its tokens;
+otherwise the lookup answers the device hit and the request recomputes the rest. Counted in
+`stats`: `host_cache_swap_ins` (host hits taken), `host_cache_recomputes` (declined by cost),
+`host_cache_admission_waits` (lookups whose taken hit had no device room yet).
+
 A page or slot evicted again before its load ran takes its load back (the host still has the
 entry, or gets it back from the load). Bitwise: the device state a host hit restores is the one
 the evicted page or slot held. Plain Python, no JAX.
@@ -22,11 +29,35 @@ the evicted page or slot held. Plain Python, no JAX.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
 from paged_kv.host_tier import KV, STATE, HostStore
 from paged_kv.prefix_cache import BlockHash, BlockIndex
 from paged_kv.state_slots import StateSlotPool
+
+
+@dataclass(frozen=True)
+class SwapCost:
+    """A host hit's load vs its recompute, in seconds: load = `load_latency_s` (one load batch's
+    fixed cost) + bytes / `load_bytes_per_s`; recompute = tokens / `recompute_tokens_per_s`."""
+
+    load_bytes_per_s: float
+    load_latency_s: float
+    recompute_tokens_per_s: float
+
+    def __post_init__(self):
+        if self.load_bytes_per_s <= 0 or self.recompute_tokens_per_s <= 0 or self.load_latency_s < 0:
+            raise ValueError(f"swap cost constants must be positive (latency >= 0), got {self}")
+
+    def load_seconds(self, nbytes: int) -> float:
+        return self.load_latency_s + nbytes / self.load_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.recompute_tokens_per_s
+
+    def prefers_load(self, nbytes: int, num_tokens: int) -> bool:
+        return self.load_seconds(nbytes) < self.recompute_seconds(num_tokens)
 
 
 class _TrackedIndex(BlockIndex):
@@ -43,9 +74,10 @@ class _TrackedIndex(BlockIndex):
 
 
 class TieredCacheManager(CacheManager):
-    """CacheManager + host store. `host_bytes`: the host tier's capacity."""
+    """CacheManager + host store. `host_bytes`: the host tier's capacity; `swap_cost`: the rule that
+    takes or declines a host hit (None: always take it; the engine sets the plan's)."""
 
-    def __init__(self, *, host_bytes: int, **kwargs):
+    def __init__(self, *, host_bytes: int, swap_cost: SwapCost | None = None, **kwargs):
         super().__init__(**kwargs)
         if not self.enable_prefix_caching:
             raise ValueError("the host-memory tier (kv_offloading_size) needs prefix caching on")
@@ -65,6 +97,10 @@ class TieredCacheManager(CacheManager):
             self.slots.adopt_checkpoint = self._adopt_checkpoint
         self.num_materialized_pages = 0
         self.num_materialized_checkpoints = 0
+        self.swap_cost = swap_cost
+        self.num_swap_ins = 0  # host hits taken (materialized)
+        self.num_recomputes = 0  # host hits declined: recomputing was cheaper
+        self.num_admission_waits = 0  # host hits taken with no device room yet: admission waited
 
     # ---- eviction -> offload ------------------------------------------------------------------
     def _on_remove(self, kind: str, resource_id: int, block_hash: BlockHash) -> None:
@@ -139,9 +175,26 @@ class TieredCacheManager(CacheManager):
             depth += 1
         while self.slots is not None and depth and not self._has_checkpoint(hashes[depth - 1]):
             depth -= 1
-        if depth * self.page_size <= hit.num_tokens or not self._materialize(hashes[:depth]):
+        if depth * self.page_size <= hit.num_tokens:
             return hit
+        if self.swap_cost is not None and not self.swap_cost.prefers_load(
+            self._host_bytes(hashes[:depth]), depth * self.page_size - hit.num_tokens
+        ):
+            self.num_recomputes += 1
+            return hit
+        if not self._materialize(hashes[:depth]):
+            self.num_admission_waits += self._wait_for_room
+            return hit
+        self.num_swap_ins += 1
         return super().lookup_prefix(token_ids, extra_keys)
+
+    def _host_bytes(self, hashes: Sequence[BlockHash]) -> int:
+        """Bytes a host hit over the chain `hashes` loads: its pages not on the device, and its
+        last boundary's checkpoint when the device lacks it."""
+        keys = [(KV, h) for h in hashes if self.page_index.get(h) is None]
+        if self.slots is not None and self.slots.lookup_checkpoint(hashes[-1]) is None:
+            keys.append((STATE, hashes[-1]))
+        return sum(self.host.nbytes(key) for key in keys)
 
     def allocate(self, *args, **kwargs):
         """`CacheManager.allocate`, or None (wait) right after a lookup whose host hit found no room:
@@ -207,6 +260,9 @@ class TieredCacheManager(CacheManager):
             **self.host.stats(),
             "host_cache_pages_loaded": self.num_materialized_pages,
             "host_cache_checkpoints_loaded": self.num_materialized_checkpoints,
+            "host_cache_swap_ins": self.num_swap_ins,
+            "host_cache_recomputes": self.num_recomputes,
+            "host_cache_admission_waits": self.num_admission_waits,
         }
 
     def check_invariants(self) -> None:

@@ -77,7 +77,15 @@ class _EngineStatsCollector:
             "host_cache_evictions": (CounterMetricFamily, "Host-tier entries dropped for its byte cap"),
             "host_cache_offloads": (CounterMetricFamily, "Evicted pages and checkpoints copied to host memory"),
             "host_cache_load_failures": (CounterMetricFamily, "Host-tier reads that failed (recomputed)"),
+            "host_cache_swap_ins": (CounterMetricFamily, "Host hits taken: loaded instead of recomputed"),
+            "host_cache_recomputes": (CounterMetricFamily, "Host hits recomputed: cheaper than loading by cost"),
+            "host_cache_admission_waits": (CounterMetricFamily, "Admissions deferred until a host hit had room"),
+            "host_cache_pages_loaded": (CounterMetricFamily, "KV pages loaded from host memory"),
+            "host_cache_checkpoints_loaded": (CounterMetricFamily, "GDN checkpoints loaded from host memory"),
+            "host_cache_load_batches": (CounterMetricFamily, "Host-to-device load programs dispatched"),
+            "host_cache_load_seconds_total": (CounterMetricFamily, "Dispatch time of host-to-device loads"),
             "host_cache_load_seconds_mean": (GaugeMetricFamily, "Mean dispatch time of a host-to-device load"),
+            "host_cache_load_seconds_p90": (GaugeMetricFamily, "p90 dispatch time of a host-to-device load"),
         }
         for name, (family, doc) in host_tier.items():
             if name in stats:

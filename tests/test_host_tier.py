@@ -19,7 +19,7 @@ from benchmarks.prefix_traces import Session, Turn
 from paged_kv import CacheManager
 from paged_kv.checkpoint_policy import CHECKPOINTS_PER_SEQ, plan_state_slots
 from paged_kv.host_tier import KV, STATE, HostStore
-from paged_kv.tiered_cache import TieredCacheManager
+from paged_kv.tiered_cache import SwapCost, TieredCacheManager
 from runtime.engine.host_tier import refuse_host_tier
 from runtime.engine_config import EngineConfig
 from runtime.types import EngineRequest, SamplingParams
@@ -148,6 +148,39 @@ def test_a_materialized_checkpoint_survives_until_its_load_ran():
     _, loads, _ = cache.take_transfers()
     assert (STATE, hit.checkpoint_slot, "state") in loads
     assert hit.checkpoint_slot in cache.slots.checkpoints.evictable  # loaded: evictable again
+
+
+def test_swap_cost_compares_a_load_with_a_recompute():
+    cost = SwapCost(load_bytes_per_s=1e9, load_latency_s=1e-3, recompute_tokens_per_s=1e4)
+    assert cost.load_seconds(10**6) == pytest.approx(2e-3) and cost.recompute_seconds(16) == pytest.approx(1.6e-3)
+    assert not cost.prefers_load(10**6, 16) and cost.prefers_load(10**6, 32)
+    with pytest.raises(ValueError, match="positive"):
+        SwapCost(0, 0, 1)
+    from runtime.steps.execution_plan import BACKENDS, HOST_SWAP_COST
+
+    for backend in BACKENDS:  # every backend has the rule's constants, each one usable
+        SwapCost(*HOST_SWAP_COST[backend])
+
+
+def test_the_cost_rule_declines_a_host_hit_that_recomputing_beats():
+    """Unit: the same host hit taken under one cost and declined (device depth answered) under another."""
+    tokens = list(range(3, 3 + 3 * PS + 1))
+    for cost, taken in ((SwapCost(1e30, 0.0, 1e-9), True), (SwapCost(1.0, 1.0, 1e12), False)):
+        cache = _manager(10**6, num_pages=40, num_checkpoint_slots=None, checkpoint_policy="page", swap_cost=cost)
+        cache.allocate("a", tokens, len(tokens))
+        cache.reserve_checkpoint("a", tokens, 3 * PS)
+        cache.commit("a", tokens, len(tokens))
+        cache.free("a")
+        other = list(range(500, 500 + 39 * PS))
+        assert cache.allocate("b", other, len(other)) is not None  # takes every page: a's go to host
+        cache.free("b")
+        for kind, _, block_hash in cache.take_transfers()[0]:
+            cache.store(kind, block_hash, kind, 100)
+        hit = cache.lookup_prefix(tokens + [1])
+        stats = cache.stats()
+        assert hit.num_tokens == (3 * PS if taken else 0)
+        assert (stats["host_cache_swap_ins"], stats["host_cache_recomputes"]) == ((1, 0) if taken else (0, 1))
+        assert stats["host_cache_pages_loaded"] == (3 if taken else 0)
 
 
 def test_offloading_size_from_yaml_keys_and_the_cli_flag():
@@ -323,13 +356,84 @@ def test_host_bytes_stay_within_the_cap_and_nothing_leaks(engines, chat):
     assert stats["host_cache_bytes"] == cache.host.bytes and stats["host_cache_load_batches"] > 0
 
 
+def test_the_cost_rule_picks_swap_or_recompute_in_the_engine(engines, chat):
+    """The engine's rule comes from its execution plan; forced each way, a returning conversation
+    evicted to host is loaded (swap-in) or recomputed, and its output equals caching off's."""
+    tiered, off = engines
+    cache, draw = tiered.scheduler.cache, chat[3]
+    plan_cost = cache.swap_cost
+    bandwidth, latency, _ = tiered.plan.host_swap_cost
+    assert (plan_cost.load_bytes_per_s, plan_cost.load_latency_s) == (bandwidth, latency)
+    cached = {}
+    try:
+        for name, cost in (("recompute", SwapCost(1.0, 1.0, 1e12)), ("swap", SwapCost(1e30, 0.0, 1e-9))):
+            cache.swap_cost = cost
+            first = draw(3 * PS + 2)
+            returning = first + _serve(tiered, {f"{name}-0": first})[f"{name}-0"].outputs[0].token_ids + draw(4)
+            _serve(tiered, {f"{name}-flush{i}": draw(40) for i in range(4)})  # its pages leave the device
+            before = tiered.stats()
+            out = _serve(tiered, {name: returning})[name]
+            after = tiered.stats()
+            delta = {k: after[k] - before[k] for k in ("host_cache_swap_ins", "host_cache_recomputes")}
+            loaded = after["host_cache_pages_loaded"] - before["host_cache_pages_loaded"]
+            cached[name] = out.num_cached_tokens
+            if name == "swap":
+                assert delta["host_cache_swap_ins"] > 0 and loaded > 0, delta
+            else:
+                assert delta["host_cache_swap_ins"] == 0 and delta["host_cache_recomputes"] > 0, delta
+                assert loaded == 0
+            assert out.outputs[0].token_ids == _serve(off, {name: returning})[name].outputs[0].token_ids, name
+    finally:
+        cache.swap_cost = plan_cost
+    assert cached["swap"] >= 3 * PS > cached["recompute"], cached  # the host gave what recompute redid
+    tiered.scheduler.check_invariants()
+
+
+def test_sealed_transfers_compile_nothing(engines, chat):
+    """The tier's gathers and scatters, compiled for the engine's caches and sealed (as start-up
+    does under aot_compile), serve evictions to host and a host hit without one compilation."""
+    import logging
+
+    from test_no_compile_after_startup import CompileCounter
+
+    tiered, _ = engines
+    draw, transfers = chat[3], tiered.host_tier
+    assert transfers.compile_all(tiered.caches, sealed=True) > 0
+    counter, logger = CompileCounter(), logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    before = tiered.stats()
+    try:
+        first = draw(3 * PS + 2)
+        back = first + _serve(tiered, {"sealed-0": first})["sealed-0"].outputs[0].token_ids + draw(4)
+        _serve(tiered, {f"sealed-flush{i}": draw(40) for i in range(4)})
+        _serve(tiered, {"sealed-back": back})
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+        transfers.sealed = False
+    after = tiered.stats()
+    assert after["host_cache_offloads"] > before["host_cache_offloads"]
+    assert after["host_cache_pages_loaded"] > before["host_cache_pages_loaded"]
+    assert not [c for c in counter.compiled if "gather" in c or "scatter" in c], counter.compiled
+
+
 def test_metrics_expose_the_host_tier(engines, chat):
+    from prometheus_client.utils import floatToGoString
+
     from server.metrics import ServerMetrics
 
     tiered, off = engines
     text = ServerMetrics(tiered.stats).render().decode()
     stats = tiered.stats()
-    assert f"jaxserve_host_cache_bytes {float(stats['host_cache_bytes'])}" in text
-    assert f"jaxserve_host_cache_hits_total {float(stats['host_cache_hits'])}" in text
+    value = lambda key: floatToGoString(stats[key])
+    assert f"jaxserve_host_cache_bytes {value('host_cache_bytes')}" in text
+    assert f"jaxserve_host_cache_hits_total {value('host_cache_hits')}" in text
     assert "jaxserve_host_cache_evictions_total" in text and "jaxserve_host_cache_load_seconds_mean" in text
+    # swap counts (host hits loaded, declined by cost, admissions waiting for room) and load latency
+    for name in ("swap_ins", "recomputes", "admission_waits", "pages_loaded", "load_batches"):
+        assert f"jaxserve_host_cache_{name}_total {value(f'host_cache_{name}')}" in text, name
+    assert stats["host_cache_swap_ins"] > 0 and stats["host_cache_load_seconds_total"] > 0
+    assert f"jaxserve_host_cache_load_seconds_total {value('host_cache_load_seconds_total')}" in text
+    assert "jaxserve_host_cache_load_seconds_p90" in text
     assert "jaxserve_host_cache" not in ServerMetrics(off.stats).render().decode()  # off: no series

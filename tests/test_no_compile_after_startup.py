@@ -117,3 +117,50 @@ def test_mixed_workload_compiles_nothing_after_startup(family, tiny_checkpoint):
     full = SamplingMetadata.from_params([SamplingParams()] * S, [0] * S, [[]] * S, [[]] * S, pad_to=S)
     with pytest.raises(ValueError, match="request table"):
         ex.run_sampler(engine.model.params, hidden, full, 0, table=engine.table)
+
+
+@pytest.mark.slow  # ~25 s on 2 cores (its own sealed engine); tests/test_host_tier.py checks the tier's part by default
+def test_host_tier_transfers_compile_nothing_after_startup(tiny_checkpoint):
+    """The host tier's gathers (offloads) and scatters (loads) are compiled at start-up with the
+    step executables: a chat that evicts conversations to host and loads them back compiles nothing."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_checkpoint("qwen3_5")),
+            dtype="float32",
+            page_size=8,
+            num_pages=14,
+            num_state_slots=5,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            token_buckets=(8, 32),
+            max_model_len=64,
+            load_tokenizer=False,
+            kv_offloading_size=0.01,
+            aot_compile=True,
+            aot_compile_all=True,
+        ),
+        progress=False,
+    )
+    assert engine.executables.sealed and engine.host_tier.sealed and engine.host_tier.executables
+    rng = np.random.default_rng(0)
+    draw = lambda n: rng.integers(3, engine.model.cfg.vocab_size, size=n).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    counter, logger = CompileCounter(), logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        for round_ in range(2):  # a prompt, fillers that evict it to host, the prompt back (a host hit)
+            first = draw(26)
+            engine.add_request(EngineRequest(f"first{round_}", first, params))
+            back = first + drain(engine)[f"first{round_}"].outputs[0].token_ids + draw(3)
+            for i in range(4):
+                engine.add_request(EngineRequest(f"fill{round_}.{i}", draw(40), params))
+            drain(engine)
+            engine.add_request(EngineRequest(f"back{round_}", back, params))
+            drain(engine)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+    stats = engine.stats()
+    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert stats["host_cache_offloads"] > 0 and stats["host_cache_pages_loaded"] > 0, stats

@@ -12,11 +12,19 @@ the engine's thread (no background thread: multi-host TPU queues stay in step), 
 the state the eviction left and a load lands before the step reads it; nothing waits for the
 device. Layout: a layer group g's page p is row g x num_pages + p of its KV arrays, its slot s
 row g x num_slots + s of its state arrays (Model.init_caches).
+
+Batches run in programs of BATCH_SIZES entries (a longer batch in several, the last padded), so
+the set is small and fixed: with `aot_compile` every gather and scatter is compiled at start-up
+beside the step executables (`compile_all`), and none after (a sealed engine raises
+CompileAfterStartup instead). `build_host_tier` also hands the cache manager its swap-or-recompute
+rule (paged_kv/tiered_cache.SwapCost) from the execution plan's `host_swap_cost` and the model's
+FLOPs per token (2 x parameters).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import jax
@@ -24,13 +32,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.host_tier import KV, STATE
+from paged_kv.tiered_cache import SwapCost
 
+log = logging.getLogger(__name__)
 _PARTS = {KV: ("kv",), STATE: ("conv", "rec")}
+BATCH_SIZES = (1, 4, 16)  # entries per gather / scatter program (a batch is cut and padded to these)
 
 
-def _pad(n: int) -> int:
-    """Entries per program, padded to a power of two (few compiled variants)."""
-    return 1 << max(0, (n - 1).bit_length())
+def _chunks(batch: list) -> list[tuple[list, int]]:
+    """`batch` cut into (entries, program size) pieces: full programs of the largest size, then
+    the rest in the smallest size that holds it."""
+    top, out = BATCH_SIZES[-1], []
+    while batch:
+        piece, batch = batch[:top], batch[top:]
+        out.append((piece, next(n for n in BATCH_SIZES if n >= len(piece))))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
@@ -70,6 +86,38 @@ class HostTierTransfers:
         self.num_offload_batches = 0
         self.num_load_batches = 0
         self.load_seconds: list[float] = []  # host -> device dispatch time per load batch
+        self.load_seconds_total = 0.0
+        self.executables: dict[tuple[str, str, int], object] = {}  # (gather | scatter, kind, size) -> compiled
+        self.sealed = False  # compiled at start-up: a missing program raises instead of compiling
+        self.compile_seconds = 0.0
+
+    def compile_all(self, caches, sealed: bool) -> float:
+        """Compile every gather and scatter program for `caches`' shapes; -> seconds."""
+        start = time.perf_counter()
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), caches)
+        kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else [])
+        for kind in kinds:
+            sub = self._subtree(spec, kind)
+            entry = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[1:]), x.dtype, sharding=x.sharding), sub
+            )
+            for num in BATCH_SIZES:
+                rows = jax.ShapeDtypeStruct((num, self.num_groups), jnp.int32)
+                self.executables["gather", kind, num] = _gather.lower(sub, rows, num=num).compile()
+                self.executables["scatter", kind, num] = _scatter.lower(sub, rows, (entry,) * num).compile()
+        self.sealed = sealed
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    def _program(self, op: str, kind: str, num: int):
+        exe = self.executables.get((op, kind, num))
+        if exe is not None:
+            return exe
+        if self.sealed:
+            from runtime.steps.executables import CompileAfterStartup
+
+            raise CompileAfterStartup(f"host tier {op} of {num} {kind} entries was not compiled at start-up")
+        return functools.partial(_gather, num=num) if op == "gather" else _scatter
 
     def _rows(self, kind: str, ids: list[int], num: int) -> np.ndarray:
         ids = ids + [ids[0]] * (num - len(ids))  # padding repeats the first entry: same row, same value
@@ -84,18 +132,16 @@ class HostTierTransfers:
         for key, value in restores:
             self.cache.store(*key, value, _nbytes(value))
         for kind in (KV, STATE):
-            batch = [(rid, h) for k, rid, h in offloads if k == kind]
-            if batch:
-                self._offload(caches, kind, batch)
+            for batch, num in _chunks([(rid, h) for k, rid, h in offloads if k == kind]):
+                self._offload(caches, kind, batch, num)
         for kind in (KV, STATE):
-            batch = [(rid, value) for k, rid, value in loads if k == kind]
-            if batch:
-                caches = self._load(caches, kind, batch)
+            for batch, num in _chunks([(rid, value) for k, rid, value in loads if k == kind]):
+                caches = self._load(caches, kind, batch, num)
         return caches
 
-    def _offload(self, caches, kind: str, batch: list) -> None:
-        num = _pad(len(batch))
-        entries = _gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num), num=num)
+    def _offload(self, caches, kind: str, batch: list, num: int) -> None:
+        gather = self._program("gather", kind, num)
+        entries = gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num))
         self.num_offload_batches += 1
         for (_, block_hash), entry in zip(batch, entries):
             if self.memory_kind is not None:
@@ -104,25 +150,30 @@ class HostTierTransfers:
                 )
             self.cache.store(kind, block_hash, entry, _nbytes(entry))
 
-    def _load(self, caches, kind: str, batch: list):
+    def _load(self, caches, kind: str, batch: list, num: int):
         start = time.perf_counter()
-        num = _pad(len(batch))
         values = [value for _, value in batch]
         values += [values[0]] * (num - len(values))
         sub = self._subtree(caches, kind)
         if self.memory_kind is not None:  # back to device memory, laid out as the caches are
             shardings = jax.tree.map(lambda x: x.sharding, sub)
             values = [jax.device_put(v, shardings) for v in values]
-        sub = _scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values))
+        scatter = self._program("scatter", kind, num)
+        sub = scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values))
         self.num_load_batches += 1
         self.load_seconds.append(time.perf_counter() - start)
+        self.load_seconds_total += self.load_seconds[-1]
+        del self.load_seconds[:-1024]
         return {**caches, **sub}
 
     def stats(self) -> dict:
-        seconds = self.load_seconds[-1024:]
+        seconds = self.load_seconds
         return {
+            "host_cache_offload_batches": self.num_offload_batches,
             "host_cache_load_batches": self.num_load_batches,
+            "host_cache_load_seconds_total": self.load_seconds_total,
             "host_cache_load_seconds_mean": float(np.mean(seconds)) if seconds else 0.0,
+            "host_cache_load_seconds_p90": float(np.percentile(seconds, 90)) if seconds else 0.0,
         }
 
 
@@ -134,7 +185,14 @@ def build_host_tier(engine) -> HostTierTransfers | None:
     if not isinstance(cache, TieredCacheManager):
         return None
     config = engine.cache_config
-    return HostTierTransfers(cache, engine.model.num_groups, config.num_pages, config.num_state_slots)
+    bandwidth, latency, flops = engine.plan.host_swap_cost
+    flops_per_token = 2 * sum(int(np.size(x)) for x in jax.tree.leaves(engine.model.params))
+    cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
+    transfers = HostTierTransfers(cache, engine.model.num_groups, config.num_pages, config.num_state_slots)
+    if engine.plan.aot_compile:  # beside the step executables; sealed with them
+        seconds = transfers.compile_all(engine.caches, sealed=engine.executables.sealed)
+        log.info("compiled %d host tier gathers / scatters in %.1fs", len(transfers.executables), seconds)
+    return transfers
 
 
 def refuse_host_tier(config, dp_size: int, window: int | None) -> None:

@@ -96,6 +96,24 @@ CPU_WARNED_DTYPES = ("float16",)
 # crossover lies between 16 and 64. Accelerators: not measured (no device run): None, always draft
 # (vLLM's default), until a device measurement sets it.
 SPEC_DISABLE_BY_BATCH_SIZE_CPU = 16
+# The host tier's swap-or-recompute rule (issue 36; paged_kv/tiered_cache.SwapCost): a host hit is
+# loaded (admission waits for it) only when `latency + bytes / bandwidth` is below `tokens x 2 x
+# params / prefill FLOP/s`, per backend: (host -> device bytes/s, seconds per load batch, prefill
+# FLOP/s). CPU: measured by benchmarks/host_swap_cost.py on qwen3_5-small, 2 cores, 2026-12-05
+# (benchmarks/results/host-tier/swap-cost-cpu.json): one page's scatter 24 us, 16 pages' 76 us
+# (18.7 GB/s), a 128-token prefill 81 ms (1,580 tokens/s x 2 x 34.7M parameters = 1.1e11 FLOP/s):
+# a page's load costs what 0.04 tokens' recompute does, so on CPU a host hit is always taken.
+# GPU / TPU: documented, not measured (no device run): H100/H200 PCIe Gen5 x16 is 64 GB/s a
+# direction, taken at half; bf16 dense 989 TFLOP/s (H100 SXM) taken at 40 % MFU for prefill; TPU v5e
+# 197 TFLOP/s at 40 %, its PCIe Gen4 host link (32 GB/s) at half; 0.1 ms per load batch (a
+# dispatch and a DMA's set-up) on both. With these, on a GPU a short host hit that needs a large GDN
+# checkpoint (tens of MiB at 9B shapes) is recomputed, a long one or a KV-only one loaded.
+HOST_SWAP_CPU = (1.87e10, 2.4e-5, 1.1e11)
+HOST_SWAP_COST = {
+    "cpu": HOST_SWAP_CPU,
+    "gpu": (32e9, 1e-4, 0.4 * 989e12),
+    "tpu": (16e9, 1e-4, 0.4 * 197e12),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +137,8 @@ class ExecutionPlan:
     grammar_samplers: bool  # with aot_compile: also the grammar-masked samplers
     # speculative decoding: no drafts while more decoding requests run (None: always draft / off)
     spec_disable_by_batch_size: int | None = None
+    # the host tier's swap-or-recompute constants (HOST_SWAP_COST): bytes/s, s per load, prefill FLOP/s
+    host_swap_cost: tuple[float, float, float] = HOST_SWAP_COST["cpu"]
     warnings: tuple[str, ...] = ()  # logged at start-up
 
     def describe(self) -> str:
@@ -168,6 +188,7 @@ def plan_execution(
         aot_compile=compile_.aot,
         grammar_samplers=compile_.grammar_samplers,
         spec_disable_by_batch_size=_spec_disable_by_batch_size(getattr(c, "speculative_config", None), backend),
+        host_swap_cost=HOST_SWAP_COST[backend],
         warnings=warnings,
     )
 
