@@ -48,6 +48,7 @@ def _quantized(name: str, t: torch.Tensor) -> bool:
 def quantize_blocks(w: torch.Tensor, bo: int, bi: int, gen: torch.Generator):
     """[out, in] float -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/bo), ceil(in/bi)])."""
     out, inp = w.shape
+    bo, bi = bo or out, bi or inp  # None: one scale for the matrix
     ro, ri = -(-out // bo), -(-inp // bi)
     padded = torch.zeros(ro * bo, ri * bi)
     padded[:out, :inp] = w
@@ -79,10 +80,11 @@ def write_fp8_block(float_dir, out_dir, block, seed=0):
         if not _quantized(name, t):
             quant[name] = deq[name] = t.contiguous()
             continue
-        q, s = quantize_blocks(t.float(), *block, gen)
-        quant[name], quant[name.removesuffix("weight") + "weight_scale_inv"] = q, s
+        bo, bi = block or t.shape
+        q, s = quantize_blocks(t.float(), bo, bi, gen)
+        quant[name], quant[name.removesuffix("weight") + "weight_scale_inv"] = q, s if block else s.reshape(())
         codes = q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-        deq[name] = torch.from_numpy(dequantize_blocks(codes, s.numpy(), *block))
+        deq[name] = torch.from_numpy(dequantize_blocks(codes, s.numpy(), bo, bi))
     config = json.loads((float_dir / "config.json").read_text())
     dirs = []
     for sub, state, qc in (
@@ -110,9 +112,9 @@ def checkpoints(tiny_checkpoint, tmp_path_factory):
     built = {}
 
     def get(family: str, block):
-        key = (family, tuple(block))
+        key = (family, block and tuple(block))
         if key not in built:
-            out = tmp_path_factory.mktemp(f"{family}-fp8-{block[0]}x{block[1]}")
+            out = tmp_path_factory.mktemp(f"{family}-fp8-{block[0]}x{block[1]}" if block else f"{family}-fp8-tensor")
             fp8, deq = write_fp8_block(tiny_checkpoint(family), out, block)
             hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32, attn_implementation="eager").eval()
             built[key] = fp8, deq, hf
@@ -130,7 +132,7 @@ def ours(checkpoints):
     loaded = {}
 
     def get(family: str, block):
-        key = (family, tuple(block))
+        key = (family, block and tuple(block))
         if key not in loaded:
             loaded[key] = load_model(checkpoints(family, block)[0], dtype="float32")
         return loaded[key]
@@ -141,14 +143,15 @@ def ours(checkpoints):
 @pytest.mark.parametrize(
     "family,block",
     [(FLOAT_FAMILY, b) for b in BLOCKS]
-    + [("deepseek_v3_qnone", [16, 16]), pytest.param("qwen3_next", [16, 16], marks=pytest.mark.slow)],
-    ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, list) else v,
+    + [("deepseek_v3_qnone", [16, 16]), pytest.param("qwen3_next", [16, 16], marks=pytest.mark.slow)]
+    + [pytest.param(FLOAT_FAMILY, None, marks=pytest.mark.slow)],  # weight_block_size null: per tensor
+    ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, list) else str(v),
 )
 def test_logits_match_hf_on_block_dequantized_weights(checkpoints, ours, family, block):
     """Also the q_proj / four-layer-scan variant, whose layer-0 kv_a_proj in float among three FP8
     ones is stacked as float (dequantized)."""
     model, hf = ours(family, block), checkpoints(family, block)[2]
-    assert model.quantization == {"checkpoint": f"fp8-block-{block[0]}x{block[1]}"}
+    assert model.quantization == {"checkpoint": f"fp8-block-{block[0]}x{block[1]}" if block else "fp8-block"}
     for seed, n in ((1, 41), (2, 7)):
         ids = random_prompt(model.cfg.vocab_size, n, seed=seed)
         err = np.abs(model.logits(ids) - hf_logits(hf, ids)).max()
