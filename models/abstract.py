@@ -43,7 +43,7 @@ def block_fp8_params(params: dict, block: tuple[int, int] | None) -> dict:
 
     def quantized(name, x):
         *lead, k, n = x.shape
-        bo, bi = block or (n, k)
+        bo, bi = block or (n // 2 if name == "experts_gate_up" else n, k)  # per tensor: gate, up one each
         if name == "experts_gate_up" and (n // 2) % bo:
             bo = 1
         scale = jax.ShapeDtypeStruct((*lead, -(-k // bi), -(-n // bo)), jnp.float32)
