@@ -101,6 +101,7 @@ class TieredCacheManager(CacheManager):
         self.num_swap_ins = 0  # host hits taken (materialized)
         self.num_recomputes = 0  # host hits declined: recomputing was cheaper
         self.num_admission_waits = 0  # host hits taken with no device room yet: admission waited
+        self.wait_for_room = True  # False: such a hit is recomputed instead (benchmarks/preemption_swap.py)
 
     # ---- eviction -> offload ------------------------------------------------------------------
     def _on_remove(self, kind: str, resource_id: int, block_hash: BlockHash) -> None:
@@ -216,7 +217,8 @@ class TieredCacheManager(CacheManager):
         pinned = [p for p in device if p is not None]
         evictable = sum(1 for p in pinned if p in self.page_index.evictable)
         if self.pages.num_free + self.page_index.num_evictable - evictable < len(missing):
-            self._wait_for_room = bool(self.allocations)  # admission waits until running requests free pages
+            # admission waits until running requests free pages
+            self._wait_for_room = self.wait_for_room and bool(self.allocations)
             return False
         state_hash = hashes[-1] if self.slots is not None and self.slots.lookup_checkpoint(hashes[-1]) is None else None
         values = {}

@@ -156,10 +156,15 @@ def test_swap_cost_compares_a_load_with_a_recompute():
     assert not cost.prefers_load(10**6, 16) and cost.prefers_load(10**6, 32)
     with pytest.raises(ValueError, match="positive"):
         SwapCost(0, 0, 1)
-    from runtime.steps.execution_plan import BACKENDS, HOST_SWAP_COST
+    from types import SimpleNamespace
 
-    for backend in BACKENDS:  # every backend has the rule's constants, each one usable
-        SwapCost(*HOST_SWAP_COST[backend])
+    from runtime.steps.execution_plan import BACKENDS, HOST_SWAP_COST, plan_execution
+
+    model = SimpleNamespace(num_layers=8, is_hybrid=True)
+    for backend in BACKENDS:  # every backend's plan carries the rule's constants, each one usable
+        plan = plan_execution(EngineConfig(model="m", kv_offloading_size=1), model, backend)
+        assert plan.host_swap_cost == HOST_SWAP_COST[backend]
+        SwapCost(*plan.host_swap_cost)
 
 
 def test_the_cost_rule_declines_a_host_hit_that_recomputing_beats():
