@@ -214,6 +214,16 @@ def test_sampled_output_equals_no_speculation(engines):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
 
 
+def test_pages_budget_the_mtp_layer(engines):
+    """A budget-sized pool counts the MTP layer's K/V: one more attention layer per page."""
+    from runtime.engine.construction import page_bytes
+
+    spec, off, _ = engines("qwen3_5")
+    n = spec.model.cfg.num_attention_layers
+    assert page_bytes(spec.config, spec.model) * n == page_bytes(off.config, off.model) * (n + 1)
+    assert spec.caches["mtp"]["kv"].k.shape[0] == off.caches["kv"][1].k.shape[0] // spec.model.num_groups
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 def test_refused_without_mtp_weights(tiny_checkpoint, tmp_path):
     """Llama, and a Qwen3.5 checkpoint stripped of its MTP layer: refused at start-up, by name."""
