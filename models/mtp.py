@@ -16,6 +16,10 @@ at its last computed token (the carry; copied with the GDN state into prefix che
 `absorb` runs inside every forward pass: the MTP layer's K/V at position p - 1 for every token at p
 (its input token and the previous row's hidden state, or the carry), then the carry. `draft` runs
 k MTP steps per drafting sequence inside the verify step (runtime/speculative/verify.py).
+
+Drafts never change the output (verification is exact); what only lowers acceptance: a shared
+prefix page's last MTP row is written by whichever request next runs the token after it, and a
+host-tier hit (cache.kv_offloading_size) restores pages and GDN state but not the MTP rows or carry.
 """
 
 from __future__ import annotations
