@@ -16,6 +16,10 @@ at its last computed token (the carry; copied with the GDN state into prefix che
 `absorb` runs inside every forward pass: the MTP layer's K/V at position p - 1 for every token at p
 (its input token and the previous row's hidden state, or the carry), then the carry. `draft` runs
 k MTP steps per drafting sequence inside the verify step (runtime/speculative/verify.py).
+
+Drafts never change the output (verification is exact); what only lowers acceptance: a shared
+prefix page's last MTP row is written by whichever request next runs the token after it, and a
+host-tier hit (cache.kv_offloading_size) restores pages and GDN state but not the MTP rows or carry.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 
 from models.batch import ForwardBatch
 from models.config import ATTENTION, ModelConfig
-from models.prequantized import read_linear
+from models.prequantized import parse_quantization_config, read_linear
 from models.safetensors_io import CheckpointError, SafetensorsDir
 from models.sharding import kv_heads_held
 from models.transformer import attention_layer, compute_logits, dense_mlp, moe_mlp, mtp_fc_input, rms_norm, rope_tables
@@ -71,6 +75,7 @@ def load_mtp_params(cfg: ModelConfig, path, dtype: str) -> dict:
         raise CheckpointError(why)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     src, H = SafetensorsDir(path), cfg.hidden_size
+    stored = parse_quantization_config(json.loads((Path(path) / "config.json").read_text()).get("quantization_config"))
 
     def get(name, shape=None):
         return src.get(PREFIX + name, shape)
@@ -78,8 +83,8 @@ def load_mtp_params(cfg: ModelConfig, path, dtype: str) -> dict:
     def has(name):
         return PREFIX + name in src
 
-    def lin(module, out, inp):
-        return read_linear(src, PREFIX + module, out, inp, None)
+    def lin(module, out, inp):  # as the target's: a pre-quantized checkpoint's stored-quantized ones stay so
+        return read_linear(src, PREFIX + module, out, inp, stored)
 
     layer = _layer_params(layer_config(cfg), get, has, lin, 0)
     params = {"fc": _cast("fc", lin("fc", H, 2 * H), np_dtype)}

@@ -204,14 +204,37 @@ def test_mtp_drafts_and_greedy_output_qwen3_next(engines, hf_model, monkeypatch)
     _check_greedy("qwen3_next", engines, hf_model, monkeypatch, load)
 
 
-def test_sampled_output_equals_no_speculation(engines):
-    """Seeded temperature-1 sampling with MTP drafts (rejection sampling of a deterministic draft):
-    the same tokens as without speculation."""
+def test_sampled_logprobs_and_penalties_equal_no_speculation(engines, monkeypatch):
+    """Seeded temperature-1 sampling (rejection sampling of a deterministic draft), logprobs and
+    penalties with drafts accepted (the oracle's) and the MTP running: the same tokens and logprobs
+    as without speculation."""
     spec, off, _ = engines("qwen3_5")
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
-    requests = [EngineRequest(f"t{i}", spec.tokenizer.encode(p), params) for i, p in enumerate(PROMPTS[:3])]
-    got, ref = _serve(spec, requests), _serve(off, requests)
-    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    params = [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3),
+    ]
+    prompts = [spec.tokenizer.encode(p) for p in PROMPTS[:3]]
+    requests = [EngineRequest(f"t{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    got, ref = _round(spec, off, requests, OracleMTP(spec.model.cfg.vocab_size), monkeypatch)
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > before
+    for rid, want in ref.items():
+        assert got[rid].token_ids == want.token_ids, rid
+        for a, b in zip(got[rid].logprobs or [], want.logprobs or []):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top], rid
+            np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-4, atol=1e-4)
+    assert len(got["t1"].logprobs) == 12
+
+
+def test_pages_budget_the_mtp_layer(engines):
+    """A budget-sized pool counts the MTP layer's K/V: one more attention layer per page."""
+    from runtime.engine.construction import page_bytes
+
+    spec, off, _ = engines("qwen3_5")
+    n = spec.model.cfg.num_attention_layers
+    assert page_bytes(spec.config, spec.model) * n == page_bytes(off.config, off.model) * (n + 1)
+    assert spec.caches["mtp"]["kv"].k.shape[0] == off.caches["kv"][1].k.shape[0] // spec.model.num_groups
 
 
 # ---- refusals -----------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def prepare_model(
     elif plan.weight_layout == "packed":
         loaded.hold_packed()
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and "mtp" not in loaded.params:  # the checkpoint's MTP layer
+    if spec is not None and spec.method == "mtp" and mesh is None and "mtp" not in loaded.params:  # the MTP layer
         why = mtp_refusal(loaded.cfg, loaded.path)
         if why is not None:
             raise ValueError(f"speculative_config: {why}")
@@ -152,6 +152,9 @@ def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     tp = model.tp
     if tp is not None and ((tp.attention and model.cfg.mla is None) or tp.latent_split):
         per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA: its tokens' rows, or all)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp" and layers != "window":  # the MTP layer's K/V (models/mtp.py)
+        per_page += per_page // max(model.cfg.num_attention_layers, 1)
     return per_page
 
 
