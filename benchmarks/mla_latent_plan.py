@@ -85,18 +85,45 @@ def plan(model: str, mode: str, T: int, cost: bool) -> None:
     print(format_report(report))
 
 
+# the same launch planned before this script (README's DeepSeek-V3 numbers), used where this script's own run is missing
+EARLIER = {("deepseek-v3", "replicated", T): f"tpu-v5p-64-deepseek-v3-mf085-T{T}-pinned.json" for T in (64, 4096)}
+# per MLA layer: (MLA layers, query heads H, row width W = L + R, latent L, model axis m)
+SHAPES = {"deepseek-v3": (61, 128, 576, 512, 32), "kimi-linear-48b": (7, 32, 576, 512, 4)}
+
+
+def collective_bytes(model: str, T: int) -> dict:
+    """What the split adds per step and chip (models/mla_split.py), analytically: the bf16 q all-gather
+    [T, H, W] and the f32 reduce-scatter of [T, H, L + 1] (outputs and log-sum-exp weights), each
+    moving (m - 1) / m of the array per chip, times the MLA layers. The replicated pool adds none."""
+    layers, H, W, L, m = SHAPES[model]
+    gather, scatter = T * H * W * 2 * (m - 1) / m, T * H * (L + 1) * 4 * (m - 1) / m
+    return {
+        "q_all_gather": layers * gather,
+        "output_reduce_scatter": layers * scatter,
+        "total": layers * (gather + scatter),
+    }
+
+
 def compare() -> None:
     rows = []
     for model in LAUNCHES:
         for T in (64, 4096):
-            got = {}
+            got, files = {}, []
             for mode in ("replicated", "split"):
                 path = OUT / f"{model}-{mode}-T{T}.json"
+                if not path.exists() and (model, mode, T) in EARLIER:
+                    path = OUT.parent / EARLIER[model, mode, T]
                 if path.exists():
                     got[mode] = json.loads(path.read_text())
+                    files.append(str(path.relative_to(OUT.parents[3])))
             if len(got) < 2:
                 continue
-            row = {"model": model, "tokens": T, "files": [f"{model}-{m}-T{T}.json" for m in got]}
+            row = {
+                "model": model,
+                "tokens": T,
+                "files": files,
+                "split_collective_bytes_per_step": collective_bytes(model, T),
+            }
             for mode, r in got.items():
                 step = r["executables"][0] if r["executables"] else {}
                 row[mode] = {

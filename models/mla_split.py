@@ -117,21 +117,37 @@ def split_mla(q, rows, slots, latent: mla.LatentPages, batch, block_tables, *, t
     )(q, rows, slots, latent, batch.kv_lens, block_tables, batch.cu_q_lens, batch.num_seqs)
 
 
-def check_split(mode: str, m: int, page_size: int, has_mla: bool, kv_dtype: str, kv_transfer: bool) -> bool:
-    """Whether the MLA latent pools are split (`mode` resolved; `auto` -> see `AUTO_RULE`); ValueError
-    for a combination the split does not serve."""
+# `mla_latent: auto` (benchmarks/results/plan/mla-latent/compare.json: on DeepSeek-V3 at v5p-64 the split
+# holds 32x the tokens per chip for a larger step temp and a q all-gather + [T, H, L] reduce-scatter per
+# MLA layer, which a replicated pool never pays): split only where the replicated pool is the bound,
+# i.e. it cannot hold `max_num_seqs` sequences of `max_model_len` (and the split serves the launch);
+# else replicated. A configured `cache.num_pages` keeps replicated.
+AUTO_RULE = "split iff the replicated latent pool cannot hold max_num_seqs sequences of max_model_len"
+
+
+def _problem(m: int, page_size: int, kv_dtype: str, kv_transfer: bool) -> str | None:
+    if page_size % m:
+        return f"page_size {page_size} must be a multiple of the model axis {m}"
+    if "float8" in str(kv_dtype) or "fp8" in str(kv_dtype):
+        return "FP8 latent pages (one scale per page) are not supported; use bf16 KV"
+    if kv_transfer:
+        return "P/D transfer of split latent pages is not supported"
+    return None
+
+
+def check_split(
+    mode: str, m: int, page_size: int, has_mla: bool, kv_dtype: str, kv_transfer: bool, kv_bound: bool = False
+) -> bool:
+    """Whether the MLA latent pools are split: `split` (ValueError for a combination the split does
+    not serve), `replicated`, or `auto` (`AUTO_RULE`: `kv_bound` says the replicated pool is the
+    bound; a combination the split does not serve stays replicated)."""
     if mode not in MODES:
         raise ValueError(f"parallel.mla_latent must be one of {MODES}, got {mode!r}")
-    if mode == "auto":
-        mode = "replicated"
     if mode == "replicated" or not has_mla or m == 1:
         return False
-    if page_size % m:
-        raise ValueError(f"parallel.mla_latent split: page_size {page_size} must be a multiple of the model axis {m}")
-    if "float8" in str(kv_dtype) or "fp8" in str(kv_dtype):
-        raise ValueError(
-            "parallel.mla_latent split: FP8 latent pages (one scale per page) are not supported; use bf16 KV"
-        )
-    if kv_transfer:
-        raise ValueError("parallel.mla_latent split: P/D transfer of split latent pages is not supported")
+    problem = _problem(m, page_size, kv_dtype, kv_transfer)
+    if mode == "auto":
+        return kv_bound and problem is None
+    if problem is not None:
+        raise ValueError(f"parallel.mla_latent split: {problem}")
     return True

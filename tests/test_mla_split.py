@@ -47,6 +47,16 @@ for m in sizes:
     print("POOL", m, model.tp.attention, pool.c.shape[1], shard[1], pool.c.sharding.spec)
     print("GREEDY", m, model.greedy(ids[:13], 6, page_size=20) == greedy_one)
 np.savez(out, ids=np.array(ids), **results)
+if "kimi" not in path:  # mla_latent auto: split iff the replicated pool cannot hold 4 sequences of 160 tokens
+    from runtime.engine.construction import auto_latent
+    from runtime.engine_config import EngineConfig
+
+    for budget in (1 << 16, 1 << 30):
+        model = shard_model(load_model(path), make_mesh(1, 2, devices=jax.devices()[:2]))
+        config = EngineConfig(model=path, page_size=16, mla_latent="auto", kv_cache_memory_bytes=budget, max_num_seqs=4,
+                              max_model_len=160)
+        auto_latent(config, model, 10)
+        print("AUTO", budget, model.tp.latent_split)
 """
 
 
@@ -79,6 +89,8 @@ def test_split_latent_matches_one_device_and_hf(tiny_checkpoint, hf_model, tmp_p
     for (_, m, attention, rows, held, *_), want in zip(pools, heads_split, strict=True):
         assert attention == str(want) and int(rows) == 20 and int(held) == 20 // int(m), pools
     assert [x for x in lines if x.startswith("GREEDY ")] == [f"GREEDY {m} True" for m in sizes.split(",")], lines
+    if family == "deepseek_v3":  # 41 pages x 16 tokens x 336 B: a 64 KiB pool is the bound, 1 GiB is not
+        assert [x for x in lines if x.startswith("AUTO ")] == [f"AUTO {1 << 16} True", f"AUTO {1 << 30} False"], lines
     reference = hf_logits(hf_model(family), got["ids"].tolist())
     np.testing.assert_allclose(got["one"], reference, atol=1e-4, rtol=0)
     for m in sizes.split(","):
@@ -169,6 +181,13 @@ def test_local_slots_interleave_tokens_over_chips():
 def test_split_refuses_what_it_does_not_serve(mode, m, page_size, kv_dtype, transfer, match):
     with pytest.raises(ValueError, match=match):
         check_split(mode, m, page_size, True, kv_dtype, transfer)
+
+
+def test_auto_splits_only_where_the_replicated_pool_is_the_bound():
+    assert check_split("auto", 2, 16, True, "auto", False, kv_bound=True)
+    assert not check_split("auto", 2, 16, True, "auto", False, kv_bound=False)
+    assert not check_split("auto", 2, 16, True, "fp8_e4m3", False, kv_bound=True)  # the split would refuse: replicated
+    assert not check_split("auto", 3, 16, True, "auto", False, kv_bound=True)
 
 
 def test_split_resolution():

@@ -269,6 +269,12 @@ def plan_config(
     weights_device = per_device_bytes(model.params)
     # what the engine's cache_budget_bytes is on the device once the weights are loaded
     cache_bytes = int(chip.hbm_bytes * (cache.memory_fraction or DEFAULT_MEMORY_FRACTION)) - weights_device
+    want = sched.max_num_seqs * blocks_per_seq + 1
+    if par.mla_latent == "auto" and model.tp is not None and cache.num_pages is None and per_token_device:
+        bound = cache_bytes // (per_token_device * page_size) < want  # models/mla_split.py AUTO_RULE
+        args = (tp_size, page_size, cfg.mla is not None, kv_dtype, par.role != "both", bound)
+        model.tp = dataclasses.replace(model.tp, latent_split=check_split("auto", *args))
+        per_token_device = per_token // tp_size if model.tp.latent_split else per_token_device
     slots, checkpoint_slots = state_slots(launch, model, cache_bytes)
     state_device = slots * model.state_bytes_per_slot_per_device()
     window, num_window_pages, full_device, window_device = window_pool(launch, cfg, model, tp_size, blocks_per_seq)
@@ -279,7 +285,7 @@ def plan_config(
         weights_device,
         full_device * page_size,
         state_device + window_device,
-        sched.max_num_seqs * blocks_per_seq + 1,
+        want,
     )
     mla = cfg.mla is not None  # latent rows [P, ps, W], pinned rows-minor on TPU (models/cache_formats.py)
     token_minor, layout_warning = (False, None) if mla else kv_page_layout(cfg.head_dim, page_size, chip.platform)

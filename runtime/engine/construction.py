@@ -120,6 +120,7 @@ def size_cache(
     memory budget leaves. With window-aware paging (`window`) the window layers' pool holds
     `window_pool_pages` (every running sequence's window and a step's chunks) and `num_pages` (or
     the budget left after that pool) is the full layers' pool."""
+    auto_latent(config, model, max_blocks_per_seq)
     num_slots, num_checkpoint_slots = 0, None
     if model.cfg.is_hybrid:
         num_slots, num_checkpoint_slots = plan_state_slots(
@@ -143,6 +144,18 @@ def size_cache(
         config, model, max_blocks_per_seq, num_slots, num_window_pages
     )
     return num_pages, num_slots, num_checkpoint_slots, num_window_pages
+
+
+def auto_latent(config: EngineConfig, model: Model, max_blocks_per_seq: int) -> None:
+    """`parallel.mla_latent: auto` (models/mla_split.py AUTO_RULE): the latent pools split where the
+    replicated pool, sized from the memory budget, cannot hold every sequence at full length."""
+    tp = model.tp
+    if config.mla_latent != "auto" or tp is None or tp.latent_split or config.num_pages or model.cfg.mla is None:
+        return
+    bound = default_num_pages(config, model, max_blocks_per_seq, 0) < config.max_num_seqs * max_blocks_per_seq + 1
+    args = (tp.size, config.page_size, True, config.kv_cache_dtype, config.kv_transfer is not None, bound)
+    model.tp = dataclasses.replace(tp, latent_split=check_split("auto", *args))
+    log.info("parallel.mla_latent auto: latent pools %s", "split by token" if model.tp.latent_split else "replicated")
 
 
 def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
