@@ -17,6 +17,7 @@ accepted drafts stops there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,11 +88,29 @@ def test_pd_decode_side_speculates_and_equals_colocated(plugin, tiny_checkpoint,
         _all_free(engine)
 
 
-def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, monkeypatch):
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint):
+    """(engine with speculation, without) on the tiny Llama."""
     path = tiny_checkpoint("llama")
     small = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), max_model_len=256)
-    spec = LLMEngine(small_engine_config(path, **small, speculative_config=SPEC))
-    off = LLMEngine(small_engine_config(path, **small))
+    return LLMEngine(small_engine_config(path, **small, speculative_config=SPEC)), LLMEngine(
+        small_engine_config(path, **small)
+    )
+
+
+def _drafted(spec, before) -> tuple[int, int, int]:
+    """(drafts, accepted, runs of all k accepted) since `before`."""
+    s = spec.stats()
+    return (
+        s["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"],
+        s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"],
+        s["spec_decode_num_accepted_tokens_per_pos"][-1] - before["spec_decode_num_accepted_tokens_per_pos"][-1],
+    )
+
+
+def test_grammar_masks_drafted_rows_and_equals_no_speculation(pair, monkeypatch):
+    spec, off = pair
+    before = spec.stats()
     tok = spec.tokenizer
     grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::8]]
     grammars += [StructuredOutput("regex", r) for r in regexes(12)[::3]]
@@ -117,13 +136,44 @@ def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, m
 
     monkeypatch.setattr(StructuredOutputManager, "allowed_drafts", spy)
     got = _serve(spec, reqs)
-    stats = spec.stats()
-    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
-    assert stats["spec_decode_num_accepted_tokens_per_pos"][-1] > 0, stats
+    drafted, accepted, all_k = _drafted(spec, before)
+    assert 0 < accepted < drafted and all_k > 0, (drafted, accepted, all_k)
     assert any(cut) and not all(cut), cut
     assert set(got) == set(want)
     for rid, out in got.items():
         a, b = out.outputs[0], want[rid].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
     assert len(spec.structured_output) == 0
+    _all_free(spec)
+
+
+def test_logit_bias_and_min_tokens_bans_apply_to_drafted_rows(pair, monkeypatch):
+    """Drafts from the unconstrained continuation carry the token a logit bias of -100 forbids,
+    or a stop token `min_tokens` bans at that output index: each verify row must apply them (a
+    row's ban by its own output index), so the output equals the engine without speculation."""
+    spec, off = pair
+    tok = spec.tokenizer
+    prompts = [tok.encode(p) for p in (PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] * 2, PROMPTS[3])]
+    free = _serve(off, [EngineRequest(f"f{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        cont = free[f"f{i}"].outputs[0].token_ids
+        biased = dataclasses.replace(GREEDY, logit_bias={cont[4]: -100.0})
+        banned = dataclasses.replace(GREEDY, min_tokens=12, stop_token_ids=[cont[3]], ignore_eos=False)
+        reqs += [EngineRequest(f"b{i}", p, biased), EngineRequest(f"m{i}", p, banned)]
+    want = _serve(off, reqs)
+    for i in range(len(prompts)):  # the constraints change the outputs
+        assert want[f"b{i}"].outputs[0].token_ids != free[f"f{i}"].outputs[0].token_ids
+    oracle = OracleDrafts(spec.model.cfg.vocab_size)
+    for r in reqs:  # the unconstrained continuation first (its drafts break the constraint), then the reference
+        oracle.add(r.prompt_token_ids, free["f" + r.request_id[1:]].outputs[0].token_ids)
+        oracle.add(r.prompt_token_ids, want[r.request_id].outputs[0].token_ids)
+    monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    before = spec.stats()
+    got = _serve(spec, reqs)
+    drafted, accepted, _ = _drafted(spec, before)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    for rid, out in got.items():
+        a, b = out.outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason), rid
     _all_free(spec)
