@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from engine_testing import drain, small_engine_config
 from structured_cases import json_schemas, regexes
@@ -177,3 +178,51 @@ def test_logit_bias_and_min_tokens_bans_apply_to_drafted_rows(pair, monkeypatch)
         a, b = out.outputs[0], want[rid].outputs[0]
         assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason), rid
     _all_free(spec)
+
+
+def _allows(mask, token: int) -> bool:
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+def test_draft_masks_equal_the_masks_after_each_prefix(pair):
+    """`allowed_drafts` / `fill_drafts` against an independent walk: a second matcher advanced
+    token by token with the plain one-row `fill` after each. A draft the grammar rejects ends the
+    allowed prefix; the masks of rows first .. first + n are the walk's; other rows allow all;
+    the matcher is left where it was. A `start_after` grammar: drafts up to the one starting it,
+    the row after it masked by the fresh grammar."""
+    from runtime.structured_output import build_compiler
+
+    spec, _ = pair
+    cfg = spec.model.cfg
+    compiler = build_compiler(spec.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    grammar = StructuredOutput("regex", r"(cat|dog|bird)-[0-9]{3,6}")
+    walk = StructuredOutputManager(compiler, max_rows=4)
+    walk.add("w", grammar)
+    tokens, masks = [], []
+    for j in range(5):  # a valid path: the allowed tokens picked round-robin, never an end token
+        mask = walk.fill(["w"], 1)[0].copy()
+        masks.append(mask)
+        allowed = [t for t in range(cfg.vocab_size) if _allows(mask, t) and t not in cfg.eos_token_ids]
+        tokens.append(allowed[(7 * j) % len(allowed)])
+        assert not walk.advance("w", tokens[-1])
+    masks.append(walk.fill(["w"], 1)[0].copy())
+    bad = next(t for t in range(cfg.vocab_size) if not _allows(masks[3], t))
+    m = StructuredOutputManager(compiler, max_rows=4)
+    m.add("t", grammar)
+    assert m.allowed_drafts("t", tokens) == 5
+    assert m.allowed_drafts("t", tokens[:3] + [bad, tokens[4]]) == 3
+    bitmask = m.fill_drafts([("t", 2, tokens[:3]), ("nobody", 0, [1, 2])], num_rows=8)
+    for j in range(4):
+        np.testing.assert_array_equal(bitmask[2 + j], masks[j])
+    assert (bitmask[[0, 1, 6, 7]] == -1).all()
+    full = m.fill_drafts([("t", 0, tokens)], num_rows=6)
+    np.testing.assert_array_equal(full, np.stack(masks))
+    np.testing.assert_array_equal(m.fill(["t"], 1)[0], masks[0])  # left where it was
+    start = (tokens[0], tokens[1])  # any two ids stand in for the end of a reasoning block
+    m.add("s", StructuredOutput("regex", grammar.spec, start_after=start))
+    drafts = [tokens[2], *start, tokens[0], tokens[1]]
+    assert m.allowed_drafts("s", drafts) == 3
+    bitmask = m.fill_drafts([("s", 1, drafts[:3])], num_rows=6)
+    assert (bitmask[[0, 1, 2, 3, 5]] == -1).all()
+    np.testing.assert_array_equal(bitmask[4], masks[0])
+    assert m.fill_drafts([("s", 1, drafts[:2])], num_rows=6) is None
