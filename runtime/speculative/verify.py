@@ -211,6 +211,17 @@ def verify_backbone(
     return caches, table, rows, lax.stop_gradient(accepted), first  # first: each sequence's first new token
 
 
+def _caches_first(fn):
+    """`fn` returning (caches, *rest) as (caches, rest): the shape the pinned outputs take."""
+
+    @functools.wraps(fn)
+    def split(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out[0], tuple(out[1:])
+
+    return split
+
+
 class VerifyExecutables:
     """`verify_backbone` compiled per token bucket, greedy or sampled, plain or "full" (penalty
     token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
@@ -238,8 +249,11 @@ class VerifyExecutables:
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
         rep = self._replicated = ex._replicated
-        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep, rep, rep, rep)}
-        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned)
+        # (caches, the rest): one replicated sharding covers every other output, however many
+        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep)}
+        self._jitted = jax.jit(
+            _caches_first(fn), donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned
+        )
         self._params_spec = jax.tree.map(ex._specs, ex.model.params)
         self._cache_spec = ex._cache_specs
         self.executables: dict[tuple, object] = {}
@@ -350,4 +364,5 @@ class VerifyExecutables:
         if exe is None:
             log.info("compiling verify%s (not compiled ahead of time)", list(key))
             exe = self.compile(*key)
-        return exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)
+        caches, rest = exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)
+        return (caches, *rest)
