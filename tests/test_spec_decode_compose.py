@@ -17,8 +17,10 @@ accepted drafts stops there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 from engine_testing import drain, small_engine_config
 from structured_cases import json_schemas, regexes
@@ -87,11 +89,29 @@ def test_pd_decode_side_speculates_and_equals_colocated(plugin, tiny_checkpoint,
         _all_free(engine)
 
 
-def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, monkeypatch):
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint):
+    """(engine with speculation, without) on the tiny Llama."""
     path = tiny_checkpoint("llama")
     small = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), max_model_len=256)
-    spec = LLMEngine(small_engine_config(path, **small, speculative_config=SPEC))
-    off = LLMEngine(small_engine_config(path, **small))
+    return LLMEngine(small_engine_config(path, **small, speculative_config=SPEC)), LLMEngine(
+        small_engine_config(path, **small)
+    )
+
+
+def _drafted(spec, before) -> tuple[int, int, int]:
+    """(drafts, accepted, runs of all k accepted) since `before`."""
+    s = spec.stats()
+    return (
+        s["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"],
+        s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"],
+        s["spec_decode_num_accepted_tokens_per_pos"][-1] - before["spec_decode_num_accepted_tokens_per_pos"][-1],
+    )
+
+
+def test_grammar_masks_drafted_rows_and_equals_no_speculation(pair, monkeypatch):
+    spec, off = pair
+    before = spec.stats()
     tok = spec.tokenizer
     grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::8]]
     grammars += [StructuredOutput("regex", r) for r in regexes(12)[::3]]
@@ -117,9 +137,8 @@ def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, m
 
     monkeypatch.setattr(StructuredOutputManager, "allowed_drafts", spy)
     got = _serve(spec, reqs)
-    stats = spec.stats()
-    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
-    assert stats["spec_decode_num_accepted_tokens_per_pos"][-1] > 0, stats
+    drafted, accepted, all_k = _drafted(spec, before)
+    assert 0 < accepted < drafted and all_k > 0, (drafted, accepted, all_k)
     assert any(cut) and not all(cut), cut
     assert set(got) == set(want)
     for rid, out in got.items():
@@ -127,3 +146,83 @@ def test_grammar_masks_drafted_rows_and_equals_no_speculation(tiny_checkpoint, m
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
     assert len(spec.structured_output) == 0
     _all_free(spec)
+
+
+def test_logit_bias_and_min_tokens_bans_apply_to_drafted_rows(pair, monkeypatch):
+    """Drafts from the unconstrained continuation carry the token a logit bias of -100 forbids,
+    or a stop token `min_tokens` bans at that output index: each verify row must apply them (a
+    row's ban by its own output index), so the output equals the engine without speculation."""
+    spec, off = pair
+    tok = spec.tokenizer
+    prompts = [tok.encode(p) for p in (PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] * 2, PROMPTS[3])]
+    free = _serve(off, [EngineRequest(f"f{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        cont = free[f"f{i}"].outputs[0].token_ids
+        biased = dataclasses.replace(GREEDY, logit_bias={cont[4]: -100.0})
+        banned = dataclasses.replace(GREEDY, min_tokens=12, stop_token_ids=[cont[3]], ignore_eos=False)
+        reqs += [EngineRequest(f"b{i}", p, biased), EngineRequest(f"m{i}", p, banned)]
+    want = _serve(off, reqs)
+    for i in range(len(prompts)):  # the constraints change the outputs
+        assert want[f"b{i}"].outputs[0].token_ids != free[f"f{i}"].outputs[0].token_ids
+    oracle = OracleDrafts(spec.model.cfg.vocab_size)
+    for r in reqs:  # the unconstrained continuation first (its drafts break the constraint), then the reference
+        oracle.add(r.prompt_token_ids, free["f" + r.request_id[1:]].outputs[0].token_ids)
+        oracle.add(r.prompt_token_ids, want[r.request_id].outputs[0].token_ids)
+    monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    before = spec.stats()
+    got = _serve(spec, reqs)
+    drafted, accepted, _ = _drafted(spec, before)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    for rid, out in got.items():
+        a, b = out.outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason), rid
+    _all_free(spec)
+
+
+def _allows(mask, token: int) -> bool:
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+def test_draft_masks_equal_the_masks_after_each_prefix(pair):
+    """`allowed_drafts` / `fill_drafts` against an independent walk: a second matcher advanced
+    token by token with the plain one-row `fill` after each. A draft the grammar rejects ends the
+    allowed prefix; the masks of rows first .. first + n are the walk's; other rows allow all;
+    the matcher is left where it was. A `start_after` grammar: drafts up to the one starting it,
+    the row after it masked by the fresh grammar."""
+    from runtime.structured_output import build_compiler
+
+    spec, _ = pair
+    cfg = spec.model.cfg
+    compiler = build_compiler(spec.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    grammar = StructuredOutput("regex", r"(cat|dog|bird)-[0-9]{3,6}")
+    walk = StructuredOutputManager(compiler, max_rows=4)
+    walk.add("w", grammar)
+    tokens, masks = [], []
+    for j in range(5):  # a valid path: the allowed tokens picked round-robin, never an end token
+        mask = walk.fill(["w"], 1)[0].copy()
+        masks.append(mask)
+        allowed = [t for t in range(cfg.vocab_size) if _allows(mask, t) and t not in cfg.eos_token_ids]
+        tokens.append(allowed[(7 * j) % len(allowed)])
+        assert not walk.advance("w", tokens[-1])
+    masks.append(walk.fill(["w"], 1)[0].copy())
+    bad = next(t for t in range(cfg.vocab_size) if not _allows(masks[3], t))
+    m = StructuredOutputManager(compiler, max_rows=4)
+    m.add("t", grammar)
+    assert m.allowed_drafts("t", tokens) == 5
+    assert m.allowed_drafts("t", tokens[:3] + [bad, tokens[4]]) == 3
+    bitmask = m.fill_drafts([("t", 2, tokens[:3]), ("nobody", 0, [1, 2])], num_rows=8)
+    for j in range(4):
+        np.testing.assert_array_equal(bitmask[2 + j], masks[j])
+    assert (bitmask[[0, 1, 6, 7]] == -1).all()
+    full = m.fill_drafts([("t", 0, tokens)], num_rows=6)
+    np.testing.assert_array_equal(full, np.stack(masks))
+    np.testing.assert_array_equal(m.fill(["t"], 1)[0], masks[0])  # left where it was
+    start = (tokens[0], tokens[1])  # any two ids stand in for the end of a reasoning block
+    m.add("s", StructuredOutput("regex", grammar.spec, start_after=start))
+    drafts = [tokens[2], *start, tokens[0], tokens[1]]
+    assert m.allowed_drafts("s", drafts) == 3
+    bitmask = m.fill_drafts([("s", 1, drafts[:3])], num_rows=6)
+    assert (bitmask[[0, 1, 2, 3, 5]] == -1).all()
+    np.testing.assert_array_equal(bitmask[4], masks[0])
+    assert m.fill_drafts([("s", 1, drafts[:2])], num_rows=6) is None

@@ -4,7 +4,8 @@ TP=2 on simulated CPU devices (a subprocess: the device count must not leak), de
 Qwen3.5 GDN hybrid: the verify executables are sharded like the plain steps (parameters and caches
 in their shardings, host inputs replicated, caches returned in their layout), and the greedy
 output with drafts equals the one-device engine's without speculation, token for token, under
-chunked prefill, preemption and prefix hits. The reference is independent of the code under test:
+chunked prefill, preemption and prefix hits, and for requests under a grammar, a logit bias and
+a `min_tokens` ban (the masked and per-row-feature verify variants on the mesh). The reference is independent of the code under test:
 an engine with `speculative_config` off and no mesh. Drafts come from the reference continuation
 with one draft spoiled (`OracleDrafts`, tests/test_spec_decode_gdn.py), so accepted counts cycle
 through 0 .. k whatever the tiny random model says.
@@ -53,6 +54,17 @@ for tag in ("g", "h"):  # the second round: the same prompts, prefix hits
     for r in reqs:
         oracle.add(r.prompt_token_ids, ref[r.request_id])
     got.update(serve(spec, reqs))
+# under a grammar (masked verify rows) and with a logit bias and a min_tokens ban (per-row features)
+from runtime.types import EngineRequest, SamplingParams, StructuredOutput
+g = dict(max_tokens=16, temperature=0.0)
+first = ref["g0"]
+extra = [EngineRequest("x0", tok.encode(PROMPTS[0]), SamplingParams(**g, structured_output=StructuredOutput("regex", r"( ?[a-d])+"))),
+         EngineRequest("x1", tok.encode(PROMPTS[1]), SamplingParams(**g, logit_bias={first[2]: -100.0})),
+         EngineRequest("x2", tok.encode(PROMPTS[2]), SamplingParams(**g, min_tokens=10, stop_token_ids=[first[1]]))]
+ref.update(serve(off, extra))
+for r in extra:
+    oracle.add(r.prompt_token_ids, ref[r.request_id])
+got.update(serve(spec, extra))
 cache = spec.caches["kv"][0] if spec.caches["kv"][0] is not None else spec.caches["rec"][0]
 keys = list(spec.speculator.verify.executables)
 print("REPORT " + json.dumps({"got": got, "ref": ref, "stats": spec.stats(), "tp": spec.opts.tp is not None,

@@ -9,10 +9,10 @@ the accepted tokens recorded after it. Built with the engine (`build_speculator`
 A request drafts when its next token is what the verify sampler computes: logprobs (each
 accepted token's raw logprobs from its own verify row), penalties (repetition, frequency,
 presence: each verify row counts the output so far plus the drafts before it, the tokens a plain
-step would have counted) and grammars (each verify row masked by the grammar's state after the
-drafts before it; drafts past one the grammar rejects dropped) compose; logit bias, banned tokens
-(min_tokens) and prompt logprobs do not (those requests decode one token a step; a step carrying
-one verifies nothing). A step that may draft runs synchronously
+step would have counted), logit bias, `min_tokens` bans (while a row's output index is below
+min_tokens) and grammars (each verify row masked by the grammar's state after the drafts before
+it; drafts past one the grammar rejects dropped) compose; prompt logprobs do not (those requests
+decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
 (the engine settles the step in flight before drafting: drafts read the tokens so far, and a
 verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
@@ -51,17 +51,18 @@ def propose_mtp(req, k: int) -> list[int]:
 
 def can_draft(req) -> bool:
     """The verify step samples this request's tokens exactly as a plain step would: logprobs,
-    penalties (each verify row counts the drafts before it) and grammars (each verify row masked
-    by the grammar's state after the drafts before it) compose; logit bias, banned tokens and
-    prompt logprobs do not draft."""
-    p = req.params
-    return p.prompt_logprobs is None and not p.logit_bias and not req.banned_token_ids()
+    penalties (each verify row counts the drafts before it), logit bias, `min_tokens` bans (a
+    row's output index decides) and grammars (each verify row masked by the grammar's state
+    after the drafts before it) compose; prompt logprobs do not draft."""
+    return req.params.prompt_logprobs is None
 
 
-def penalty_ids(reqs, S: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(output_ids [S, Wo], prompt_ids [S, Wp]) of a verify step's sequences (-1 padded, widths as
-    the plain sampler's: runtime/steps/sampling_metadata.py), None when no request has a penalty."""
-    if all(_no_penalty(req.params) for req in reqs):
+def penalty_ids(reqs, S: int) -> tuple | None:
+    """The per-sequence sampling features of a verify step (`verify.verify_sample`: output_ids,
+    prompt_ids, banned_ids, min_tokens, logit bias ids and values; -1 padded, widths as the plain
+    sampler's: runtime/steps/sampling_metadata.py), None when no request has a penalty, a logit
+    bias or a ban."""
+    if all(_plain(req) for req in reqs):
         return None
     meta = SamplingMetadata.from_params(
         [r.params for r in reqs],
@@ -69,13 +70,25 @@ def penalty_ids(reqs, S: int) -> tuple[np.ndarray, np.ndarray] | None:
         [r.output_token_ids for r in reqs],
         [r.prompt_token_ids for r in reqs],
         pad_to=S,
+        banned_ids=[r.banned_token_ids() for r in reqs],
         row_params=False,
     )
-    return meta.output_ids, meta.prompt_ids
+    min_tokens = np.zeros(S, np.int32)
+    min_tokens[: len(reqs)] = [r.params.min_tokens for r in reqs]
+    return (
+        meta.output_ids,
+        meta.prompt_ids,
+        meta.banned_ids,
+        min_tokens,
+        meta.logit_bias_ids,
+        meta.logit_bias_values,
+    )
 
 
-def _no_penalty(p) -> bool:
-    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+def _plain(req) -> bool:
+    p = req.params
+    no_penalty = p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+    return no_penalty and not p.logit_bias and not req.banned_token_ids()
 
 
 def refusal(engine) -> str | None:

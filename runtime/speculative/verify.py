@@ -105,9 +105,12 @@ def verify_sample(
     num_speculative_tokens=0,
 ):
     """SamplerOutput [T]: the target's token at every verify row, each with its request's
-    parameters (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or (output_ids [S, Wo],
-    prompt_ids [S, Wp]) per sequence (-1 padded): a row's penalties count its sequence's output
-    plus the drafts before it (`earlier_drafts`), as a plain step after those tokens would.
+    parameters (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or the per-sequence
+    features (output_ids [S, Wo], prompt_ids [S, Wp], banned_ids [S, Wb], min_tokens [S],
+    logit_bias_ids [S, Wl], logit_bias_values [S, Wl]; ids -1 padded): a row's penalties count
+    its sequence's output plus the drafts before it (`earlier_drafts`), as a plain step after
+    those tokens would; its banned ids apply while its output index is below min_tokens; its
+    logit bias is its sequence's.
     `bitmask`: None, or [R, W] i32 grammar masks of the first R <= T rows (row v: the tokens its
     sequence's grammar allows after the drafts before it; the rows past R allow everything)."""
     T, S = verify.rows.shape[0], verify.num_draft.shape[0]
@@ -115,21 +118,25 @@ def verify_sample(
     table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
     fields = row_sampling(dataclasses.replace(table, step_rows=table_rows), T)
     empty = jnp.zeros((T, 0), jnp.int32)
-    output_ids = prompt_ids = empty
+    output_ids = prompt_ids = banned_ids = bias_ids = empty
+    bias_values = jnp.zeros((T, 0), jnp.float32)
     if penalty_ids is not None:
+        out_s, prompt_s, banned_s, min_tokens, bias_ids_s, bias_values_s = penalty_ids
         seq = jnp.clip(verify.seqs, 0, S - 1)
         output_ids = jnp.concatenate(
-            [penalty_ids[0][seq], earlier_drafts(verify, num_speculative_tokens)], axis=1
+            [out_s[seq], earlier_drafts(verify, num_speculative_tokens)], axis=1
         )  # [T, Wo + k]
-        prompt_ids = penalty_ids[1][seq]  # [T, Wp]
+        prompt_ids = prompt_s[seq]  # [T, Wp]
+        banned_ids = jnp.where((verify.steps < min_tokens[seq])[:, None], banned_s[seq], -1)  # [T, Wb]
+        bias_ids, bias_values = bias_ids_s[seq], bias_values_s[seq]  # [T, Wl]
     meta = SamplingMetadata(
         **fields,
         steps=verify.steps,
         output_ids=output_ids,
         prompt_ids=prompt_ids,
-        banned_ids=empty,
-        logit_bias_ids=empty,
-        logit_bias_values=jnp.zeros((T, 0), jnp.float32),
+        banned_ids=banned_ids,
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
     )
     logits = compute_logits(params, hidden, softcap)  # [T, V]
     if bitmask is not None and bitmask.shape[0] < T:
@@ -242,6 +249,17 @@ def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
     return batch, dataclasses.replace(verify, drafts=new), {**caches, "mtp": mtp}, drafts
 
 
+def _caches_first(fn):
+    """`fn` returning (caches, *rest) as (caches, rest): the shape the pinned outputs take."""
+
+    @functools.wraps(fn)
+    def split(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out[0], tuple(out[1:])
+
+    return split
+
+
 class VerifyExecutables:
     """`verify_backbone` compiled per token bucket, greedy or sampled, plain or "full" (penalty
     token ids at the engine's bounded widths and MAX_LOGPROBS alternatives: a step with a request
@@ -273,8 +291,11 @@ class VerifyExecutables:
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
         rep = self._replicated = ex._replicated
-        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep, rep, rep, rep)}
-        self._jitted = jax.jit(fn, donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned)
+        # (caches, the rest): one replicated sharding covers every other output, however many
+        pinned = {} if rep is None else {"out_shardings": (ex._cache_shardings, rep)}
+        self._jitted = jax.jit(
+            _caches_first(fn), donate_argnums=1, static_argnames=("all_greedy", "num_logprobs"), **pinned
+        )
         self._params_spec = jax.tree.map(ex._specs, ex.model.params)
         self._cache_spec = ex._cache_specs
         self.executables: dict[tuple, object] = {}
@@ -286,19 +307,22 @@ class VerifyExecutables:
         """Rows of a verify step's grammar bitmask in token bucket T: at most k + 1 per sequence."""
         return min(T, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
-    def _args_spec(self, T: int, widths: tuple[int, int] | None, mask_width: int = 0) -> tuple:
+    def _args_spec(self, T: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
         S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
         table = specs.table_spec(S, self.max_blocks_per_seq, rep)
         step = specs.table_step_spec(T, S, self.page_size, rep)
         row = specs.host_spec((T,), i32, rep)
         verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
-        penalty = None if widths is None else tuple(specs.host_spec((S, w), i32, rep) for w in widths)
+        penalty = None
+        if widths is not None:  # (output_ids, prompt_ids, banned_ids, min_tokens, bias ids, bias values)
+            wo, wp, wb, wl = widths
+            ids = [specs.host_spec((S, w), i32, rep) for w in (wo, wp, wb)]
+            bias = [specs.host_spec((S, wl), i32, rep), specs.host_spec((S, wl), jnp.float32, rep)]
+            penalty = (*ids, specs.host_spec((S,), i32, rep), *bias)
         mask = specs.host_spec((self.mask_rows(T), mask_width), i32, rep) if mask_width else None
         return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32, rep), verify, penalty, mask
 
-    def compile(
-        self, T: int, all_greedy: bool, widths: tuple[int, int] | None = None, num_logprobs: int = 0, mask_width=0
-    ):
+    def compile(self, T: int, all_greedy: bool, widths: tuple | None = None, num_logprobs: int = 0, mask_width=0):
         key = (T, all_greedy, widths, num_logprobs, mask_width)
         full = widths is not None or num_logprobs
         if self.sealed and (self._full_sealed or not full) and (self._mask_sealed or not mask_width):
@@ -313,10 +337,11 @@ class VerifyExecutables:
         self.executables[key] = exe
         return exe
 
-    def full_variant(self) -> tuple[tuple[int, int] | None, int]:
-        """(penalty widths, logprobs) of the bounded full variant (None widths: unbounded engine)."""
+    def full_variant(self) -> tuple[tuple[int, int, int, int] | None, int]:
+        """(feature widths: output, prompt, banned, logit bias; logprobs) of the bounded full
+        variant (None widths: unbounded engine)."""
         w = self.full_widths
-        return (None if w is None else (w.output_ids, w.prompt_ids)), MAX_LOGPROBS
+        return (None if w is None else (w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias)), MAX_LOGPROBS
 
     def compile_all(self, every_variant: bool = False, mask_width: int = 0) -> None:
         """Every token bucket, greedy and sampled, and with `every_variant` (bounded widths) the
@@ -350,8 +375,8 @@ class VerifyExecutables:
         num_logprobs=0,
         bitmask=None,
     ):
-        """`penalty`: None or (output_ids [S, Wo], prompt_ids [S, Wp]) host arrays; with bounded
-        widths a step using penalties or logprobs runs the full variant (padded here). `bitmask`:
+        """`penalty`: None or the per-sequence features of `verify_sample` (host arrays); with
+        bounded widths a step using them or logprobs runs the full variant (padded here). `bitmask`:
         None or the grammar masks [mask_rows(T), W] (a masked variant)."""
         T = step.host_tokens.shape[0]
         if T not in self.token_buckets:
@@ -359,15 +384,27 @@ class VerifyExecutables:
         widths, full_n = self.full_variant()
         if widths is not None and (penalty is not None or num_logprobs):
             S = self.max_num_seqs
-            penalty = tuple(
-                np.pad(a, ((0, 0), (0, w - a.shape[1])), constant_values=-1)
-                for a, w in zip(penalty if penalty is not None else (np.zeros((S, 0), np.int32),) * 2, widths)
+            if penalty is None:
+                z = np.zeros((S, 0), np.int32)
+                penalty = (z, z, z, np.zeros(S, np.int32), z, np.zeros((S, 0), np.float32))
+            out_ids, prompt_ids, banned, min_tokens, bias_ids, bias_values = penalty
+            wo, wp, wb, wl = widths
+            pad = lambda a, w, fill=-1: np.pad(a, ((0, 0), (0, w - a.shape[1])), constant_values=fill)
+            penalty = (
+                pad(out_ids, wo),
+                pad(prompt_ids, wp),
+                pad(banned, wb),
+                min_tokens,
+                pad(bias_ids, wl),
+                pad(bias_values, wl, 0.0),
             )
             num_logprobs = full_n
         mask_width = 0 if bitmask is None else bitmask.shape[1]
-        key = (T, all_greedy, None if penalty is None else tuple(a.shape[1] for a in penalty), num_logprobs, mask_width)
+        widths = None if penalty is None else tuple(penalty[i].shape[1] for i in (0, 1, 2, 4))
+        key = (T, all_greedy, widths, num_logprobs, mask_width)
         exe = self.executables.get(key)
         if exe is None:
             log.info("compiling verify%s (not compiled ahead of time)", list(key))
             exe = self.compile(*key)
-        return exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)
+        caches, rest = exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)
+        return (caches, *rest)
