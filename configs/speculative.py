@@ -16,11 +16,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "mtp")  # built
-PLANNED_METHODS = {
-    "draft_model": "a separate draft model is not supported yet (issue 35)",
+METHODS = ("ngram", "mtp", "draft_model")  # built
+PLANNED_METHODS: dict[str, str] = {}
+FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    "model",
+)
+# vLLM's fields we do not build yet, refused by name (a value equal to the default passes)
+REFUSED_FIELDS = {
+    "draft_tensor_parallel_size": (1, "the draft model runs unsharded (no mesh) for now"),
+    "quantization": (None, "the draft model is not quantized"),
+    "revision": (None, "the draft model is a local checkpoint path"),
 }
-FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 16
 AUTO = "auto"  # disable_by_batch_size's default: the execution plan picks it per backend
 
@@ -28,7 +39,8 @@ AUTO = "auto"  # disable_by_batch_size's default: the execution plan picks it pe
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: how drafts are made ("ngram": prompt lookup over the prompt and the output so far;
-    "mtp": the checkpoint's own MTP layer, Qwen3.5 / Qwen3-Next, models/mtp.py);
+    "mtp": the checkpoint's own MTP layer, Qwen3.5 / Qwen3-Next, models/mtp.py; "draft_model": the
+    checkpoint at `model`, a smaller model sharing the tokenizer, models/draft_model.py);
     num_speculative_tokens: drafted tokens per step and request (k: the step verifies k + 1 rows);
     prompt_lookup_min / _max: the n-gram lengths matched, longest first; disable_by_batch_size: no
     drafts in a step while more decoding requests than this are running (vLLM's field; None: always
@@ -40,6 +52,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | str | None = AUTO
+    model: str | None = None
 
     def __post_init__(self):
         check_fields(self.__dict__)
@@ -61,6 +74,13 @@ def check_fields(raw: Mapping[str, Any]) -> None:
     if method not in METHODS:
         known = ", ".join(METHODS + tuple(PLANNED_METHODS))
         raise ValueError(f"speculative_config.method: unknown method {method!r} (known: {known})")
+    model = raw.get("model")
+    if method == "draft_model" and not model:
+        raise ValueError("speculative_config.model: method 'draft_model' needs the draft checkpoint's path")
+    if method != "draft_model" and model is not None:
+        raise ValueError(f"speculative_config.model: only for method 'draft_model', not {method!r}")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"speculative_config.model: must be a path string, got {model!r}")
     _int_field(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     _int_field(raw, "prompt_lookup_min", 1, 1024)
     _int_field(raw, "prompt_lookup_max", 1, 1024)
@@ -85,6 +105,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
             raise ValueError(f"speculative_config: not a JSON object: {err}") from None
     if not isinstance(value, Mapping):
         raise ValueError(f"speculative_config: must be a mapping, got {type(value).__name__}")
+    for name, (default, why) in REFUSED_FIELDS.items():
+        if name in value and value[name] != default:
+            raise ValueError(f"speculative_config.{name}: not supported yet ({why})")
+    value = {k: v for k, v in value.items() if k not in REFUSED_FIELDS}
     unknown = sorted(set(value) - set(FIELDS))
     if unknown:
         raise ValueError(f"speculative_config: unknown field(s) {unknown} (known: {', '.join(FIELDS)})")

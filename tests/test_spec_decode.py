@@ -78,7 +78,12 @@ def test_config_parsing_and_refusals():
     assert parse_speculative_config('{"method": "ngram"}') == SpeculativeConfig()
     assert EngineConfig(model="m", speculative_config=SPEC).speculative_config.num_speculative_tokens == 3
     cases = {
-        "draft": ({"method": "draft_model"}, "'draft_model' is not built yet"),
+        "draft": ({"method": "draft_model"}, "method 'draft_model' needs the draft checkpoint's path"),
+        "draft_tp": (
+            {"method": "draft_model", "model": "d", "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size: not supported yet",
+        ),
+        "model_field": ({"method": "ngram", "model": "d"}, "model: only for method 'draft_model'"),
         "unknown": ({"method": "eagle"}, "unknown method 'eagle'"),
         "k": ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be in [1, 16]"),
         "order": ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds prompt_lookup_max"),

@@ -10,6 +10,7 @@ functions carry them out in the order the engine needs them, before any cache ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from models.cache_formats import on_tpu
 from models.config import ConfigError
+from models.draft_model import draft_params_like, forward_with_draft, init_draft_caches, load_draft
 from models.mla_split import check_split
 from models.model import Model, load_model, resolve_kv_dtype
 from models.mtp import init_mtp_caches, load_mtp_params, mtp_refusal
@@ -98,6 +100,12 @@ def prepare_model(
         if why is not None:
             raise ValueError(f"speculative_config: {why}")
         loaded.params = {**loaded.params, "mtp": load_mtp_params(loaded.cfg, loaded.path, loaded.dtype)}
+    if spec is not None and spec.method == "draft_model":  # a second, smaller model (models/draft_model.py)
+        if mesh is not None or loaded.tp is not None:
+            raise ValueError("speculative_config: method 'draft_model' under a mesh is not supported yet")
+        draft = load_draft(spec.model, loaded, config.dtype)
+        loaded.draft = draft
+        loaded.params = {**loaded.params, "draft": draft_params_like(draft, plan)}
     return loaded, plan
 
 
@@ -232,6 +240,12 @@ def build_step_parts(
         config, model, max_blocks_per_seq, dp_size, window
     )
     refuse_host_tier(config, dp_size, window)
+    drafting = getattr(model, "draft", None) is not None and "draft" in model.params
+    if drafting and (dp_size > 1 or config.kv_transfer is not None or config.kv_offloading_size):
+        raise ValueError(
+            "speculative_config: method 'draft_model' does not support attention data parallelism, a P/D role "
+            "(kv_transfer) or the host-memory tier (kv_offloading_size) yet: their pages carry no draft K/V"
+        )
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
     scheduler_config = config.scheduler_config(max_model_len)
@@ -277,6 +291,12 @@ def build_step_parts(
             resolve_kv_dtype(config.kv_cache_dtype, model.dtype),
             plan.kv_bit_storage,
         )
+    forward_fn = {}
+    if drafting:  # the draft model's KV pools, the same page ids as the target's
+        caches["draft"] = init_draft_caches(
+            model.draft, cache_config.num_pages, config.page_size, config.kv_cache_dtype, plan.kv_bit_storage
+        )
+        forward_fn = {"forward_fn": functools.partial(forward_with_draft, draft_cfg=model.draft.cfg)}
     executables = StepExecutables(
         model,
         caches,
@@ -290,6 +310,7 @@ def build_step_parts(
         max_model_len=max_model_len,
         page_size=config.page_size,
         window_paging=window is not None,
+        **forward_fn,
     )
     window_columns = None if window is None else max_blocks_per_seq
     request_table = RequestTableHost(

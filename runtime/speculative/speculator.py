@@ -123,6 +123,10 @@ def build_speculator(engine) -> Speculator | None:
     mtp = config.method == "mtp"
     if mtp and "mtp" not in engine.caches:
         raise ValueError("speculative_config: method 'mtp' found no MTP caches (a mesh or attention DP build)")
+    if config.method == "draft_model":
+        if "draft" not in engine.caches:
+            raise ValueError("speculative_config: method 'draft_model' found no draft caches (a mesh or DP build)")
+        mtp = "draft_model"
     verify = VerifyExecutables(
         engine.executables,
         engine.caches,
@@ -184,7 +188,7 @@ class Speculator:
         crowded = self.crowded(sum(decoding))
         self.num_crowded_steps += bool(crowded)
         for req, decodes in zip(running, decoding):
-            if decodes and not crowded and can_draft(req) and c.method == "mtp":
+            if decodes and not crowded and can_draft(req) and c.method in ("mtp", "draft_model"):
                 # the MTP's drafts are made on the device, after the grammar masks: grammars draft no MTP tokens
                 mtp = req.params.structured_output is None
                 req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens) if mtp else []

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from models import draft_model
 from models.gdn_replay import replay
 from models.mtp import draft, keep_accepted
 from models.transformer import compute_logits
@@ -181,7 +182,7 @@ def verify_backbone(
     into it after acceptance."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
     drafted = None
-    if drafter is not None:  # MTP: the drafts made here, on the device (models/mtp.py)
+    if drafter is not None:  # MTP or a draft model: the drafts made here, on the device
         batch, verify, caches, drafted = fill_drafts(drafter, params, caches, batch, verify, num_speculative_tokens)
     batch = dataclasses.replace(batch, logits_indices=verify.rows)
     if gdn_replay is not None:
@@ -223,16 +224,16 @@ def verify_backbone(
 
 
 def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
-    """The MTP drafts each drafting sequence's k tokens from its last token (its verify row at
-    offset 0); they replace the placeholder drafts (`MTP_DRAFT`) in the verify rows and in the token
-    rows after them. -> (batch, verify, caches, drafts [S, k])."""
-    S = verify.num_draft.shape[0]
+    """The MTP (or the draft model: caches["draft"]) drafts each drafting sequence's k tokens from
+    its last token (its verify row at offset 0); they replace the placeholder drafts (`MTP_DRAFT`)
+    in the verify rows and in the token rows after them. -> (batch, verify, caches, drafts [S, k])."""
+    S, key = verify.num_draft.shape[0], "mtp" if "mtp" in caches else "draft"
     head = spec_rows(verify, k + 1)[:, 0]  # [S] the last real token's row, -1: not in the step
     valid = (verify.num_draft > 0) & (head >= 0)
     row = jnp.maximum(head, 0)
-    drafts, mtp = drafter(
+    drafts, cache = drafter(
         params,
-        caches["mtp"],
+        caches[key],
         batch.input_ids[row],
         batch.positions[row],
         batch.state_slot_ids,
@@ -246,7 +247,13 @@ def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
     T = batch.input_ids.shape[0]
     input_ids = batch.input_ids.at[jnp.where(fill, verify.rows + 1, T)].set(new, mode="drop")
     batch = dataclasses.replace(batch, input_ids=input_ids)
-    return batch, dataclasses.replace(verify, drafts=new), {**caches, "mtp": mtp}, drafts
+    return batch, dataclasses.replace(verify, drafts=new), {**caches, key: cache}, drafts
+
+
+def _drafter(ex, mtp):
+    if mtp == "draft_model":
+        return functools.partial(draft_model.draft, draft_cfg=ex.model.draft.cfg, opts=ex.opts)
+    return functools.partial(draft, cfg=ex.model.cfg, opts=ex.opts) if mtp else None
 
 
 def _caches_first(fn):
@@ -269,7 +276,8 @@ class VerifyExecutables:
         self, executables, caches, token_buckets: tuple[int, ...], max_top_k: int, num_speculative_tokens=0, mtp=False
     ):
         """`num_speculative_tokens`: the most drafts per sequence (k); a GDN hybrid's replay stashes k + 1 rows.
-        `mtp`: the model's MTP layer drafts inside the step (`fill_drafts`)."""
+        `mtp`: the model's MTP layer drafts inside the step (`fill_drafts`); "draft_model": the draft
+        model (`ex.model.draft`, models/draft_model.py) does."""
         ex = executables
         self.max_num_seqs, self.max_blocks_per_seq, self.page_size = (
             ex.max_num_seqs,
@@ -286,7 +294,7 @@ class VerifyExecutables:
             softcap=ex.model.cfg.final_logit_softcapping,
             gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
-            drafter=functools.partial(draft, cfg=ex.model.cfg, opts=ex.opts) if mtp else None,
+            drafter=_drafter(ex, mtp),
         )
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).

@@ -148,6 +148,8 @@ def copy_states(caches, src, dst, n, *, num_groups: int):
         return lax.fori_loop(0, n, one, per_layer).reshape(a.shape)
 
     out = {"kv": caches["kv"], "conv": tuple(map(copy, caches["conv"])), "rec": tuple(map(copy, caches["rec"]))}
+    if "draft" in caches:  # a draft model's KV pools (models/draft_model.py): pages, not slots
+        out["draft"] = caches["draft"]
     if "mtp" in caches:  # the MTP carry travels with the state (models/mtp.py)
         hidden = caches["mtp"]["hidden"]
         one = lambda i, x: lax.dynamic_update_slice_in_dim(x, lax.dynamic_slice_in_dim(x, src[i], 1), dst[i], axis=0)

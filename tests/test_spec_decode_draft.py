@@ -1,0 +1,153 @@
+"""`speculative_config.method: draft_model` (models/draft_model.py): a second, smaller model with
+the target's tokenizer drafts k tokens inside the verify step; its KV pages share the target's ids.
+
+Greedy output equals no speculation and HF on a tiny Llama target with (a) its own checkpoint as
+the draft (every draft accepted) and (b) a different random tiny Llama (drafts mostly rejected),
+under chunked prefill, preemption and prefix hits; a Qwen3.5 (GDN hybrid) target with a tiny Llama
+draft equals no speculation; unsupported drafts and combinations are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from engine_testing import drain
+from hf_reference import assert_greedy_match, hf_greedy
+from test_engine_hf import assert_all_free
+from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests
+
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine_config import EngineConfig
+
+K = 3
+
+
+def _spec(draft_path):
+    return {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": K}
+
+
+def _engine(path, spec, **overrides):
+    config = dict(
+        aot_compile=False,
+        model=str(path),
+        dtype="float32",
+        page_size=4,
+        num_pages=64,  # small: the batch below preempts
+        max_num_seqs=8,
+        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
+        max_model_len=128,
+        token_buckets=(8, 16, 32),
+        enable_prefix_caching=True,
+        speculative_config=spec,
+    )
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory):
+    """A different random tiny Llama (one layer, another seed), the same tokenizer and vocab."""
+    from models.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint("llama", tmp_path_factory.mktemp("draft") / "ckpt", seed=5, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tiny_checkpoint, other_llama):
+    """(target without speculation, drafting with itself, drafting with `other_llama`)."""
+    path = tiny_checkpoint("llama")
+    return _engine(path, None), _engine(path, _spec(path)), _engine(path, _spec(other_llama))
+
+
+def _serve(engine, requests):
+    for request in requests:
+        engine.add_request(request)
+    done = drain(engine)
+    assert_all_free(engine)
+    return {rid: out.outputs[0] for rid, out in done.items()}
+
+
+def _counts(engine, before):
+    stats = engine.stats()
+    keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_preemptions")
+    return stats, [stats[k] - before[k] for k in keys]
+
+
+def _check_equal(got, ref):
+    assert set(got) == set(ref)
+    for rid, out in got.items():
+        want = ref[rid]
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
+        assert len(out.token_ids) == NUM_TOKENS
+
+
+def _rounds(spec, off):
+    """Two rounds of the greedy batch (the second hits the prefix cache): outputs and counters."""
+    before = spec.stats()
+    got, ref = {}, {}
+    for tag in ("g", "h"):
+        requests = _greedy_requests(spec.tokenizer, tag)
+        got.update(_serve(spec, requests))
+        ref.update(_serve(off, requests))
+    return got, ref, before
+
+
+def test_same_checkpoint_draft_all_accepted(llama_engines, hf_model):
+    """The target as its own draft: every draft accepted; output equals no speculation and HF
+    (chunked prefill, preemption, prefix hits)."""
+    off, same, _ = llama_engines
+    got, ref, before = _rounds(same, off)
+    stats, (drafted, accepted, preempted) = _counts(same, before)
+    assert drafted > 0 and accepted == drafted, stats
+    assert preempted > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+    _check_equal(got, ref)
+    hf = hf_model("llama")
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected, scores = hf_greedy(hf, same.tokenizer.encode(prompt), NUM_TOKENS)
+        assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"llama {prompt!r}")
+
+
+def test_other_draft_rejected_output_unchanged(llama_engines, hf_model):
+    """A different random Llama drafts: most drafts rejected, output still equals no speculation and HF."""
+    off, _, other = llama_engines
+    got, ref, before = _rounds(other, off)
+    stats, (drafted, accepted, _) = _counts(other, before)
+    assert drafted > 0 and accepted < drafted // 2, stats
+    _check_equal(got, ref)
+    hf = hf_model("llama")
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected, scores = hf_greedy(hf, other.tokenizer.encode(prompt), NUM_TOKENS)
+        assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"llama {prompt!r}")
+
+
+@pytest.mark.slow
+def test_hybrid_target_with_llama_draft(tiny_checkpoint, other_llama):
+    """A Qwen3.5 (GDN hybrid) target drafted by a tiny Llama with the same vocab: greedy output
+    equals no speculation (the target replays its GDN state over the accepted drafts)."""
+    path = tiny_checkpoint("qwen3_5")
+    spec, off = _engine(path, _spec(other_llama)), _engine(path, None)
+    got, ref, before = _rounds(spec, off)
+    stats, (drafted, accepted, _) = _counts(spec, before)
+    assert drafted > 0 and accepted < drafted, stats
+    _check_equal(got, ref)
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+def test_refusals(tiny_checkpoint, tmp_path):
+    """Start-up refusals, by name: another vocab size, a recurrent (GDN) draft, draft TP, the host tier."""
+    llama = tiny_checkpoint("llama")
+    wide = tmp_path / "wide"
+    shutil.copytree(llama, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(
+        json.dumps({**config, "vocab_size": config["vocab_size"] + 1})
+    )  # before its weights
+    with pytest.raises(ValueError, match=r"speculative_config: the draft model's vocab_size \(\d+"):
+        _engine(llama, _spec(wide))
+    with pytest.raises(ValueError, match="must be attention-only"):
+        _engine(llama, _spec(tiny_checkpoint("qwen3_5")))
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size: not supported yet"):
+        _engine(llama, {**_spec(llama), "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="'draft_model' does not support .* the host-memory tier"):
+        _engine(llama, _spec(llama), kv_offloading_size=0.01)
