@@ -6,6 +6,14 @@ hybrid on mesh (data 2, model 1), each rank's device pool far too small for its 
 (13 pages, 2 running sequences per rank), serves a multi-turn chat with a shared system prompt;
 every output equals a single-device engine with prefix caching off, both ranks' host tiers are hit,
 each holds its share of cache.kv_offloading_size, and nothing leaks.
+
+P/D (`slow`; in one process, an in-process connector as tests/test_kv_transfer.py's plugin): a prefill-
+and a decode-role engine, both with a host tier and pools too small to keep a conversation, serve
+turn 1 through P/D. The decode instance's pulled pages (and the GDN checkpoint its decode steps
+keep past them) enter its prefix cache; filler traffic evicts them to host on both sides. Turn 2
+through P/D hits the prefill instance's host tier, and turn 2 sent straight to the decode instance
+(a local prefill there) hits the decode instance's host tier past the pulled pages; every output
+equals a colocated engine with prefix caching off.
 """
 
 from __future__ import annotations
@@ -17,7 +25,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+from engine_testing import drain
+
+from paged_kv import CacheManager
+from runtime.engine_config import EngineConfig, KVTransferConfig
+from runtime.kv_transfer import KV_CONNECTORS
+from runtime.kv_transfer.base import KVConnector, PullResult
+from runtime.types import EngineRequest, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,3 +128,107 @@ def test_data_parallel_ranks_each_keep_a_host_tier(dp_report):
     assert s["host_cache_hits"] == sum(r["host_hits"]) and s["host_cache_capacity_bytes"] == 2 * share
     assert [s["dp_rank0_host_cache_hits"], s["dp_rank1_host_cache_hits"]] == r["host_hits"]
     assert s["pages_used"] == 0 and s["slots_used"] == 0, s  # nothing leaked on either rank
+
+
+# ---- P/D ------------------------------------------------------------------------------------------
+class InProcessConnector(KVConnector):
+    """Offered arrays wait in a dict; a pull takes them (once)."""
+
+    store: dict = {}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._done = []
+
+    def offer(self, arrays, descriptor):
+        transfer_id = str(len(self.store) + 1)
+        self.store[transfer_id] = arrays
+        return {"transfer_id": transfer_id, "descriptor": descriptor}
+
+    def start_pull(self, key, params, descriptor, specs):
+        import jax
+
+        arrays = self.store.pop(params["transfer_id"])
+        self._done.append(PullResult(key, arrays=[jax.device_put(a, s.sharding) for a, s in zip(arrays, specs)]))
+
+    def poll(self):
+        done, self._done = self._done, []
+        return done
+
+    def cancel(self, key):
+        pass
+
+
+PS = 8
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pd_engines(tiny_checkpoint):
+    from runtime.engine.llm_engine import LLMEngine
+
+    KV_CONNECTORS.register("host_tier_test_inproc", InProcessConnector)
+
+    def config(**kw):
+        return EngineConfig(
+            aot_compile=False,
+            model=str(tiny_checkpoint("qwen3_5")),
+            dtype="float32",
+            page_size=PS,
+            num_pages=14,
+            num_state_slots=5,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            load_tokenizer=False,
+            **kw,
+        )
+
+    def role(name):
+        return config(kv_transfer=KVTransferConfig(role=name, connector="host_tier_test_inproc"), kv_offloading_size=0.01)
+
+    yield LLMEngine(role("prefill")), LLMEngine(role("decode")), LLMEngine(config(enable_prefix_caching=False))
+    KV_CONNECTORS._targets.pop("host_tier_test_inproc", None)
+
+
+def _run(engine, rid, prompt, params=None):
+    engine.add_request(EngineRequest(rid, prompt, GREEDY, kv_transfer_params=params))
+    return drain(engine)[rid]
+
+
+@pytest.mark.slow  # three engines (~80 s on 2 busy cores)
+def test_pd_instances_keep_pulled_state_on_host_and_hit_it(pd_engines):
+    prefill, decode, colocated = pd_engines
+    rng = np.random.default_rng(3)
+    draw = lambda n: rng.integers(3, decode.model.cfg.vocab_size, size=n).tolist()
+
+    def through_pd(rid, prompt):
+        params = _run(prefill, f"p-{rid}", prompt, {"do_remote_decode": True}).kv_transfer_params
+        assert params is not None and params["descriptor"]["num_tokens"] == len(prompt) - 1
+        return _run(decode, rid, prompt, params).outputs[0].token_ids
+
+    turn1 = draw(4 * PS + 1)  # 32 tokens pulled (4 pages); decode passes boundary 40
+    got = through_pd("t1", turn1)
+    assert got == _run(colocated, "t1", turn1).outputs[0].token_ids
+    cache, p_cache = decode.scheduler.cache, prefill.scheduler.cache
+    on_device = lambda c, tokens: CacheManager.lookup_prefix(c, tokens).num_tokens  # read-only: no host loads
+    turn2 = turn1 + got + draw(5)
+    assert on_device(cache, turn2) == 5 * PS  # pulled pages + the decode-time checkpoint
+    for i in range(8):  # other conversations push turn 1 out of both device pools
+        _run(decode, f"fill-d{i}", draw(6 * PS))
+        _run(prefill, f"fill-p{i}", draw(6 * PS))
+    assert on_device(cache, turn2) < 5 * PS  # gone from the device ...
+    assert cache.hit_tokens(turn2) == 5 * PS  # ... kept on host
+    assert on_device(p_cache, turn2) < 4 * PS and p_cache.hit_tokens(turn2) >= 4 * PS
+    hits = (prefill.stats()["host_cache_hits"], decode.stats()["host_cache_hits"])
+    want = _run(colocated, "t2", turn2).outputs[0].token_ids
+    assert through_pd("t2", turn2) == want  # the prefill instance's host tier serves turn 2's prefix
+    assert prefill.stats()["host_cache_hits"] > hits[0]
+    local = _run(decode, "t2-local", turn2)  # straight to the decode instance: its own host tier
+    assert local.outputs[0].token_ids == want and local.num_cached_tokens == 5 * PS
+    assert decode.stats()["host_cache_hits"] > hits[1]
+    for engine in (prefill, decode):
+        engine.scheduler.check_invariants()
+        stats = engine.stats()
+        assert stats["pages_used"] == 0 and stats["slots_used"] == 0, stats
+        assert stats["host_cache_bytes"] <= stats["host_cache_capacity_bytes"]

@@ -183,7 +183,6 @@ def refuse_host_tier(config, window: int | None) -> None:
         return
     why = [
         (not config.enable_prefix_caching, "needs cache.enable_prefix_caching"),
-        (config.kv_transfer is not None, "does not support a P/D role (kv_transfer) yet"),
         (window is not None, "does not support window-aware paging yet (set cache.window_paging: false)"),
     ]
     for refused, reason in why:
