@@ -18,6 +18,7 @@ equals a colocated engine with prefix caching off.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -131,24 +132,26 @@ def test_data_parallel_ranks_each_keep_a_host_tier(dp_report):
 
 
 # ---- P/D ------------------------------------------------------------------------------------------
+OFFERED: dict[str, list] = {}
+TRANSFER_IDS = itertools.count(1)
+
+
 class InProcessConnector(KVConnector):
     """Offered arrays wait in a dict; a pull takes them (once)."""
-
-    store: dict = {}
 
     def __init__(self, config):
         super().__init__(config)
         self._done = []
 
     def offer(self, arrays, descriptor):
-        transfer_id = str(len(self.store) + 1)
-        self.store[transfer_id] = arrays
+        transfer_id = str(next(TRANSFER_IDS))
+        OFFERED[transfer_id] = arrays
         return {"transfer_id": transfer_id, "descriptor": descriptor}
 
     def start_pull(self, key, params, descriptor, specs):
         import jax
 
-        arrays = self.store.pop(params["transfer_id"])
+        arrays = OFFERED.pop(params["transfer_id"])
         self._done.append(PullResult(key, arrays=[jax.device_put(a, s.sharding) for a, s in zip(arrays, specs)]))
 
     def poll(self):
@@ -185,7 +188,9 @@ def pd_engines(tiny_checkpoint):
         )
 
     def role(name):
-        return config(kv_transfer=KVTransferConfig(role=name, connector="host_tier_test_inproc"), kv_offloading_size=0.01)
+        return config(
+            kv_transfer=KVTransferConfig(role=name, connector="host_tier_test_inproc"), kv_offloading_size=0.01
+        )
 
     yield LLMEngine(role("prefill")), LLMEngine(role("decode")), LLMEngine(config(enable_prefix_caching=False))
     KV_CONNECTORS._targets.pop("host_tier_test_inproc", None)
