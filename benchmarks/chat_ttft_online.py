@@ -42,11 +42,12 @@ def _serve(checkpoint: str, args, extra: list[str]) -> Process:
         "cache.page_size": args.page_size,
         "cache.num_pages": args.num_pages,
         "server.port": 0,
+        "model.served_model_name": "m",
     }
     argv = ["serve", checkpoint]
     for key, value in flags.items():
         argv += ["--set", f"{key}={value}"]
-    return Process("serve", argv + extra + ["--log-level", "WARNING"], timeout_s=600)
+    return Process("serve", argv + extra + ["--log-level", "INFO"], timeout_s=600)
 
 
 def _stream_ttft(client, prompt: list[int], max_tokens: int) -> tuple[float, str]:
