@@ -162,6 +162,10 @@ class CacheManager:
         hit = (len(pages) * self.page_size, tuple(pages), checkpoint_slot, tuple(hashes), kv_num_tokens, window_pages)
         return PrefixHit(*hit)
 
+    def hit_tokens(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+        """Tokens `lookup_prefix` would hit, read-only (a tiered manager counts its host tier too)."""
+        return self.lookup_prefix(token_ids, extra_keys).num_tokens
+
     # ---- allocation -------------------------------------------------------------------
     def _num_obtainable_pages(self, excluding_hits: Sequence[int] = ()) -> int:
         evictable_hits = sum(1 for page in excluding_hits if page in self.page_index.evictable)

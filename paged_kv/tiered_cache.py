@@ -197,6 +197,19 @@ class TieredCacheManager(CacheManager):
             keys.append((STATE, hashes[-1]))
         return sum(self.host.nbytes(key) for key in keys)
 
+    def hit_tokens(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+        """Tokens a lookup would hit over both tiers, read-only (nothing materialized): attention
+        DP's placement asks every rank (runtime/scheduling/dp_scheduler.py)."""
+        hit = super().lookup_prefix(token_ids, extra_keys)
+        hashes, depth = hit.block_hashes, 0
+        while depth < len(hashes) and (
+            self.page_index.get(hashes[depth]) is not None or (KV, hashes[depth]) in self.host
+        ):
+            depth += 1
+        while self.slots is not None and depth and not self._has_checkpoint(hashes[depth - 1]):
+            depth -= 1
+        return max(hit.num_tokens, depth * self.page_size)
+
     def allocate(self, *args, **kwargs):
         """`CacheManager.allocate`, or None (wait) right after a lookup whose host hit found no room:
         a chunk of recompute would fit now, but the hit is worth more once running requests finish."""

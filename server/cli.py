@@ -290,6 +290,13 @@ def _parser() -> argparse.ArgumentParser:
                 "state_bytes, weight_bytes, each executable's memory and cost, the roofline, the "
                 "state-slot budget); the table stays on stdout",
             )
+            sub.add_argument(
+                "--host-ram",
+                type=float,
+                default=None,
+                metavar="GIB",
+                help="the host's memory in GiB: the host tier (cache.kv_offloading_size) must fit in it",
+            )
         if name == "serve":
             sub.add_argument(
                 "--fake-engine", action="store_true", help="serve the hand-computable FakeEngine instead of a model"
@@ -429,7 +436,10 @@ def _plan(args, config: LaunchConfig) -> int:
         print(f"jaxserve plan: --json {args.json_path}: its directory does not exist", file=sys.stderr)
         return 2
     try:
-        report = plan.plan_config(config, args.config or "cpu-demo.yaml", token_buckets=buckets)
+        host_ram = None if args.host_ram is None else int(args.host_ram * 2**30)
+        report = plan.plan_config(
+            config, args.config or "cpu-demo.yaml", token_buckets=buckets, host_ram_bytes=host_ram
+        )
     except plan.PlanError as err:
         print(f"jaxserve plan: {err}", file=sys.stderr)
         return 2

@@ -211,14 +211,12 @@ def test_config_keys_and_start_up_refusals():
         EngineConfig(model="x", kv_offloading_size=1, kv_offloading_backend="lmcache")
     with pytest.raises(ValueError, match=">= 0"):
         EngineConfig(model="x", kv_offloading_size=-1)
-    refuse_host_tier(config, dp_size=1, window=None)  # supported
-    refuse_host_tier(EngineConfig(model="x"), dp_size=2, window=4)  # off: nothing to refuse
-    with pytest.raises(ValueError, match="data parallelism"):
-        refuse_host_tier(config, dp_size=2, window=None)
+    refuse_host_tier(config, window=None)  # supported (attention DP too: tests/test_host_tier_dist.py)
+    refuse_host_tier(EngineConfig(model="x"), window=4)  # off: nothing to refuse
     with pytest.raises(ValueError, match="window_paging"):
-        refuse_host_tier(config, dp_size=1, window=128)
+        refuse_host_tier(config, window=128)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        refuse_host_tier(EngineConfig(model="x", kv_offloading_size=1, enable_prefix_caching=False), 1, None)
+        refuse_host_tier(EngineConfig(model="x", kv_offloading_size=1, enable_prefix_caching=False), None)
 
 
 # ---- the engine -----------------------------------------------------------------------------------

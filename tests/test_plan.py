@@ -234,3 +234,61 @@ def test_head_dims_below_128_are_stored_token_minor_on_tpu():
     assert chip_report.kv_page_layout(256, 16, "tpu") == (False, None)
     assert chip_report.kv_page_layout(128, 128, "tpu") == (False, None)
     assert chip_report.kv_page_layout(32, 128, "gpu") == (False, None)
+
+
+def _hand_page_and_checkpoint_bytes(cfg, page_size: int, kv_itemsize: int, kv_heads: int, state_itemsize: int):
+    """One KV page over every attention layer (K and V, FP8: a float32 scale per page and KV head
+    each) and one GDN checkpoint over every linear layer (conv: kernel - 1 columns of q, k, v;
+    recurrent: value heads x key dim x value dim), from the config's fields."""
+    attention = cfg.num_layers - cfg.num_linear_layers
+    scales = 2 * kv_heads * 4 if kv_itemsize == 1 else 0
+    page = attention * (2 * kv_heads * cfg.head_dim * page_size * kv_itemsize + scales)
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    checkpoint = cfg.num_linear_layers * ((cfg.linear_conv_kernel_dim - 1) * conv_dim + recurrent) * state_itemsize
+    return page, checkpoint
+
+
+def test_plan_reports_the_host_tier():
+    """cache.kv_offloading_size in the plan: bytes per host page / checkpoint at the real shapes
+    (Qwen3.5-9B: 8 attention layers of 4 KV heads x 256, FP8 pages of 64 tokens; 24 GDN layers,
+    float32 state), how many the tier holds, and a tier larger than --host-ram refused."""
+    from runtime.aot.plan_report import format_report, report_json
+
+    name = "gpu-h200-qwen3_5-9b.yaml"
+    launch = load_config(CONFIG_DIR / name, {"cache.kv_offloading_size": 100})
+    cfg = parse_config(read_json(model_config_json(launch)))
+    page, checkpoint = _hand_page_and_checkpoint_bytes(cfg, 64, 1, cfg.num_kv_heads, 4)
+    assert (page, checkpoint) == (8 * (2 * 4 * 256 * 64 + 32), 24 * (3 * 8192 + 32 * 128 * 128) * 4)
+    r = plan_config(launch, name, token_buckets=(), compile_sampler=False, host_ram_bytes=512 * 2**30)
+    assert r.fits, r.problems
+    host = report_json(r)["host_tier"]
+    assert host["page_bytes"] == page and host["checkpoint_bytes"] == checkpoint
+    assert host["pages"] == 100 * 2**30 // page == 102375
+    assert host["checkpoints"] == 100 * 2**30 // checkpoint == 2037
+    assert host["bytes_per_rank"] == 100 * 2**30 and host["host_ram_bytes"] == 512 * 2**30
+    assert "host tier 100.00 GiB (cache.kv_offloading_size): holds 102,375 pages" in format_report(r)
+    assert "2,037 GDN checkpoints" in format_report(r)
+    small = plan_config(launch, name, token_buckets=(), compile_sampler=False, host_ram_bytes=64 * 2**30)
+    assert not small.fits and "exceeds host RAM 64.00 GiB" in small.problems[0]
+    off = plan_config(load_config(CONFIG_DIR / name), name, token_buckets=(), compile_sampler=False)
+    assert off.host_tier is None and report_json(off)["host_tier"] is None
+
+
+def test_plan_splits_the_host_tier_per_data_rank():
+    """Under attention DP each rank has its own tier: kv_offloading_size / data each; an entry is a
+    rank's page whole over the model axis (Qwen3-Next-80B's 2 KV heads held 4 times, one per model shard)."""
+    name = "tpu-v5p-16-qwen3-next-80b-multihost.yaml"
+    launch = load_config(CONFIG_DIR / name, {"cache.kv_offloading_size": 64})
+    r = plan_config(launch, name, token_buckets=(), compile_sampler=False)
+    cfg = parse_config(read_json(model_config_json(launch)))
+    assert launch.parallel.mesh.data == 2 and cfg.num_kv_heads == 2 and launch.parallel.mesh.model == 4
+    kv_itemsize = 1 if str(launch.cache.kv_cache_dtype).startswith("fp8") else 2
+    state_itemsize = 4 if launch.cache.state_dtype in (None, "float32") else 2
+    page, checkpoint = _hand_page_and_checkpoint_bytes(cfg, launch.cache.page_size, kv_itemsize, 4, state_itemsize)
+    h = r.host_tier
+    assert (h.page_bytes, h.checkpoint_bytes, h.bytes_per_rank) == (page, checkpoint, 32 * 2**30)
+    assert h.pages == 32 * 2**30 // page and h.checkpoints == 32 * 2**30 // checkpoint
+    assert "per DP rank (2 tiers of 32.00 GiB)" in h.line()

@@ -53,7 +53,15 @@ from paged_kv.checkpoint_policy import plan_state_slots
 from paged_kv.window_pages import window_pool_pages
 from pallas_kernels.kv_cache import token_minor_fits
 from runtime.aot.costs import StepFigures, extrapolated_cost, figures, gpu_lowered, per_device_bytes
-from runtime.aot.plan_report import ROOFLINE_CONTEXT, PlanError, PlanReport, format_report, gib, report_json
+from runtime.aot.plan_report import (
+    ROOFLINE_CONTEXT,
+    HostTierPlan,
+    PlanError,
+    PlanReport,
+    format_report,
+    gib,
+    report_json,
+)
 from runtime.parallel.mesh import DATA_AXIS, MODEL_AXIS
 from runtime.steps.executables import StepExecutables, StepKey
 from runtime.steps.execution_plan import plan_buckets
@@ -195,6 +203,26 @@ def window_pool(launch: LaunchConfig, cfg, model, tp_size: int, blocks_per_seq: 
     return window, num_window_pages, model.cache_bytes_per_token(kv_dtype, "full") // split, window_bytes
 
 
+def host_tier_plan(launch: LaunchConfig, caches, num_pages: int, num_slots: int, host_ram_bytes: int | None):
+    """The host tier at these caches' shapes (one rank's, whole over the model axis, as the engine's
+    store counts an entry: runtime/engine/host_tier.py), or None when cache.kv_offloading_size is off."""
+    size = launch.cache.kv_offloading_size
+    if not size:
+        return None
+
+    def nbytes(tree) -> int:
+        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    state = nbytes((caches["conv"], caches["rec"]))
+    return HostTierPlan(
+        total_bytes=int(size * 2**30),
+        data_ranks=launch.parallel.mesh.data,
+        page_bytes=nbytes(caches["kv"]) // num_pages,
+        checkpoint_bytes=state // num_slots if state else 0,
+        host_ram_bytes=host_ram_bytes,
+    )
+
+
 def _pool_size(launch, chip, weight_bytes, per_page, state_bytes, want) -> tuple[int, list[str]]:
     if launch.cache.num_pages is not None:  # the total over the data-parallel ranks: one rank's share
         return launch.cache.num_pages // launch.parallel.mesh.data, []
@@ -216,12 +244,14 @@ def plan_config(
     token_buckets: tuple[int, ...] | None = None,
     compile_sampler: bool = True,
     compile_cost: bool = True,
+    host_ram_bytes: int | None = None,
 ) -> PlanReport:
     """Compile `launch` for its chip and report per-device memory and cost (see module docstring).
 
     `token_buckets`: compile only these (a subset, for quick checks); default every bucket.
     `compile_cost`: also compile the 1- and 2-group variants that give the whole model's cost
-    (`extrapolated_cost`). Nothing is compiled when the weights and state slots alone overflow."""
+    (`extrapolated_cost`). `host_ram_bytes`: the host's memory, which the host tier
+    (cache.kv_offloading_size) must fit in. Nothing is compiled when the weights and state slots alone overflow."""
     par, cache, sched = launch.parallel, launch.cache, launch.scheduler
     if par.chip is None:
         raise PlanError(
@@ -299,6 +329,13 @@ def plan_config(
         token_minor=token_minor,
     )
     kv_device = per_device_bytes(caches["kv"])
+    host = host_tier_plan(launch, caches, num_pages, max(slots, 2), host_ram_bytes)
+    if host is not None and window is not None:
+        problems.append("the host tier (cache.kv_offloading_size) does not support window-aware paging yet")
+    if host is not None and host_ram_bytes is not None and host.total_bytes > host_ram_bytes:
+        problems.append(
+            f"the host tier (cache.kv_offloading_size {gib(host.total_bytes)}) exceeds host RAM {gib(host_ram_bytes)}"
+        )
     if (num_pages - 1) * page_size < max_model_len:
         problems.append(
             f"the KV pool ({num_pages - 1} pages x {page_size} = {(num_pages - 1) * page_size} tokens, "
@@ -402,4 +439,5 @@ def plan_config(
         num_window_pages=num_window_pages,
         warnings=[] if layout_warning is None else [layout_warning],
         kv_token_minor=token_minor,
+        host_tier=host,
     )

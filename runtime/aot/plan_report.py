@@ -59,6 +59,7 @@ class PlanReport:
 
     warnings: list[str] = dataclasses.field(default_factory=list)  # fits, but wasteful (printed, in the JSON)
     kv_token_minor: bool = False  # KV pages stored [P, Hkv, D, ps] (TPU, head_dim < 128)
+    host_tier: HostTierPlan | None = None  # cache.kv_offloading_size; None: off
 
     @property
     def checkpoint_budget_bytes(self) -> int | None:
@@ -114,6 +115,58 @@ class PlanReport:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class HostTierPlan:
+    """The host-memory tier (cache.kv_offloading_size, paged_kv/host_tier.py) at the real shapes:
+    what one entry takes in host memory (the whole page or checkpoint over the model axis, as the
+    engine's `HostStore` counts it: every attention layer's K and V and FP8 scales; every linear
+    layer's conv and recurrent state) and how many of each the tier holds. Under attention DP the
+    tier is split evenly, one per rank (`bytes_per_rank`)."""
+
+    total_bytes: int  # kv_offloading_size GiB: all ranks of this engine
+    data_ranks: int
+    page_bytes: int
+    checkpoint_bytes: int  # 0: no GDN state
+    host_ram_bytes: int | None = None  # `jaxserve plan --host-ram`: the host's memory, to compare
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.total_bytes // self.data_ranks
+
+    @property
+    def pages(self) -> int:
+        """Pages one rank's tier holds when it holds nothing else."""
+        return self.bytes_per_rank // self.page_bytes
+
+    @property
+    def checkpoints(self) -> int:
+        """GDN checkpoints one rank's tier holds when it holds nothing else."""
+        return self.bytes_per_rank // self.checkpoint_bytes if self.checkpoint_bytes else 0
+
+    def line(self) -> str:
+        rank = f" per DP rank ({self.data_ranks} tiers of {gib(self.bytes_per_rank)})" if self.data_ranks > 1 else ""
+        state = (
+            f" or {self.checkpoints:,} GDN checkpoints x {self.checkpoint_bytes:,} B" if self.checkpoint_bytes else ""
+        )
+        ram = "" if self.host_ram_bytes is None else f"; host RAM {gib(self.host_ram_bytes)}"
+        return (
+            f"  host tier {gib(self.total_bytes)} (cache.kv_offloading_size): holds{rank} "
+            f"{self.pages:,} pages x {self.page_bytes:,} B{state}{ram}"
+        )
+
+    def json(self) -> dict:
+        return {
+            "bytes": self.total_bytes,
+            "data_ranks": self.data_ranks,
+            "bytes_per_rank": self.bytes_per_rank,
+            "page_bytes": self.page_bytes,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "pages": self.pages,
+            "checkpoints": self.checkpoints,
+            "host_ram_bytes": self.host_ram_bytes,
+        }
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -145,6 +198,8 @@ def format_report(r: PlanReport) -> str:
             "  (GPU: lowered for CUDA, not compiled -- jax cannot compile for CUDA without a CUDA device; "
             "memory = array sizes, no temp)"
         )
+    if r.host_tier is not None:
+        lines.append(r.host_tier.line())
     lines += [line for _, _, line in roofline_lines(r)]
     lines += [f"  warning: {w}" for w in r.warnings]
     lines.append("  fits: yes" if r.fits else "  DOES NOT FIT: " + "; ".join(r.problems))
@@ -232,6 +287,7 @@ def report_json(r: PlanReport) -> dict:
             {"kind": kind, "context": ROOFLINE_CONTEXT if kind == "decode" else None, **f, "line": line.strip()}
             for kind, f, line in roofline_lines(r)
         ],
+        "host_tier": None if r.host_tier is None else r.host_tier.json(),
         "fits": r.fits,
         "problems": list(r.problems),
         "warnings": list(r.warnings),

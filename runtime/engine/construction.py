@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -239,7 +239,7 @@ def build_step_parts(
     num_pages, num_slots, num_checkpoint_slots, num_window_pages = size_cache(
         config, model, max_blocks_per_seq, dp_size, window
     )
-    refuse_host_tier(config, dp_size, window)
+    refuse_host_tier(config, window)
     drafting = getattr(model, "draft", None) is not None and "draft" in model.params
     if drafting and (dp_size > 1 or config.kv_transfer is not None or config.kv_offloading_size):
         raise ValueError(
@@ -248,6 +248,8 @@ def build_step_parts(
         )
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
+    if dp_size > 1:  # one host tier per rank: cache.kv_offloading_size is shared out, like cache.num_pages
+        cache_config = replace(cache_config, host_tier_bytes=cache_config.host_tier_bytes // dp_size)
     scheduler_config = config.scheduler_config(max_model_len)
     opts = KernelOptions(
         attention=plan.attention_path, gdn=plan.gdn_path, interpret=config.kernel_config().interpret, tp=model.tp

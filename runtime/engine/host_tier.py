@@ -50,18 +50,23 @@ def _chunks(batch: list) -> list[tuple[list, int]]:
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
-def _gather(tree, rows, *, num: int):
-    """rows [num, G] -> a tuple of `num` trees, each leaf's rows of one entry [G, ...]."""
+def _gather(tree, rows, rank, *, num: int):
+    """rows [num, G] -> a tuple of `num` trees, each leaf's rows of one entry [G, ...]; `rank`
+    (attention DP, caches [D, ...]): those rows of that rank's caches; None: one rank's caches."""
+    if rank is not None:
+        return tuple(jax.tree.map(lambda x, j=j: x[rank, rows[j]], tree) for j in range(num))
     return tuple(jax.tree.map(lambda x, j=j: x[rows[j]], tree) for j in range(num))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(tree, rows, values):
-    """Write `values` (a tuple of entry trees, leaves [G, ...]) into rows [num, G] of `tree`."""
+def _scatter(tree, rows, values, rank):
+    """Write `values` (a tuple of entry trees, leaves [G, ...]) into rows [num, G] of `tree` (of
+    rank `rank`'s caches under attention DP)."""
     flat = rows.reshape(-1)
 
     def put(x, *entries):
-        return x.at[flat].set(jnp.concatenate(entries, axis=0).astype(x.dtype))
+        value = jnp.concatenate(entries, axis=0).astype(x.dtype)
+        return x.at[flat].set(value) if rank is None else x.at[rank, flat].set(value)
 
     return jax.tree.map(put, tree, *values)
 
@@ -78,8 +83,9 @@ def host_memory_kind() -> str | None:
 class HostTierTransfers:
     """Drains a TieredCacheManager's offload and load queues against the engine's caches."""
 
-    def __init__(self, cache, num_groups: int, num_pages: int, num_slots: int):
+    def __init__(self, cache, num_groups: int, num_pages: int, num_slots: int, rank: int | None = None):
         self.cache = cache
+        self.rank = rank  # attention DP: this tier's rank (the caches carry a leading rank axis)
         self.num_groups = num_groups
         self.size = {KV: num_pages, STATE: max(num_slots, 2)}
         self.memory_kind = host_memory_kind()
@@ -101,10 +107,13 @@ class HostTierTransfers:
             entry = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[1:]), x.dtype, sharding=x.sharding), sub
             )
+            rank = None if self.rank is None else jax.ShapeDtypeStruct((), jnp.int32)
+            if self.rank is not None:  # one rank's entry: the caches' leaves without their rank axis
+                entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[2:]), x.dtype), sub)
             for num in BATCH_SIZES:
                 rows = jax.ShapeDtypeStruct((num, self.num_groups), jnp.int32)
-                self.executables["gather", kind, num] = _gather.lower(sub, rows, num=num).compile()
-                self.executables["scatter", kind, num] = _scatter.lower(sub, rows, (entry,) * num).compile()
+                self.executables["gather", kind, num] = _gather.lower(sub, rows, rank, num=num).compile()
+                self.executables["scatter", kind, num] = _scatter.lower(sub, rows, (entry,) * num, rank).compile()
         self.sealed = sealed
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
@@ -141,7 +150,7 @@ class HostTierTransfers:
 
     def _offload(self, caches, kind: str, batch: list, num: int) -> None:
         gather = self._program("gather", kind, num)
-        entries = gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num))
+        entries = gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num), self._rank())
         self.num_offload_batches += 1
         for (_, block_hash), entry in zip(batch, entries):
             if self.memory_kind is not None:
@@ -155,16 +164,23 @@ class HostTierTransfers:
         values = [value for _, value in batch]
         values += [values[0]] * (num - len(values))
         sub = self._subtree(caches, kind)
-        if self.memory_kind is not None:  # back to device memory, laid out as the caches are
+        if self.memory_kind is not None and self.rank is None:  # back to device memory, laid out as the caches are
             shardings = jax.tree.map(lambda x: x.sharding, sub)
             values = [jax.device_put(v, shardings) for v in values]
+        elif self.memory_kind is not None:  # a rank's entry: back where it was gathered from
+            values = [
+                jax.device_put(v, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), v)) for v in values
+            ]
         scatter = self._program("scatter", kind, num)
-        sub = scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values))
+        sub = scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values), self._rank())
         self.num_load_batches += 1
         self.load_seconds.append(time.perf_counter() - start)
         self.load_seconds_total += self.load_seconds[-1]
         del self.load_seconds[:-1024]
         return {**caches, **sub}
+
+    def _rank(self):
+        return None if self.rank is None else np.int32(self.rank)
 
     def stats(self) -> dict:
         seconds = self.load_seconds
@@ -177,32 +193,58 @@ class HostTierTransfers:
         }
 
 
-def build_host_tier(engine) -> HostTierTransfers | None:
-    """The engine's transfers when its cache manager has a host tier (cache.kv_offloading_size), else None."""
+class RankHostTiers:
+    """Attention DP: one tier per rank (each rank's cache manager has its own host store, of
+    cache.kv_offloading_size / data), drained in rank order against the rank-stacked caches."""
+
+    def __init__(self, tiers: list[HostTierTransfers]):
+        self.tiers = tiers
+
+    def run(self, caches):
+        for tier in self.tiers:
+            caches = tier.run(caches)
+        return caches
+
+    def stats(self) -> dict:
+        seconds = [s for t in self.tiers for s in t.load_seconds]
+        return {
+            "host_cache_offload_batches": sum(t.num_offload_batches for t in self.tiers),
+            "host_cache_load_batches": sum(t.num_load_batches for t in self.tiers),
+            "host_cache_load_seconds_total": sum(t.load_seconds_total for t in self.tiers),
+            "host_cache_load_seconds_mean": float(np.mean(seconds)) if seconds else 0.0,
+            "host_cache_load_seconds_p90": float(np.percentile(seconds, 90)) if seconds else 0.0,
+        }
+
+
+def build_host_tier(engine) -> HostTierTransfers | RankHostTiers | None:
+    """The engine's transfers when its cache manager(s) have a host tier (cache.kv_offloading_size),
+    else None; under attention DP one per rank. Each cache manager gets the swap-or-recompute rule."""
     from paged_kv.tiered_cache import TieredCacheManager
 
-    cache = engine.scheduler.cache if engine.dp is None else None
-    if not isinstance(cache, TieredCacheManager):
+    config, groups = engine.cache_config, engine.model.num_groups
+    sizes = (config.num_pages, config.num_state_slots)
+    ranks = engine.scheduler.ranks if engine.dp is not None else [engine.scheduler]
+    if not all(isinstance(s.cache, TieredCacheManager) for s in ranks):
         return None
-    config = engine.cache_config
     bandwidth, latency, flops = engine.plan.host_swap_cost
     flops_per_token = 2 * sum(int(np.size(x)) for x in jax.tree.leaves(engine.model.params))
-    cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
-    transfers = HostTierTransfers(cache, engine.model.num_groups, config.num_pages, config.num_state_slots)
-    if engine.plan.aot_compile:  # beside the step executables; sealed with them
-        seconds = transfers.compile_all(engine.caches, sealed=engine.executables.sealed)
-        log.info("compiled %d host tier gathers / scatters in %.1fs", len(transfers.executables), seconds)
-    return transfers
+    tiers = []
+    for r, s in enumerate(ranks):
+        s.cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
+        tier = HostTierTransfers(s.cache, groups, *sizes, rank=r if engine.dp is not None else None)
+        if engine.plan.aot_compile:  # beside the step executables; sealed with them
+            seconds = tier.compile_all(engine.caches, sealed=engine.executables.sealed)
+            log.info("compiled %d host tier gathers / scatters in %.1fs", len(tier.executables), seconds)
+        tiers.append(tier)
+    return tiers[0] if engine.dp is None else RankHostTiers(tiers)
 
 
-def refuse_host_tier(config, dp_size: int, window: int | None) -> None:
+def refuse_host_tier(config, window: int | None) -> None:
     """Start-up check: the combinations the host tier does not support yet, refused by name."""
     if not config.kv_offloading_size:
         return
     why = [
         (not config.enable_prefix_caching, "needs cache.enable_prefix_caching"),
-        (dp_size > 1, "does not support attention data parallelism yet (one tier per rank)"),
-        (config.kv_transfer is not None, "does not support a P/D role (kv_transfer) yet"),
         (window is not None, "does not support window-aware paging yet (set cache.window_paging: false)"),
     ]
     for refused, reason in why:

@@ -76,7 +76,7 @@ class DataParallelScheduler:
 
         def load(rank: int) -> tuple[int, int, int]:
             scheduler = self.ranks[rank]
-            hit = scheduler.cache.lookup_prefix(request.all_token_ids, request.cache_extra_keys).num_tokens
+            hit = scheduler.cache.hit_tokens(request.all_token_ids, request.cache_extra_keys)  # host tier too
             queued = sum(outstanding_tokens(r, self.config.max_model_len) for r in scheduler.requests.values())
             return -hit, queued, rank
 
@@ -171,6 +171,8 @@ class DataParallelScheduler:
         for rank, r in enumerate(per_rank):
             summed[f"dp_rank{rank}_num_running"] = r["num_running"]
             summed[f"dp_rank{rank}_pages_free"] = r["pages_free"]
+            if "host_cache_hits" in r:  # each rank's own host tier (cache.kv_offloading_size / data)
+                summed[f"dp_rank{rank}_host_cache_hits"] = r["host_cache_hits"]
         return {
             **summed,
             "dp_size": self.size,
