@@ -53,7 +53,7 @@ DP_SCRIPT = textwrap.dedent("""
 
     def engine(mesh_shape, num_pages, **kw):
         return LLMEngine(EngineConfig(
-            model=path, load_tokenizer=False, aot_compile=False, dtype="float32", page_size=PS,
+            model=path, load_tokenizer=False, aot_compile=True, dtype="float32", page_size=PS,
             num_pages=num_pages, num_state_slots=10 if mesh_shape else 5, max_num_seqs=2,
             max_num_batched_tokens=32, max_model_len=64, mesh_shape=mesh_shape, **kw))
 
