@@ -60,6 +60,13 @@ def llama_engines(tiny_checkpoint, other_llama):
     return _engine(path, None), _engine(path, _spec(path)), _engine(path, _spec(other_llama))
 
 
+def _hf(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def _serve(engine, requests):
     for request in requests:
         engine.add_request(request)
@@ -108,10 +115,13 @@ def test_same_checkpoint_draft_all_accepted(llama_engines, hf_model):
         assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"llama {prompt!r}")
 
 
-def test_other_draft_rejected_output_unchanged(llama_engines, hf_model):
-    """A different random Llama drafts: most drafts rejected, output still equals no speculation and HF."""
+def test_other_draft_rejected_output_unchanged(llama_engines, hf_model, other_llama):
+    """A different random Llama drafts: most drafts rejected, output still equals no speculation and
+    HF; every sampled draft chain equals HF's greedy continuation with the draft checkpoint."""
     off, _, other = llama_engines
+    other.speculator.draft_log = []
     got, ref, before = _rounds(other, off)
+    log, other.speculator.draft_log = other.speculator.draft_log, None
     stats, (drafted, accepted, _) = _counts(other, before)
     assert drafted > 0 and accepted < drafted // 2, stats
     _check_equal(got, ref)
@@ -119,6 +129,12 @@ def test_other_draft_rejected_output_unchanged(llama_engines, hf_model):
     for i, prompt in enumerate(PROMPTS[:3]):
         expected, scores = hf_greedy(hf, other.tokenizer.encode(prompt), NUM_TOKENS)
         assert_greedy_match(got[f"g{i}"].token_ids, expected, scores, f"llama {prompt!r}")
+    # the drafts themselves: the draft model's greedy continuation of each context, per HF
+    draft_hf = _hf(other_llama)
+    assert len(log) >= 40
+    for context, drafts in log[::4][:40]:
+        expected, scores = hf_greedy(draft_hf, list(context), len(drafts))
+        assert_greedy_match(drafts, expected, scores, f"draft after {len(context)} tokens")
 
 
 @pytest.mark.slow
