@@ -122,6 +122,7 @@ def test_prequantized_logits_equal_hand_dequantized_hf(family, method, quantized
     assert any(w.perm is not None for w in leaves) == (method == "gptq-desc-act")
     hf = fresh_hf_model(family)
     missing, unexpected = hf.load_state_dict(hand_dequantized_state(qdir), strict=False)
+    unexpected = [k for k in unexpected if not k.startswith("mtp.")]  # the MTP layer: HF's model has none
     assert not unexpected and all("rotary" in m or "lm_head" in m for m in missing), (missing, unexpected)
     ids = np.random.default_rng(1).integers(3, ours.cfg.vocab_size, size=41).tolist()
     with torch.no_grad():
