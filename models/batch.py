@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -80,4 +81,26 @@ def decode_batch(full: ForwardBatch, token: int, pos: int) -> ForwardBatch:
         kv_lens=np.array([pos + 1], np.int32),
         has_initial_state=np.array([True]),
         logits_indices=np.array([0], np.int32),
+    )
+
+
+def draft_rows_batch(tokens, positions, valid, block_tables, page_size: int) -> ForwardBatch:
+    """One query row per sequence for a drafter's step (MTP, draft model): S sequences at
+    `positions` [S] over the target's `block_tables`; `valid` [S] bool (others write nothing, and
+    a late draft past the last page writes nothing either). Device arrays (jnp)."""
+    S = tokens.shape[0]
+    pos = jnp.maximum(positions, 0)
+    page = block_tables[jnp.arange(S), jnp.minimum(pos // page_size, block_tables.shape[1] - 1)]
+    writes = valid & (pos // page_size < block_tables.shape[1])
+    return ForwardBatch(
+        input_ids=tokens,
+        positions=pos,
+        slot_mapping=jnp.where(writes, page * page_size + pos % page_size, -1),
+        cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
+        kv_lens=jnp.where(valid, pos + 1, 1),
+        block_tables=block_tables,
+        state_slot_ids=jnp.zeros(S, jnp.int32),
+        has_initial_state=valid,
+        num_seqs=jnp.int32(S),
+        logits_indices=jnp.arange(S, dtype=jnp.int32),
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from models.batch import ForwardBatch
+from models.batch import ForwardBatch, draft_rows_batch
 from models.config import ATTENTION, ModelConfig, parse_config
 from models.model import load_model
 from models.safetensors_io import read_json
@@ -112,23 +112,7 @@ def absorb(draft_params, draft_cache: dict, batch: ForwardBatch, draft_cfg: Mode
 def draft_step(draft_params, draft_cache: dict, tokens, positions, valid, block_tables, draft_cfg, opts):
     """One draft-model step for S sequences, one query each at `positions` [S] (K/V written there;
     `valid` [S] bool, others write nothing) -> (logits [S, V], the cache)."""
-    S = tokens.shape[0]
-    ps = draft_cache["kv"][0].page_size
-    pos = jnp.maximum(positions, 0)
-    page = block_tables[jnp.arange(S), jnp.minimum(pos // ps, block_tables.shape[1] - 1)]
-    writes = valid & (pos // ps < block_tables.shape[1])  # a late draft past the last page writes nothing
-    batch = ForwardBatch(
-        input_ids=tokens,
-        positions=pos,
-        slot_mapping=jnp.where(writes, page * ps + pos % ps, -1),
-        cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
-        kv_lens=jnp.where(valid, pos + 1, 1),
-        block_tables=block_tables,
-        state_slot_ids=jnp.zeros(S, jnp.int32),
-        has_initial_state=valid,
-        num_seqs=jnp.int32(S),
-        logits_indices=jnp.arange(S, dtype=jnp.int32),
-    )
+    batch = draft_rows_batch(tokens, positions, valid, block_tables, draft_cache["kv"][0].page_size)
     hidden, draft_cache = forward(draft_params, draft_cache, batch, cfg=draft_cfg, opts=opts)
     return compute_logits(draft_params, hidden, draft_cfg.final_logit_softcapping), draft_cache
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from models.batch import ForwardBatch
+from models.batch import draft_rows_batch
 from models.config import ATTENTION, ModelConfig
 from models.prequantized import parse_quantization_config, read_linear
 from models.safetensors_io import CheckpointError, SafetensorsDir
@@ -117,23 +117,9 @@ def mtp_step(params, mtp_cache: dict, tokens, hidden, positions, valid, block_ta
     """One MTP step for S sequences, one query each at `positions` [S] (K/V written there; `valid`
     [S] bool, others write nothing) -> (normed output [S, H], logits [S, V], the cache)."""
     p, lcfg = params["mtp"], layer_config(cfg)
-    S, ps = tokens.shape[0], mtp_cache["kv"].page_size
     eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
-    pos = jnp.maximum(positions, 0)
-    page = block_tables[jnp.arange(S), jnp.minimum(pos // ps, block_tables.shape[1] - 1)]
-    writes = valid & (pos // ps < block_tables.shape[1])  # a late draft past the last page writes nothing
-    batch = ForwardBatch(
-        input_ids=tokens,
-        positions=pos,
-        slot_mapping=jnp.where(writes, page * ps + pos % ps, -1),
-        cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
-        kv_lens=jnp.where(valid, pos + 1, 1),
-        block_tables=block_tables,
-        state_slot_ids=jnp.zeros(S, jnp.int32),
-        has_initial_state=valid,
-        num_seqs=jnp.int32(S),
-        logits_indices=jnp.arange(S, dtype=jnp.int32),
-    )
+    batch = draft_rows_batch(tokens, positions, valid, block_tables, mtp_cache["kv"].page_size)
+    pos = batch.positions
     x = mtp_fc_input(p, params["embed"], tokens, hidden, cfg)
     lp = p["layer"]
     h, kv = attention_layer(
