@@ -81,6 +81,17 @@ def small_engine_config(path, **overrides):
     return EngineConfig(**{**base, **overrides})
 
 
+def spec_engine(path, spec, **overrides):
+    """A small float32 engine for speculative decoding tests (pages of 4, 8 sequences, 32-token
+    steps: prompts prefill in chunks and the batch preempts; 128-token context), compiled on first
+    use; `spec`: its speculative_config; `overrides` replace any field."""
+    from runtime.engine.llm_engine import LLMEngine
+
+    base = dict(page_size=4, num_pages=48, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    base.update(token_buckets=(8, 16, 32), speculative_config=spec)
+    return LLMEngine(small_engine_config(path, **{**base, **overrides}))
+
+
 def launch_config(path, num_pages: int = 120, aot: bool = False):
     """The launch config of test_server_engine's engines (float32, 8 sequences, 64-token steps);
     `aot`: compile the start-up set first (`jaxserve serve`'s default), else what runs."""

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from engine_testing import drain
+from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
 
@@ -36,19 +36,7 @@ NUM_TOKENS = 20
 
 
 def _engine(family_path, spec, **overrides):
-    config = dict(
-        aot_compile=False,  # compile what the test runs
-        model=str(family_path),
-        dtype="float32",
-        page_size=4,
-        num_pages=48,  # small: the batch below preempts
-        max_num_seqs=8,
-        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
-        max_model_len=128,
-        token_buckets=(8, 16, 32),
-        speculative_config=spec,
-    )
-    return LLMEngine(EngineConfig(**{**config, **overrides}))
+    return spec_engine(family_path, spec, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,10 @@ import json
 import shutil
 
 import pytest
-from engine_testing import drain
+from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
 from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests
-
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine_config import EngineConfig
 
 K = 3
 
@@ -29,20 +26,7 @@ def _spec(draft_path):
 
 
 def _engine(path, spec, **overrides):
-    config = dict(
-        aot_compile=False,
-        model=str(path),
-        dtype="float32",
-        page_size=4,
-        num_pages=64,  # small: the batch below preempts
-        max_num_seqs=8,
-        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
-        max_model_len=128,
-        token_buckets=(8, 16, 32),
-        enable_prefix_caching=True,
-        speculative_config=spec,
-    )
-    return LLMEngine(EngineConfig(**{**config, **overrides}))
+    return spec_engine(path, spec, **{"num_pages": 64, "enable_prefix_caching": True, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ same prompts hits the cache, restoring GDN checkpoints).
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_testing import drain
+from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
 from test_spec_decode import NUM_TOKENS, PROMPTS, SPEC, _greedy_requests
@@ -21,8 +21,6 @@ from models.batch import ForwardBatch
 from models.ops import KernelOptions
 from pallas_kernels.causal_conv1d import causal_conv1d_reference
 from pallas_kernels.gdn import gdn_recurrent_reference
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine_config import EngineConfig
 from runtime.speculative import speculator
 from runtime.types import EngineRequest, SamplingParams
 
@@ -107,20 +105,7 @@ def test_count_zero_and_k_bound_the_replay():
 
 # ---- the engine --------------------------------------------------------------------------------
 def _engine(path, spec, **overrides):
-    config = dict(
-        aot_compile=False,
-        model=str(path),
-        dtype="float32",
-        page_size=4,
-        num_pages=64,  # small: the batch below preempts
-        max_num_seqs=8,
-        max_num_batched_tokens=32,  # small: prompts are prefilled in chunks
-        max_model_len=128,
-        token_buckets=(8, 16, 32),
-        enable_prefix_caching=True,
-        speculative_config=spec,
-    )
-    return LLMEngine(EngineConfig(**{**config, **overrides}))
+    return spec_engine(path, spec, **{"num_pages": 64, "enable_prefix_caching": True, **overrides})
 
 
 SCANNED_NEXT = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
