@@ -183,14 +183,7 @@ class HostTierTransfers:
         return None if self.rank is None else np.int32(self.rank)
 
     def stats(self) -> dict:
-        seconds = self.load_seconds
-        return {
-            "host_cache_offload_batches": self.num_offload_batches,
-            "host_cache_load_batches": self.num_load_batches,
-            "host_cache_load_seconds_total": self.load_seconds_total,
-            "host_cache_load_seconds_mean": float(np.mean(seconds)) if seconds else 0.0,
-            "host_cache_load_seconds_p90": float(np.percentile(seconds, 90)) if seconds else 0.0,
-        }
+        return transfer_stats([self])
 
 
 class RankHostTiers:
@@ -206,14 +199,19 @@ class RankHostTiers:
         return caches
 
     def stats(self) -> dict:
-        seconds = [s for t in self.tiers for s in t.load_seconds]
-        return {
-            "host_cache_offload_batches": sum(t.num_offload_batches for t in self.tiers),
-            "host_cache_load_batches": sum(t.num_load_batches for t in self.tiers),
-            "host_cache_load_seconds_total": sum(t.load_seconds_total for t in self.tiers),
-            "host_cache_load_seconds_mean": float(np.mean(seconds)) if seconds else 0.0,
-            "host_cache_load_seconds_p90": float(np.percentile(seconds, 90)) if seconds else 0.0,
-        }
+        return transfer_stats(self.tiers)
+
+
+def transfer_stats(tiers: list[HostTierTransfers]) -> dict:
+    """The transfers' counters and load latency (the last 1024 load batches of each tier)."""
+    seconds = [s for t in tiers for s in t.load_seconds]
+    return {
+        "host_cache_offload_batches": sum(t.num_offload_batches for t in tiers),
+        "host_cache_load_batches": sum(t.num_load_batches for t in tiers),
+        "host_cache_load_seconds_total": sum(t.load_seconds_total for t in tiers),
+        "host_cache_load_seconds_mean": float(np.mean(seconds)) if seconds else 0.0,
+        "host_cache_load_seconds_p90": float(np.percentile(seconds, 90)) if seconds else 0.0,
+    }
 
 
 def build_host_tier(engine) -> HostTierTransfers | RankHostTiers | None:
