@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 from configs import rules
 from configs.schema import ConfigError, LaunchConfig, load_config, parse_override
+from server.cli_offline import add_convert_parser, add_plan_arguments, run_convert, run_plan
 from server.deployment import is_loopback, pd_deployment_error, warn_insecure_every_minute
 
 
@@ -275,43 +275,13 @@ def _parser() -> argparse.ArgumentParser:
             help="MoE experts split by expert index over the model axis (parallel.expert)",
         )
         if name == "plan":
-            sub.add_argument(
-                "--buckets",
-                default=None,
-                metavar="T,T,...",
-                help="compile only these token buckets (default: every bucket)",
-            )
-            sub.add_argument(
-                "--json",
-                dest="json_path",
-                default=None,
-                metavar="PATH",
-                help="also write the report as JSON to PATH (per device: max_num_seqs, kv_cache_bytes, "
-                "state_bytes, weight_bytes, each executable's memory and cost, the roofline, the "
-                "state-slot budget); the table stays on stdout",
-            )
-            sub.add_argument(
-                "--host-ram",
-                type=float,
-                default=None,
-                metavar="GIB",
-                help="the host's memory in GiB: the host tier (cache.kv_offloading_size) must fit in it",
-            )
+            add_plan_arguments(sub)
         if name == "serve":
             sub.add_argument(
                 "--fake-engine", action="store_true", help="serve the hand-computable FakeEngine instead of a model"
             )
             sub.add_argument("--log-level", default="INFO")
-    convert = commands.add_parser("convert", help="write an HF checkpoint as an orbax checkpoint (fast, sharded loads)")
-    convert.add_argument("source", help="HF checkpoint directory")
-    convert.add_argument("out_dir", help="new directory: params/ (orbax) + config and tokenizer files")
-    convert.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    convert.add_argument(
-        "--mesh",
-        default=None,
-        metavar="data=D,model=M",
-        help="write from this sharding (each process writes its shards); any mesh restores it",
-    )
+    add_convert_parser(commands)
     commands.add_parser("proxy", add_help=False, help="prefill -> decode router (jaxserve proxy --help)")
     commands.add_parser("router", add_help=False, help="many replicas behind one endpoint (jaxserve router --help)")
     return parser
@@ -359,32 +329,6 @@ def _build_engine(config: LaunchConfig, fake: bool):
     return create_engine_client(config)
 
 
-def _convert(args) -> int:
-    """`jaxserve convert`: JAX is imported only for this command."""
-    from models import convert  # JAX: imported only for this command
-
-    mesh = None
-    if args.mesh is not None:
-        try:
-            axes = dict(part.split("=") for part in args.mesh.split(","))
-            shape = int(axes.pop("data", 1)), int(axes.pop("model", 1))
-        except ValueError:
-            axes, shape = {"?": args.mesh}, (0, 0)
-        if axes:
-            print(f"jaxserve convert: --mesh must be data=D,model=M, got {args.mesh!r}", file=sys.stderr)
-            return 2
-        from runtime.parallel.mesh import make_mesh
-
-        mesh = make_mesh(*shape)
-    try:
-        out = convert.convert_checkpoint(args.source, args.out_dir, dtype=args.dtype, mesh=mesh, progress=True)
-    except (OSError, ValueError) as err:
-        print(f"jaxserve convert: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["proxy"], ["router"]):  # the router (server/router.py); `proxy` is its P/D mode
@@ -393,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return router_main(argv[1:], command=argv[0])
     args = _parser().parse_args(argv)
     if args.command == "convert":
-        return _convert(args)
+        return run_convert(args)
     try:
         config = _load(args)
     except ConfigError as err:
@@ -403,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
     if args.command == "plan":
-        return _plan(args, config)
+        return run_plan(args, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     refused = pd_deployment_error(config)
     if refused is not None:
@@ -425,34 +369,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxserve: refusing to start: {err}", file=sys.stderr)
         return 2
     return serve(engine, config.server, kv_transfer_token=token)
-
-
-def _plan(args, config: LaunchConfig) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from runtime.aot import chip_report as plan  # JAX: imported only for this command
-
-    buckets = None if args.buckets is None else tuple(int(b) for b in args.buckets.split(","))
-    if args.json_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
-        print(f"jaxserve plan: --json {args.json_path}: its directory does not exist", file=sys.stderr)
-        return 2
-    try:
-        host_ram = None if args.host_ram is None else int(args.host_ram * 2**30)
-        report = plan.plan_config(
-            config, args.config or "cpu-demo.yaml", token_buckets=buckets, host_ram_bytes=host_ram
-        )
-    except plan.PlanError as err:
-        print(f"jaxserve plan: {err}", file=sys.stderr)
-        return 2
-    print(plan.format_report(report))
-    if args.json_path is not None:
-        try:
-            with open(args.json_path, "w") as out:
-                json.dump(plan.report_json(report), out, indent=2)
-                out.write("\n")
-        except OSError as err:
-            print(f"jaxserve plan: cannot write --json {args.json_path}: {err}", file=sys.stderr)
-            return 2
-    return 0 if report.fits else 1
 
 
 if __name__ == "__main__":
