@@ -180,3 +180,115 @@ def test_bf16_state_replays_as_decode_steps_store_it(mixer, case):
 
 def reference_for(mixer):
     return _kda_numpy if mixer == "kda" else _ssm_numpy
+
+
+# ---- the engine --------------------------------------------------------------------------------
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    """family -> (engine with ngram speculation, without, checkpoint path): pages of 4, 32-token
+    steps (prompts prefill in chunks), prefix caching with state checkpoints."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            path = tiny_checkpoint(family)
+            kw = dict(num_pages=96, enable_prefix_caching=True, load_tokenizer=False)
+            built[family] = (spec_engine(path, SPEC, **kw), spec_engine(path, None, **kw), path)
+        return built[family]
+
+    return get
+
+
+def _serve(engine, requests):
+    for request in requests:
+        engine.add_request(request)
+    done = drain(engine)
+    assert_all_free(engine)
+    return {rid: out.outputs[0].token_ids for rid, out in done.items()}
+
+
+def _round(spec, off, requests, oracle, monkeypatch):
+    """Serve `requests` without speculation, then with it (drafts from `oracle`, or prompt lookup)."""
+    ref = _serve(off, requests)
+    if oracle is not None:
+        for r in requests:
+            oracle.add(r.prompt_token_ids, ref[r.request_id])
+        monkeypatch.setattr(speculator, "propose_ngram", oracle)
+    got = _serve(spec, requests)
+    monkeypatch.undo()
+    assert got == ref
+    return got
+
+
+def _hf(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _copy_heavy(vocab: int, tag: str) -> list[EngineRequest]:
+    """Prompts that repeat themselves (prompt lookup drafts from them), 20 to 45 tokens: the longer
+    ones prefill in two chunks."""
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    out = []
+    for i, n in enumerate((6, 9, 12, 15)):
+        p = random_prompt(vocab, n, seed=900 + i)
+        out.append(EngineRequest(f"{tag}{i}", p * 3 + p[: n // 2], params))
+    return out
+
+
+def _exact_with_drafts(family, engines, monkeypatch, num_hf=2):
+    spec, off, path = engines(family)
+    vocab = spec.model.cfg.vocab_size
+    before = spec.stats()
+    requests = _copy_heavy(vocab, "a")
+    got = _round(spec, off, requests, None, monkeypatch)  # prompt lookup, chunked prefill
+    lookup = spec.stats()
+    assert lookup["spec_decode_num_draft_tokens"] > before["spec_decode_num_draft_tokens"], lookup
+    oracle = OracleDrafts(vocab)
+    _round(spec, off, _copy_heavy(vocab, "b"), oracle, monkeypatch)  # the same prompts, every accepted count
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    turns = [  # the next turn: prompt + output + more, hitting state checkpoints saved while speculating
+        EngineRequest("c" + r.request_id, r.prompt_token_ids + got[r.request_id] + r.prompt_token_ids[:5], params)
+        for r in requests
+    ]
+    hits = spec.stats()["prefix_cache_hit_tokens"]
+    _round(spec, off, turns, oracle, monkeypatch)
+    stats = spec.stats()
+    assert stats["prefix_cache_hit_tokens"] - hits > sum(len(r.prompt_token_ids) for r in turns) // 2, stats
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, stats  # drafts both accepted and rejected
+    per_pos = (
+        np.array(stats["spec_decode_num_accepted_tokens_per_pos"]) - before["spec_decode_num_accepted_tokens_per_pos"]
+    )
+    assert per_pos[-1] > 0, stats  # all k drafts accepted in some steps
+    hf = _hf(path)
+    for r in requests[:num_hf]:
+        expected, scores = hf_greedy(hf, r.prompt_token_ids, NUM_TOKENS)
+        assert_greedy_match(got[r.request_id], expected, scores, f"{family} {r.request_id}")
+
+
+def test_kimi_linear_greedy_equals_no_speculation_and_hf(engines, monkeypatch):
+    """Kimi Linear (KDA + MLA), prompt lookup and then drafts both accepted (every count 0 .. k) and
+    rejected, under chunked prefill and prefix hits: token for token the output without
+    speculation, and HF's."""
+    _exact_with_drafts("kimi_linear", engines, monkeypatch)
+
+
+@pytest.mark.slow
+def test_nemotron_h_greedy_equals_no_speculation_and_hf(engines, monkeypatch):
+    """Nemotron-H (Mamba-2 + attention + MLP blocks): as the Kimi Linear test."""
+    _exact_with_drafts("nemotron_h", engines, monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "nemotron_h"])
+def test_mtp_is_refused_precisely(family, tiny_checkpoint):
+    """Neither family ships MTP layers: `method: mtp` is refused at load, naming why."""
+    with pytest.raises(ValueError, match="method 'mtp' needs a Qwen3.5 / Qwen3-Next checkpoint with MTP layers"):
+        spec_engine(tiny_checkpoint(family), {"method": "mtp", "num_speculative_tokens": 2}, load_tokenizer=False)
