@@ -40,12 +40,22 @@ def drafting(batch: ForwardBatch) -> jax.Array:
     return real & (batch.spec_rows[:, 1] >= 0)
 
 
-def _commit_rows(pool, scratch, slots, batch: ForwardBatch):
+def commit_rows(pool, scratch, slots, batch: ForwardBatch):
     """Write the scratch states of the real sequences without drafts back to their slots."""
     S = slots.shape[0]
     real = jnp.arange(S) < jnp.reshape(batch.num_seqs, (-1,))[0]
     target = jnp.where(real & ~drafting(batch), slots, pool.shape[0])  # out of range: dropped
     return pool.at[target].set(scratch, mode="drop")
+
+
+def verify_state(run, args: tuple, pool, batch: ForwardBatch, slots):
+    """A verify pass of any ragged state op `run(*args, pool, cu_q_lens, slot_ids, has_initial,
+    num_seqs) -> (out, pool)` (the KDA and SSD scans, the Mamba-2 conv) over a scratch of one state
+    per sequence -> (out, pool with only the non-drafting sequences updated)."""
+    S = slots.shape[0]
+    ids = jnp.arange(S, dtype=jnp.int32)
+    out, scratch = run(*args, pool[slots], batch.cu_q_lens, ids, batch.has_initial_state, batch.num_seqs)
+    return out, commit_rows(pool, scratch, slots, batch)
 
 
 def verify_conv(mixed, conv_w, conv_state, batch: ForwardBatch, slots, opts):
@@ -56,7 +66,7 @@ def verify_conv(mixed, conv_w, conv_state, batch: ForwardBatch, slots, opts):
         mixed, conv_w, scratch, batch.cu_q_lens, jnp.arange(S, dtype=jnp.int32), batch.has_initial_state,
         batch.num_seqs, opts,
     )  # fmt: skip
-    return y, _commit_rows(conv_state, scratch, slots, batch)
+    return y, commit_rows(conv_state, scratch, slots, batch)
 
 
 def verify_rule(q, k, v, g, beta, rec_state, batch: ForwardBatch, slots, opts):
@@ -67,7 +77,7 @@ def verify_rule(q, k, v, g, beta, rec_state, batch: ForwardBatch, slots, opts):
     o, scratch = ops.gated_delta_rule(
         q, k, v, g, beta, scratch, batch.cu_q_lens, ids, batch.has_initial_state, batch.num_seqs, opts
     )
-    return o, _commit_rows(rec_state, scratch, slots, batch)
+    return o, commit_rows(rec_state, scratch, slots, batch)
 
 
 def stash_rows(batch: ForwardBatch, mixed, k, v, g, beta) -> dict:
@@ -120,10 +130,12 @@ def _replay_native(pool, slots, has_initial, stash, counts, live):
     return pool
 
 
-def replay(caches: dict, stashes: tuple, batch: ForwardBatch, accepted, opts) -> dict:
-    """Commit every drafting sequence's first accepted + 1 tokens into its GDN slots, for every GDN
-    layer (`stashes`: per position in the layer group, the stashed rows stacked over groups
-    [G, S, K+1, ...], or None). accepted [S] i32. -> caches."""
+def replay(caches: dict, stashes: tuple, batch: ForwardBatch, accepted, opts, recurrent=None) -> dict:
+    """Commit every drafting sequence's first accepted + 1 tokens into its state slots, for every
+    recurrent layer (`stashes`: per position in the layer group, the stashed rows stacked over
+    groups [G, S, K+1, ...], or None). accepted [S] i32. `recurrent(old [M, ...], stash, counts)
+    -> new`: another mixer's state update (KDA: models/kda_replay.py, Mamba-2:
+    models/mamba2_replay.py); None: GDN's. The conv state is every mixer's last W-1 raw inputs. -> caches."""
     conv, rec = list(caches["conv"]), list(caches["rec"])
     live_s = drafting(batch)  # [S]
     counts_s = accepted.astype(jnp.int32) + 1
@@ -131,7 +143,7 @@ def replay(caches: dict, stashes: tuple, batch: ForwardBatch, accepted, opts) ->
     for j, stash in enumerate(stashes):
         if stash is None:
             continue
-        G, S = stash["k"].shape[:2]
+        G, S = stash["x"].shape[:2]
         N = rec[j].shape[0] // G
         slots = (batch.state_slot_ids[None, :] + N * jnp.arange(G)[:, None]).reshape(-1)  # [G*S]
         flat = jax.tree.map(lambda a: a.reshape((G * S,) + a.shape[2:]), stash)
@@ -141,10 +153,13 @@ def replay(caches: dict, stashes: tuple, batch: ForwardBatch, accepted, opts) ->
         target = jnp.where(live, slots, rec[j].shape[0])  # others: dropped
         old_conv = jnp.where(has_initial[:, None, None], conv[j][slots], 0).astype(conv[j].dtype)
         conv[j] = conv[j].at[target].set(replay_conv(old_conv, flat["x"], counts), mode="drop")
-        if native and gdn.cpu_native.available() and rec[j].dtype == jnp.float32:
+        if recurrent is None and native and gdn.cpu_native.available() and rec[j].dtype == jnp.float32:
             rec[j] = _replay_native(rec[j], slots, has_initial, flat, counts, live)
             continue
         old = jnp.where(has_initial[:, None, None, None], rec[j][slots], 0).astype(rec[j].dtype)
-        new = replay_recurrent(old, flat["k"], flat["v"], flat["g"], flat["beta"], counts)
+        if recurrent is None:
+            new = replay_recurrent(old, flat["k"], flat["v"], flat["g"], flat["beta"], counts)
+        else:
+            new = recurrent(old, flat, counts)
         rec[j] = rec[j].at[target].set(new, mode="drop")
     return {**caches, "conv": tuple(conv), "rec": tuple(rec)}

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from models import ops
+from models import gdn_replay, ops
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.quantization import qdot
@@ -96,13 +96,19 @@ def kda_impl(opts: ops.KernelOptions) -> str:
 
 def kda_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
     """x [T, hidden] -> (out [T, hidden], conv_state, rec_state); the states are this layer's slot
-    pools ([slots, W-1, 3 H K], [slots, H, K, K]), `slot_offset` its layer group's first slot."""
+    pools ([slots, W-1, 3 H K], [slots, H, K, K]), `slot_offset` its layer group's first slot. A
+    verify pass (`batch.spec_rows`) commits no state for drafting sequences and appends their
+    stashed per-token inputs (models/hybrid_replay.py)."""
     T, H, K = x.shape[0], cfg.linear_num_value_heads, cfg.linear_key_head_dim
     slots, rows = batch.state_slot_ids + slot_offset, batch.num_valid_rows
-    mixed = ops.linear(x, p["in_qkv"], opts, valid_rows=rows)  # [T, 3 H K] = [q | k | v]
-    mixed, conv_state = ops.causal_conv1d(
-        mixed, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
-    )
+    raw = ops.linear(x, p["in_qkv"], opts, valid_rows=rows)  # [T, 3 H K] = [q | k | v]
+    verify = batch.spec_rows is not None  # a speculative verify pass: no state for drafts (models/hybrid_replay.py)
+    if verify:
+        mixed, conv_state = gdn_replay.verify_conv(raw, p["conv_w"], conv_state, batch, slots, opts)
+    else:
+        mixed, conv_state = ops.causal_conv1d(
+            raw, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs, opts
+        )
     q, k, v = (t.reshape(T, H, K) for t in jnp.split(mixed, 3, axis=-1))
     q, k = kda.kda_normalize_qk(q, k)  # fp32, as HF's kernel computes
     g = kda.kda_gate(qdot(qdot(x, p["f_a"], rows), p["f_b"], rows).reshape(T, H, K), p["A_log"], p["dt_bias"])
@@ -116,10 +122,15 @@ def kda_layer(p, x, conv_state, rec_state, batch: ForwardBatch, slot_offset, cfg
         heads = P(None, opts.tp.axis) if opts.tp.gdn else P()  # q, k, v, g [T, H, K]; beta [T, H]; state [N, H, K, V]
         specs = (heads,) * 6 + (P(),) * 4
         run = jax.shard_map(run, mesh=opts.tp.mesh, in_specs=specs, out_specs=(heads, heads), check_vma=False)
-    o, rec_state = run(*tokens, rec_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs)
+    if verify:
+        o, rec_state = gdn_replay.verify_state(run, tokens, rec_state, batch, slots)
+        stash = gdn_replay.stash_rows(batch, raw, k, v.astype(jnp.float32), g, beta)
+    else:
+        o, rec_state = run(*tokens, rec_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs)
     o = o[:T]  # [T, H, K] fp32
     o = o.astype(x.dtype).astype(jnp.float32)  # HF returns the core output in the model dtype
     gate = qdot(qdot(x, p["g_a"], rows), p["g_b"], rows).reshape(T, H, K).astype(jnp.float32)
     normed = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o = (normed * p["gated_norm"].astype(jnp.float32) * jax.nn.sigmoid(gate)).astype(x.dtype)
-    return ops.linear(o.reshape(T, H * K), p["out_proj"], opts, valid_rows=rows), conv_state, rec_state
+    out = ops.linear(o.reshape(T, H * K), p["out_proj"], opts, valid_rows=rows)
+    return (out, conv_state, rec_state, stash) if verify else (out, conv_state, rec_state)

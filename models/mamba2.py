@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import mamba2_tp, ops
+from models import gdn_replay, hybrid_replay, mamba2_tp, ops
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from pallas_kernels import ssd
@@ -45,7 +45,9 @@ def gated_rms_norm(y, z, w, n_groups: int, eps: float):
 
 def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, cfg: ModelConfig, opts):
     """x [T, hidden] -> (out [T, hidden], conv_state, ssm_state); the states are this layer's slot
-    pools ([slots, W-1, conv_dim], [slots, H, P, N]), `slot_offset` its layer group's first slot."""
+    pools ([slots, W-1, conv_dim], [slots, H, P, N]), `slot_offset` its layer group's first slot. A
+    verify pass (`batch.spec_rows`) commits no state for drafting sequences and appends their
+    stashed per-token inputs (models/hybrid_replay.py)."""
     m = cfg.mamba
     T, G, I = x.shape[0], m.n_groups, m.intermediate_size
     slots, rows = batch.state_slot_ids + slot_offset, batch.num_valid_rows
@@ -58,9 +60,13 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
     conv = mamba2_tp.on_shards(
         lambda *args: causal_conv1d(*args, activation=None), tp, *mamba2_tp.conv_specs(tp and tp.axis)
     )
-    xbc, conv_state = conv(
-        xbc, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs
-    )
+    raw, verify = xbc, batch.spec_rows is not None  # a verify pass: no state for drafts (models/hybrid_replay.py)
+    if verify:
+        xbc, conv_state = gdn_replay.verify_state(conv, (raw, p["conv_w"]), conv_state, batch, slots)
+    else:
+        xbc, conv_state = conv(
+            raw, p["conv_w"], conv_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs
+        )
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
     xs, b, c = mamba2_tp.split_conv_out(jax.nn.silu(xbc), mh, shards)
@@ -69,22 +75,18 @@ def mamba2_layer(p, x, conv_state, ssm_state, batch: ForwardBatch, slot_offset, 
         tp,
         *mamba2_tp.ssd_specs(tp and tp.axis),
     )
-    y, ssm_state = scan(
-        xs,
-        dt,
-        -jnp.exp(p["A_log"].astype(jnp.float32)),
-        b,
-        c,
-        p["D"],
-        p["dt_bias"],
-        ssm_state,
-        batch.cu_q_lens,
-        slots,
-        batch.has_initial_state,
-        batch.num_seqs,
-    )
+    a = -jnp.exp(p["A_log"].astype(jnp.float32))
+    tokens = (xs, dt, a, b, c, p["D"], p["dt_bias"])
+    stash = None
+    if verify:
+        y, ssm_state = gdn_replay.verify_state(scan, tokens, ssm_state, batch, slots)
+        stash = hybrid_replay.ssm_stash_rows(batch, raw, xs, ssd.ssd_dt(dt, p["dt_bias"], m.dt_limit), b, a)
+    else:
+        y, ssm_state = scan(
+            *tokens, ssm_state, batch.cu_q_lens, slots, batch.has_initial_state, batch.num_seqs
+        )  # fmt: skip
     y = gated_rms_norm(y.reshape(T, I), z, p["gated_norm"], G, m.norm_eps)
     out = ops.linear(y.astype(x.dtype), p["out_proj"], opts, valid_rows=rows)
     if "out_bias" in p:
         out = out + p["out_bias"]
-    return out, conv_state, ssm_state
+    return (out, conv_state, ssm_state) if stash is None else (out, conv_state, ssm_state, stash)

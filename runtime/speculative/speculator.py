@@ -15,9 +15,10 @@ it; drafts past one the grammar rejects dropped) compose; prompt logprobs do not
 decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
 (the engine settles the step in flight before drafting: drafts read the tokens so far, and a
 verify step is resolved at once, its accepted tokens settled); a step where
-`disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
-without committing the drafts' GDN state and replay the accepted prefix into it inside the same
-compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
+`disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. Hybrids (GDN: Qwen3.5, Qwen3-Next; KDA: Kimi
+Linear; Mamba-2: Nemotron-H) verify without committing the drafts' recurrent state and replay the
+accepted prefix into it inside the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
+Refused at start-up: KDA and Mamba-2 hybrids under a mesh, window-aware
 paging, attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
 the plain steps, runtime/speculative/verify.py).
 """
@@ -94,11 +95,8 @@ def _plain(req) -> bool:
 def refusal(engine) -> str | None:
     """Why this engine cannot speculate, or None."""
     cfg = engine.model.cfg
-    if cfg.kda or MAMBA in cfg.layer_types:
-        return (
-            "KDA and Mamba-2 hybrids are not supported yet: only GDN layers replay the accepted drafts "
-            "into their state (models/gdn_replay.py)"
-        )
+    if (cfg.kda or MAMBA in cfg.layer_types) and engine.model.tp is not None:
+        return "KDA and Mamba-2 hybrids under a mesh are not supported yet (their replay runs on one device)"
     if engine.dp is not None:
         return "attention data parallelism is not supported yet"
     kv = engine.config.kv_transfer

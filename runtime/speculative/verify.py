@@ -15,9 +15,9 @@ which, given it is not x, is distributed as p with x removed and renormalised; t
 last accepted draft emits the bonus token. Greedy rows are argmax, so greedy output is unchanged.
 The table's `num_computed` of each row is rewound by its rejected drafts here, on the device (the
 KV written for them is overwritten by the next step); the host mirror is rewound by the caller.
-On a GDN hybrid the batch carries `spec_rows` (`spec_rows`): the GDN layers commit no state for
+On a hybrid (GDN, KDA, Mamba-2) the batch carries `spec_rows` (`spec_rows`): the recurrent layers commit no state for
 drafting sequences and stash their inputs, and once `accepted` is known the accepted prefix is
-replayed into the committed state in the same compiled step (models/gdn_replay.py).
+replayed into the committed state in the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
 
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
     caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from models import draft_model
-from models.gdn_replay import replay
+from models.hybrid_replay import replay_for
 from models.mtp import draft, keep_accepted
 from models.transformer import compute_logits
 from runtime.buckets import BucketMiss
@@ -177,7 +177,7 @@ def verify_backbone(
     drafts rewound, rows: SamplerOutput [T] (sequence i emits tokens[first_i : first_i +
     accepted_i + 1], the accepted drafts and then the target's token, each with its raw logprobs
     when `num_logprobs`), accepted [S], first: SamplerOutput [S] of each sequence's first token).
-    A GDN hybrid (`gdn_replay`: `models.gdn_replay.replay` with the kernel options bound): the
+    A hybrid (`gdn_replay`: `models.hybrid_replay.replay_for(cfg)` with the kernel options bound): the
     forward pass commits no GDN state for drafting sequences; the accepted prefix is replayed
     into it after acceptance."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
@@ -292,7 +292,7 @@ class VerifyExecutables:
             page_size=ex.page_size,
             max_top_k=max_top_k,
             softcap=ex.model.cfg.final_logit_softcapping,
-            gdn_replay=functools.partial(replay, opts=ex.opts) if ex.model.cfg.is_hybrid else None,
+            gdn_replay=functools.partial(replay_for(ex.model.cfg), opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
             drafter=_drafter(ex, mtp),
         )
