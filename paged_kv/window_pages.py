@@ -29,12 +29,15 @@ def window_pages_per_sequence(window: int, page_size: int, max_chunk: int) -> in
     return -(-(window + max_chunk) // page_size) + 1
 
 
-def window_pool_pages(window: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def window_pool_pages(
+    window: int, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0
+) -> int:
     """Window pages (with the null page) that never make a running request wait: each of
-    `max_num_seqs` requests holds at most ceil(window / page_size) + 1 pages between steps, plus
-    one boundary page when it is scheduled, and a step's chunks add at most
+    `max_num_seqs` requests holds at most ceil((window + k) / page_size) + 1 pages between steps
+    (k = `num_speculative_tokens`: a rejected draft's pages stay allocated past the committed
+    position), plus one boundary page when it is scheduled, and a step's chunks add at most
     ceil(max_num_batched_tokens / page_size) more."""
-    per_sequence = -(-window // page_size) + 2
+    per_sequence = -(-(window + num_speculative_tokens) // page_size) + 2
     return max_num_seqs * per_sequence + -(-max_num_batched_tokens // page_size) + 1
 
 

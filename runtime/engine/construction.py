@@ -146,7 +146,9 @@ def size_cache(
     num_window_pages = 0
     if window is not None:
         ps = config.page_size
-        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = config.speculative_config
+        k = 0 if spec is None else spec.num_speculative_tokens  # drafts' pages past the committed position
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens, k)
         num_window_pages = min(num_window_pages, config.max_num_seqs * max_blocks_per_seq + 1)
     num_pages = rank_share(config.num_pages, dp_size, "num_pages") or default_num_pages(
         config, model, max_blocks_per_seq, num_slots, num_window_pages

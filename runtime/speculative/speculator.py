@@ -18,8 +18,10 @@ verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. Hybrids (GDN: Qwen3.5, Qwen3-Next; KDA: Kimi
 Linear; Mamba-2: Nemotron-H) verify without committing the drafts' recurrent state and replay the
 accepted prefix into it inside the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
-Refused at start-up: KDA and Mamba-2 hybrids under a mesh, window-aware
-paging, attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
+Window-aware paging composes: the drafts' K/V go to the window pool's pages too, and the window
+slides only past the committed (accepted) position (the host's `num_computed_tokens`;
+paged_kv/window_pages.py). Refused at start-up: KDA and Mamba-2 hybrids under a mesh,
+attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
 the plain steps, runtime/speculative/verify.py).
 """
 
@@ -102,8 +104,6 @@ def refusal(engine) -> str | None:
     kv = engine.config.kv_transfer
     if kv is not None and kv.role == "prefill":
         return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
-    if engine.request_table is None or engine.request_table.window_columns is not None:
-        return "window-aware paging is not supported yet (set cache.window_paging: false)"
     return None
 
 

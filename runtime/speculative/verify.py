@@ -284,6 +284,7 @@ class VerifyExecutables:
             ex.max_blocks_per_seq,
             ex.page_size,
         )
+        self.window_paging = getattr(ex, "window_paging", False)
         self.full_widths = getattr(ex, "full_widths", None)  # None: penalty widths as the step needs
         self.token_buckets = tuple(token_buckets)
         fn = functools.partial(
@@ -316,9 +317,9 @@ class VerifyExecutables:
         return min(T, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
     def _args_spec(self, T: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
-        S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
-        table = specs.table_spec(S, self.max_blocks_per_seq, rep)
-        step = specs.table_step_spec(T, S, self.page_size, rep)
+        S, i32, rep, window = self.max_num_seqs, jnp.int32, self._replicated, self.window_paging
+        table = specs.table_spec(S, self.max_blocks_per_seq, rep, window)  # window paging: its second block table
+        step = specs.table_step_spec(T, S, self.page_size, rep, 2 if window else 1)
         row = specs.host_spec((T,), i32, rep)
         verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
         penalty = None
