@@ -37,11 +37,36 @@ def other_llama(tmp_path_factory):
     return write_random_checkpoint("llama", tmp_path_factory.mktemp("draft") / "ckpt", seed=5, num_hidden_layers=1)
 
 
+# the `other` engine's KV budget: no cache.num_pages, its pages are what this leaves (test_memory_budget...)
+BUDGET = 64 * 6144 + 1000
+
+
 @pytest.fixture(scope="module")
 def llama_engines(tiny_checkpoint, other_llama):
-    """(target without speculation, drafting with itself, drafting with `other_llama`)."""
+    """(target without speculation, drafting with itself, drafting with `other_llama`: its pool sized
+    by the memory budget `BUDGET`, not cache.num_pages)."""
     path = tiny_checkpoint("llama")
-    return _engine(path, None), _engine(path, _spec(path)), _engine(path, _spec(other_llama))
+    other = _engine(path, _spec(other_llama), num_pages=None, kv_cache_memory_bytes=BUDGET)
+    return _engine(path, None), _engine(path, _spec(path)), other
+
+
+def _page_bytes(path, page_size: int) -> int:
+    """One float32 page's K and V over every layer, from the checkpoint's config.json."""
+    c = json.loads((path / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4 * page_size
+
+
+def test_memory_budget_holds_target_and_draft(llama_engines, tiny_checkpoint, other_llama):
+    """Without cache.num_pages the pool is budget / (target page + draft page): the draft's pools
+    (the same page ids) are counted; the engine serves with it (test_other_draft_rejected...)."""
+    _, _, other = llama_engines
+    target, draft = _page_bytes(tiny_checkpoint("llama"), 4), _page_bytes(other_llama, 4)
+    assert (target, draft) == (4096, 2048)  # BUDGET's arithmetic: 64 pages of both
+    assert other.cache_config.num_pages == BUDGET // (target + draft) == 64
+    import jax
+
+    assert sum(x.nbytes for x in jax.tree.leaves(other.caches["draft"]["kv"])) == 64 * draft
 
 
 def _hf(path):
@@ -131,6 +156,50 @@ def test_hybrid_target_with_llama_draft(tiny_checkpoint, other_llama):
     stats, (drafted, accepted, _) = _counts(spec, before)
     assert drafted > 0 and accepted < drafted, stats
     _check_equal(got, ref)
+
+
+@pytest.mark.slow
+def test_no_compile_after_startup_with_draft_model(tiny_checkpoint, other_llama):
+    """Sealed start-up set with a draft model (its K/V absorbed in every step, its k draft steps in
+    the verify executables): a mixed workload plus drafting greedy and sampled requests compile nothing."""
+    import logging
+
+    import jax
+    from test_no_compile_after_startup import CompileCounter, mixed_requests
+
+    from runtime.types import EngineRequest, SamplingParams
+
+    engine = _engine(
+        tiny_checkpoint("llama"),
+        _spec(other_llama),
+        page_size=16,
+        num_pages=64,
+        max_num_batched_tokens=64,
+        token_buckets=(8, 64),
+        max_model_len=256,
+        aot_compile=True,
+        aot_compile_all=True,
+    )
+    assert engine.speculator.verify.sealed
+    counter = CompileCounter()
+    logger = logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        drafting = [
+            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            for i, p in enumerate(PROMPTS)
+            for t in (0.0, 1.0)
+        ]
+        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
+            engine.add_request(request)
+        drain(engine)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_all_free(engine)
 
 
 # ---- refusals -----------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ def auto_latent(config: EngineConfig, model: Model, max_blocks_per_seq: int) -> 
 
 
 def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
-    """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token)."""
+    """One page's bytes on one device over the attention layers `layers` (Model.cache_bytes_per_token),
+    the MTP layer's or the draft model's K/V included (both indexed by the target's page ids)."""
     tpu = on_tpu(model.tp.spec()) if model.tp else jax.default_backend() == "tpu"  # MLA pools pinned lane-padded
     per_page = max(model.cache_bytes_per_token(config.kv_cache_dtype, layers, lane_padded=tpu), 1) * config.page_size
     tp = model.tp
@@ -178,6 +179,9 @@ def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     spec = config.speculative_config
     if spec is not None and spec.method == "mtp" and layers != "window":  # the MTP layer's K/V (models/mtp.py)
         per_page += per_page // max(model.cfg.num_attention_layers, 1)
+    draft = getattr(model, "draft", None)
+    if draft is not None and layers != "window":  # the draft model's pools, the same page ids (models/draft_model.py)
+        per_page += draft.cache_bytes_per_token(config.kv_cache_dtype) * config.page_size
     return per_page
 
 
