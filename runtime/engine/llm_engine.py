@@ -357,7 +357,8 @@ class LLMEngine:
         if self.kv_transfer is not None:  # P/D: pulled state written before the step reads it
             self.caches = self.kv_transfer.load(self.caches, out)
         if speculate:  # a hybrid's checkpoints: never a drafting sequence's (Scheduler._drafts)
-            self.caches, self.table, sampled = self.speculator.run(params, self.caches, T, table_args, out)
+            inputs = batch if self.dp is not None else table_args  # attention DP: the host-built batch
+            self.caches, self.table, sampled = self.speculator.run(params, self.caches, T, inputs, out)
             if out.copy_after:
                 self.caches = ex.copy_states(self.caches, out.copy_after)
             return sampled, None

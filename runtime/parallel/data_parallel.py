@@ -118,19 +118,26 @@ def split_ranks(batch: ForwardBatch, size: int) -> ForwardBatch:
     return ForwardBatch(**ranks)
 
 
-def data_parallel_forward(params, caches, batch: ForwardBatch, *, cfg, opts, size: int):
-    """forward() of every rank at once -> (hidden [len(batch.logits_indices), H], caches).
-
-    caches: every leaf [D, ...] (rank axis on `data`); batch: the flat DP batch."""
+def over_ranks(fn, caches, batch: ForwardBatch, *args, opts, size: int):
+    """fn(rank caches, rank batch, *rank args) of every rank at once (vmap over the rank axis, on
+    `data`): caches and args [D, ...], batch the flat DP batch (`split_ranks`). The forward pass
+    runs this way, and so does speculative decoding's GDN replay (runtime/speculative/dp_verify.py)."""
     ranks = split_ranks(batch, size)
     if opts.tp is not None:  # each rank's step inputs live on its own devices
         on_data = NamedSharding(opts.tp.mesh, P(DATA_AXIS))
         ranks = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, on_data), ranks)
+    return jax.vmap(fn, spmd_axis_name=DATA_AXIS)(caches, ranks, *args)
+
+
+def data_parallel_forward(params, caches, batch: ForwardBatch, *, cfg, opts, size: int):
+    """forward() of every rank at once -> (hidden [len(batch.logits_indices), H], caches).
+
+    caches: every leaf [D, ...] (rank axis on `data`); batch: the flat DP batch."""
 
     def one_rank(rank_caches, rank_batch):
         return forward(params, rank_caches, rank_batch, cfg=cfg, opts=opts)
 
-    hidden, caches = jax.vmap(one_rank, spmd_axis_name=DATA_AXIS)(caches, ranks)  # hidden [D, T, H]
+    hidden, caches = over_ranks(one_rank, caches, batch, opts=opts, size=size)  # hidden [D, T, H]
     return hidden.reshape(-1, hidden.shape[-1])[batch.logits_indices], caches
 
 
@@ -171,6 +178,7 @@ class DataParallelExecutables(StepExecutables):
     ):
         self.size, self.rank_max_num_seqs = size, max_num_seqs
         self.rank_token_buckets = tuple(token_buckets)
+        self.over_ranks = functools.partial(over_ranks, opts=opts, size=size)  # a per-rank function of a step
         super().__init__(
             model,
             caches,

@@ -117,6 +117,11 @@ class DataParallelScheduler:
         return {rid: r for s in self.ranks for rid, r in s.requests.items()}
 
     @property
+    def running(self) -> list[Request]:
+        """Every rank's running requests, in rank order (speculative decoding drafts for them)."""
+        return [r for s in self.ranks for r in s.running]
+
+    @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.ranks)
 
@@ -156,6 +161,14 @@ class DataParallelScheduler:
         for request in finished:
             self.rank_of.pop(request.request_id, None)
         return finished
+
+    def accept_drafts(self, request: Request, tokens: list[int]) -> int:
+        """Speculative decoding: `request`'s rank appends its accepted drafts' successors
+        (`Scheduler.accept_drafts`); a stop among them frees the request on its rank."""
+        n = self.ranks[self.rank_of[request.request_id]].accept_drafts(request, tokens)
+        if request.is_finished:
+            self.rank_of.pop(request.request_id, None)
+        return n
 
     def abandon(self, output: DataParallelOutput) -> list[Request]:
         return [r for s, o in zip(self.ranks, output.ranks) for r in s.abandon(o)]

@@ -35,6 +35,7 @@ import numpy as np
 from configs.speculative import SpeculativeConfig
 from models.mamba2_config import MAMBA
 from runtime.scheduled import SchedulerOutput
+from runtime.speculative.dp_verify import DataParallelVerifyExecutables
 from runtime.speculative.ngram import propose_ngram
 from runtime.speculative.verify import MTP_DRAFT, VerifyExecutables, VerifyRows
 from runtime.steps.sampler import SamplerOutput
@@ -97,10 +98,16 @@ def _plain(req) -> bool:
 def refusal(engine) -> str | None:
     """Why this engine cannot speculate, or None."""
     cfg = engine.model.cfg
-    if (cfg.kda or MAMBA in cfg.layer_types) and engine.model.tp is not None:
+    recurrent = cfg.kda or MAMBA in cfg.layer_types
+    if recurrent and (engine.model.tp is not None or engine.dp is not None):
         return "KDA and Mamba-2 hybrids under a mesh are not supported yet (their replay runs on one device)"
-    if engine.dp is not None:
-        return "attention data parallelism is not supported yet"
+    method = engine.config.speculative_config.method
+    if engine.dp is not None and method != "ngram":  # draft_model: refused when its caches are built
+        return f"method {method!r} under attention data parallelism is not supported yet (ngram is)"
+    if engine.dp is not None and getattr(engine.executables, "window_paging", False):
+        return (
+            "window-aware paging under attention data parallelism is not supported yet (set cache.window_paging: false)"
+        )
     kv = engine.config.kv_transfer
     if kv is not None and kv.role == "prefill":
         return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
@@ -125,25 +132,32 @@ def build_speculator(engine) -> Speculator | None:
         if "draft" not in engine.caches:
             raise ValueError("speculative_config: method 'draft_model' found no draft caches (a mesh or DP build)")
         mtp = "draft_model"
-    verify = VerifyExecutables(
-        engine.executables,
-        engine.caches,
-        engine.token_buckets,
-        engine.config.max_top_k,
-        config.num_speculative_tokens,
-        mtp=mtp,
-    )
+    if engine.dp is not None:  # the flat rank-major batch (runtime/speculative/dp_verify.py)
+        ex = engine.executables
+        verify = DataParallelVerifyExecutables(
+            ex, engine.caches, engine.config.max_top_k, config.num_speculative_tokens, engine._rng
+        )
+    else:
+        verify = VerifyExecutables(
+            engine.executables,
+            engine.caches,
+            engine.token_buckets,
+            engine.config.max_top_k,
+            config.num_speculative_tokens,
+            mtp=mtp,
+        )
     if engine.plan.aot_compile:
         every = engine.config.compile_config().every_variant
         masked = engine.bitmask_width if engine.plan.grammar_samplers or every else 0  # as the plain samplers
         verify.compile_all(every_variant=every, mask_width=masked)
-    return Speculator(config, verify)
+    return Speculator(config, verify, 1 if engine.dp is None else engine.dp.size)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, verify: VerifyExecutables):
+    def __init__(self, config: SpeculativeConfig, verify: VerifyExecutables, num_ranks: int = 1):
         self.config = config
         self.verify = verify
+        self.num_ranks = num_ranks  # attention DP: `disable_by_batch_size` holds per rank
         self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verified sequences that carried drafts
@@ -164,9 +178,10 @@ class Speculator:
 
     # ---- before the schedule ----------------------------------------------------------------
     def crowded(self, decoding: int) -> bool:
-        """More requests decode than `disable_by_batch_size`: no drafts this step."""
+        """More requests decode than `disable_by_batch_size` (per rank under attention DP: D x it
+        over all ranks): no drafts this step."""
         limit = self.config.disable_by_batch_size
-        return limit is not None and decoding > limit
+        return limit is not None and decoding > limit * self.num_ranks
 
     def may_draft(self, running) -> bool:
         """Whether the next schedule may draft: the engine then settles the step in flight first."""
@@ -223,34 +238,18 @@ class Speculator:
     def run(self, params, caches, T: int, table_args: tuple, out: SchedulerOutput):
         """Dispatch the verify step -> (caches, table, SamplerOutput whose tokens [max_num_seqs]
         are each sequence's first new token)."""
-        S = self.verify.max_num_seqs
-        rows, seqs, offsets, steps, drafts = (np.zeros(T, np.int32) for _ in range(5))
-        seqs[:] = -1
-        drafts[:] = -1
-        num_draft = np.zeros(S, np.int32)
-        first = np.zeros(S, np.int32)
-        token_row = v = 0
-        for i, seq in enumerate(out.sequences):
-            k = seq.num_draft
-            token_row += seq.num_new_tokens
-            last = token_row - 1 - k  # the row of the sequence's last real token
-            first[i], num_draft[i] = v, k
-            outputs = seq.request.num_output_tokens
-            for j in range(k + 1):
-                rows[v], seqs[v], offsets[v], steps[v] = last + j, i, j, outputs + j
-                drafts[v] = seq.token_ids[len(seq.token_ids) - k + j] if j < k else -1
-                v += 1
-        verify = VerifyRows(rows, seqs, offsets, steps, drafts, num_draft)
+        verify, first = verify_rows(out, T, self.verify.max_num_seqs)
         reqs = [seq.request for seq in out.sequences]
         all_greedy = all(req.params.temperature <= 0.0 for req in reqs)
         num_logprobs = MAX_LOGPROBS if any(req.params.logprobs is not None for req in reqs) else 0
-        table, step, prev_tokens = table_args
         bitmask, self._bitmask = self._bitmask, None
         if bitmask is not None:  # the rows of the step's token bucket (filled for its real rows)
             rows_t = self.verify.mask_rows(T)
             bitmask = np.pad(bitmask, ((0, rows_t - bitmask.shape[0]), (0, 0)), constant_values=-1)[:rows_t]
+        inputs = self.verify.step_inputs(table_args, reqs)
+        penalty = penalty_ids(reqs, self.verify.max_num_seqs)
         caches, table, row_out, accepted, first_out, drafted = self.verify.run(
-            params, caches, table, step, prev_tokens, verify, all_greedy, penalty_ids(reqs, S), num_logprobs, bitmask
+            params, caches, inputs, verify, all_greedy, penalty, num_logprobs, bitmask
         )
         self._pending = (out, row_out, accepted, first[: len(out.sequences)], drafted)
         if self.draft_log is not None:
@@ -303,6 +302,35 @@ class Speculator:
             if logprobs is not None:  # rows first_i + 1 .. : the accepted tokens' own rows
                 rows = slice(first[i] + 1, first[i] + 1 + len(step.more_tokens[i]))
                 step.more_logprobs[i] = tuple(a[rows] for a in logprobs)
+
+
+def verify_rows(out: SchedulerOutput, T: int, S: int) -> tuple[VerifyRows, np.ndarray]:
+    """The verify rows of a step in token bucket T with S sequence rows -> (VerifyRows, the first
+    verify row of each sequence): a sequence with k drafts gets k + 1 rows (its last real token,
+    then its drafts), in batch order. Attention DP (`out.ranks`): rank r's tokens start at token
+    row r * T / D (runtime/parallel/data_parallel.py's rank-major batch); sequences are numbered
+    in the combined order."""
+    rows, seqs, offsets, steps, drafts = (np.zeros(T, np.int32) for _ in range(5))
+    seqs[:] = -1
+    drafts[:] = -1
+    num_draft = np.zeros(S, np.int32)
+    first = np.zeros(S, np.int32)
+    ranks = getattr(out, "ranks", None) or [out]
+    i = v = 0
+    for rank, rank_out in enumerate(ranks):
+        token_row = rank * (T // len(ranks))
+        for seq in rank_out.sequences:
+            k = seq.num_draft
+            token_row += seq.num_new_tokens
+            last = token_row - 1 - k  # the row of the sequence's last real token
+            first[i], num_draft[i] = v, k
+            outputs = seq.request.num_output_tokens
+            for j in range(k + 1):
+                rows[v], seqs[v], offsets[v], steps[v] = last + j, i, j, outputs + j
+                drafts[v] = seq.token_ids[len(seq.token_ids) - k + j] if j < k else -1
+                v += 1
+            i += 1
+    return VerifyRows(rows, seqs, offsets, steps, drafts, num_draft), first
 
 
 def _drop_drafts(seq, n: int) -> None:

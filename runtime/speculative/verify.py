@@ -20,7 +20,8 @@ drafting sequences and stash their inputs, and once `accepted` is known the acce
 replayed into the committed state in the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
 
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
-    caches, table, tokens, accepted, first = exes.run(params, caches, table, step, prev_tokens, rows, all_greedy)
+    inputs = (table, step, prev_tokens)
+    caches, table, tokens, accepted, first, drafted = exes.run(params, caches, inputs, rows, all_greedy)
 """
 
 from __future__ import annotations
@@ -91,10 +92,19 @@ def earlier_drafts(verify: VerifyRows, k: int) -> jax.Array:
     return jnp.where((m < verify.offsets[:, None]) & (verify.seqs[:, None] >= 0), taken, -1)
 
 
+def table_row_fields(table, verify: VerifyRows) -> dict:
+    """Each verify row's sampling parameters ([T] fields of `SamplingMetadata`) from the request
+    table after the step's prepare (padding rows: the null row's neutral ones)."""
+    T, S = verify.rows.shape[0], verify.num_draft.shape[0]
+    null_row = table.row_params.shape[0] - 1  # its parameters are neutral (greedy, no filter)
+    table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
+    return row_sampling(dataclasses.replace(table, step_rows=table_rows), T)
+
+
 def verify_sample(
     params,
     hidden,
-    table,
+    fields: dict,
     verify: VerifyRows,
     penalty_ids=None,
     bitmask=None,
@@ -106,7 +116,7 @@ def verify_sample(
     num_speculative_tokens=0,
 ):
     """SamplerOutput [T]: the target's token at every verify row, each with its request's
-    parameters (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or the per-sequence
+    parameters (`fields`: [T] each, `table_row_fields`) (and raw logprobs when `num_logprobs`). `penalty_ids`: None, or the per-sequence
     features (output_ids [S, Wo], prompt_ids [S, Wp], banned_ids [S, Wb], min_tokens [S],
     logit_bias_ids [S, Wl], logit_bias_values [S, Wl]; ids -1 padded): a row's penalties count
     its sequence's output plus the drafts before it (`earlier_drafts`), as a plain step after
@@ -115,9 +125,6 @@ def verify_sample(
     `bitmask`: None, or [R, W] i32 grammar masks of the first R <= T rows (row v: the tokens its
     sequence's grammar allows after the drafts before it; the rows past R allow everything)."""
     T, S = verify.rows.shape[0], verify.num_draft.shape[0]
-    null_row = table.row_params.shape[0] - 1  # its parameters are neutral (greedy, no filter)
-    table_rows = jnp.where(verify.seqs >= 0, table.step_rows[jnp.clip(verify.seqs, 0, S - 1)], null_row)  # [T]
-    fields = row_sampling(dataclasses.replace(table, step_rows=table_rows), T)
     empty = jnp.zeros((T, 0), jnp.int32)
     output_ids = prompt_ids = banned_ids = bias_ids = empty
     bias_values = jnp.zeros((T, 0), jnp.float32)
@@ -192,7 +199,7 @@ def verify_backbone(
     rows = verify_sample(
         params,
         hidden,
-        table,
+        table_row_fields(table, verify),
         verify,
         penalty_ids,
         bitmask,
@@ -209,18 +216,25 @@ def verify_backbone(
     if "mtp" in caches:  # the carry: the hidden state at the last accepted row
         mtp = keep_accepted(caches["mtp"], hidden, verify.seqs, verify.offsets, accepted, batch.state_slot_ids)
         caches = {**caches, "mtp": mtp}
-    # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
-    # match, so this only makes the acceptance rule the one place that decides what is output)
-    S = verify.num_draft.shape[0]
-    keep = (verify.seqs >= 0) & (verify.offsets < accepted[jnp.clip(verify.seqs, 0, S - 1)])
-    tokens = jnp.where(keep, verify.drafts, tokens)
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
     table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
+    rows, first = emitted(rows, verify, accepted)
+    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts)
+    return caches, table, rows, lax.stop_gradient(accepted), first, drafted
+
+
+def emitted(rows, verify: VerifyRows, accepted):
+    """-> (rows: the sampled rows with each sequence's emitted tokens, first: SamplerOutput [S] of
+    each sequence's first new token). A sequence emits its accepted drafts, then the target's
+    token (equal to the first where they match, so this only makes the acceptance rule the one
+    place that decides what is output)."""
+    S = verify.num_draft.shape[0]
+    keep = (verify.seqs >= 0) & (verify.offsets < accepted[jnp.clip(verify.seqs, 0, S - 1)])
+    tokens = jnp.where(keep, verify.drafts, rows.tokens)
     heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
     rows = dataclasses.replace(rows, tokens=tokens)  # an accepted draft is the row's sample: its logprob holds
     first = jax.tree.map(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype).at[heads].set(a, mode="drop"), rows)
-    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts)
-    return caches, table, rows, lax.stop_gradient(accepted), first, drafted
+    return rows, first
 
 
 def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
@@ -287,16 +301,7 @@ class VerifyExecutables:
         self.window_paging = getattr(ex, "window_paging", False)
         self.full_widths = getattr(ex, "full_widths", None)  # None: penalty widths as the step needs
         self.token_buckets = tuple(token_buckets)
-        fn = functools.partial(
-            verify_backbone,
-            forward=ex.forward,
-            page_size=ex.page_size,
-            max_top_k=max_top_k,
-            softcap=ex.model.cfg.final_logit_softcapping,
-            gdn_replay=functools.partial(replay_for(ex.model.cfg), opts=ex.opts) if ex.model.cfg.is_hybrid else None,
-            num_speculative_tokens=num_speculative_tokens,
-            drafter=_drafter(ex, mtp),
-        )
+        fn = self._backbone(ex, max_top_k, num_speculative_tokens, mtp)
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
         rep = self._replicated = ex._replicated
@@ -312,14 +317,39 @@ class VerifyExecutables:
         # sealed: plain variants; _full_sealed: the full ones; _mask_sealed: the grammar-masked ones
         self.sealed = self._full_sealed = self._mask_sealed = False
 
+    def _backbone(self, ex, max_top_k: int, num_speculative_tokens: int, mtp):
+        """The step function compiled: `verify_backbone` with this engine's statics bound."""
+        return functools.partial(
+            verify_backbone,
+            forward=ex.forward,
+            page_size=ex.page_size,
+            max_top_k=max_top_k,
+            softcap=ex.model.cfg.final_logit_softcapping,
+            gdn_replay=functools.partial(replay_for(ex.model.cfg), opts=ex.opts) if ex.model.cfg.is_hybrid else None,
+            num_speculative_tokens=num_speculative_tokens,
+            drafter=_drafter(ex, mtp),
+        )
+
+    def step_inputs(self, table_args: tuple, reqs) -> tuple:
+        """The step's inputs after (params, caches): the request table's (table, TableStep, prev_tokens)."""
+        return table_args
+
+    def _inputs_spec(self, T: int) -> tuple:
+        S, rep, window = self.max_num_seqs, self._replicated, self.window_paging
+        table = specs.table_spec(S, self.max_blocks_per_seq, rep, window)  # window paging: its second block table
+        step = specs.table_step_spec(T, S, self.page_size, rep, 2 if window else 1)
+        return table, step, specs.host_spec((S,), jnp.int32, rep)
+
+    @staticmethod
+    def _token_count(inputs: tuple) -> int:
+        return inputs[1].host_tokens.shape[0]
+
     def mask_rows(self, T: int) -> int:
         """Rows of a verify step's grammar bitmask in token bucket T: at most k + 1 per sequence."""
         return min(T, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
     def _args_spec(self, T: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
-        S, i32, rep, window = self.max_num_seqs, jnp.int32, self._replicated, self.window_paging
-        table = specs.table_spec(S, self.max_blocks_per_seq, rep, window)  # window paging: its second block table
-        step = specs.table_step_spec(T, S, self.page_size, rep, 2 if window else 1)
+        S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
         row = specs.host_spec((T,), i32, rep)
         verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
         penalty = None
@@ -329,7 +359,7 @@ class VerifyExecutables:
             bias = [specs.host_spec((S, wl), i32, rep), specs.host_spec((S, wl), jnp.float32, rep)]
             penalty = (*ids, specs.host_spec((S,), i32, rep), *bias)
         mask = specs.host_spec((self.mask_rows(T), mask_width), i32, rep) if mask_width else None
-        return self._params_spec, self._cache_spec, table, step, specs.host_spec((S,), i32, rep), verify, penalty, mask
+        return self._params_spec, self._cache_spec, *self._inputs_spec(T), verify, penalty, mask
 
     def compile(self, T: int, all_greedy: bool, widths: tuple | None = None, num_logprobs: int = 0, mask_width=0):
         key = (T, all_greedy, widths, num_logprobs, mask_width)
@@ -375,19 +405,17 @@ class VerifyExecutables:
         self,
         params,
         caches,
-        table,
-        step,
-        prev_tokens,
+        inputs: tuple,
         verify: VerifyRows,
         all_greedy: bool,
         penalty=None,
         num_logprobs=0,
         bitmask=None,
     ):
-        """`penalty`: None or the per-sequence features of `verify_sample` (host arrays); with
-        bounded widths a step using them or logprobs runs the full variant (padded here). `bitmask`:
-        None or the grammar masks [mask_rows(T), W] (a masked variant)."""
-        T = step.host_tokens.shape[0]
+        """`inputs`: `step_inputs`'s. `penalty`: None or the per-sequence features of `verify_sample`
+        (host arrays); with bounded widths a step using them or logprobs runs the full variant
+        (padded here). `bitmask`: None or the grammar masks [mask_rows(T), W] (a masked variant)."""
+        T = self._token_count(inputs)
         if T not in self.token_buckets:
             raise BucketMiss(f"token count {T} has no verify bucket {self.token_buckets}")
         widths, full_n = self.full_variant()
@@ -415,5 +443,5 @@ class VerifyExecutables:
         if exe is None:
             log.info("compiling verify%s (not compiled ahead of time)", list(key))
             exe = self.compile(*key)
-        caches, rest = exe(params, caches, table, step, prev_tokens, verify, penalty, bitmask)
+        caches, rest = exe(params, caches, *inputs, verify, penalty, bitmask)
         return (caches, *rest)
