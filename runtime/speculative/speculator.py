@@ -155,6 +155,7 @@ class Speculator:
         self.config = config
         self.verify = verify
         self.num_ranks = num_ranks  # attention DP: `disable_by_batch_size` holds per rank
+        self.rank_tokens = [[0, 0] for _ in range(num_ranks)]  # per rank: (drafted, accepted) tokens verified
         self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verified sequences that carried drafts
@@ -171,6 +172,11 @@ class Speculator:
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            **{  # attention DP: each rank's share of the two counts above
+                f"dp_rank{r}_spec_decode_num_{name}_tokens": counts[j]
+                for r, counts in enumerate(self.rank_tokens if self.num_ranks > 1 else [])
+                for j, name in enumerate(("draft", "accepted"))
+            },
         }
 
     # ---- before the schedule ----------------------------------------------------------------
@@ -277,6 +283,7 @@ class Speculator:
         if row_out.top_ids.shape[1]:
             logprobs = tuple(np.asarray(a) for a in (row_out.logprobs, row_out.top_ids, row_out.top_logprobs))
         placed = {row for row, _, index in step.placed if index is not None}
+        ranks = [r for r, o in enumerate(getattr(out, "ranks", None) or [out]) for _ in o.sequences]
         for i, seq in enumerate(out.sequences):
             k = seq.num_draft
             if not k:
@@ -285,6 +292,7 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += a
+            self.rank_tokens[ranks[i]] = [self.rank_tokens[ranks[i]][0] + k, self.rank_tokens[ranks[i]][1] + a]
             for j in range(a):
                 self.accepted_per_position[j] += 1
             req = seq.request
