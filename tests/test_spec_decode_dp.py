@@ -8,6 +8,8 @@ speculation, the same DP engine without speculation, and HF's greedy `generate`.
 
 - "g": copy-heavy prompts and their doubled versions (11 requests over both ranks, 34 pages per
   rank: chunked prefill and preemption), drafts accepted and rejected;
+- "features": a logit bias, a `min_tokens` ban, logprobs, penalties and seeded sampling (the
+  per-sequence features and parameters of the verify rows, from the host under DP);
 - "idle": one request alone, so the other rank schedules nothing in every step;
 - "isolation": two long requests sharing a prefix fill rank 0 (it preempts), rank 1 keeps serving
   a third one on its own pages.
@@ -66,8 +68,11 @@ def serve(engine, requests, before_rest=None, rest=()):
                       sorted(o.request_id for o in outputs if o.new_token_ids)))
         for o in outputs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.new_logprobs:
+                LOGPROBS.setdefault(id(engine), {}).setdefault(o.request_id, []).extend(t.logprob for t in o.new_logprobs)
     s = engine.stats()
-    assert s["pages_used"] == 0 and s["slots_used"] == 0 and s["num_running"] == 0, s
+    assert s["pages_used"] == 0 and s["slots_used"] == 0 and s["num_running"] == 0, s  # no leaks
+    assert not getattr(engine.scheduler, "rank_of", {}), engine.scheduler.rank_of  # every placement gone
     return tokens, steps, placed
 
 one = spec_engine(path, None)
@@ -77,7 +82,7 @@ oracle = OracleDrafts(spec.model.cfg.vocab_size)
 if oracle_drafts:
     speculator.propose_ngram = oracle
 tok = spec.tokenizer
-report = {}
+report, LOGPROBS = {}, {}
 
 def round_(name, requests, before_rest=None, rest=()):
     ref, _, _ = serve(one, list(requests) + list(rest))
@@ -92,6 +97,14 @@ def round_(name, requests, before_rest=None, rest=()):
                     "preempted": [s.num_preemptions - p for s, p in zip(spec.scheduler.ranks, preempted)]}
 
 round_("g", _greedy_requests(tok, "g"))
+first = report["g"]["one"]["g0"]
+copy = "a b c d a b c d a b c d a b"
+features = {"bias": dict(logit_bias={first[2]: -100.0}), "ban": dict(min_tokens=10, stop_token_ids=[first[1]]),
+            "logprobs": dict(logprobs=2), "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.2)}
+round_("features", [EngineRequest(f"f-{k}", tok.encode(copy), SamplingParams(max_tokens=16, temperature=0.0, **v))
+                    for k, v in features.items()]
+       + [EngineRequest("f-seeded", tok.encode(copy * 2), SamplingParams(max_tokens=16, temperature=0.8, seed=7))])
+report["features"]["logprobs"] = {k: LOGPROBS.get(id(e), {}).get("f-logprobs") for k, e in (("one", one), ("got", spec))}
 round_("idle", [EngineRequest("solo", tok.encode("a b c d a b c d a b c d a b"), greedy(24))])
 prompt = list(range(3, 27)) * 2  # 48 tokens, 12 full pages: b follows a's prefix to rank 0
 round_("isolation", [EngineRequest("a", prompt + [60], greedy(60)), EngineRequest("s", [7, 8, 9, 7, 8, 9], greedy(40))],
@@ -151,6 +164,15 @@ def test_greedy_equals_dp_and_one_device_without_speculation_and_hf(family, repo
         got = report[name]["got"][rid]
         expected, scores = hf_greedy(hf, report[name]["prompts"][rid], len(got))
         assert_greedy_match(got, expected, scores, f"{family} {rid}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_features_compose(family, reports):
+    case = reports(family)["features"]
+    assert case["got"] == case["dp_off"] == case["one"]
+    assert _delta(case, "spec_decode_num_accepted_tokens") > 0, case["after"]
+    got, want = case["logprobs"]["got"], case["logprobs"]["one"]
+    assert len(got) == len(want) == 16 and max(abs(a - b) for a, b in zip(got, want)) < 1e-3, (got, want)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
