@@ -26,9 +26,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hf_reference import assert_greedy_match, hf_greedy
+
+from configs.speculative import SpeculativeConfig
+from runtime.speculative.dp_verify import rank_major, rank_spec_rows
+from runtime.speculative.speculator import refusal, verify_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,3 +213,43 @@ def test_preemption_on_one_rank_while_the_other_keeps_serving(family, reports):
     first, last = served.index(True), len(served) - 1 - served[::-1].index(True)
     assert all(served[first : last + 1]), "rank 1's request skipped a step while rank 0 preempted"
     assert _delta(case, "spec_decode_num_draft_tokens") > 0
+
+
+# ---- device-free: the verify layout and the refusals --------------------------------------------------
+def _seq(n_new, k, outputs=0):
+    request = SimpleNamespace(num_output_tokens=outputs)
+    return SimpleNamespace(num_new_tokens=n_new, num_draft=k, token_ids=list(range(100, 100 + n_new)), request=request)
+
+
+def test_verify_rows_are_each_ranks_own_token_rows_in_the_combined_order():
+    # rank 0: a 5-token prefill chunk, then a decode with 2 drafts; rank 1: a decode with 3 drafts
+    ranks = [SimpleNamespace(sequences=[_seq(5, 0), _seq(3, 2, outputs=4)]), SimpleNamespace(sequences=[_seq(4, 3)])]
+    out = SimpleNamespace(ranks=ranks, sequences=ranks[0].sequences + ranks[1].sequences)
+    verify, first = verify_rows(out, T=32, S=8)  # two ranks of 16 token rows, 4 sequence rows each
+    n = 1 + 3 + 4
+    assert verify.rows[:n].tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert verify.seqs[:n].tolist() == [0, 1, 1, 1, 2, 2, 2, 2] and (verify.seqs[n:] == -1).all()
+    assert verify.offsets[:n].tolist() == [0, 0, 1, 2, 0, 1, 2, 3]
+    assert verify.steps[:n].tolist() == [0, 4, 5, 6, 0, 1, 2, 3]
+    assert verify.drafts[:n].tolist() == [-1, 101, 102, -1, 101, 102, 103, -1]
+    assert verify.num_draft[:3].tolist() == [0, 2, 3] and first[:3].tolist() == [0, 1, 4]
+    # the GDN side: rank-local batch positions (rank r's sequence i at r * 4 + i), rank-local rows
+    num_seqs = jnp.array([2, 1], jnp.int32)
+    spec = np.asarray(rank_spec_rows(jax.tree.map(jnp.asarray, verify), num_seqs, 4, 16))
+    expected = np.full((8, 4), -1)
+    expected[0, 0], expected[1, :3], expected[4, :] = 4, [5, 6, 7], [0, 1, 2, 3]
+    np.testing.assert_array_equal(spec, expected)
+    accepted = jnp.array([0, 2, 1, 0, 0, 0, 0, 0], jnp.int32)  # by combined index
+    np.testing.assert_array_equal(np.asarray(rank_major(accepted, num_seqs, 4)), [[0, 2, 0, 0], [1, 0, 0, 0]])
+
+
+def test_what_attention_dp_refuses_is_named():
+    def engine(method, dp=True):
+        cfg = SimpleNamespace(kda=False, layer_types=("full_attention",))
+        config = SimpleNamespace(speculative_config=SpeculativeConfig(method=method), kv_transfer=None)
+        dp = SimpleNamespace(size=2) if dp else None
+        return SimpleNamespace(model=SimpleNamespace(cfg=cfg), config=config, dp=dp,
+                               executables=SimpleNamespace(window_paging=False))  # fmt: skip
+
+    assert refusal(engine("ngram")) is None and refusal(engine("mtp", dp=False)) is None
+    assert refusal(engine("mtp")) == ("method 'mtp' under attention data parallelism is not supported yet (ngram is)")
