@@ -17,9 +17,12 @@ decode one token a step; a step carrying one verifies nothing). A step that may 
 verify step is resolved at once, its accepted tokens settled); a step where
 `disable_by_batch_size` rules drafting out (`may_draft` false) keeps asynchronous scheduling. GDN hybrids (Qwen3.5, Qwen3-Next) verify
 without committing the drafts' GDN state and replay the accepted prefix into it inside the same
-compiled step (models/gdn_replay.py). Refused at start-up: KDA and Mamba-2 hybrids, window-aware
-paging, attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
-the plain steps, runtime/speculative/verify.py).
+compiled step (models/gdn_replay.py). Attention data parallelism speculates with `ngram`: each
+rank's drafts ride in its slice of the flat batch, verified per sequence (runtime/speculative/dp_verify.py;
+`disable_by_batch_size` holds per rank, the counters are summed over the ranks and split by rank in
+`stats()`). Refused at start-up: KDA and Mamba-2 hybrids, window-aware paging, `mtp` and `draft_model`
+under attention DP, and the P/D prefill role (the decode role speculates; a mesh: the verify
+executables are sharded like the plain steps, runtime/speculative/verify.py).
 """
 
 from __future__ import annotations
