@@ -8,8 +8,9 @@ speculation, the same DP engine without speculation, and HF's greedy `generate`.
 
 - "g": copy-heavy prompts and their doubled versions (11 requests over both ranks, 34 pages per
   rank: chunked prefill and preemption), drafts accepted and rejected;
-- "features": a logit bias, a `min_tokens` ban, logprobs, penalties and seeded sampling (the
-  per-sequence features and parameters of the verify rows, from the host under DP);
+- "features": a logit bias, a `min_tokens` ban, logprobs, penalties, seeded sampling and a regex
+  grammar (the per-sequence features and parameters of the verify rows, from the host under DP,
+  and the grammar masks of the verify rows in the combined order);
 - "idle": one request alone, so the other rank schedules nothing in every step;
 - "isolation": two long requests sharing a prefix fill rank 0 (it preempts), rank 1 keeps serving
   a third one on its own pages.
@@ -49,7 +50,7 @@ from engine_testing import spec_engine
 from test_spec_decode import SPEC, _greedy_requests
 from test_spec_decode_gdn import OracleDrafts
 from runtime.speculative import speculator
-from runtime.types import EngineRequest, SamplingParams
+from runtime.types import EngineRequest, SamplingParams, StructuredOutput
 
 path, oracle_drafts = sys.argv[1], sys.argv[2] == "oracle"
 DP = dict(mesh_shape=(2, 4), num_pages=68)  # 34 pages of 4 per rank: 132 tokens
@@ -111,7 +112,9 @@ features = {"bias": dict(logit_bias={first[2]: -100.0}), "ban": dict(min_tokens=
             "logprobs": dict(logprobs=2), "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.2)}
 round_("features", [EngineRequest(f"f-{k}", tok.encode(copy), SamplingParams(max_tokens=16, temperature=0.0, **v))
                     for k, v in features.items()]
-       + [EngineRequest("f-seeded", tok.encode(copy * 2), SamplingParams(max_tokens=16, temperature=0.8, seed=7))])
+       + [EngineRequest("f-seeded", tok.encode(copy * 2), SamplingParams(max_tokens=16, temperature=0.8, seed=7)),
+          EngineRequest("f-grammar", tok.encode(copy), SamplingParams(max_tokens=16, temperature=0.0,
+                        structured_output=StructuredOutput("regex", r"( ?[a-d])+")))])
 report["features"]["logprobs"] = {k: LOGPROBS.get(id(e), {}).get("f-logprobs") for k, e in (("one", one), ("got", spec))}
 round_("idle", [EngineRequest("solo", tok.encode("a b c d a b c d a b c d a b"), greedy(24))])
 prompt = list(range(3, 27)) * 2  # 48 tokens, 12 full pages: b follows a's prefix to rank 0
