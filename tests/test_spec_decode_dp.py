@@ -52,7 +52,7 @@ from test_spec_decode_gdn import OracleDrafts
 from runtime.speculative import speculator
 from runtime.types import EngineRequest, SamplingParams, StructuredOutput
 
-path, oracle_drafts = sys.argv[1], sys.argv[2] == "oracle"
+path, oracle_drafts, crowd = sys.argv[1], sys.argv[2] == "oracle", sys.argv[3] == "crowd"
 DP = dict(mesh_shape=(2, 4), num_pages=68)  # 34 pages of 4 per rank: 132 tokens
 
 def greedy(n):
@@ -86,7 +86,7 @@ def serve(engine, requests, before_rest=None, rest=()):
 
 one = spec_engine(path, None)
 off = spec_engine(path, None, **DP)
-spec = spec_engine(path, SPEC, **DP)
+spec = spec_engine(path, {**SPEC, "disable_by_batch_size": 2} if crowd else SPEC, **DP)  # crowd: 4 over both ranks
 oracle = OracleDrafts(spec.model.cfg.vocab_size)
 if oracle_drafts:
     speculator.propose_ngram = oracle
@@ -106,6 +106,9 @@ def round_(name, requests, before_rest=None, rest=()):
                     "preempted": [s.num_preemptions - p for s, p in zip(spec.scheduler.ranks, preempted)]}
 
 round_("g", _greedy_requests(tok, "g"))
+if crowd:
+    print("REPORT " + json.dumps(report))
+    sys.exit(0)
 first = report["g"]["one"]["g0"]
 copy = "a b c d a b c d a b c d a b"
 features = {"bias": dict(logit_bias={first[2]: -100.0}), "ban": dict(min_tokens=10, stop_token_ids=[first[1]]),
@@ -124,10 +127,10 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def _run(path, oracle: bool) -> dict:
+def _run(path, oracle: bool, crowd: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(path), "oracle" if oracle else "ngram"],
+        [sys.executable, "-c", SCRIPT, str(path), "oracle" if oracle else "ngram", "crowd" if crowd else "-"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -216,6 +219,18 @@ def test_preemption_on_one_rank_while_the_other_keeps_serving(family, reports):
     first, last = served.index(True), len(served) - 1 - served[::-1].index(True)
     assert all(served[first : last + 1]), "rank 1's request skipped a step while rank 0 preempted"
     assert _delta(case, "spec_decode_num_draft_tokens") > 0
+
+
+@pytest.mark.slow
+def test_disable_by_batch_size_holds_per_rank(tiny_checkpoint):
+    """`disable_by_batch_size: 2` on two ranks: no drafts while more than 4 requests decode (those
+    steps keep asynchronous scheduling, their placeholders fed from the step in flight), drafts
+    again as requests finish; outputs unchanged."""
+    g = _run(tiny_checkpoint("llama"), oracle=True, crowd=True)["g"]
+    assert g["got"] == g["dp_off"] == g["one"]
+    assert _delta(g, "spec_decode_num_disabled_steps") > 0 and _delta(g, "spec_decode_num_accepted_tokens") > 0
+    # drafting requests decode: at most 4, and more than one rank's 2 (the rule is per rank, not over all)
+    assert 2 < max(sum(d) for _, d, _ in g["steps"]) <= 4, g["steps"]
 
 
 # ---- device-free: the verify layout and the refusals --------------------------------------------------
