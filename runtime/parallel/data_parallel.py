@@ -28,6 +28,11 @@ over `model` and replicated over `data`; everything that belongs to a request is
   `models/ops.py`) that its new leading axis lives on `data`. The rank's final hidden states of
   all T rows come back as `[D*T, H]` and the global `logits_indices` gather the sampled rows.
 
+Speculative decoding (`ngram`; runtime/speculative/dp_verify.py): a drafting sequence's k drafts
+are k more tokens of its rank's slice (the same token buckets), the verify rows are global rows of
+the flat batch, and a GDN hybrid's replay of the accepted prefixes runs per rank through
+`over_ranks`, the vmap the forward pass uses.
+
 Window-aware paging (paged_kv/window_pages.py): each rank holds both pools (stacked like every
 cache) and its scheduler its own window tables; the flat batch carries them rank-major like the
 block tables (a rank that schedules nothing: null tables). Prompt logprobs (the scoring backbone)

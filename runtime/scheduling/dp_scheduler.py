@@ -149,6 +149,8 @@ class DataParallelScheduler:
             for row, request, index in s.update_with_placeholders(o):
                 placed.append((offset + row, request, index))
                 self._placed_rank[request.request_id] = rank
+                if request.is_finished:  # its length ended it here: the placement goes now (else it stays)
+                    self.rank_of.pop(request.request_id, None)
             offset += len(o.sequences)
         return placed
 

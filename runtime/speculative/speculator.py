@@ -20,9 +20,13 @@ Linear; Mamba-2: Nemotron-H) verify without committing the drafts' recurrent sta
 accepted prefix into it inside the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
 Window-aware paging composes: the drafts' K/V go to the window pool's pages too, and the window
 slides only past the committed (accepted) position (the host's `num_computed_tokens`;
-paged_kv/window_pages.py). Refused at start-up: KDA and Mamba-2 hybrids under a mesh,
-attention data parallelism and the P/D prefill role (the decode role speculates; a mesh: the verify executables are sharded like
-the plain steps, runtime/speculative/verify.py).
+paged_kv/window_pages.py). Attention data parallelism speculates with `ngram`: each rank's drafts
+ride in its slice of the flat batch, verified per sequence (runtime/speculative/dp_verify.py;
+`disable_by_batch_size` holds per rank, the counters are summed over the ranks and split by rank in
+`stats()`). Refused at start-up: KDA and Mamba-2 hybrids under a mesh or attention DP; window-aware
+paging, `mtp` and `draft_model` under attention DP; and the P/D prefill role (the decode role
+speculates; a mesh: the verify executables are sharded like the plain steps,
+runtime/speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class Speculator:
         self.config = config
         self.verify = verify
         self.num_ranks = num_ranks  # attention DP: `disable_by_batch_size` holds per rank
+        self.rank_tokens = [[0, 0] for _ in range(num_ranks)]  # per rank: (drafted, accepted) tokens verified
         self.num_draft_tokens = 0  # drafted tokens verified (vLLM's spec_decode_num_draft_tokens)
         self.num_accepted_tokens = 0
         self.num_drafts = 0  # verified sequences that carried drafts
@@ -174,6 +179,11 @@ class Speculator:
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            **{  # attention DP: each rank's share of the two counts above
+                f"dp_rank{r}_spec_decode_num_{name}_tokens": counts[j]
+                for r, counts in enumerate(self.rank_tokens if self.num_ranks > 1 else [])
+                for j, name in enumerate(("draft", "accepted"))
+            },
         }
 
     # ---- before the schedule ----------------------------------------------------------------
@@ -280,6 +290,7 @@ class Speculator:
         if row_out.top_ids.shape[1]:
             logprobs = tuple(np.asarray(a) for a in (row_out.logprobs, row_out.top_ids, row_out.top_logprobs))
         placed = {row for row, _, index in step.placed if index is not None}
+        ranks = [r for r, o in enumerate(getattr(out, "ranks", None) or [out]) for _ in o.sequences]
         for i, seq in enumerate(out.sequences):
             k = seq.num_draft
             if not k:
@@ -288,6 +299,7 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += a
+            self.rank_tokens[ranks[i]] = [self.rank_tokens[ranks[i]][0] + k, self.rank_tokens[ranks[i]][1] + a]
             for j in range(a):
                 self.accepted_per_position[j] += 1
             req = seq.request
