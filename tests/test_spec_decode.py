@@ -106,12 +106,6 @@ def test_the_cli_flag_and_yaml_key_reach_the_engine_config(tmp_path):
     assert load_config(path).speculative_config["num_speculative_tokens"] == 2
 
 
-def test_mamba_hybrids_are_refused_at_start_up(tiny_checkpoint):
-    """GDN hybrids speculate (tests/test_spec_decode_gdn.py); Mamba-2 and KDA layers cannot replay yet."""
-    with pytest.raises(ValueError, match="speculative_config: KDA and Mamba-2 hybrids are not supported yet"):
-        _engine(tiny_checkpoint("nemotron_h"), SPEC)
-
-
 # ---- drafting ----------------------------------------------------------------------------------
 def _brute_force_ngram(tokens, k, min_n, max_n):
     for n in range(max_n, min_n - 1, -1):
