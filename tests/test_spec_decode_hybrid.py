@@ -302,7 +302,7 @@ def test_kda_and_mamba2_under_a_mesh_are_refused():
 
     def engine(kda=False, layer_types=("linear_attention",), tp=None):
         cfg = SimpleNamespace(kda=kda, layer_types=list(layer_types))
-        config = SimpleNamespace(kv_transfer=None)
+        config = SimpleNamespace(kv_transfer=None, speculative_config=SimpleNamespace(method="ngram"))
         table = SimpleNamespace(window_columns=None)
         return SimpleNamespace(model=SimpleNamespace(cfg=cfg, tp=tp), dp=None, config=config, request_table=table)
 
