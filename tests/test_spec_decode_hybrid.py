@@ -189,13 +189,14 @@ NUM_TOKENS = 16
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
     """family -> (engine with ngram speculation, without, checkpoint path): pages of 4, 32-token
-    steps (prompts prefill in chunks), prefix caching with state checkpoints."""
+    steps (prompts prefill in chunks) in one token bucket (compile time), prefix caching with
+    state checkpoints."""
     built = {}
 
     def get(family):
         if family not in built:
             path = tiny_checkpoint(family)
-            kw = dict(num_pages=96, enable_prefix_caching=True, load_tokenizer=False)
+            kw = dict(num_pages=96, enable_prefix_caching=True, load_tokenizer=False, token_buckets=(32,))
             built[family] = (spec_engine(path, SPEC, **kw), spec_engine(path, None, **kw), path)
         return built[family]
 
@@ -292,3 +293,23 @@ def test_mtp_is_refused_precisely(family, tiny_checkpoint):
     """Neither family ships MTP layers: `method: mtp` is refused at load, naming why."""
     with pytest.raises(ValueError, match="method 'mtp' needs a Qwen3.5 / Qwen3-Next checkpoint with MTP layers"):
         spec_engine(tiny_checkpoint(family), {"method": "mtp", "num_speculative_tokens": 2}, load_tokenizer=False)
+
+
+def test_kda_and_mamba2_under_a_mesh_are_refused():
+    """The replay of KDA and Mamba-2 layers runs on one device: under a mesh (`model.tp`) the
+    speculator refuses them by name; GDN hybrids and dense models under a mesh pass this check."""
+    from types import SimpleNamespace
+
+    def engine(kda=False, layer_types=("linear_attention",), tp=None):
+        cfg = SimpleNamespace(kda=kda, layer_types=list(layer_types))
+        config = SimpleNamespace(kv_transfer=None, speculative_config=SimpleNamespace(method="ngram"))
+        table = SimpleNamespace(window_columns=None)
+        return SimpleNamespace(model=SimpleNamespace(cfg=cfg, tp=tp), dp=None, config=config, request_table=table)
+
+    mesh = object()
+    why = "KDA and Mamba-2 hybrids under a mesh are not supported yet"
+    assert speculator.refusal(engine(kda=True, tp=mesh)).startswith(why)
+    assert speculator.refusal(engine(layer_types=("mamba", "full_attention"), tp=mesh)).startswith(why)
+    assert speculator.refusal(engine(kda=True)) is None
+    assert speculator.refusal(engine(layer_types=("mamba", "full_attention"))) is None
+    assert speculator.refusal(engine(tp=mesh)) is None  # GDN: tests/test_spec_decode_parallel.py
