@@ -273,3 +273,61 @@ def test_no_compile_after_startup_with_mtp(tiny_checkpoint):
     assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_all_free(engine)
+
+
+# ---- grammars -----------------------------------------------------------------------------------
+def test_grammar_requests_draft_with_the_mtp(engines, hf_model, monkeypatch):
+    """A grammar-masked verify step also makes each sequence's next MTP drafts (`verify.next_drafts`),
+    which the host checks against the grammar before it builds the next step's masks, as for
+    prompt lookup. JSON-schema and regex constrained greedy requests equal no speculation token for
+    token, and every output is valid for its grammar (a fresh matcher walks it); they draft with the
+    MTP's own drafts (each equal to the torch reference's for its context) and, drafting the
+    oracle's, accept some."""
+    import json
+
+    from structured_cases import json_schemas, regexes
+
+    from runtime.structured_output import build_compiler
+    from runtime.structured_output.manager import StructuredOutputManager
+    from runtime.types import StructuredOutput
+
+    spec, off, path = engines("qwen3_5")
+    tok, cfg = spec.tokenizer, spec.model.cfg
+    grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::10]]
+    grammars += [StructuredOutput("regex", r) for r in regexes(12)[::4]]
+    grammars += [StructuredOutput("regex", r"[\s\S]{1,200}")]  # lets the random MTP's drafts through
+
+    def requests(tag):
+        return [
+            EngineRequest(f"{tag}{i}", tok.encode(PROMPTS[i % len(PROMPTS)]),
+                          SamplingParams(max_tokens=24, temperature=0.0, structured_output=g))
+            for i, g in enumerate(grammars)
+        ]  # fmt: skip
+
+    def drafted_accepted(before):
+        s = spec.stats()
+        return tuple(
+            s[key] - before[key] for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        )
+
+    spec.speculator.draft_log = []
+    before = spec.stats()
+    got, want = _round(spec, off, requests("j"), None, monkeypatch)  # the MTP's own drafts
+    assert drafted_accepted(before)[0] > 0
+    log, spec.speculator.draft_log = spec.speculator.draft_log, None
+    before = spec.stats()
+    more = _round(spec, off, requests("k"), OracleMTP(cfg.vocab_size), monkeypatch)
+    drafted, accepted = drafted_accepted(before)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    got.update(more[0])
+    want.update(more[1])
+    assert set(got) == set(want)
+    walk = StructuredOutputManager(build_compiler(tok, cfg.vocab_size, tuple(cfg.eos_token_ids)), max_rows=1)
+    for rid, out in got.items():
+        ref = want[rid]
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), rid
+        walk.add(rid, grammars[int(rid[1:])])
+        assert walk.allowed_drafts(rid, out.token_ids) == len(out.token_ids), (rid, out.text)
+    assert sum(out.finish_reason == "stop" for out in got.values()) >= len(got) // 2
+    assert len(spec.structured_output) == 0
+    assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))

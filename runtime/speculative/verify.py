@@ -209,6 +209,9 @@ def verify_backbone(
     if "mtp" in caches:  # the carry: the hidden state at the last accepted row
         mtp = keep_accepted(caches["mtp"], hidden, verify.seqs, verify.offsets, accepted, batch.state_slot_ids)
         caches = {**caches, "mtp": mtp}
+    made = None  # a grammar-masked step's drafts for the next step (`next_drafts`)
+    if drafter is not None and bitmask is not None:
+        caches, made = next_drafts(drafter, params, caches, batch, verify, accepted, tokens, num_speculative_tokens)
     # the emitted tokens: the accepted drafts, then the target's token (equal to the first where they
     # match, so this only makes the acceptance rule the one place that decides what is output)
     S = verify.num_draft.shape[0]
@@ -219,8 +222,28 @@ def verify_backbone(
     heads = jnp.where((verify.seqs >= 0) & (verify.offsets == 0), verify.seqs, S)  # padding: dropped
     rows = dataclasses.replace(rows, tokens=tokens)  # an accepted draft is the row's sample: its logprob holds
     first = jax.tree.map(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype).at[heads].set(a, mode="drop"), rows)
-    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts)
-    return caches, table, rows, lax.stop_gradient(accepted), first, drafted
+    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts);
+    # made: the next step's [S, k] (None unless a grammar-masked MTP / draft-model step)
+    return caches, table, rows, lax.stop_gradient(accepted), first, drafted, made
+
+
+def next_drafts(drafter, params, caches, batch, verify: VerifyRows, accepted, tokens, k: int):
+    """After acceptance: each sequence's k drafts for the step after this one, made from the
+    token this step emits after its accepted drafts (the target's token at its row `accepted`,
+    one position later) and the carry just kept: the inputs the next step's `fill_drafts` would
+    take, so the host can check them against a grammar before it builds that step's masks
+    (drafts are proposals: verification keeps any of them exact). The MTP's K/V written here
+    (positions from the last accepted one) are the values the next step writes there again.
+    -> (caches, drafts [S, k])."""
+    S, key = verify.num_draft.shape[0], "mtp" if "mtp" in caches else "draft"
+    head = spec_rows(verify, k + 1)[:, 0]  # [S] the last real token's row, -1: not in the step
+    at = (verify.seqs >= 0) & (verify.offsets == accepted[jnp.clip(verify.seqs, 0, S - 1)])
+    bonus = jnp.zeros(S, jnp.int32).at[jnp.where(at, verify.seqs, S)].set(tokens, mode="drop")  # [S]
+    positions = batch.positions[jnp.maximum(head, 0)] + accepted + 1
+    drafts, cache = drafter(
+        params, caches[key], bonus, positions, batch.state_slot_ids, head >= 0, batch.block_tables, k
+    )
+    return {**caches, key: cache}, drafts
 
 
 def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
