@@ -331,3 +331,32 @@ def test_grammar_requests_draft_with_the_mtp(engines, hf_model, monkeypatch):
     assert sum(out.finish_reason == "stop" for out in got.values()) >= len(got) // 2
     assert len(spec.structured_output) == 0
     assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))
+
+
+# ---- the host-memory tier -----------------------------------------------------------------------
+def test_mtp_drafts_after_host_tier_hits_equal_the_reference(engines, tiny_checkpoint, hf_model, monkeypatch):
+    """A host-tier hit (cache.kv_offloading_size) restores the MTP layer's K/V pages and carry with
+    the target's pages and GDN checkpoints (runtime/engine/host_tier.py), so the first drafts after
+    it are the torch reference's, as after a device hit; greedy output equals no speculation."""
+    spec, off, path = engines("qwen3_5")
+    tiered = _engine(
+        path, SPEC, num_pages=18, num_state_slots=5, max_num_seqs=2, max_model_len=64, kv_offloading_size=0.01
+    )
+    tiered.speculator.draft_log = []
+    rng = np.random.default_rng(5)
+    draw = lambda n: rng.integers(3, spec.model.cfg.vocab_size, size=n).tolist()
+    convs = {f"c{i}": draw(18) for i in range(4)}  # no shared prefix (its last MTP row is whoever's ran last)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts, got = {}, {}
+    for turn in range(3):
+        wave = {f"{cid}t{turn}": ids for cid, ids in convs.items()}
+        prompts.update(wave)
+        got.update(_serve(tiered, [EngineRequest(rid, ids, params) for rid, ids in wave.items()]))
+        for cid in convs:
+            convs[cid] = convs[cid] + got[f"{cid}t{turn}"].token_ids + draw(3)
+    stats = tiered.stats()
+    assert stats["host_cache_pages_loaded"] > 0 and stats["host_cache_checkpoints_loaded"] > 0, stats
+    want = _serve(off, [EngineRequest(rid, ids, params) for rid, ids in prompts.items()])
+    assert {rid: out.token_ids for rid, out in got.items()} == {rid: out.token_ids for rid, out in want.items()}
+    log, tiered.speculator.draft_log = tiered.speculator.draft_log, None
+    assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))
