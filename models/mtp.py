@@ -18,8 +18,9 @@ at its last computed token (the carry; copied with the GDN state into prefix che
 k MTP steps per drafting sequence inside the verify step (runtime/speculative/verify.py).
 
 Drafts never change the output (verification is exact); what only lowers acceptance: a shared
-prefix page's last MTP row is written by whichever request next runs the token after it, and a
-host-tier hit (cache.kv_offloading_size) restores pages and GDN state but not the MTP rows or carry.
+prefix page's last MTP row is written by whichever request next runs the token after it. A
+host-tier hit (cache.kv_offloading_size) restores the MTP rows with the pages and the carry with
+the GDN state (runtime/engine/host_tier.py).
 """
 
 from __future__ import annotations

@@ -273,3 +273,90 @@ def test_no_compile_after_startup_with_mtp(tiny_checkpoint):
     assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_all_free(engine)
+
+
+# ---- grammars -----------------------------------------------------------------------------------
+def test_grammar_requests_draft_with_the_mtp(engines, hf_model, monkeypatch):
+    """A grammar-masked verify step also makes each sequence's next MTP drafts (`device_drafts.next_drafts`),
+    which the host checks against the grammar before it builds the next step's masks, as for
+    prompt lookup. JSON-schema and regex constrained greedy requests equal no speculation token for
+    token, and every output is valid for its grammar (a fresh matcher walks it); they draft with the
+    MTP's own drafts (each equal to the torch reference's for its context) and, drafting the
+    oracle's, accept some."""
+    import json
+
+    from structured_cases import json_schemas, regexes
+
+    from runtime.structured_output import build_compiler
+    from runtime.structured_output.manager import StructuredOutputManager
+    from runtime.types import StructuredOutput
+
+    spec, off, path = engines("qwen3_5")
+    tok, cfg = spec.tokenizer, spec.model.cfg
+    grammars = [StructuredOutput("json", json.dumps(s)) for s in json_schemas(40)[::10]]
+    grammars += [StructuredOutput("regex", r) for r in regexes(12)[::4]]
+    grammars += [StructuredOutput("regex", r"[\s\S]{1,200}")]  # lets the random MTP's drafts through
+
+    def requests(tag):
+        return [
+            EngineRequest(f"{tag}{i}", tok.encode(PROMPTS[i % len(PROMPTS)]),
+                          SamplingParams(max_tokens=24, temperature=0.0, structured_output=g))
+            for i, g in enumerate(grammars)
+        ]  # fmt: skip
+
+    def drafted_accepted(before):
+        s = spec.stats()
+        return tuple(
+            s[key] - before[key] for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        )
+
+    spec.speculator.draft_log = []
+    before = spec.stats()
+    got, want = _round(spec, off, requests("j"), None, monkeypatch)  # the MTP's own drafts
+    assert drafted_accepted(before)[0] > 0
+    log, spec.speculator.draft_log = spec.speculator.draft_log, None
+    before = spec.stats()
+    more = _round(spec, off, requests("k"), OracleMTP(cfg.vocab_size), monkeypatch)
+    drafted, accepted = drafted_accepted(before)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    got.update(more[0])
+    want.update(more[1])
+    assert set(got) == set(want)
+    walk = StructuredOutputManager(build_compiler(tok, cfg.vocab_size, tuple(cfg.eos_token_ids)), max_rows=1)
+    for rid, out in got.items():
+        ref = want[rid]
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), rid
+        walk.add(rid, grammars[int(rid[1:])])
+        assert walk.allowed_drafts(rid, out.token_ids) == len(out.token_ids), (rid, out.text)
+    assert sum(out.finish_reason == "stop" for out in got.values()) >= len(got) // 2
+    assert len(spec.structured_output) == 0
+    assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))
+
+
+# ---- the host-memory tier -----------------------------------------------------------------------
+def test_mtp_drafts_after_host_tier_hits_equal_the_reference(engines, tiny_checkpoint, hf_model, monkeypatch):
+    """A host-tier hit (cache.kv_offloading_size) restores the MTP layer's K/V pages and carry with
+    the target's pages and GDN checkpoints (runtime/engine/host_tier.py), so the first drafts after
+    it are the torch reference's, as after a device hit; greedy output equals no speculation."""
+    spec, off, path = engines("qwen3_5")
+    tiered = _engine(
+        path, SPEC, num_pages=18, num_state_slots=5, max_num_seqs=2, max_model_len=64, kv_offloading_size=0.01
+    )
+    tiered.speculator.draft_log = []
+    rng = np.random.default_rng(5)
+    draw = lambda n: rng.integers(3, spec.model.cfg.vocab_size, size=n).tolist()
+    convs = {f"c{i}": draw(18) for i in range(4)}  # no shared prefix (its last MTP row is whoever's ran last)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts, got = {}, {}
+    for turn in range(3):
+        wave = {f"{cid}t{turn}": ids for cid, ids in convs.items()}
+        prompts.update(wave)
+        got.update(_serve(tiered, [EngineRequest(rid, ids, params) for rid, ids in wave.items()]))
+        for cid in convs:
+            convs[cid] = convs[cid] + got[f"{cid}t{turn}"].token_ids + draw(3)
+    stats = tiered.stats()
+    assert stats["host_cache_pages_loaded"] > 0 and stats["host_cache_checkpoints_loaded"] > 0, stats
+    want = _serve(off, [EngineRequest(rid, ids, params) for rid, ids in prompts.items()])
+    assert {rid: out.token_ids for rid, out in got.items()} == {rid: out.token_ids for rid, out in want.items()}
+    log, tiered.speculator.draft_log = tiered.speculator.draft_log, None
+    assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))

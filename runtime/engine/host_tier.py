@@ -11,7 +11,9 @@ Everything is dispatched in program order on the caches value before the step's 
 the engine's thread (no background thread: multi-host TPU queues stay in step), so a gather reads
 the state the eviction left and a load lands before the step reads it; nothing waits for the
 device. Layout: a layer group g's page p is row g x num_pages + p of its KV arrays, its slot s
-row g x num_slots + s of its state arrays (Model.init_caches).
+row g x num_slots + s of its state arrays (Model.init_caches). With `speculative_config.method:
+mtp` the MTP layer's K/V (row p) travels with a page and its carry (row s) with a GDN checkpoint,
+so the drafts after a host hit are those after a device hit.
 
 Batches run in programs of BATCH_SIZES entries (a longer batch in several, the last padded), so
 the set is small and fixed: with `aot_compile` every gather and scatter is compiled at start-up
@@ -36,6 +38,7 @@ from paged_kv.tiered_cache import SwapCost
 
 log = logging.getLogger(__name__)
 _PARTS = {KV: ("kv",), STATE: ("conv", "rec")}
+_MTP = {KV: "kv", STATE: "hidden"}  # the MTP layer's K/V pages and carry (models/mtp.py): one row per page / slot
 BATCH_SIZES = (1, 4, 16)  # entries per gather / scatter program (a batch is cut and padded to these)
 
 
@@ -55,20 +58,30 @@ def _gather(tree, rows, rank, *, num: int):
     (attention DP, caches [D, ...]): those rows of that rank's caches; None: one rank's caches."""
     if rank is not None:
         return tuple(jax.tree.map(lambda x, j=j: x[rank, rows[j]], tree) for j in range(num))
-    return tuple(jax.tree.map(lambda x, j=j: x[rows[j]], tree) for j in range(num))
+    main = {k: v for k, v in tree.items() if k != "mtp"}
+    out = tuple(jax.tree.map(lambda x, j=j: x[rows[j]], main) for j in range(num))
+    if "mtp" in tree:  # ungrouped: the page / slot id itself (group 0's row)
+        out = tuple({**o, "mtp": jax.tree.map(lambda x, j=j: x[rows[j, :1]], tree["mtp"])} for j, o in enumerate(out))
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter(tree, rows, values, rank):
     """Write `values` (a tuple of entry trees, leaves [G, ...]) into rows [num, G] of `tree` (of
     rank `rank`'s caches under attention DP)."""
-    flat = rows.reshape(-1)
 
-    def put(x, *entries):
-        value = jnp.concatenate(entries, axis=0).astype(x.dtype)
-        return x.at[flat].set(value) if rank is None else x.at[rank, flat].set(value)
+    def put(flat):
+        def one(x, *entries):
+            value = jnp.concatenate(entries, axis=0).astype(x.dtype)
+            return x.at[flat].set(value) if rank is None else x.at[rank, flat].set(value)
 
-    return jax.tree.map(put, tree, *values)
+        return one
+
+    main = {k: v for k, v in tree.items() if k != "mtp"}
+    out = jax.tree.map(put(rows.reshape(-1)), main, *[{k: v[k] for k in main} for v in values])
+    if "mtp" in tree:  # ungrouped: the page / slot id itself
+        out["mtp"] = jax.tree.map(put(rows[:, 0]), tree["mtp"], *[v["mtp"] for v in values])
+    return out
 
 
 def host_memory_kind() -> str | None:
@@ -104,9 +117,15 @@ class HostTierTransfers:
         kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else [])
         for kind in kinds:
             sub = self._subtree(spec, kind)
-            entry = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[1:]), x.dtype, sharding=x.sharding), sub
-            )
+            entry = {
+                part: jax.tree.map(
+                    lambda x, g=(1 if part == "mtp" else self.num_groups): jax.ShapeDtypeStruct(
+                        (g, *x.shape[1:]), x.dtype, sharding=x.sharding
+                    ),
+                    leaf,
+                )
+                for part, leaf in sub.items()
+            }
             rank = None if self.rank is None else jax.ShapeDtypeStruct((), jnp.int32)
             if self.rank is not None:  # one rank's entry: the caches' leaves without their rank axis
                 entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[2:]), x.dtype), sub)
@@ -134,7 +153,17 @@ class HostTierTransfers:
         return (np.asarray(ids, np.int32)[:, None] + groups[None, :]).astype(np.int32)
 
     def _subtree(self, caches, kind: str) -> dict:
-        return {part: caches[part] for part in _PARTS[kind]}
+        sub = {part: caches[part] for part in _PARTS[kind]}
+        if "mtp" in caches and self.rank is None:  # the MTP's K/V and carry travel too: its drafts after a hit
+            sub["mtp"] = caches["mtp"][_MTP[kind]]
+        return sub
+
+    def _merge(self, caches, sub: dict, kind: str) -> dict:
+        """`caches` with the scattered `sub` written back (the MTP part inside caches["mtp"])."""
+        out = {**caches, **{k: v for k, v in sub.items() if k != "mtp"}}
+        if "mtp" in sub:
+            out["mtp"] = {**caches["mtp"], _MTP[kind]: sub["mtp"]}
+        return out
 
     def run(self, caches):
         offloads, loads, restores = self.cache.take_transfers()
@@ -177,7 +206,7 @@ class HostTierTransfers:
         self.load_seconds.append(time.perf_counter() - start)
         self.load_seconds_total += self.load_seconds[-1]
         del self.load_seconds[:-1024]
-        return {**caches, **sub}
+        return self._merge(caches, sub, kind)
 
     def _rank(self):
         return None if self.rank is None else np.int32(self.rank)

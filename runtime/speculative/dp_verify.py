@@ -31,12 +31,12 @@ from jax import lax
 
 from models.gdn_replay import replay
 from runtime.scheduled import PLACEHOLDER_TOKEN
+from runtime.speculative.device_drafts import spec_rows
 from runtime.speculative.verify import (
     VerifyExecutables,
     VerifyRows,
     accepted_counts,
     emitted,
-    spec_rows,
     verify_sample,
 )
 from runtime.steps import specs
@@ -141,7 +141,7 @@ def dp_verify_backbone(
         state = over_ranks(commit, state, batch, stashes, rank_major(accepted, batch.num_seqs, S))
         caches = {**caches, **state}
     rows, first = emitted(rows, verify, accepted)
-    return caches, None, rows, lax.stop_gradient(accepted), first, None
+    return caches, None, rows, lax.stop_gradient(accepted), first, None, None
 
 
 class DataParallelVerifyExecutables(VerifyExecutables):

@@ -11,7 +11,8 @@ accepted token's raw logprobs from its own verify row), penalties (repetition, f
 presence: each verify row counts the output so far plus the drafts before it, the tokens a plain
 step would have counted), logit bias, `min_tokens` bans (while a row's output index is below
 min_tokens) and grammars (each verify row masked by the grammar's state after the drafts before
-it; drafts past one the grammar rejects dropped) compose; prompt logprobs do not (those requests
+it; drafts past one the grammar rejects dropped; with the MTP or a draft model a grammar request's
+drafts are the ones the last masked verify step made for its next position, `device_drafts.next_drafts`) compose; prompt logprobs do not (those requests
 decode one token a step; a step carrying one verifies nothing). A step that may draft runs synchronously
 (the engine settles the step in flight before drafting: drafts read the tokens so far, and a
 verify step is resolved at once, its accepted tokens settled); a step where
@@ -39,9 +40,10 @@ import numpy as np
 from configs.speculative import SpeculativeConfig
 from models.mamba2_config import MAMBA
 from runtime.scheduled import SchedulerOutput
+from runtime.speculative.device_drafts import MTP_DRAFT
 from runtime.speculative.dp_verify import DataParallelVerifyExecutables
 from runtime.speculative.ngram import propose_ngram
-from runtime.speculative.verify import MTP_DRAFT, VerifyExecutables, VerifyRows
+from runtime.speculative.verify import VerifyExecutables, VerifyRows
 from runtime.steps.sampler import SamplerOutput
 from runtime.steps.sampling_metadata import SamplingMetadata
 from runtime.types import MAX_LOGPROBS
@@ -53,7 +55,7 @@ _NO_TOP_IDS = np.zeros((0, 0), np.int32)
 
 def propose_mtp(req, k: int) -> list[int]:
     """An MTP request's drafts before the step: k placeholders (`MTP_DRAFT`), made on the device in
-    the verify step (`runtime.speculative.verify.fill_drafts`); a real token here is kept (tests' oracles)."""
+    the verify step (`runtime.speculative.device_drafts.fill_drafts`); a real token here is kept (tests' oracles)."""
     return [MTP_DRAFT] * k
 
 
@@ -168,7 +170,10 @@ class Speculator:
         self.num_drafts = 0  # verified sequences that carried drafts
         self.num_crowded_steps = 0  # schedules without drafts for `disable_by_batch_size`
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence, MTP drafts)
+        self._pending: tuple | None = None  # (out, tokens [T], accepted [S], first verify row per sequence, MTP drafts,
+        # the next step's MTP drafts or None)
+        self._made: dict[str, tuple[int, list[int]]] = {}  # grammar requests: (num_tokens, the MTP's next drafts)
+        self._want: set[str] = set()  # grammar requests this schedule verifies for their next drafts
         self.draft_log: list | None = None  # tests: a list -> (context tokens, the MTP's drafts) per drafting sequence
         self._bitmask: np.ndarray | None = None  # the grammar masks of the step `verifies` accepted
 
@@ -210,11 +215,14 @@ class Speculator:
         decoding = [req.num_tokens - req.num_computed_tokens == 1 for req in running]
         crowded = self.crowded(sum(decoding))
         self.num_crowded_steps += bool(crowded)
+        self._want = set()
+        self._made = {req.request_id: self._made[req.request_id] for req in running if req.request_id in self._made}
         for req, decodes in zip(running, decoding):
             if decodes and not crowded and can_draft(req) and c.method in ("mtp", "draft_model"):
-                # the MTP's drafts are made on the device, after the grammar masks: grammars draft no MTP tokens
-                mtp = req.params.structured_output is None
-                req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens) if mtp else []
+                req.draft_token_ids = propose_mtp(req, c.num_speculative_tokens)
+                if req.params.structured_output is not None:  # real tokens: the grammar checks them
+                    req.draft_token_ids = self._made_drafts(req, req.draft_token_ids)
+                    self._want.add(req.request_id)
             elif decodes and not crowded and can_draft(req):
                 tokens = np.asarray(req.all_token_ids)
                 req.draft_token_ids = propose_ngram(
@@ -222,6 +230,19 @@ class Speculator:
                 )
             else:
                 req.draft_token_ids = []
+
+    def _made_drafts(self, req, drafts: list[int]) -> list[int]:
+        """A grammar request's drafts with the placeholders (`MTP_DRAFT`) replaced by the MTP's
+        drafts the last verify step made for this position (`device_drafts.next_drafts`); none left
+        where there are none (this step then verifies to make them)."""
+        num_tokens, made = self._made.pop(req.request_id, (-1, []))
+        made = made if num_tokens == req.num_tokens else []
+        out = []
+        for j, token in enumerate(drafts):
+            if token == MTP_DRAFT and j >= len(made):
+                break
+            out.append(made[j] if token == MTP_DRAFT else token)
+        return out
 
     def verifies(self, out: SchedulerOutput, grammar=None) -> bool:
         """Whether `out` runs as a verify step; if not, any drafts scheduled are dropped (their
@@ -235,10 +256,14 @@ class Speculator:
                 if seq.num_draft:
                     drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft :]
                     _drop_drafts(seq, seq.num_draft - grammar.allowed_drafts(seq.request_id, drafts))
-        drafted = any(seq.num_draft for seq in out.sequences)
+        # a grammar request drafting with the MTP verifies with or without drafts: the masked step makes its next ones
+        drafted = any(seq.num_draft or seq.request_id in self._want for seq in out.sequences)
         if drafted and all(can_draft(seq.request) for seq in out.sequences):
             if grammar is not None and len(grammar):
-                self._bitmask = grammar_masks(out, grammar, self.verify.mask_rows(out.num_batched_tokens))
+                rows = self.verify.mask_rows(out.num_batched_tokens)
+                self._bitmask = grammar_masks(out, grammar, rows)
+                if self._bitmask is None and self._want:  # no grammar active yet: the masked step, all allowed
+                    self._bitmask = np.full((rows, grammar.width), -1, np.int32)
             return True
         for seq in out.sequences:
             _drop_drafts(seq, seq.num_draft)
@@ -258,10 +283,10 @@ class Speculator:
             bitmask = np.pad(bitmask, ((0, rows_t - bitmask.shape[0]), (0, 0)), constant_values=-1)[:rows_t]
         inputs = self.verify.step_inputs(table_args, reqs)
         penalty = penalty_ids(reqs, self.verify.max_num_seqs)
-        caches, table, row_out, accepted, first_out, drafted = self.verify.run(
+        caches, table, row_out, accepted, first_out, drafted, made = self.verify.run(
             params, caches, inputs, verify, all_greedy, penalty, num_logprobs, bitmask
         )
-        self._pending = (out, row_out, accepted, first[: len(out.sequences)], drafted)
+        self._pending = (out, row_out, accepted, first[: len(out.sequences)], drafted, made)
         if self.draft_log is not None:
             self._contexts = [tuple(req.all_token_ids) for req in reqs]
         if not num_logprobs:
@@ -276,7 +301,7 @@ class Speculator:
         completes ends the tokens there and joins `grammar_done` (already there: none follow)."""
         if self._pending is None or self._pending[0] is not step.out:
             return
-        out, row_out, accepted, first, drafted = self._pending
+        out, row_out, accepted, first, drafted, made = self._pending
         self._pending = None
         if self.draft_log is not None and drafted is not None:
             drafted = np.asarray(drafted)
@@ -294,6 +319,7 @@ class Speculator:
         for i, seq in enumerate(out.sequences):
             k = seq.num_draft
             if not k:
+                self._keep_made(made, i, seq.request, i in placed)
                 continue
             a = int(accepted[i])
             self.num_drafts += 1
@@ -314,6 +340,21 @@ class Speculator:
             if logprobs is not None:  # rows first_i + 1 .. : the accepted tokens' own rows
                 rows = slice(first[i] + 1, first[i] + 1 + len(step.more_tokens[i]))
                 step.more_logprobs[i] = tuple(a[rows] for a in logprobs)
+            self._keep_made(made, i, req, len(step.more_tokens[i]) == a)
+
+    def _keep_made(self, made, i: int, req, placed: bool) -> None:
+        """Keep the next drafts a masked step made for grammar request `req` (batch position `i`)
+        when it goes on from the position they were made for (every accepted token taken)."""
+        if made is None or req.request_id not in self._want or not placed or req.is_finished:
+            return
+        # draft j's step wrote K/V at most at position num_tokens - 1 + j: past the pages this
+        # step allocated it read the null page (other sequences write there too), so it stops there
+        pages = len(req.allocation.block_table) if req.allocation is not None else 0
+        drafts = np.asarray(made)[i].tolist()
+        drafts = drafts[: max(0, min(len(drafts), pages * self.verify.page_size - req.num_tokens + 1))]
+        self._made[req.request_id] = (req.num_tokens, drafts)
+        if self.draft_log is not None:
+            self.draft_log.append((tuple(req.all_token_ids), drafts))
 
 
 def verify_rows(out: SchedulerOutput, T: int, S: int) -> tuple[VerifyRows, np.ndarray]:

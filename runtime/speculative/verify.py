@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import draft_model
 from models.hybrid_replay import replay_for
-from models.mtp import draft, keep_accepted
+from models.mtp import keep_accepted
 from models.transformer import compute_logits
 from runtime.buckets import BucketMiss
+from runtime.speculative.device_drafts import drafter_for, fill_drafts, next_drafts, spec_rows
 from runtime.steps import specs
 from runtime.steps.sampler import sample
 from runtime.steps.sampling_metadata import SamplingMetadata
@@ -48,8 +48,6 @@ from runtime.steps.table_device import prepare, row_sampling
 from runtime.types import MAX_LOGPROBS
 
 log = logging.getLogger("jaxserve.speculative")
-
-MTP_DRAFT = np.iinfo(np.int32).max  # the host's placeholder for a draft the MTP makes in the step
 
 
 @jax.tree_util.register_dataclass
@@ -152,14 +150,6 @@ def verify_sample(
     return sample(logits, meta, bitmask, max_top_k=max_top_k, all_greedy=all_greedy, num_logprobs=num_logprobs)
 
 
-def spec_rows(verify: VerifyRows, width: int) -> jax.Array:
-    """[S, width] i32: each sequence's verify rows by offset (its last real token, then its drafts),
-    -1 past them (`ForwardBatch.spec_rows`)."""
-    S = verify.num_draft.shape[0]
-    seqs = jnp.where(verify.seqs >= 0, verify.seqs, S)  # padding: dropped
-    return jnp.full((S, width), -1, jnp.int32).at[seqs, verify.offsets].set(verify.rows, mode="drop")
-
-
 def verify_backbone(
     params,
     caches,
@@ -216,11 +206,15 @@ def verify_backbone(
     if "mtp" in caches:  # the carry: the hidden state at the last accepted row
         mtp = keep_accepted(caches["mtp"], hidden, verify.seqs, verify.offsets, accepted, batch.state_slot_ids)
         caches = {**caches, "mtp": mtp}
+    made = None  # a grammar-masked step's drafts for the next step (`next_drafts`)
+    if drafter is not None and bitmask is not None:
+        caches, made = next_drafts(drafter, params, caches, batch, verify, accepted, tokens, num_speculative_tokens)
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
     table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
     rows, first = emitted(rows, verify, accepted)
-    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts)
-    return caches, table, rows, lax.stop_gradient(accepted), first, drafted
+    # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts);
+    # made: the next step's [S, k] (None unless a grammar-masked MTP / draft-model step)
+    return caches, table, rows, lax.stop_gradient(accepted), first, drafted, made
 
 
 def emitted(rows, verify: VerifyRows, accepted):
@@ -235,39 +229,6 @@ def emitted(rows, verify: VerifyRows, accepted):
     rows = dataclasses.replace(rows, tokens=tokens)  # an accepted draft is the row's sample: its logprob holds
     first = jax.tree.map(lambda a: jnp.zeros((S, *a.shape[1:]), a.dtype).at[heads].set(a, mode="drop"), rows)
     return rows, first
-
-
-def fill_drafts(drafter, params, caches, batch, verify: VerifyRows, k: int):
-    """The MTP (or the draft model: caches["draft"]) drafts each drafting sequence's k tokens from
-    its last token (its verify row at offset 0); they replace the placeholder drafts (`MTP_DRAFT`)
-    in the verify rows and in the token rows after them. -> (batch, verify, caches, drafts [S, k])."""
-    S, key = verify.num_draft.shape[0], "mtp" if "mtp" in caches else "draft"
-    head = spec_rows(verify, k + 1)[:, 0]  # [S] the last real token's row, -1: not in the step
-    valid = (verify.num_draft > 0) & (head >= 0)
-    row = jnp.maximum(head, 0)
-    drafts, cache = drafter(
-        params,
-        caches[key],
-        batch.input_ids[row],
-        batch.positions[row],
-        batch.state_slot_ids,
-        valid,
-        batch.block_tables,
-        k,
-    )
-    seq = jnp.clip(verify.seqs, 0, S - 1)
-    fill = (verify.seqs >= 0) & (verify.offsets < verify.num_draft[seq]) & (verify.drafts == MTP_DRAFT)
-    new = jnp.where(fill, drafts[seq, jnp.clip(verify.offsets, 0, k - 1)], verify.drafts)
-    T = batch.input_ids.shape[0]
-    input_ids = batch.input_ids.at[jnp.where(fill, verify.rows + 1, T)].set(new, mode="drop")
-    batch = dataclasses.replace(batch, input_ids=input_ids)
-    return batch, dataclasses.replace(verify, drafts=new), {**caches, key: cache}, drafts
-
-
-def _drafter(ex, mtp):
-    if mtp == "draft_model":
-        return functools.partial(draft_model.draft, draft_cfg=ex.model.draft.cfg, opts=ex.opts)
-    return functools.partial(draft, cfg=ex.model.cfg, opts=ex.opts) if mtp else None
 
 
 def _caches_first(fn):
@@ -327,7 +288,7 @@ class VerifyExecutables:
             softcap=ex.model.cfg.final_logit_softcapping,
             gdn_replay=functools.partial(replay_for(ex.model.cfg), opts=ex.opts) if ex.model.cfg.is_hybrid else None,
             num_speculative_tokens=num_speculative_tokens,
-            drafter=_drafter(ex, mtp),
+            drafter=drafter_for(ex, mtp),
         )
 
     def step_inputs(self, table_args: tuple, reqs) -> tuple:
