@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     counted = (
         "host_cache_pages_loaded",
         "host_cache_checkpoints_loaded",
-        "host_cache_swap_ins",
+        "host_cache_hits_taken",
         "host_cache_recomputes",
         "host_cache_admission_waits",
         "host_cache_load_batches",
