@@ -59,6 +59,7 @@ class PreemptSwap:
         self.num_swap_ins_preempted = 0  # records restored: resumed with nothing recomputed
         self.num_swap_fallbacks = 0  # records dropped at re-admission (evicted, failed): recomputed
         self.num_swap_declined = 0  # preemptions the cost rule left to recompute
+        self.swap_preempted = True  # False: preemption recomputes as without the tier (benchmarks)
 
     # ---- out ----------------------------------------------------------------------------------
     def preempt(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> bool:
@@ -82,7 +83,7 @@ class PreemptSwap:
 
     def _swap_record(self, allocation: SequenceAllocation, token_ids: Sequence[int], num_computed: int):
         """A record for the allocation, or None when recompute costs no more (by the cost rule)."""
-        if num_computed <= 0:
+        if num_computed <= 0 or not self.swap_preempted:
             return None
         hashes = hash_full_pages(
             token_ids, self.page_size, allocation.extra_keys, allocation.block_hashes, num_computed

@@ -317,3 +317,61 @@ def test_swap_counters_in_stats_and_metrics(swap_run):
     for name in ("swap_outs", "swap_ins", "swap_fallbacks", "swap_declined"):
         assert f"jaxserve_host_cache_{name}_total {floatToGoString(stats[f'host_cache_{name}'])}" in text, name
     assert stats["host_cache_swap_outs"] > 0 and "jaxserve_preemption_recomputed_tokens_total" in text
+
+
+# ---- attention DP: each rank swaps into its own tier ------------------------------------------------
+DP_SCRIPT = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+sys.path.insert(0, "tests")
+from engine_testing import drain
+from test_preempt_swap import ALWAYS_SWAP, _config, _prompts, PARAMS
+from runtime.engine.llm_engine import LLMEngine
+from runtime.types import EngineRequest
+
+path = sys.argv[1]
+dp = LLMEngine(_config(path, True, kv_offloading_size=0.02, mesh_shape=(2, 1), aot_compile=True,
+                       num_pages=34, num_state_slots=18))  # per rank: the single engine's pool
+for rank in dp.scheduler.ranks:
+    rank.cache.swap_cost = ALWAYS_SWAP
+off = LLMEngine(_config(path, True, enable_prefix_caching=False))
+vocab = dp.model.cfg.vocab_size
+prompts = {**_prompts(vocab, n=8, seed=0), **{f"q{k}": p for k, p in _prompts(vocab, n=8, seed=5).items()}}
+outs = {}
+for engine in (dp, off):
+    for rid, prompt in prompts.items():
+        engine.add_request(EngineRequest(rid, prompt, PARAMS))
+    outs[engine is dp] = {rid: o.outputs[0].token_ids for rid, o in drain(engine).items()}
+s, ranks = dp.stats(), [r.cache.stats() for r in dp.scheduler.ranks]
+print("REPORT" + json.dumps({
+    "equal": outs[True] == outs[False],
+    "swap_ins": [r["host_cache_swap_ins"] for r in ranks],
+    "swap_outs": [r["host_cache_swap_outs"] for r in ranks],
+    "stats": {k: v for k, v in s.items() if isinstance(v, (int, float))},
+}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 2 CPU devices and two engines (~40 s on 2 busy cores)
+def test_data_parallel_ranks_swap_into_their_own_tiers(tiny_checkpoint):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    path = str(tiny_checkpoint("qwen3_5"))
+    proc = subprocess.run(
+        [sys.executable, "-c", DP_SCRIPT, path], capture_output=True, text=True, env=env, timeout=900, cwd=root
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    r = json.loads(line[len("REPORT") :])
+    assert r["equal"]
+    assert all(n > 0 for n in r["swap_ins"]) and r["swap_ins"] == r["swap_outs"], r  # both ranks swapped
+    s = r["stats"]
+    assert s["preemption_recomputed_tokens"] == 0 and s["host_cache_swapped_requests"] == 0, s
+    assert s["pages_used"] == 0 and s["slots_used"] == 0, s
