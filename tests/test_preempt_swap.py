@@ -175,7 +175,7 @@ MAX_TOKENS = 20
 
 
 def _config(path, hybrid: bool, **kw) -> EngineConfig:
-    return EngineConfig(
+    args = dict(
         aot_compile=False,
         model=str(path),
         dtype="float32",
@@ -186,8 +186,8 @@ def _config(path, hybrid: bool, **kw) -> EngineConfig:
         max_num_batched_tokens=32,
         max_model_len=64,
         load_tokenizer=False,
-        **kw,
     )
+    return EngineConfig(**{**args, **kw})
 
 
 def _prompts(vocab: int, n: int = 8, seed: int = 0) -> dict:
