@@ -8,7 +8,10 @@ of them at full length, so the scheduler preempts. A preempted request frees its
 slot; when it comes back, prefix caching finds what is still cached: its published pages and its
 rolling checkpoint (at most one page behind). Without the host tier those are gone once evicted
 and the request recomputes them; with it (`cache.kv_offloading_size`) they come back from host
-memory, which is how preemption "swaps" here. Reported per configuration: tokens/s, preemptions,
+memory. Besides, a preempted request's own state — its partial last page and running GDN state —
+is swapped to host under its id and restored at re-admission (paged_kv/preempt_swap.py), so it
+resumes at exactly its progress; `host_tier_no_swap` is the tier without that swap (published pages
+and checkpoints only, the rest recomputed). Reported per configuration: tokens/s, preemptions,
 the tokens re-admissions found cached (not recomputed), outputs vs caching off, and that every page
 and slot is free or cached afterwards. CPU numbers for small models show the mechanism.
 
@@ -18,7 +21,9 @@ change in the machine's load hits every one of them); tokens/s is their median, 
 `compiles` counts XLA compilations during the measured rounds (JAX's own log: 0 expected, the
 host tier's programs compile at start-up). `host_tier_no_wait`: the tier, but a host hit with
 no device room is recomputed instead of waited for. With the tier: its swap-ins (host hits loaded),
-recomputes (host hits the cost rule declined), admission waits and load dispatch time.
+recomputes (host hits the cost rule declined), admission waits and load dispatch time, and the
+preemption swap's records (swap_outs, swap_ins, fallbacks, declined); `recomputed_tokens`: computed
+tokens preempted requests computed again.
 The qwen3_5-small result: `--prompt-len 128 --max-tokens 64` (benchmarks/results/host-tier/).
 """
 
@@ -74,22 +79,29 @@ def main(argv=None) -> None:
         "recompute": {},
         "host_tier": dict(kv_offloading_size=args.host_gib),
         "host_tier_no_wait": dict(kv_offloading_size=args.host_gib),  # a hit without room: recompute
+        "host_tier_no_swap": dict(kv_offloading_size=args.host_gib),  # preemption recomputes (no record)
     }
     report, reference = {"args": vars(args), "configs": {}}, {}
     counted = (
         "host_cache_pages_loaded",
         "host_cache_checkpoints_loaded",
-        "host_cache_swap_ins",
+        "host_cache_hits_taken",
         "host_cache_recomputes",
         "host_cache_admission_waits",
         "host_cache_load_batches",
         "host_cache_load_seconds_total",
+        "host_cache_swap_outs",
+        "host_cache_swap_ins",
+        "host_cache_swap_fallbacks",
+        "host_cache_swap_declined",
     )
     engines, rates, sums, same, compiles = {}, {}, {}, {}, {}
     for name, extra in configs.items():
         engines[name] = LLMEngine(EngineConfig(**common, **extra), model=model, progress=False)
         if name == "host_tier_no_wait":
             engines[name].scheduler.cache.wait_for_room = False
+        if name == "host_tier_no_swap":
+            engines[name].scheduler.cache.swap_preempted = False
         rates[name], sums[name], same[name], compiles[name] = [], {}, True, []
     for round_, batch in rounds:  # round-robin over the configurations: a load change hits them all
         for name, engine in engines.items():
@@ -101,7 +113,8 @@ def main(argv=None) -> None:
             reference.setdefault(round_, outputs)
             same[name] &= outputs == reference[round_]
             rates[name].append(sum(map(len, outputs)) / seconds)
-            keys = ("num_preemptions", "prefix_cache_hit_tokens", *(k for k in counted if k in stats))
+            keys = ("num_preemptions", "prefix_cache_hit_tokens", "preemption_recomputed_tokens")
+            keys += tuple(k for k in counted if k in stats)
             for k in keys:
                 sums[name][k] = sums[name].get(k, 0) + stats[k] - before[k]
     for name, engine in engines.items():
@@ -112,8 +125,11 @@ def main(argv=None) -> None:
             "tokens_per_s_rounds": [round(r, 1) for r in rates[name]],
             "preemptions": sums[name].pop("num_preemptions"),
             "cached_tokens_on_admission": sums[name].pop("prefix_cache_hit_tokens"),
+            "recomputed_tokens": sums[name].pop("preemption_recomputed_tokens"),
             "identical_to_off": same[name],
-            "no_leaks": stats["pages_used"] == 0 and stats["slots_used"] == 0,
+            "no_leaks": stats["pages_used"] == 0
+            and stats["slots_used"] == 0
+            and not stats.get("host_cache_swapped_requests"),
             "compiles": len(compiles[name]),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in sums[name].items()},
         }

@@ -377,6 +377,18 @@ class CacheManager:
                 self.slots.release(allocation.pending_checkpoint[0])
                 self.num_pending_checkpoints -= 1
 
+    # ---- preemption: a tiered manager may swap instead (paged_kv/preempt_swap.py) -------------
+    def preempt(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> bool:
+        """Free a preempted request; True when its state is kept to resume from (never here)."""
+        self.free(request_id)
+        return False
+
+    def resume_point(self, request_id: str) -> tuple[int, int] | None:
+        return None  # no swap records: a preempted request recomputes
+
+    def drop_swap(self, request_id: str) -> None:
+        pass
+
     # ---- accounting ---------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Counts exclude the null page/slot.

@@ -18,7 +18,7 @@ Swap or recompute, by cost (`SwapCost`, its constants from the execution plan,
 runtime/steps/execution_plan.py): a host hit is taken — materialized, and admission waits for the
 device room it needs — only when loading its bytes is cheaper than recomputing its tokens;
 otherwise the lookup answers the device hit and the request recomputes the rest. Counted in
-`stats`: `host_cache_swap_ins` (host hits taken), `host_cache_recomputes` (declined by cost),
+`stats`: `host_cache_hits_taken` (host hits taken), `host_cache_recomputes` (declined by cost),
 `host_cache_admission_waits` (lookups whose taken hit had no device room yet).
 
 A page or slot evicted again before its load ran takes its load back (the host still has the
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from paged_kv.cache_manager import CacheManager, PrefixHit
 from paged_kv.host_tier import KV, STATE, HostStore
+from paged_kv.preempt_swap import PreemptSwap
 from paged_kv.prefix_cache import BlockHash, BlockIndex
 from paged_kv.state_slots import StateSlotPool
 
@@ -73,9 +74,10 @@ class _TrackedIndex(BlockIndex):
         self.on_remove(self.kind, resource_id, block_hash)
 
 
-class TieredCacheManager(CacheManager):
+class TieredCacheManager(PreemptSwap, CacheManager):
     """CacheManager + host store. `host_bytes`: the host tier's capacity; `swap_cost`: the rule that
-    takes or declines a host hit (None: always take it; the engine sets the plan's)."""
+    takes or declines a host hit and a preemption's swap (None: always take / swap; the engine sets the
+    plan's). Preemption by swap: paged_kv/preempt_swap.py."""
 
     def __init__(self, *, host_bytes: int, swap_cost: SwapCost | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -98,10 +100,11 @@ class TieredCacheManager(CacheManager):
         self.num_materialized_pages = 0
         self.num_materialized_checkpoints = 0
         self.swap_cost = swap_cost
-        self.num_swap_ins = 0  # host hits taken (materialized)
+        self.num_hits_taken = 0  # host hits taken (materialized)
         self.num_recomputes = 0  # host hits declined: recomputing was cheaper
         self.num_admission_waits = 0  # host hits taken with no device room yet: admission waited
         self.wait_for_room = True  # False: such a hit is recomputed instead (benchmarks/preemption_swap.py)
+        self._init_swap()
 
     # ---- eviction -> offload ------------------------------------------------------------------
     def _on_remove(self, kind: str, resource_id: int, block_hash: BlockHash) -> None:
@@ -159,7 +162,10 @@ class TieredCacheManager(CacheManager):
         return offloads, loads, restores
 
     def store(self, kind: str, block_hash: BlockHash, value: object, nbytes: int) -> None:
-        """The engine gathered an offload: keep it on the host (LRU within the byte cap)."""
+        """The engine gathered an offload: keep it on the host (LRU within the byte cap); a swap
+        record's part only while its record lives."""
+        if isinstance(block_hash, tuple) and not self.keeps_swap_entry(kind, block_hash):
+            return
         self.host.put((kind, block_hash), value, nbytes)
 
     # ---- lookup over both tiers ---------------------------------------------------------------
@@ -186,7 +192,7 @@ class TieredCacheManager(CacheManager):
         if not self._materialize(hashes[:depth]):
             self.num_admission_waits += self._wait_for_room
             return hit
-        self.num_swap_ins += 1
+        self.num_hits_taken += 1
         return super().lookup_prefix(token_ids, extra_keys)
 
     def _host_bytes(self, hashes: Sequence[BlockHash]) -> int:
@@ -275,7 +281,8 @@ class TieredCacheManager(CacheManager):
             **self.host.stats(),
             "host_cache_pages_loaded": self.num_materialized_pages,
             "host_cache_checkpoints_loaded": self.num_materialized_checkpoints,
-            "host_cache_swap_ins": self.num_swap_ins,
+            "host_cache_hits_taken": self.num_hits_taken,
+            **self.swap_stats(),
             "host_cache_recomputes": self.num_recomputes,
             "host_cache_admission_waits": self.num_admission_waits,
         }
@@ -293,3 +300,4 @@ class TieredCacheManager(CacheManager):
             for slot in self._pinned:
                 self.slots.checkpoints.unmark_evictable(slot)
         self.host.check_invariants()
+        self.check_swap_invariants()

@@ -52,6 +52,11 @@ class _EngineStatsCollector:
             "Requests preempted for lack of pages",
             value=float(stats.get("num_preemptions", 0)),
         )
+        yield CounterMetricFamily(
+            "jaxserve_preemption_recomputed_tokens",
+            "Computed tokens preempted requests computed again (0 for those swapped to host)",
+            value=float(stats.get("preemption_recomputed_tokens", 0)),
+        )
         spec_counters = {  # speculative decoding (vLLM's names); exposed as *_total
             "spec_decode_num_drafts": "Sequences verified with drafted tokens",
             "spec_decode_num_draft_tokens": "Drafted tokens verified",
@@ -77,7 +82,12 @@ class _EngineStatsCollector:
             "host_cache_evictions": (CounterMetricFamily, "Host-tier entries dropped for its byte cap"),
             "host_cache_offloads": (CounterMetricFamily, "Evicted pages and checkpoints copied to host memory"),
             "host_cache_load_failures": (CounterMetricFamily, "Host-tier reads that failed (recomputed)"),
-            "host_cache_swap_ins": (CounterMetricFamily, "Host hits taken: loaded instead of recomputed"),
+            "host_cache_hits_taken": (CounterMetricFamily, "Host hits taken: loaded instead of recomputed"),
+            "host_cache_swap_outs": (CounterMetricFamily, "Preempted requests swapped out to host memory"),
+            "host_cache_swap_ins": (CounterMetricFamily, "Swapped-out requests resumed with nothing recomputed"),
+            "host_cache_swap_fallbacks": (CounterMetricFamily, "Swap records lost (evicted, failed): recomputed"),
+            "host_cache_swap_declined": (CounterMetricFamily, "Preemptions recomputed: cheaper than a swap by cost"),
+            "host_cache_swapped_requests": (GaugeMetricFamily, "Preempted requests whose state waits on host"),
             "host_cache_recomputes": (CounterMetricFamily, "Host hits recomputed: cheaper than loading by cost"),
             "host_cache_admission_waits": (CounterMetricFamily, "Admissions deferred until a host hit had room"),
             "host_cache_pages_loaded": (CounterMetricFamily, "KV pages loaded from host memory"),

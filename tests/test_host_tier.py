@@ -184,7 +184,7 @@ def test_the_cost_rule_declines_a_host_hit_that_recomputing_beats():
         hit = cache.lookup_prefix(tokens + [1])
         stats = cache.stats()
         assert hit.num_tokens == (3 * PS if taken else 0)
-        assert (stats["host_cache_swap_ins"], stats["host_cache_recomputes"]) == ((1, 0) if taken else (0, 1))
+        assert (stats["host_cache_hits_taken"], stats["host_cache_recomputes"]) == ((1, 0) if taken else (0, 1))
         assert stats["host_cache_pages_loaded"] == (3 if taken else 0)
 
 
@@ -377,13 +377,13 @@ def test_the_cost_rule_picks_swap_or_recompute_in_the_engine(engines, chat):
             before = tiered.stats()
             out = _serve(tiered, {name: returning})[name]
             after = tiered.stats()
-            delta = {k: after[k] - before[k] for k in ("host_cache_swap_ins", "host_cache_recomputes")}
+            delta = {k: after[k] - before[k] for k in ("host_cache_hits_taken", "host_cache_recomputes")}
             loaded = after["host_cache_pages_loaded"] - before["host_cache_pages_loaded"]
             cached[name] = out.num_cached_tokens
             if name == "swap":
-                assert delta["host_cache_swap_ins"] > 0 and loaded > 0, delta
+                assert delta["host_cache_hits_taken"] > 0 and loaded > 0, delta
             else:
-                assert delta["host_cache_swap_ins"] == 0 and delta["host_cache_recomputes"] > 0, delta
+                assert delta["host_cache_hits_taken"] == 0 and delta["host_cache_recomputes"] > 0, delta
                 assert loaded == 0
             assert out.outputs[0].token_ids == _serve(off, {name: returning})[name].outputs[0].token_ids, name
     finally:
@@ -434,9 +434,9 @@ def test_metrics_expose_the_host_tier(engines, chat):
     assert f"jaxserve_host_cache_hits_total {value('host_cache_hits')}" in text
     assert "jaxserve_host_cache_evictions_total" in text and "jaxserve_host_cache_load_seconds_mean" in text
     # swap counts (host hits loaded, declined by cost, admissions waiting for room) and load latency
-    for name in ("swap_ins", "recomputes", "admission_waits", "pages_loaded", "load_batches"):
+    for name in ("hits_taken", "recomputes", "admission_waits", "pages_loaded", "load_batches"):
         assert f"jaxserve_host_cache_{name}_total {value(f'host_cache_{name}')}" in text, name
-    assert stats["host_cache_swap_ins"] > 0 and stats["host_cache_load_seconds_total"] > 0
+    assert stats["host_cache_hits_taken"] > 0 and stats["host_cache_load_seconds_total"] > 0
     assert f"jaxserve_host_cache_load_seconds_total {value('host_cache_load_seconds_total')}" in text
     assert "jaxserve_host_cache_load_seconds_p90" in text
     assert "jaxserve_host_cache" not in ServerMetrics(off.stats).render().decode()  # off: no series

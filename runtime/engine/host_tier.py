@@ -20,7 +20,9 @@ the set is small and fixed: with `aot_compile` every gather and scatter is compi
 beside the step executables (`compile_all`), and none after (a sealed engine raises
 CompileAfterStartup instead). `build_host_tier` also hands the cache manager its swap-or-recompute
 rule (paged_kv/tiered_cache.SwapCost) from the execution plan's `host_swap_cost` and the model's
-FLOPs per token (2 x parameters).
+FLOPs per token (2 x parameters), and a host entry's bytes. A preempted request's swap record
+(paged_kv/preempt_swap.py: its partial last page and running state slot) travels the same queues
+as any page or checkpoint: its parts are offloads and loads of the same two kinds.
 """
 
 from __future__ import annotations
@@ -256,8 +258,10 @@ def build_host_tier(engine) -> HostTierTransfers | RankHostTiers | None:
     bandwidth, latency, flops = engine.plan.host_swap_cost
     flops_per_token = 2 * sum(int(np.size(x)) for x in jax.tree.leaves(engine.model.params))
     tiers = []
+    entry_bytes = {kind: _entry_bytes(engine.caches, kind, groups, engine.dp is not None) for kind in _PARTS}
     for r, s in enumerate(ranks):
         s.cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
+        s.cache.entry_bytes = entry_bytes  # a preemption's swap-or-recompute (paged_kv/preempt_swap.py)
         tier = HostTierTransfers(s.cache, groups, *sizes, rank=r if engine.dp is not None else None)
         if engine.plan.aot_compile:  # beside the step executables; sealed with them
             seconds = tier.compile_all(engine.caches, sealed=engine.executables.sealed)
@@ -277,6 +281,12 @@ def refuse_host_tier(config, window: int | None) -> None:
     for refused, reason in why:
         if refused:
             raise ValueError(f"cache.kv_offloading_size (the host-memory tier) {reason}")
+
+
+def _entry_bytes(caches, kind: str, groups: int, ranked: bool) -> int:
+    """One page's (KV) or one slot's (STATE) bytes over every layer group: a host entry's size."""
+    leaves = [x for part in _PARTS[kind] for x in jax.tree.leaves(caches.get(part, ()))]
+    return groups * int(sum(x.nbytes // int(np.prod(x.shape[: 2 if ranked else 1])) for x in leaves))
 
 
 def _nbytes(tree) -> int:

@@ -24,8 +24,10 @@ a stop token the reason becomes "stop", as the synchronous order would have said
 
 1. running requests in policy order: a decode feeds 1 token, a request still prefilling
    feeds its next chunk. When pages run out, the running request last in policy order (not
-   yet scheduled this step; possibly the one asking) is preempted by recompute: everything
-   is freed and it waits again, later prefilling prompt + outputs so far.
+   yet scheduled this step; possibly the one asking) is preempted: everything is freed and it
+   waits again, later prefilling prompt + outputs so far (recompute, from what the prefix cache
+   still holds) or, with a host tier that chose to swap it out, resuming at exactly its progress
+   (paged_kv/preempt_swap.py; counted: `preemption_recomputed_tokens`).
 2. if nobody was preempted, waiting requests in policy order are admitted with a prefix-cache
    lookup, a first prefill chunk, pages and (hybrids) a state slot; the first that does not
    fit stops admission (no overtaking).
@@ -65,6 +67,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens preempted requests had to compute again
+        self._preempted_at: dict[str, int] = {}  # preempted, waiting request -> tokens it had computed
         self._next_sequence_number = 0
         self._in_flight: SchedulerOutput | None = None
 
@@ -119,6 +123,8 @@ class Scheduler:
             request.allocation = None
         else:
             self.waiting.remove(request)
+            self.cache.drop_swap(request_id)  # a swap record of a preempted request
+            self._preempted_at.pop(request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -160,26 +166,14 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            tokens = request.all_token_ids
-            hit = (
-                PrefixHit()
-                if request.params.prompt_logprobs is not None
-                else self.cache.lookup_prefix(tokens, request.cache_extra_keys)
-            )
-            external = self._external_tokens(request, hit)
-            if external:
-                hit = PrefixHit()
-            num_new = self._chunk_size(request, hit.num_tokens + external, budget, hit.kv_num_tokens)
-            admission = self.cache.allocate(
-                request.request_id, tokens, hit.num_tokens + external + num_new, hit, request.cache_extra_keys, external
-            )
-            if admission is None:
+            admitted = self._admit(request, budget)
+            if admitted is None:
                 break
+            admission, num_computed, num_new, external = admitted
             self.waiting.pop(0)
-            if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = hit.num_tokens
             request.allocation = admission.allocation
-            request.num_computed_tokens = hit.num_tokens + external
+            request.num_computed_tokens = num_computed
+            self.num_recomputed_tokens += max(0, self._preempted_at.pop(request.request_id, 0) - num_computed)
             if external:
                 out.external_loads.append(request)
             request.status = RequestStatus.RUNNING
@@ -191,6 +185,37 @@ class Scheduler:
         if out.sequences:
             self._in_flight = out
         return out
+
+    def _admit(self, request: Request, budget: int):
+        """-> (admission, tokens computed, tokens this step, external tokens) or None (it waits). A
+        request swapped out at preemption resumes at its exact progress (paged_kv/preempt_swap.py);
+        otherwise a prefix-cache lookup (none for prompt logprobs) and a first chunk."""
+        tokens = request.all_token_ids
+        resume = self.cache.resume_point(request.request_id)
+        if resume is not None:
+            num_new = self._chunk_size(request, resume[0], budget, resume[1])
+            admission = self.cache.swap_in(request.request_id, tokens, resume[0] + num_new)
+            if admission is not None:
+                return admission, resume[0], num_new, 0
+            if self.cache.resume_point(request.request_id) is not None:
+                return None  # its record waits for room; otherwise it was dropped: recompute
+        hit = (
+            PrefixHit()
+            if request.params.prompt_logprobs is not None
+            else self.cache.lookup_prefix(tokens, request.cache_extra_keys)
+        )
+        external = self._external_tokens(request, hit)
+        if external:
+            hit = PrefixHit()
+        num_new = self._chunk_size(request, hit.num_tokens + external, budget, hit.kv_num_tokens)
+        admission = self.cache.allocate(
+            request.request_id, tokens, hit.num_tokens + external + num_new, hit, request.cache_extra_keys, external
+        )
+        if admission is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = hit.num_tokens
+        return admission, hit.num_tokens + external, num_new, external
 
     @staticmethod
     def _external_tokens(request: Request, hit: PrefixHit) -> int:
@@ -247,7 +272,9 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.cache.free(request.request_id)
+        """Back to waiting: its state swapped to host (a tiered cache, by cost) or freed (recompute)."""
+        self.cache.preempt(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self._preempted_at[request.request_id] = request.num_computed_tokens
         self.running.remove(request)
         request.allocation = None
         request.num_computed_tokens = 0
@@ -382,6 +409,7 @@ class Scheduler:
             **self.cache.stats(),
             "max_checkpoint_slots": self.cache.num_checkpoint_slots or 0,  # the checkpoint budget (0: none/shared)
             "num_preemptions": self.num_preemptions,
+            "preemption_recomputed_tokens": self.num_recomputed_tokens,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
         }
@@ -398,6 +426,9 @@ class Scheduler:
             assert len(request.block_table) >= self.cache.pages_needed(request.num_computed_tokens)
         keys = [self.policy.key(r) for r in self.waiting]
         assert keys == sorted(keys), "waiting queue out of policy order"
+        for request in self.running:
+            assert self.cache.resume_point(request.request_id) is None, "a running request keeps a swap record"
+        assert {r.request_id for r in self.waiting if r.status is RequestStatus.PREEMPTED} >= set(self._preempted_at)
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.allocation is None and request.request_id not in self.cache.allocations
