@@ -38,6 +38,15 @@ checks the oracle's drafts (the ceiling of a well-trained MTP layer, its draftin
 
     python -m benchmarks.spec_decode tiny:qwen3_5 --mtp --oracle-drafts --concurrency 1,4 \
         --json benchmarks/results/spec-decode/tiny-qwen3_5-mtp-cpu-2core.json
+
+`--draft-layers 6,10` adds `draft6`, `draft10` rows: `method: draft_model` with a LayerSkip-style
+self-draft, the target's first N layers + final norm + lm_head (benchmarks/layerskip_draft.py
+writes it beside the target in the cache dir); `--prompts ...,free_text` adds a prompt whose
+answer is not in it (no copying for prompt lookup to find):
+
+    python -m benchmarks.spec_decode ~/.cache/jaxserve/SmolLM2-135M-Instruct.Q4_1.gguf --draft-layers 6,10 \
+        --prompts code_edit,quote_summary,free_text --concurrency 1 \
+        --json benchmarks/results/spec-decode/smollm2-draft-model-cpu-2core.json
 """
 
 from __future__ import annotations
@@ -84,7 +93,10 @@ PROMPTS = {
     "code_edit": f"Rename the function parse_config to read_config everywhere in this code and "
     f"return the full code:\n\n{CODE}",
     "quote_summary": f"Repeat the following text word for word, then summarize it in one sentence:\n\n{TEXT}",
+    # not copy-heavy: the answer is not in the prompt (prompt lookup has little to find)
+    "free_text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+DEFAULT_PROMPTS = "code_edit,quote_summary"
 
 
 def chat(prompt: str) -> str:
@@ -153,9 +165,12 @@ def main(argv=None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"of {', '.join(PROMPTS)}")
     ap.add_argument("--adaptive", action="store_true", help="also ngram with disable_by_batch_size: auto")
     ap.add_argument("--oracle-drafts", action="store_true", help="also a mode drafting the off engine's own output")
     ap.add_argument("--mtp", action="store_true", help="also method mtp (and mtp_oracle with --oracle-drafts)")
+    ap.add_argument("--draft-layers", default="", help="also method draft_model with these N-layer self-drafts")
+    ap.add_argument("--draft-speculative-tokens", type=int, help="k of the draft_model modes (default: as ngram)")
     args = ap.parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
 
@@ -178,6 +193,17 @@ def main(argv=None) -> None:
     mtp_config = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": None}
     if args.mtp:
         modes += [("mtp", mtp_config)] + ([("mtp_oracle", mtp_config)] if args.oracle_drafts else [])
+    draft_configs = {}
+    for n in [int(x) for x in args.draft_layers.split(",") if x]:  # LayerSkip-style: the target's first n layers
+        from benchmarks.layerskip_draft import write_layerskip_draft
+
+        draft_configs[f"draft{n}"] = {
+            "method": "draft_model",
+            "model": str(write_layerskip_draft(checkpoint, n)),
+            "num_speculative_tokens": args.draft_speculative_tokens or args.num_speculative_tokens,
+            "disable_by_batch_size": None,
+        }
+    modes += list(draft_configs.items())
     for mode, spec in modes:
         t0 = time.perf_counter()
         engines[mode] = LLMEngine(
@@ -195,7 +221,7 @@ def main(argv=None) -> None:
         )
         print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     tokenizer = engines["off"].tokenizer
-    prompts = {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
+    prompts = {name: tokenizer.encode(chat(PROMPTS[name])) for name in args.prompts.split(",")}
     oracle = OracleDrafts()
     if args.oracle_drafts:  # the reference outputs, then the oracle engine's drafts from them
         for ids in prompts.values():
@@ -228,9 +254,11 @@ def main(argv=None) -> None:
                 "accepted_tokens": rs[-1]["spec_decode_num_accepted_tokens"],
             }
         entry["speedup"] = entry["ngram"]["tokens_per_s"] / entry["off"]["tokens_per_s"]
-        for mode in ("oracle", "mtp", "mtp_oracle"):
-            if mode in entry:
-                entry[f"{mode}_speedup"] = entry[mode]["tokens_per_s"] / entry["off"]["tokens_per_s"]
+        for mode in (m for m in runs if m not in ("off", "ngram")):
+            entry[f"{mode}_speedup"] = entry[mode]["tokens_per_s"] / entry["off"]["tokens_per_s"]
+        for mode in (m for m in runs if m != "off"):
+            drafted = entry[mode]["draft_tokens"]
+            entry[mode]["acceptance_rate"] = entry[mode]["accepted_tokens"] / drafted if drafted else None
         single[name] = entry
         for mode in (m for m in runs if m != "off"):
             print(
@@ -271,6 +299,7 @@ def main(argv=None) -> None:
         else None,
         "speculative_config": spec_config,
         "mtp_config": mtp_config if args.mtp else None,
+        "draft_model_configs": draft_configs or None,
         "max_tokens": args.max_tokens,
         "sweep_max_tokens": args.sweep_max_tokens,
         "repeats": args.repeats,

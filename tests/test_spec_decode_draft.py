@@ -202,6 +202,38 @@ def test_no_compile_after_startup_with_draft_model(tiny_checkpoint, other_llama)
     assert_all_free(engine)
 
 
+@pytest.mark.slow
+def test_host_tier_carries_the_draft_kv(tiny_checkpoint):
+    """The host-memory tier with a draft model: an evicted page's entry holds the draft's K/V too, so
+    after host hits the target drafting for itself still has every draft accepted (stale draft K/V
+    in a reloaded page would reject them), and the chat equals caching off without speculation."""
+    import numpy as np
+
+    from runtime.types import EngineRequest, SamplingParams
+
+    path = tiny_checkpoint("llama")
+    small = dict(page_size=8, num_pages=14, max_num_seqs=2, max_model_len=64)  # 13 pages: evictions
+    tiered = _engine(path, _spec(path), kv_offloading_size=0.01, **small)
+    off = _engine(path, None, enable_prefix_caching=False, **small)
+    rng = np.random.default_rng(0)
+    draw = lambda n: rng.integers(3, tiered.model.cfg.vocab_size, size=n).tolist()
+    system = draw(16)
+    convs = {f"c{i}": system + draw(10) for i in range(5)}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    before = tiered.stats()
+    for turn in range(3):
+        wave = [EngineRequest(f"{cid}t{turn}", prompt, params) for cid, prompt in convs.items()]
+        got, ref = _serve(tiered, wave), _serve(off, wave)
+        for request in wave:
+            out = got[request.request_id]
+            assert out.token_ids == ref[request.request_id].token_ids, request.request_id
+            cid = request.request_id[:2]
+            convs[cid] = convs[cid] + out.token_ids + draw(5)
+    stats, (drafted, accepted, _) = _counts(tiered, before)
+    assert stats["host_cache_pages_loaded"] > 0 and stats["host_cache_hits"] > 0, stats
+    assert drafted > 0 and accepted == drafted, stats
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 def test_refusals(tiny_checkpoint, tmp_path):
     """Start-up refusals, by name: another vocab size, a recurrent (GDN) draft, draft TP, the host tier."""
@@ -218,5 +250,3 @@ def test_refusals(tiny_checkpoint, tmp_path):
         _engine(llama, _spec(tiny_checkpoint("qwen3_5")))
     with pytest.raises(ValueError, match="draft_tensor_parallel_size: not supported yet"):
         _engine(llama, {**_spec(llama), "draft_tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="'draft_model' does not support .* the host-memory tier"):
-        _engine(llama, _spec(llama), kv_offloading_size=0.01)

@@ -247,10 +247,10 @@ def build_step_parts(
     )
     refuse_host_tier(config, window)
     drafting = getattr(model, "draft", None) is not None and "draft" in model.params
-    if drafting and (dp_size > 1 or config.kv_transfer is not None or config.kv_offloading_size):
+    if drafting and (dp_size > 1 or config.kv_transfer is not None):
         raise ValueError(
-            "speculative_config: method 'draft_model' does not support attention data parallelism, a P/D role "
-            "(kv_transfer) or the host-memory tier (kv_offloading_size) yet: their pages carry no draft K/V"
+            "speculative_config: method 'draft_model' does not support attention data parallelism or a P/D role "
+            "(kv_transfer) yet: their pages carry no draft K/V"
         )
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)

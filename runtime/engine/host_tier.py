@@ -13,7 +13,9 @@ the state the eviction left and a load lands before the step reads it; nothing w
 device. Layout: a layer group g's page p is row g x num_pages + p of its KV arrays, its slot s
 row g x num_slots + s of its state arrays (Model.init_caches). With `speculative_config.method:
 mtp` the MTP layer's K/V (row p) travels with a page and its carry (row s) with a GDN checkpoint,
-so the drafts after a host hit are those after a device hit.
+so the drafts after a host hit are those after a device hit. With `method: draft_model` a page's
+entry carries the draft model's K/V of the page too (its pools share the target's page ids; one
+more gather / scatter over the draft's own layer groups): a host hit restores both.
 
 Batches run in programs of BATCH_SIZES entries (a longer batch in several, the last padded), so
 the set is small and fixed: with `aot_compile` every gather and scatter is compiled at start-up
@@ -41,6 +43,7 @@ from paged_kv.tiered_cache import SwapCost
 log = logging.getLogger(__name__)
 _PARTS = {KV: ("kv",), STATE: ("conv", "rec")}
 _MTP = {KV: "kv", STATE: "hidden"}  # the MTP layer's K/V pages and carry (models/mtp.py): one row per page / slot
+DRAFT = "draft"  # the draft model's KV pools (caches["draft"]["kv"]), moved with each KV entry
 BATCH_SIZES = (1, 4, 16)  # entries per gather / scatter program (a batch is cut and padded to these)
 
 
@@ -98,11 +101,14 @@ def host_memory_kind() -> str | None:
 class HostTierTransfers:
     """Drains a TieredCacheManager's offload and load queues against the engine's caches."""
 
-    def __init__(self, cache, num_groups: int, num_pages: int, num_slots: int, rank: int | None = None):
+    def __init__(
+        self, cache, num_groups: int, num_pages: int, num_slots: int, rank: int | None = None, draft_groups: int = 0
+    ):
         self.cache = cache
         self.rank = rank  # attention DP: this tier's rank (the caches carry a leading rank axis)
         self.num_groups = num_groups
-        self.size = {KV: num_pages, STATE: max(num_slots, 2)}
+        self.size = {KV: num_pages, STATE: max(num_slots, 2), DRAFT: num_pages}
+        self.groups = {KV: num_groups, STATE: num_groups, DRAFT: draft_groups}  # draft_groups 0: no draft
         self.memory_kind = host_memory_kind()
         self.num_offload_batches = 0
         self.num_load_batches = 0
@@ -116,12 +122,12 @@ class HostTierTransfers:
         """Compile every gather and scatter program for `caches`' shapes; -> seconds."""
         start = time.perf_counter()
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), caches)
-        kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else [])
+        kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else []) + ([DRAFT] if self.draft else [])
         for kind in kinds:
-            sub = self._subtree(spec, kind)
+            sub, groups = self._subtree(spec, kind), self.groups[kind]
             entry = {
                 part: jax.tree.map(
-                    lambda x, g=(1 if part == "mtp" else self.num_groups): jax.ShapeDtypeStruct(
+                    lambda x, g=(1 if part == "mtp" else groups): jax.ShapeDtypeStruct(
                         (g, *x.shape[1:]), x.dtype, sharding=x.sharding
                     ),
                     leaf,
@@ -130,9 +136,9 @@ class HostTierTransfers:
             }
             rank = None if self.rank is None else jax.ShapeDtypeStruct((), jnp.int32)
             if self.rank is not None:  # one rank's entry: the caches' leaves without their rank axis
-                entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_groups, *x.shape[2:]), x.dtype), sub)
+                entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct((groups, *x.shape[2:]), x.dtype), sub)
             for num in BATCH_SIZES:
-                rows = jax.ShapeDtypeStruct((num, self.num_groups), jnp.int32)
+                rows = jax.ShapeDtypeStruct((num, groups), jnp.int32)
                 self.executables["gather", kind, num] = _gather.lower(sub, rows, rank, num=num).compile()
                 self.executables["scatter", kind, num] = _scatter.lower(sub, rows, (entry,) * num, rank).compile()
         self.sealed = sealed
@@ -151,17 +157,26 @@ class HostTierTransfers:
 
     def _rows(self, kind: str, ids: list[int], num: int) -> np.ndarray:
         ids = ids + [ids[0]] * (num - len(ids))  # padding repeats the first entry: same row, same value
-        groups = np.arange(self.num_groups, dtype=np.int32) * self.size[kind]
+        groups = np.arange(self.groups[kind], dtype=np.int32) * self.size[kind]
         return (np.asarray(ids, np.int32)[:, None] + groups[None, :]).astype(np.int32)
 
+    @property
+    def draft(self) -> bool:
+        return self.groups[DRAFT] > 0
+
     def _subtree(self, caches, kind: str) -> dict:
+        if kind == DRAFT:
+            return {DRAFT: caches["draft"]["kv"]}
         sub = {part: caches[part] for part in _PARTS[kind]}
         if "mtp" in caches and self.rank is None:  # the MTP's K/V and carry travel too: its drafts after a hit
             sub["mtp"] = caches["mtp"][_MTP[kind]]
         return sub
 
     def _merge(self, caches, sub: dict, kind: str) -> dict:
-        """`caches` with the scattered `sub` written back (the MTP part inside caches["mtp"])."""
+        """`caches` with the scattered `sub` written back (the MTP part inside caches["mtp"], the
+        draft model's inside caches["draft"])."""
+        if kind == DRAFT:
+            return {**caches, "draft": {**caches["draft"], "kv": sub[DRAFT]}}
         out = {**caches, **{k: v for k, v in sub.items() if k != "mtp"}}
         if "mtp" in sub:
             out["mtp"] = {**caches["mtp"], _MTP[kind]: sub["mtp"]}
@@ -179,9 +194,15 @@ class HostTierTransfers:
                 caches = self._load(caches, kind, batch, num)
         return caches
 
-    def _offload(self, caches, kind: str, batch: list, num: int) -> None:
+    def _gather(self, caches, kind: str, ids: list[int], num: int):
         gather = self._program("gather", kind, num)
-        entries = gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num), self._rank())
+        return gather(self._subtree(caches, kind), self._rows(kind, ids, num), self._rank())
+
+    def _offload(self, caches, kind: str, batch: list, num: int) -> None:
+        ids = [rid for rid, _ in batch]
+        entries = self._gather(caches, kind, ids, num)
+        if kind == KV and self.draft:  # the page's draft K/V travels in the same entry
+            entries = tuple({**e, **d} for e, d in zip(entries, self._gather(caches, DRAFT, ids, num)))
         self.num_offload_batches += 1
         for (_, block_hash), entry in zip(batch, entries):
             if self.memory_kind is not None:
@@ -192,8 +213,20 @@ class HostTierTransfers:
 
     def _load(self, caches, kind: str, batch: list, num: int):
         start = time.perf_counter()
+        ids = [rid for rid, _ in batch]
         values = [value for _, value in batch]
         values += [values[0]] * (num - len(values))
+        if kind == KV and self.draft:  # the draft's K/V first, into the same pages
+            caches = self._put(caches, DRAFT, ids, num, [{DRAFT: v[DRAFT]} for v in values])
+            values = [{part: v[part] for part in v if part != DRAFT} for v in values]
+        caches = self._put(caches, kind, ids, num, values)
+        self.num_load_batches += 1
+        self.load_seconds.append(time.perf_counter() - start)
+        self.load_seconds_total += self.load_seconds[-1]
+        del self.load_seconds[:-1024]
+        return caches
+
+    def _put(self, caches, kind: str, ids: list[int], num: int, values: list):
         sub = self._subtree(caches, kind)
         if self.memory_kind is not None and self.rank is None:  # back to device memory, laid out as the caches are
             shardings = jax.tree.map(lambda x: x.sharding, sub)
@@ -203,11 +236,7 @@ class HostTierTransfers:
                 jax.device_put(v, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), v)) for v in values
             ]
         scatter = self._program("scatter", kind, num)
-        sub = scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values), self._rank())
-        self.num_load_batches += 1
-        self.load_seconds.append(time.perf_counter() - start)
-        self.load_seconds_total += self.load_seconds[-1]
-        del self.load_seconds[:-1024]
+        sub = scatter(sub, self._rows(kind, ids, num), tuple(values), self._rank())
         return self._merge(caches, sub, kind)
 
     def _rank(self):
@@ -259,10 +288,12 @@ def build_host_tier(engine) -> HostTierTransfers | RankHostTiers | None:
     flops_per_token = 2 * sum(int(np.size(x)) for x in jax.tree.leaves(engine.model.params))
     tiers = []
     entry_bytes = {kind: _entry_bytes(engine.caches, kind, groups, engine.dp is not None) for kind in _PARTS}
+    draft_groups = engine.model.draft.num_groups if "draft" in engine.caches else 0  # method: draft_model
     for r, s in enumerate(ranks):
         s.cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
         s.cache.entry_bytes = entry_bytes  # a preemption's swap-or-recompute (paged_kv/preempt_swap.py)
-        tier = HostTierTransfers(s.cache, groups, *sizes, rank=r if engine.dp is not None else None)
+        rank = r if engine.dp is not None else None
+        tier = HostTierTransfers(s.cache, groups, *sizes, rank=rank, draft_groups=draft_groups)
         if engine.plan.aot_compile:  # beside the step executables; sealed with them
             seconds = tier.compile_all(engine.caches, sealed=engine.executables.sealed)
             log.info("compiled %d host tier gathers / scatters in %.1fs", len(tier.executables), seconds)
