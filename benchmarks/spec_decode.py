@@ -39,6 +39,13 @@ checks the oracle's drafts (the ceiling of a well-trained MTP layer, its draftin
     python -m benchmarks.spec_decode tiny:qwen3_5 --mtp --oracle-drafts --concurrency 1,4 \
         --json benchmarks/results/spec-decode/tiny-qwen3_5-mtp-cpu-2core.json
 
+`--stop-at-eos` ends each single stream at the model's end of turn instead of `ignore_eos` (a
+served answer, without the unrelated text a small model rambles on with past it; both engines
+must still produce the same text):
+
+    python -m benchmarks.spec_decode ~/.cache/jaxserve/SmolLM2-135M-Instruct.Q4_1.gguf --stop-at-eos \
+        --concurrency 1 --json benchmarks/results/spec-decode/smollm2-cpu-2core-eos.json
+
 `--draft-layers 6,10` adds `draft6`, `draft10` rows: `method: draft_model` with a LayerSkip-style
 self-draft, the target's first N layers + final norm + lm_head (benchmarks/layerskip_draft.py
 writes it beside the target in the cache dir); `--prompts ...,free_text` adds a prompt whose
@@ -103,10 +110,10 @@ def chat(prompt: str) -> str:
     return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+def run(engine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
     from runtime.types import EngineRequest, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     before = engine.stats()
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -171,6 +178,9 @@ def main(argv=None) -> None:
     ap.add_argument("--mtp", action="store_true", help="also method mtp (and mtp_oracle with --oracle-drafts)")
     ap.add_argument("--draft-layers", default="", help="also method draft_model with these N-layer self-drafts")
     ap.add_argument("--draft-speculative-tokens", type=int, help="k of the draft_model modes (default: as ngram)")
+    ap.add_argument(
+        "--stop-at-eos", action="store_true", help="single stream: stop at the end of the answer (default: ignore_eos)"
+    )
     args = ap.parse_args(argv)
     checkpoint = resolve_checkpoint(args.checkpoint)
 
@@ -232,17 +242,18 @@ def main(argv=None) -> None:
             spec = engines["mtp_oracle"].speculator
             spec.propose = functools.partial(propose_from, oracle, spec, mtp=True)
 
-    single = {}
+    single, eos = {}, not args.stop_at_eos  # eos: the single streams' ignore_eos
     for name, ids in prompts.items():
         for mode in engines:  # warm-up: the buckets this prompt touches run once
-            run(engines[mode], [ids], args.max_tokens)
+            run(engines[mode], [ids], args.max_tokens, eos)
         runs = {mode: [] for mode in engines}
         for _ in range(args.repeats):
             for mode, engine in engines.items():
-                runs[mode].append(run(engine, [ids], args.max_tokens))
+                runs[mode].append(run(engine, [ids], args.max_tokens, eos))
         identical = all(r["tokens"] == runs["off"][0]["tokens"] for rs in runs.values() for r in rs)
         entry = {
             "prompt_tokens": len(ids),
+            "output_tokens": runs["off"][0]["output_tokens"],
             "identical_text": identical,
             "text": tokenizer.decode(runs["off"][0]["tokens"][0]),
         }
@@ -301,6 +312,7 @@ def main(argv=None) -> None:
         "mtp_config": mtp_config if args.mtp else None,
         "draft_model_configs": draft_configs or None,
         "max_tokens": args.max_tokens,
+        "single_stream_ignore_eos": eos,
         "sweep_max_tokens": args.sweep_max_tokens,
         "repeats": args.repeats,
         "load_average_before": load_before,
