@@ -20,10 +20,9 @@ or aborted request's record is dropped with its entries (`drop_swap`).
 
 The cost rule (`SwapCost`): swap when loading the record's own bytes (partial page + state) is
 cheaper than recomputing the tokens a recompute would redo (those past the deepest boundary whose
-pages and, on hybrids, checkpoint stay cached), else recompute. Not swapped: the MTP layer's K/V
-and hidden carry (a swapped-in request drafts from stale MTP context: acceptance, never output, may
-suffer, as after a host prefix hit); a draft model's K/V (`draft_model` refuses the tier at
-start-up). Plain Python, no JAX.
+pages and, on hybrids, checkpoint stay cached), else recompute. The record's entries are ordinary
+KV / state entries: the engine's transfers (runtime/engine/host_tier.py) move the MTP layer's K/V
+and hidden carry and a draft model's K/V with them. Plain Python, no JAX.
 """
 
 from __future__ import annotations

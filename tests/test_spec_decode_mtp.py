@@ -360,3 +360,29 @@ def test_mtp_drafts_after_host_tier_hits_equal_the_reference(engines, tiny_check
     assert {rid: out.token_ids for rid, out in got.items()} == {rid: out.token_ids for rid, out in want.items()}
     log, tiered.speculator.draft_log = tiered.speculator.draft_log, None
     assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))
+
+
+def test_mtp_drafts_after_preemption_swaps_equal_the_reference(engines, hf_model):
+    """Preemption by swap (paged_kv/preempt_swap.py) with the MTP: a swapped-out request's partial
+    last page carries the MTP layer's K/V and its running slot the MTP's hidden carry, so the drafts
+    after it resumes are the torch reference's (a carry or page left behind would differ); nothing
+    is recomputed and greedy output equals no speculation."""
+    from paged_kv.tiered_cache import SwapCost
+
+    spec, off, path = engines("qwen3_5")
+    swapping = _engine(
+        path, SPEC, num_pages=25, num_state_slots=9, max_num_seqs=4, max_model_len=64, kv_offloading_size=0.01
+    )
+    swapping.scheduler.cache.swap_cost = SwapCost(1e30, 0.0, 1e-9)  # loading anything beats recomputing
+    swapping.speculator.draft_log = []
+    rng = np.random.default_rng(7)
+    vocab = spec.model.cfg.vocab_size
+    prompts = {f"s{i}": rng.integers(3, vocab, size=int(rng.integers(13, 27))).tolist() for i in range(6)}
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    got = _serve(swapping, [EngineRequest(rid, ids, params) for rid, ids in prompts.items()])
+    stats = swapping.stats()
+    assert stats["host_cache_swap_ins"] > 0 and stats["preemption_recomputed_tokens"] == 0, stats
+    want = _serve(off, [EngineRequest(rid, ids, params) for rid, ids in prompts.items()])
+    assert {rid: out.token_ids for rid, out in got.items()} == {rid: out.token_ids for rid, out in want.items()}
+    log, swapping.speculator.draft_log = swapping.speculator.draft_log, None
+    assert_drafts_match(TorchMTP(hf_model("qwen3_5"), path), log, min_checked=len(log))
