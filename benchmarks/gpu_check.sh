@@ -9,6 +9,9 @@
 #   4. the engine end to end (asynchronous scheduling on vs off, benchmarks/async_scheduling.py) and
 #      the engine vs the bare compiled loop (benchmarks/throughput.py), bf16, on random checkpoints of
 #      SmolLM2-135M's shape and of Qwen3.5-9B's layer shapes (8 of its 32 layers: 2 layer groups)
+#   4b. MTP speculative decoding's verify step vs a plain decode step (benchmarks/spec_verify_cost.py)
+#      on the same Qwen3.5-9B-shaped checkpoint (8 layers, with its random MTP layer): batch 1-64 x
+#      k 1, 2, 4, per step, and end-to-end tokens/s with oracle drafts at batch <= 4 (~3 min)
 #   5. the compiled memory analysis of configs/gpu-h200-qwen3_5-9b.yaml: `jaxserve plan` compiles
 #      every bucket on the GPU present (runtime/aot/chip_report.py; without a GPU it only lowers)
 #   6. engine-vs-HF greedy tests on the GPU
@@ -17,6 +20,7 @@
 #   bash benchmarks/gpu_check.sh                                  # from the repository root
 #   GPU_CHECK_ONLY=plan_h200,split_kv bash benchmarks/gpu_check.sh   # only these stages
 #   GPU_CHECK_SKIP=engine_hf bash benchmarks/gpu_check.sh            # all but these
+#   GPU_CHECK_ONLY=spec_verify_cost bash benchmarks/gpu_check.sh     # issue 35: MTP verify cost alone
 # The stages' limits add up to more than one 10-minute device call: run it as two calls,
 # GPU_CHECK_ONLY=$KERNEL_STAGES and then GPU_CHECK_SKIP=$KERNEL_STAGES (the lists below).
 set -uo pipefail
@@ -86,7 +90,7 @@ stage fp8_engine_smollm2_shape 150 python3 -m benchmarks.throughput "$CKPT" --on
 # Qwen3.5-9B's layer shapes (hidden 4096, 16 q / 4 kv heads of 256, GDN 16 / 32 heads of 128, vocab
 # 248320), 8 layers = 2 of its 4-layer groups (3 GDN + 1 attention): ~3.8B parameters, 7.6 GB bf16.
 QCKPT=/tmp/qwen3_5-9b-shape
-if wanted engine_qwen3_5_9b_shape || wanted async_qwen3_5_9b_shape; then
+if wanted engine_qwen3_5_9b_shape || wanted async_qwen3_5_9b_shape || wanted spec_verify_cost; then
   LT='["linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention"]'
   python3 -m models.random_checkpoint qwen3_5 "$QCKPT" --hidden-size 4096 --intermediate-size 12288 \
     --num-hidden-layers 8 --num-attention-heads 16 --num-key-value-heads 4 --head-dim 256 \
@@ -100,6 +104,11 @@ stage async_qwen3_5_9b_shape 200 python3 -m benchmarks.async_scheduling "$QCKPT"
 stage engine_qwen3_5_9b_shape 200 python3 -m benchmarks.throughput "$QCKPT" --only throughput \
   --workload fixed --scale 1 --num-requests 64 --max-num-seqs 64 --max-num-batched-tokens 2048 --dtype bfloat16 \
   --repeats 2 --skip-hf --skip-vllm --json "$OUT/engine_qwen3_5_9b_shape.json"
+# MTP verify step vs plain decode step (issue 35): the checkpoint above has the MTP layer
+# (models/random_mtp.py); one plain engine and one per k, each compiling only the buckets it runs
+stage spec_verify_cost 240 python3 -m benchmarks.spec_verify_cost --shape qwen3_5-9b-8layers \
+  --checkpoint "$QCKPT" --batches 1,4,16,64 --ks 1,2,4 --repeats 20 --page-size 64 --e2e-max-batch 4 \
+  --json "$OUT/verify-cost-gpu-qwen3_5-9b-8layers.json"
 
 # --- the H200 config's compiled memory ------------------------------------------------------------
 stage plan_h200 300 python3 -c "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))" \
