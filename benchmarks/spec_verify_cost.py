@@ -18,7 +18,9 @@ stepped until all B decode; the next step's compiled calls are captured with the
   verify   the MTP verify step: prepare + k MTP draft steps + forward of B (k + 1) rows + per-row
            sampling + acceptance + the GDN replay of the accepted prefix, T = B (k + 1)
 
-Token buckets include exactly B and B (k + 1) (besides powers of two), so no padding enters the ratio. The ratio
+Token buckets include exactly B and B (k + 1) (besides powers of two), so no padding enters the ratio.
+max_num_seqs is the largest B (`--max-batch`): the MTP's k draft steps run over all max_num_seqs
+rows whatever B is (runtime/speculative/device_drafts.py `fill_drafts`), so it matters at small B. The ratio
 r = verify / plain is the step's cost in plain steps; a verify step emits 1 + a tokens (a: its
 accepted drafts), a plain step 1, so speculation pays when 1 + a > r:
 
@@ -280,7 +282,8 @@ def main(argv=None) -> None:
 
     t0 = time.perf_counter()
     plain = build_engine(checkpoint, dtype, 0, args, sorted(pow2 | set(batches) | {prefill}))
-    print(f"plain engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    ready = {"plain": time.perf_counter() - t0}
+    print(f"plain engine ready in {ready['plain']:.1f}s", flush=True)
     rows = {b: {"batch": b, "plain": time_step(plain, 0, b, args, vocab)} for b in batches}
     for b in batches:
         print(f"B={b}: plain {rows[b]['plain']['median_s'] * 1e3:.2f} ms ({rows[b]['plain']['calls']})", flush=True)
@@ -295,10 +298,46 @@ def main(argv=None) -> None:
             references[b] = (prompts, e2e(plain, prompts, max_tokens=args.e2e_tokens))
             oracle.continuations += [p + t for p, t in zip(prompts, references[b][1]["tokens"])]
             rows[b]["e2e_plain_tokens_per_s"] = references[b][1]["tokens_per_s"]
+
+    def save(done: list[int]) -> None:  # after each engine: a timed-out run keeps what it measured
+        device = jax.devices()[0]
+        report = {
+            "shape": args.shape,
+            "checkpoint": checkpoint if args.checkpoint else f"built from --shape {args.shape}",
+            "checkpoint_overrides": overrides,
+            "dtype": dtype,
+            "page_size": args.page_size,
+            "max_num_seqs": args.max_batch,  # the MTP's draft steps run over all of these rows (fill_drafts)
+            "device": f"{device.platform}: {device.device_kind}",
+            "prompt_len": args.prompt_len,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "ks": ks,
+            "ks_done": done,
+            "complete": done == ks,
+            "engine_ready_s": ready,
+            "batches": batches,
+            "formula": "ratio r = verify median / plain median (one step each); a verify step emits 1 + a tokens "
+            "(a accepted drafts), a plain step 1: speculation pays when a > r - 1 (break_even_accepted_per_step); "
+            "break_even_per_draft_acceptance: alpha with alpha + ... + alpha^k = r - 1 (null: r - 1 >= k, never pays)",
+            "e2e_note": "oracle drafts: the plain engine's own greedy output (every draft accepted, the MTP layer "
+            "still drafting each step): the ceiling of a well-trained MTP layer"
+            if e2e_batches
+            else None,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "cpu_count": os.cpu_count(),
+            "wall_s": time.perf_counter() - t_start,
+            "rows": [rows[b] for b in batches],
+        }
+        write_json(args.json, report)
+
+    save([])
     for k in ks:
         t0 = time.perf_counter()
         engine = build_engine(checkpoint, dtype, k, args, sorted(pow2 | {b * (k + 1) for b in batches} | {prefill}))
-        print(f"mtp k={k} engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        ready[f"mtp_k{k}"] = time.perf_counter() - t0
+        print(f"mtp k={k} engine ready in {ready[f'mtp_k{k}']:.1f}s", flush=True)
         for b in batches:
             v = time_step(engine, k, b, args, vocab)
             r = v["median_s"] / rows[b]["plain"]["median_s"]
@@ -326,33 +365,7 @@ def main(argv=None) -> None:
             )
         del engine
         gc.collect()
-    device = jax.devices()[0]
-    report = {
-        "shape": args.shape,
-        "checkpoint": checkpoint if args.checkpoint else f"built from --shape {args.shape}",
-        "checkpoint_overrides": overrides,
-        "dtype": dtype,
-        "page_size": args.page_size,
-        "device": f"{device.platform}: {device.device_kind}",
-        "prompt_len": args.prompt_len,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "ks": ks,
-        "batches": batches,
-        "formula": "ratio r = verify median / plain median (one step each); a verify step emits 1 + a tokens "
-        "(a accepted drafts), a plain step 1: speculation pays when a > r - 1 (break_even_accepted_per_step); "
-        "break_even_per_draft_acceptance: alpha with alpha + ... + alpha^k = r - 1 (null: r - 1 >= k, never pays)",
-        "e2e_note": "oracle drafts: the plain engine's own greedy output (every draft accepted, the MTP layer "
-        "still drafting each step): the ceiling of a well-trained MTP layer"
-        if e2e_batches
-        else None,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "cpu_count": os.cpu_count(),
-        "wall_s": time.perf_counter() - t_start,
-        "rows": [rows[b] for b in batches],
-    }
-    write_json(args.json, report)
+        save(ks[: ks.index(k) + 1])
 
 
 if __name__ == "__main__":
