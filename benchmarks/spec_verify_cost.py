@@ -30,7 +30,7 @@ accepted drafts), a plain step 1, so speculation pays when 1 + a > r:
 `--e2e-max-batch N` adds end-to-end tokens/s for B <= N: the plain engine vs the MTP engine with
 oracle drafts (the plain engine's own greedy output: every draft accepted, the MTP layer still
 drafting each step; benchmarks/spec_decode.py `propose_from`), the same text checked.
-`--dry-run`: k = 1, B = 1, one repeat (checks the path end to end).
+`--dry-run`: k = 1, B = 1, one warm-up and one repeat (checks the path end to end).
 """
 
 from __future__ import annotations
@@ -233,6 +233,7 @@ def build_engine(checkpoint: str, dtype: str, k: int, args, buckets: list[int]):
             enable_prefix_caching=False,
             aot_compile=False,  # only the buckets the run reaches compile (on first use)
             speculative_config=spec,
+            fuse_greedy={"auto": None, "on": True, "off": False}[args.fuse_greedy],
         )
     )
 
@@ -260,8 +261,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--e2e-max-batch", type=int, default=0, help="end-to-end oracle rows for B <= this")
     ap.add_argument("--e2e-tokens", type=int, default=32)
+    ap.add_argument("--fuse-greedy", choices=("auto", "on", "off"), default="auto", help="the plain greedy step")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size (the H200 config's: 64)")
-    ap.add_argument("--dry-run", action="store_true", help="k 1, batch 1, one repeat")
+    ap.add_argument("--dry-run", action="store_true", help="k 1, batch 1, one warm-up, one repeat")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import jax
@@ -270,7 +272,7 @@ def main(argv=None) -> None:
     args.prompt_len = args.prompt_len or default_prompt
     ks, batches = [int(x) for x in args.ks.split(",")], [int(x) for x in args.batches.split(",")]
     if args.dry_run:
-        ks, batches, args.warmup, args.repeats = [1], [1], 0, 1
+        ks, batches, args.warmup, args.repeats = [1], [1], 1, 1
     batches = [b for b in batches if b <= args.max_batch]
     args.max_batch = max(batches)
     prefill = max(512, args.max_batch * (max(ks) + 1))
@@ -307,6 +309,7 @@ def main(argv=None) -> None:
             "checkpoint_overrides": overrides,
             "dtype": dtype,
             "page_size": args.page_size,
+            "fuse_greedy": args.fuse_greedy,
             "max_num_seqs": args.max_batch,  # the MTP's draft steps run over all of these rows (fill_drafts)
             "device": f"{device.platform}: {device.device_kind}",
             "prompt_len": args.prompt_len,

@@ -22,15 +22,19 @@ def test_break_even_past_k_never_pays():
     assert break_even_alpha(4.0, 4) is None and break_even_alpha(7.5, 2) is None
 
 
-@pytest.mark.slow  # ~25 s on the shared 2-core CPU: two engines, five compiled steps
-def test_dry_run_captures_and_replays_both_steps(tmp_path):
+@pytest.mark.slow  # 14-26 s each on the shared 2-core CPU: two engines, five compiled steps
+@pytest.mark.parametrize(
+    ("fuse", "plain_calls"), [("on", "run_table_greedy_backbone"), ("off", "run_table_backbone+run_sampler")]
+)
+def test_dry_run_captures_and_replays_both_steps(tmp_path, fuse, plain_calls):
     path = tmp_path / "cost.json"
-    main(["--shape", "tiny", "--dry-run", "--e2e-max-batch", "1", "--e2e-tokens", "12", "--json", str(path)])
+    args = ["--shape", "tiny", "--dry-run", "--fuse-greedy", fuse, "--e2e-max-batch", "1", "--e2e-tokens", "12"]
+    main([*args, "--json", str(path)])
     report = json.loads(path.read_text())
     (row,) = report["rows"]
     plain, verify = row["plain"], row["mtp_k1"]
     assert row["batch"] == 1 and report["ks"] == [1] and report["repeats"] == 1
-    assert plain["calls"] in ("run_table_greedy_backbone", "run_table_backbone+run_sampler")
+    assert plain["calls"] == plain_calls and report["complete"] is True
     assert verify["calls"] == "run"  # the verify executable: MTP drafts, k + 1 rows, acceptance in one step
     assert len(plain["times_s"]) == len(verify["times_s"]) == 1 and plain["median_s"] > 0
     assert verify["ratio_median"] == pytest.approx(verify["median_s"] / plain["median_s"])
