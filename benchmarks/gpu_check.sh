@@ -11,7 +11,7 @@
 #      SmolLM2-135M's shape and of Qwen3.5-9B's layer shapes (8 of its 32 layers: 2 layer groups)
 #   4b. MTP speculative decoding's verify step vs a plain decode step (benchmarks/spec_verify_cost.py)
 #      on the same Qwen3.5-9B-shaped checkpoint (8 layers, with its random MTP layer): batch 1-64 x
-#      k 1, 2, 4, per step, and end-to-end tokens/s with oracle drafts at batch <= 4 (~3 min)
+#      k 1, 2, 4, per step, and end-to-end tokens/s with oracle drafts at batch <= 4 (limit 240 s)
 #   5. the compiled memory analysis of configs/gpu-h200-qwen3_5-9b.yaml: `jaxserve plan` compiles
 #      every bucket on the GPU present (runtime/aot/chip_report.py; without a GPU it only lowers)
 #   6. engine-vs-HF greedy tests on the GPU
