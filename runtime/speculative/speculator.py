@@ -133,7 +133,7 @@ def build_speculator(engine) -> Speculator | None:
     config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     mtp = config.method == "mtp"
     if mtp and "mtp" not in engine.caches:
-        raise ValueError("speculative_config: method 'mtp' found no MTP caches (a mesh or attention DP build)")
+        raise ValueError("speculative_config: method 'mtp' found no MTP caches (an attention DP build)")
     if config.method == "draft_model":
         if "draft" not in engine.caches:
             raise ValueError("speculative_config: method 'draft_model' found no draft caches (a mesh or DP build)")
