@@ -100,7 +100,8 @@ def _check(report, hf, path, kv_repeat: int):
         assert_greedy_match(report["got"][f"g{i}"], expected, scores, f"TP=2 MTP {prompt!r}")
     log = report["log"]
     assert len(log) > 50, len(log)
-    assert_drafts_match(TorchMTP(hf, path), log, min_checked=len(log))
+    sequences = [report["prompts"]["h" + rid[1:]] + tokens for rid, tokens in report["got"].items()]
+    assert_drafts_match(TorchMTP(hf, path, sequences), log, min_checked=len(log))
 
 
 def test_tp2_mtp_drafts_and_greedy_output_qwen3_5(tiny_checkpoint, hf_model):
