@@ -8,6 +8,8 @@ independent of the code under test: greedy output equals the one-device engine's
 the `OracleMTP` of tests/test_spec_decode_mtp.py) and HF's greedy `generate`; every draft the sharded
 MTP makes (the speculator's `draft_log`, the MTP's own drafts also when the oracle's are verified)
 equals the torch chain (`TorchMTP`: HF's decoder-layer class with the checkpoint's `mtp.*` weights).
+Under `slow`: one KV head on two chips (the MTP's KV heads repeated), Qwen3-Next's MoE MTP layer, and
+the sealed AOT start-up set on the mesh (nothing compiles after start-up).
 """
 
 from __future__ import annotations
@@ -139,3 +141,45 @@ def test_tp2_mtp_variants(family, overrides, variant, kv_repeat, tmp_path):
 
     path = write_random_checkpoint(family, tmp_path / "ckpt", **overrides)
     _check(_run(path, variant), _hf(path), path, kv_repeat=kv_repeat)
+
+
+AOT_SCRIPT = """
+import json, logging, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+sys.path.insert(0, "tests")
+from engine_testing import drain
+from test_no_compile_after_startup import CompileCounter, mixed_requests
+from test_spec_decode import PROMPTS
+from test_spec_decode_mtp import SPEC, _engine
+from runtime.types import EngineRequest, SamplingParams
+
+engine = _engine(sys.argv[1], SPEC, mesh_shape=(1, 2), page_size=16, num_pages=64, max_num_batched_tokens=64,
+                 token_buckets=(8, 64), max_model_len=256, aot_compile=True, aot_compile_all=True)
+counter = CompileCounter()
+logging.getLogger("jax").addHandler(counter)
+jax.config.update("jax_log_compiles", True)
+drafting = [EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            for i, p in enumerate(PROMPTS) for t in (0.0, 1.0)]
+for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
+    engine.add_request(request)
+drain(engine)
+jax.config.update("jax_log_compiles", False)
+print("REPORT " + json.dumps({"sealed": engine.speculator.verify.sealed, "compiled": [str(c) for c in counter.compiled],
+      "drafted": engine.stats()["spec_decode_num_draft_tokens"]}))
+"""
+
+
+@pytest.mark.slow
+def test_tp2_mtp_no_compile_after_startup(tiny_checkpoint):
+    """The sealed start-up set on the mesh (the sharded MTP params and pool in every step, its
+    drafts in the verify executables): a mixed workload plus drafting requests compile nothing."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", AOT_SCRIPT, str(tiny_checkpoint("qwen3_5"))]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    report = json.loads(line[len("REPORT ") :])
+    assert report["sealed"] and report["drafted"] > 0, report
+    assert report["compiled"] == [], report["compiled"]
