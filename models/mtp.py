@@ -29,15 +29,27 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.batch import draft_rows_batch
 from models.config import ATTENTION, ModelConfig
 from models.prequantized import parse_quantization_config, read_linear
 from models.safetensors_io import CheckpointError, SafetensorsDir
-from models.sharding import kv_heads_held
+from models.sharding import (
+    REPLICATED,
+    ROW,
+    TensorParallel,
+    _leaf_spec,
+    _place,
+    group_param_specs,
+    kv_heads_held,
+    repeat_kv_heads,
+)
 from models.transformer import attention_layer, compute_logits, dense_mlp, moe_mlp, mtp_fc_input, rms_norm, rope_tables
 from models.weights import _cast, _layer_params
 from pallas_kernels.kv_cache import KVPages
@@ -94,14 +106,36 @@ def load_mtp_params(cfg: ModelConfig, path, dtype: str) -> dict:
     return params
 
 
+def shard_mtp_params(mtp: dict, cfg: ModelConfig, plan: TensorParallel) -> dict:
+    """The MTP params placed on `plan`'s mesh as the target's: the decoder layer as one of the
+    target's full-attention layers (its KV heads repeated where fewer than the chips; MoE as the
+    target's MoE layers), `fc` [2H, H] row-parallel (each chip its slice of the concatenated
+    input, one all-reduce of [T, H], as o_proj), the norms replicated."""
+    layer = repeat_kv_heads({"groups": (mtp["layer"],)}, cfg, plan)["groups"][0]
+    m, axis = plan.size, plan.axis
+    fc_rule = ROW if m > 1 and (2 * cfg.hidden_size) % m == 0 else REPLICATED
+    specs = {
+        "fc": _leaf_spec(fc_rule, mtp["fc"], m, axis),
+        **{name: P() for name in NORMS},
+        "layer": group_param_specs(layer_config(cfg), layer, 0, plan),
+    }
+    return jax.tree.map(lambda x, s: _place(x, NamedSharding(plan.mesh, s)), {**mtp, "layer": layer}, specs)
+
+
 def init_mtp_caches(model, num_pages: int, page_size: int, num_slots: int, kv_dtype, bit_storage: bool) -> dict:
     """The MTP layer's KV pool (`num_pages`, as one target attention layer's; `kv_dtype` resolved)
-    and the carry [num_slots, H]."""
-    cfg = model.cfg
-    kv = KVPages.create(
-        num_pages, page_size, kv_heads_held(cfg, model.tp), cfg.head_dim, kv_dtype, bit_storage=bit_storage
-    )
-    return {"kv": kv, "hidden": jnp.zeros((num_slots, cfg.hidden_size), model.params["final_norm"].dtype)}
+    and the carry [num_slots, H]. Under a mesh (`model.tp`) the pool is split on its (held) KV
+    heads as the target's attention pools are, the carry replicated."""
+    cfg, tp = model.cfg, model.tp
+    kv = KVPages.create(num_pages, page_size, kv_heads_held(cfg, tp), cfg.head_dim, kv_dtype, bit_storage=bit_storage)
+    caches = {"kv": kv, "hidden": jnp.zeros((num_slots, cfg.hidden_size), model.params["final_norm"].dtype)}
+    if tp is None:
+        return caches
+    heads = P(None, tp.axis) if tp.attention else P()  # k, v [P, Hkv, ps, D]; scales [P, Hkv]
+    return {
+        "kv": jax.tree.map(lambda x: _place(x, NamedSharding(tp.mesh, heads)), caches["kv"]),
+        "hidden": _place(caches["hidden"], NamedSharding(tp.mesh, P())),
+    }
 
 
 def keep_accepted(mtp_cache: dict, hidden, seqs, offsets, accepted, slots) -> dict:

@@ -36,18 +36,30 @@ class TorchMTP:
     layer (causal, RoPE at t), the MTP's final norm, the target's lm_head; h: the target's
     final-norm output, then for later drafts the MTP's own output."""
 
-    def __init__(self, hf, path):
+    def __init__(self, hf, path, sequences=()):
         import torch
 
         self.torch, self.hf, self.mtp = torch, hf, torch_mtp(hf, path).float()
         self.mrope = "mrope_section" in (getattr(hf.config, "rope_parameters", None) or {})
+        self.sequences = [list(s) for s in sequences]  # optional: whole sequences whose prefixes contexts are
+        self._hidden: dict[tuple, object] = {}
+
+    def target_hidden(self, tokens: list[int]):
+        """HF's final-norm output [L, H] at `tokens`: a slice of a longer sequence's (causal: the
+        same states) when one in `sequences` starts with them, run once per such sequence."""
+        full = next((s for s in self.sequences if len(s) >= len(tokens) and s[: len(tokens)] == tokens), tokens)
+        key = tuple(full)
+        if key not in self._hidden:
+            with self.torch.no_grad():
+                self._hidden[key] = self.hf.model(input_ids=self.torch.tensor([full])).last_hidden_state[0]
+        return self._hidden[key][: len(tokens)]
 
     def drafts(self, context: list[int], k: int) -> tuple[list[int], list[np.ndarray]]:
         """The k greedy drafts after `context` (its last token not yet run by the target), and the
         logits [V] of each."""
         torch, hf, mtp = self.torch, self.hf, self.mtp
         with torch.no_grad():
-            h = hf.model(input_ids=torch.tensor([context[:-1]])).last_hidden_state[0]  # [L-1, H]
+            h = self.target_hidden(list(context[:-1]))  # [L-1, H]
             tokens, hidden, out, logits = list(context[1:]), list(h), [], []
             for _ in range(k):
                 n = len(tokens)

@@ -22,7 +22,7 @@ from models.config import ConfigError
 from models.draft_model import draft_params_like, forward_with_draft, init_draft_caches, load_draft
 from models.mla_split import check_split
 from models.model import Model, load_model, resolve_kv_dtype
-from models.mtp import init_mtp_caches, load_mtp_params, mtp_refusal
+from models.mtp import init_mtp_caches, load_mtp_params, mtp_refusal, shard_mtp_params
 from models.ops import KernelOptions
 from models.sharding import shard_model
 from paged_kv.checkpoint_policy import plan_state_slots
@@ -95,11 +95,14 @@ def prepare_model(
     elif plan.weight_layout == "packed":
         loaded.hold_packed()
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and mesh is None and "mtp" not in loaded.params:  # the MTP layer
+    if spec is not None and spec.method == "mtp" and "mtp" not in loaded.params:  # the MTP layer
         why = mtp_refusal(loaded.cfg, loaded.path)
         if why is not None:
             raise ValueError(f"speculative_config: {why}")
-        loaded.params = {**loaded.params, "mtp": load_mtp_params(loaded.cfg, loaded.path, loaded.dtype)}
+        mtp = load_mtp_params(loaded.cfg, loaded.path, loaded.dtype)
+        if loaded.tp is not None:  # split as the target's layers (models/mtp.py)
+            mtp = shard_mtp_params(mtp, loaded.cfg, loaded.tp)
+        loaded.params = {**loaded.params, "mtp": mtp}
     if spec is not None and spec.method == "draft_model":  # a second, smaller model (models/draft_model.py)
         if mesh is not None or loaded.tp is not None:
             raise ValueError("speculative_config: method 'draft_model' under a mesh is not supported yet")
@@ -290,7 +293,7 @@ def build_step_parts(
         )
         return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and model.tp is None:  # one more attention layer, same pages
+    if spec is not None and spec.method == "mtp":  # one more attention layer, same pages (split as theirs)
         caches["mtp"] = init_mtp_caches(
             model,
             cache_config.num_pages,

@@ -27,7 +27,7 @@ ride in its slice of the flat batch, verified per sequence (runtime/speculative/
 `stats()`). Refused at start-up: KDA and Mamba-2 hybrids under a mesh or attention DP; window-aware
 paging, `mtp` and `draft_model` under attention DP; and the P/D prefill role (the decode role
 speculates; a mesh: the verify executables are sharded like the plain steps,
-runtime/speculative/verify.py).
+runtime/speculative/verify.py; `mtp` too, its layer and KV pool split as the target's, models/mtp.py).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def build_speculator(engine) -> Speculator | None:
     config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     mtp = config.method == "mtp"
     if mtp and "mtp" not in engine.caches:
-        raise ValueError("speculative_config: method 'mtp' found no MTP caches (a mesh or attention DP build)")
+        raise ValueError("speculative_config: method 'mtp' found no MTP caches (an attention DP build)")
     if config.method == "draft_model":
         if "draft" not in engine.caches:
             raise ValueError("speculative_config: method 'draft_model' found no draft caches (a mesh or DP build)")
