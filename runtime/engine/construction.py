@@ -95,6 +95,10 @@ def prepare_model(
     elif plan.weight_layout == "packed":
         loaded.hold_packed()
     spec = config.speculative_config
+    if (
+        ships_mtp(config, loaded, mesh) and "mtp" not in loaded.params
+    ):  # a P/D prefill side's MTP K/V for the decode side
+        loaded.params = {**loaded.params, "mtp": load_mtp_params(loaded.cfg, loaded.path, loaded.dtype)}
     if spec is not None and spec.method == "mtp" and mesh is None and "mtp" not in loaded.params:  # the MTP layer
         why = mtp_refusal(loaded.cfg, loaded.path)
         if why is not None:
@@ -107,6 +111,25 @@ def prepare_model(
         loaded.draft = draft
         loaded.params = {**loaded.params, "draft": draft_params_like(draft, plan)}
     return loaded, plan
+
+
+def ships_mtp(config: EngineConfig, model: Model, mesh=None) -> bool:
+    """A P/D prefill instance (one device) on a checkpoint with an MTP layer computes the MTP's K/V
+    and carry over each prompt and ships them (runtime/kv_transfer/spec_layout.py): a decode instance
+    speculating with `method: mtp` then drafts after the pull as a colocated one (its own speculative
+    config is refused on the prefill role). Cost: one more attention layer's K/V projections per token
+    and its pages."""
+    kv = config.kv_transfer
+    if kv is None or kv.role != "prefill" or mesh is not None or model.tp is not None or model.path is None:
+        return False
+    return "mtp" in model.params or mtp_refusal(model.cfg, model.path) is None
+
+
+def computes_mtp(config: EngineConfig, model: Model) -> bool:
+    """Whether the engine holds the MTP layer's caches: `method: mtp`, or a prefill instance that ships them."""
+    spec = config.speculative_config
+    mtp = spec is not None and spec.method == "mtp"
+    return model.tp is None and "mtp" in model.params and (mtp or ships_mtp(config, model))
 
 
 def window_paging(config: EngineConfig, model: Model) -> int | None:
@@ -176,8 +199,7 @@ def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     tp = model.tp
     if tp is not None and ((tp.attention and model.cfg.mla is None) or tp.latent_split):
         per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA: its tokens' rows, or all)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and layers != "window":  # the MTP layer's K/V (models/mtp.py)
+    if layers != "window" and computes_mtp(config, model):  # the MTP layer's K/V (models/mtp.py)
         per_page += per_page // max(model.cfg.num_attention_layers, 1)
     draft = getattr(model, "draft", None)
     if draft is not None and layers != "window":  # the draft model's pools, the same page ids (models/draft_model.py)
@@ -247,10 +269,10 @@ def build_step_parts(
     )
     refuse_host_tier(config, window)
     drafting = getattr(model, "draft", None) is not None and "draft" in model.params
-    if drafting and (dp_size > 1 or config.kv_transfer is not None):
+    if drafting and dp_size > 1:
         raise ValueError(
-            "speculative_config: method 'draft_model' does not support attention data parallelism or a P/D role "
-            "(kv_transfer) yet: their pages carry no draft K/V"
+            "speculative_config: method 'draft_model' does not support attention data parallelism yet: "
+            "its ranks' pages carry no draft K/V"
         )
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
@@ -289,8 +311,7 @@ def build_step_parts(
             window_paging=window is not None,
         )
         return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and model.tp is None:  # one more attention layer, same pages
+    if computes_mtp(config, model):  # one more attention layer, same pages
         caches["mtp"] = init_mtp_caches(
             model,
             cache_config.num_pages,

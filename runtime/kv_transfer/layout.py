@@ -228,6 +228,9 @@ def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
                 want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
         elif kind != NO_MIXER:
             want += [[f"conv{j}", [G] + sig["conv"], state_wire], [f"rec{j}", [G] + sig["rec"], state_wire]]
+    from runtime.kv_transfer.spec_layout import expected_mtp  # (it builds on this module)
+
+    want += expected_mtp(desc, cfg)  # the MTP layer's rows and carry (spec_layout.py), when sent
     if cfg.mla is not None:
         check_latent_arrays(desc["arrays"], want)
     if desc["arrays"] != want:
