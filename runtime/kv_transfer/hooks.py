@@ -55,6 +55,7 @@ from runtime.kv_transfer.layout import (
 from runtime.kv_transfer.spec_layout import (
     MTP,
     check_drafter,
+    expected_mtp,
     gather_mtp,
     num_mtp_arrays,
     recompute_draft,
@@ -272,7 +273,7 @@ class DisaggregationHooks:
         try:
             desc = params.get("descriptor")
             check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
-            expected_arrays(desc, self.model.cfg, self.window_paging)
+            expected_arrays(desc, self.model.cfg, self.window_paging, expected_mtp(desc, self.model.cfg))
             check_drafter(desc, self.mtp)
             nbytes = descriptor_nbytes(desc)
             if sum(self._staged_bytes.values()) + nbytes > self.config.max_staged_bytes:
