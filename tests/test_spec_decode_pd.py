@@ -19,7 +19,7 @@ from runtime.kv_transfer import KVTransferConfig, hooks
 from runtime.types import EngineRequest, SamplingParams
 
 K = 3
-NUM_TOKENS = 16
+NUM_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 SMALL = dict(page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 16, 32))
 MTP = {"method": "mtp", "num_speculative_tokens": K}
@@ -175,6 +175,7 @@ def test_expected_mtp_arrays_name_the_difference(tiny_checkpoint):
 
 
 # ---- method: draft_model (tiny Llama drafting for itself) ---------------------------------------
+@pytest.mark.slow
 def test_draft_model_on_decode_side_accepts_every_draft(plugin, tiny_checkpoint, monkeypatch):  # noqa: F811
     """The decode side computes the draft's K/V of the pulled tokens: a target drafting with itself
     has every draft accepted after the pull, output equal to no speculation; without that step
