@@ -13,7 +13,8 @@ as the target's (the block table is shared: no second allocator, prefix hits sha
             pos .. pos + k - 1 (a rejected draft's rows are overwritten later, as the target's).
 
 Drafts are attention-only models for now (a recurrent draft would need its own state slots and a
-replay); the target may be dense or a GDN hybrid (the target side replays GDN state).
+replay); the target may be dense or a GDN hybrid (the target side replays GDN state). Under P/D the
+decode instance computes the draft's K/V of the pulled tokens itself (runtime/kv_transfer/spec_layout.py).
 """
 
 from __future__ import annotations

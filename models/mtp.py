@@ -20,7 +20,8 @@ k MTP steps per drafting sequence inside the verify step (runtime/speculative/ve
 Drafts never change the output (verification is exact); what only lowers acceptance: a shared
 prefix page's last MTP row is written by whichever request next runs the token after it. A
 host-tier hit (cache.kv_offloading_size) restores the MTP rows with the pages and the carry with
-the GDN state (runtime/engine/host_tier.py).
+the GDN state (runtime/engine/host_tier.py). Under P/D a prefill instance on an MTP checkpoint ships the
+request's rows and carry with its pages (runtime/kv_transfer/spec_layout.py).
 """
 
 from __future__ import annotations

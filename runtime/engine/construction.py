@@ -112,6 +112,16 @@ def prepare_model(
     return loaded, plan
 
 
+def computes_mtp(config: EngineConfig, model: Model) -> bool:
+    """Whether the engine holds the MTP layer's caches: `method: mtp`, drafting, or on a P/D prefill
+    instance, which computes the MTP's K/V and carry over each prompt and ships them
+    (runtime/kv_transfer/spec_layout.py) and drafts nothing itself. Opt-in there, as vLLM sets the
+    same speculative config on both sides: it costs one more attention layer's K/V projections per
+    prompt token, its pages, and its rows on the wire."""
+    spec = config.speculative_config
+    return spec is not None and spec.method == "mtp" and "mtp" in model.params
+
+
 def window_paging(config: EngineConfig, model: Model) -> int | None:
     """The sliding window whose layers page apart (paged_kv/window_pages.py), or None. `cache.window_paging`
     null: on where the model has window layers, under attention DP (each rank has both pools) and P/D
@@ -179,8 +189,7 @@ def page_bytes(config: EngineConfig, model: Model, layers: str = "all") -> int:
     tp = model.tp
     if tp is not None and ((tp.attention and model.cfg.mla is None) or tp.latent_split):
         per_page = -(-per_page // tp.size)  # each device holds its KV heads only (MLA: its tokens' rows, or all)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and layers != "window":  # the MTP layer's K/V (models/mtp.py)
+    if layers != "window" and computes_mtp(config, model):  # the MTP layer's K/V (models/mtp.py)
         per_page += per_page // max(model.cfg.num_attention_layers, 1)
     draft = getattr(model, "draft", None)
     if draft is not None and layers != "window":  # the draft model's pools, the same page ids (models/draft_model.py)
@@ -250,10 +259,10 @@ def build_step_parts(
     )
     refuse_host_tier(config, window)
     drafting = getattr(model, "draft", None) is not None and "draft" in model.params
-    if drafting and (dp_size > 1 or config.kv_transfer is not None):
+    if drafting and dp_size > 1:
         raise ValueError(
-            "speculative_config: method 'draft_model' does not support attention data parallelism or a P/D role "
-            "(kv_transfer) yet: their pages carry no draft K/V"
+            "speculative_config: method 'draft_model' does not support attention data parallelism yet: "
+            "its ranks' pages carry no draft K/V"
         )
     window_pool = None if window is None else (window, num_window_pages)
     cache_config = config.cache_config(num_pages, max_model_len, num_slots, num_checkpoint_slots, window_pool)
@@ -292,8 +301,7 @@ def build_step_parts(
             window_paging=window is not None,
         )
         return StepParts(*sizes, dp.scheduler, dp.caches, dp.seq_buckets, dp.executables, None, None, dp.dp)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp":  # one more attention layer, same pages (split as theirs)
+    if computes_mtp(config, model):  # one more attention layer, same pages
         caches["mtp"] = init_mtp_caches(
             model,
             cache_config.num_pages,

@@ -6,6 +6,7 @@
      "state_dtype": "float32" | "bfloat16" (GDN state slots; absent: float32),
      "model": {layer_types, num_kv_heads, head_dim, conv, rec, mla, num_groups, vocab_size, fingerprint},
      "window": {"first_block": f, "num_pages": nw} (window-aware paging on the prefill side only),
+     "mtp": {"hidden_dtype": ...} (the MTP layer's rows and carry follow the arrays: spec_layout.py),
      "arrays": [[name, shape, wire dtype], ...]}          # the pulled arrays, in this order
 
 Arrays: per attention position j of the layer pattern, `kv{j}.k` / `kv{j}.v` `[G*n, Hkv, ps, D]`
@@ -60,6 +61,7 @@ DESCRIPTOR_KEYS = frozenset(
         "model",
         "arrays",
         "window",
+        "mtp",
     }
 )
 

@@ -52,6 +52,15 @@ from runtime.kv_transfer.layout import (
     pull_specs,
     write_request_state,
 )
+from runtime.kv_transfer.spec_layout import (
+    MTP,
+    check_drafter,
+    expected_mtp,
+    gather_mtp,
+    num_mtp_arrays,
+    recompute_draft,
+    write_mtp,
+)
 from runtime.kv_transfer.window_layout import window_layers
 from runtime.scheduled import SchedulerOutput
 from runtime.scheduling.request import Request
@@ -132,6 +141,8 @@ class DisaggregationHooks:
         self._computes_last_token = bool(kv) and is_quantized(kv[0])
         hybrid = model.cfg.is_hybrid  # recurrent layers (not just fewer KV pools: MLP-only blocks have none)
         self.rule = ADOPT_RULE if hybrid and self._computes_last_token else LAST_TOKEN_RULE
+        # speculative drafters (runtime/kv_transfer/spec_layout.py): the MTP's rows travel, a draft model's are recomputed
+        self.mtp, self.draft = MTP in caches, "draft" in caches
         self._offering: dict[str, tuple | None] = {}  # prefill: request id -> captured (arrays, descriptor)
         self._lease_s: dict[str, float] = {}  # prefill: a request's own shorter lease
         self._parked: dict[str, tuple[Request, dict]] = {}  # decode: pulling, not yet in the scheduler
@@ -199,7 +210,7 @@ class DisaggregationHooks:
         for seq in out.sequences:
             if seq.sample and seq.request_id in self._offering:
                 req = seq.request
-                self._offering[seq.request_id] = gather_request_state(
+                captured = gather_request_state(
                     caches,
                     self.model.cfg,
                     prompt_token_ids=req.prompt_token_ids,
@@ -217,6 +228,16 @@ class DisaggregationHooks:
                     window_block_table=seq.window_block_table,
                     num_window_pages=self.num_window_pages,
                 )
+                if self.mtp:  # the MTP layer's rows and carry, for a decode side drafting with them
+                    captured = gather_mtp(
+                        caches,
+                        *captured,
+                        block_table=seq.block_table,
+                        state_slot=seq.state_slot,
+                        num_pages=self.num_pages,
+                        num_slots=self.num_slots,
+                    )
+                self._offering[seq.request_id] = captured
 
     def finished(self, req: Request) -> dict | None:
         """The transfer parameters of a finished prefill-role request (None: nothing offered)."""
@@ -252,7 +273,8 @@ class DisaggregationHooks:
         try:
             desc = params.get("descriptor")
             check_descriptor(desc, prompt_token_ids=req.prompt_token_ids, signature=self.signature)
-            expected_arrays(desc, self.model.cfg, self.window_paging)
+            expected_arrays(desc, self.model.cfg, self.window_paging, expected_mtp(desc, self.model.cfg))
+            check_drafter(desc, self.mtp)
             nbytes = descriptor_nbytes(desc)
             if sum(self._staged_bytes.values()) + nbytes > self.config.max_staged_bytes:
                 raise TransferCapacityError("pulled state waiting here would exceed kv_transfer.max_staged_bytes")
@@ -341,8 +363,11 @@ class DisaggregationHooks:
         for req in out.external_loads:
             arrays, desc = self._staged[req.request_id]
             self._unstage(req.request_id)
-            caches = write_request_state(
-                caches,
+            n_mtp = num_mtp_arrays(desc)
+            arrays, mtp_arrays = arrays[: len(arrays) - n_mtp], arrays[len(arrays) - n_mtp :]
+            main = {k: caches[k] for k in ("kv", "conv", "rec")}
+            main = write_request_state(
+                main,
                 arrays,
                 desc,
                 block_table=req.block_table,
@@ -356,6 +381,30 @@ class DisaggregationHooks:
                 num_window_pages=self.num_window_pages,
                 windowed=self.windowed,
             )
+            caches = {**caches, **main}
+            if self.mtp:  # (a decode side without the MTP drops its rows)
+                caches = write_mtp(
+                    caches,
+                    mtp_arrays,
+                    desc,
+                    block_table=req.block_table,
+                    state_slot=req.state_slot,
+                    page_size=self.page_size,
+                    num_pages=self.num_pages,
+                    num_slots=self.num_slots,
+                    opts=self.opts,
+                )
+            if self.draft:  # the draft model's K/V of the pulled tokens, computed here
+                draft = recompute_draft(
+                    self.model.params["draft"],
+                    caches["draft"],
+                    req.prompt_token_ids[: desc["num_tokens"]],
+                    req.block_table,
+                    page_size=self.page_size,
+                    draft_cfg=self.model.draft.cfg,
+                    opts=self.opts,
+                )
+                caches = {**caches, "draft": draft}
         for seq in out.sequences:
             self._unstage(seq.request_id)  # admitted with a better local prefix hit
         return caches

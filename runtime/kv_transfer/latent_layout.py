@@ -98,11 +98,11 @@ def check_pulled_scales(arrays: list, desc: dict, cfg) -> None:
     for (name, _, _), array in zip(desc["arrays"], arrays):
         if not name.endswith("_scale"):
             continue
-        j = int(name[2 : name.index(".")])  # kv{j}.<k|v|c>_scale
-        used = num_blocks
-        if window is not None and cfg.sliding_window(j) is not None:
-            used = num_blocks - window["first_block"]
-        scales = np.asarray(array).reshape(G, array.shape[0] // G, -1)[:, :used]
+        mtp = name.startswith("mtp.")  # the MTP layer's pages: one group (spec_layout.py)
+        used, groups = num_blocks, 1 if mtp else G
+        if not mtp and window is not None and cfg.sliding_window(int(name[2 : name.index(".")])) is not None:
+            used = num_blocks - window["first_block"]  # kv{j}.<k|v|c>_scale of a window layer
+        scales = np.asarray(array).reshape(groups, array.shape[0] // groups, -1)[:, :used]
         if not np.all(np.isfinite(scales) & (scales > 0)):
             raise TransferError(f"pulled {name} holds scales that are not finite and positive")
 

@@ -206,9 +206,10 @@ def model_groups(caches, num_pages: int, num_slots: int, windowed=()) -> int:
     return 1
 
 
-def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
+def expected_arrays(desc: dict, cfg, window_paging: bool = False, extra: list = ()) -> list[list]:
     """The [name, shape, dtype] list a descriptor must carry for this model (TransferError if not);
-    `window_paging`: whether this side pages its window layers apart (window_layout.check_window)."""
+    `window_paging`: whether this side pages its window layers apart (window_layout.check_window);
+    `extra`: the entries that follow the model's."""
     check_window(desc, cfg, window_paging)
     sig, ps = desc["model"], desc["page_size"]
     G = sig["num_groups"]
@@ -228,6 +229,7 @@ def expected_arrays(desc: dict, cfg, window_paging: bool = False) -> list[list]:
                 want += [[f"kv{j}.k_scale", page[:2], "float32"], [f"kv{j}.v_scale", page[:2], "float32"]]
         elif kind != NO_MIXER:
             want += [[f"conv{j}", [G] + sig["conv"], state_wire], [f"rec{j}", [G] + sig["rec"], state_wire]]
+    want += list(extra)  # the MTP layer's rows and carry, when sent (spec_layout.expected_mtp)
     if cfg.mla is not None:
         check_latent_arrays(desc["arrays"], want)
     if desc["arrays"] != want:

@@ -115,8 +115,10 @@ def refusal(engine) -> str | None:
             "window-aware paging under attention data parallelism is not supported yet (set cache.window_paging: false)"
         )
     kv = engine.config.kv_transfer
-    if kv is not None and kv.role == "prefill":
+    if kv is not None and kv.role == "prefill" and method != "mtp":
         return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
+    if kv is not None and kv.role == "prefill" and engine.model.tp is not None:
+        return "a P/D prefill instance ships the MTP's state from one device only (no mesh) yet"
     return None
 
 
@@ -129,6 +131,8 @@ def build_speculator(engine) -> Speculator | None:
     why = refusal(engine)
     if why is not None:
         raise ValueError(f"speculative_config: {why}")
+    if engine.config.kv_transfer is not None and engine.config.kv_transfer.role == "prefill":
+        return None  # method mtp on the prefill role: its MTP state is computed and shipped (construction.computes_mtp)
     # "auto" -> the plan's measured crossover (runtime/steps/execution_plan.py)
     config = dataclasses.replace(config, disable_by_batch_size=engine.plan.spec_disable_by_batch_size)
     mtp = config.method == "mtp"
