@@ -3,6 +3,8 @@ steps, acceptance, penalty rows, the GDN replay) runs over the smallest sequence
 sequences, not max_num_seqs. Reference: the same captured step run in the max_num_seqs bucket (the
 path the other spec-decode tests check against torch and HF), every output and cache equal."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,10 @@ def test_seq_buckets_for_each_token_bucket(captured):
     assert exes.seq_buckets == (8, 16) == engine.seq_buckets
     assert [exes.seq_buckets_for(T) for T in (8, 16, 32)] == [(8,), (8, 16), (8, 16)]
     assert [exes.seq_rows(n) for n in (1, 8, 9, 16)] == [8, 8, 16, 16]
+    wide = copy.copy(exes)  # larger token buckets: a decode-only step in 64 (> 32 tokens, <= k + 1 each) has >= 9
+    wide.token_buckets = (8, 16, 32, 64, 128)
+    assert [wide.seq_buckets_for(T) for T in (32, 64, 128)] == [(8, 16), (16,), (16,)]
+    assert (wide.seq_rows(1, 32), wide.seq_rows(1, 64), wide.seq_rows(9, 32)) == (8, 16, 16)
 
 
 def _pad(a, n: int, fill):

@@ -274,7 +274,7 @@ class Speculator:
         """Dispatch the verify step -> (caches, table, SamplerOutput whose tokens [max_num_seqs]
         are each sequence's first new token). Its per-sequence rows (drafts, acceptance, penalty
         features) are the step's sequence bucket S (`VerifyExecutables.seq_rows`), not max_num_seqs."""
-        S = self.verify.seq_rows(len(out.sequences))
+        S = self.verify.seq_rows(len(out.sequences), T)
         verify, first = verify_rows(out, T, S)
         reqs = [seq.request for seq in out.sequences]
         all_greedy = all(req.params.temperature <= 0.0 for req in reqs)

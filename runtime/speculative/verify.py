@@ -227,8 +227,7 @@ def verify_backbone(
     return caches, table, rows, lax.stop_gradient(accepted), first, drafted, made
 
 
-def _pad_rows(a, n: int, fill):
-    """`a` [S, ...] padded with `fill` to [n, ...] (n >= S)."""
+def _pad_rows(a, n: int, fill):  # [S, ...] -> [n, ...] (n >= S), `fill` past S
     return jnp.concatenate([a, jnp.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)]) if n > a.shape[0] else a
 
 
@@ -285,8 +284,7 @@ class VerifyExecutables:
         self.full_widths = getattr(ex, "full_widths", None)  # None: penalty widths as the step needs
         self.token_buckets = tuple(token_buckets)
         # the step's sequence rows: the plain steps' sequence buckets (never past the table's rows)
-        self.seq_buckets = tuple(s for s in getattr(ex, "seq_buckets", ()) if s < self.max_num_seqs)
-        self.seq_buckets += (self.max_num_seqs,)
+        self.seq_buckets = (*(s for s in getattr(ex, "seq_buckets", ()) if s < self.max_num_seqs), self.max_num_seqs)
         fn = self._backbone(ex, max_top_k, num_speculative_tokens, mtp)
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
@@ -330,20 +328,23 @@ class VerifyExecutables:
     def _token_count(inputs: tuple) -> int:
         return inputs[1].host_tokens.shape[0]
 
-    def seq_rows(self, num_seqs: int) -> int:
-        """The sequence bucket S of a step with `num_seqs` sequences: the smallest that holds them."""
-        return bucket_for(num_seqs, self.seq_buckets, "verify sequence count")
+    def seq_rows(self, num_seqs: int, T: int | None = None) -> int:
+        """The sequence bucket S of a step with `num_seqs` sequences in token bucket T: the smallest
+        of `seq_buckets_for(T)` that holds them (T None: of all, an upper bound on the rows)."""
+        return bucket_for(num_seqs, self.seq_buckets if T is None else self.seq_buckets_for(T), "verify sequences")
 
     def seq_buckets_for(self, T: int) -> tuple[int, ...]:
-        """The sequence buckets a step in token bucket T can take: each sequence has at least one
-        token row, so at most min(T, max_num_seqs) sequences (any fewer: one decoding sequence
-        beside a long prefill chunk)."""
-        top = self.seq_rows(min(T, self.max_num_seqs))
-        return tuple(s for s in self.seq_buckets if s <= top)
+        """The sequence buckets compiled for token bucket T: at most the bucket of min(T, max_num_seqs)
+        (a sequence has a token row at least), at least that of P // (k + 1) + 1, P the next smaller
+        token bucket (a step in T has > P tokens, a decoding sequence <= k + 1: a decode-only step
+        gets its own smallest bucket; one with fewer sequences carries a prefill chunk, rounds up)."""
+        P = max((t for t in self.token_buckets if t < T), default=0)
+        low = bucket_for(min(P // (self.num_speculative_tokens + 1) + 1, self.max_num_seqs), self.seq_buckets)
+        top = bucket_for(min(T, self.max_num_seqs), self.seq_buckets)
+        return tuple(s for s in self.seq_buckets if low <= s <= top)
 
     def mask_rows(self, T: int, S: int | None = None) -> int:
-        """Rows of a verify step's grammar bitmask in token bucket T with S sequence rows (default:
-        max_num_seqs): at most k + 1 per sequence."""
+        """Grammar bitmask rows in token bucket T, S sequence rows (None: max_num_seqs): k + 1 each."""
         return min(T, (S or self.max_num_seqs) * (self.num_speculative_tokens + 1))
 
     def _args_spec(self, T: int, S: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
@@ -383,10 +384,9 @@ class VerifyExecutables:
         return (None if w is None else (w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias)), MAX_LOGPROBS
 
     def compile_all(self, every_variant: bool = False, mask_width: int = 0) -> None:
-        """Every (token bucket T, sequence bucket S) pair a step can take (`seq_buckets_for`),
-        greedy and sampled, and with `every_variant` (bounded widths) the full variants too, with
-        `mask_width` the grammar-masked ones (full and masked: with both), then sealed (no compile
-        after start-up)."""
+        """Every (T, S) pair of `seq_buckets_for`, greedy and sampled, with `every_variant` (bounded
+        widths) the full variants too, with `mask_width` the grammar-masked ones (full and masked:
+        with both), then sealed (no compile after start-up)."""
         t0 = time.perf_counter()
         widths, n = self.full_variant()
         full = every_variant and widths is not None
