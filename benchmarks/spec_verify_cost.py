@@ -19,8 +19,10 @@ stepped until all B decode; the next step's compiled calls are captured with the
            sampling + acceptance + the GDN replay of the accepted prefix, T = B (k + 1)
 
 Token buckets include exactly B and B (k + 1) (besides powers of two), so no padding enters the ratio.
-max_num_seqs is the largest B (`--max-batch`): the MTP's k draft steps run over all max_num_seqs
-rows whatever B is (runtime/speculative/device_drafts.py `fill_drafts`), so it matters at small B. The ratio
+max_num_seqs is the largest B (`--max-batch`): the verify step's per-sequence work (the MTP's k draft
+steps, acceptance, the GDN replay) runs over the step's sequence bucket (the smallest of the engine's
+seq buckets holding B, at least 8: runtime/speculative/verify.py `seq_rows`); the table and the
+forward pass keep max_num_seqs rows. The ratio
 r = verify / plain is the step's cost in plain steps; a verify step emits 1 + a tokens (a: its
 accepted drafts), a plain step 1, so speculation pays when 1 + a > r:
 
@@ -30,6 +32,9 @@ accepted drafts), a plain step 1, so speculation pays when 1 + a > r:
 `--e2e-max-batch N` adds end-to-end tokens/s for B <= N: the plain engine vs the MTP engine with
 oracle drafts (the plain engine's own greedy output: every draft accepted, the MTP layer still
 drafting each step; benchmarks/spec_decode.py `propose_from`), the same text checked.
+`--full-rows`: each verify step is also replayed with its sequence rows padded to max_num_seqs (the
+verify executables' layout before they took the step's sequence bucket), interleaved with the
+bucketed one on the same caches (`full_rows_median_s`: the A/B of one process under one load).
 `--dry-run`: k = 1, B = 1, one warm-up and one repeat (checks the path end to end).
 """
 
@@ -111,9 +116,11 @@ class StepCapture:
     1 + k tokens, k drafts) is dispatched as usual with its compiled calls recorded, then those
     calls are replayed `warmup + repeats` times on the engine's caches (donated and handed back)."""
 
-    def __init__(self, engine, k: int, batch: int, warmup: int, repeats: int):
+    def __init__(self, engine, k: int, batch: int, warmup: int, repeats: int, full_rows: bool = False):
         self.engine, self.k, self.batch, self.warmup, self.repeats = engine, k, batch, warmup, repeats
         self.times: list[float] | None = None
+        self.full_rows = full_rows  # a verify step: also its sequence rows padded to max_num_seqs, interleaved
+        self.full_times: list[float] = []
         self.error: BaseException | None = None
         self.kind = None
         self._dispatch = engine._dispatch
@@ -163,19 +170,37 @@ class StepCapture:
             raise RuntimeError(f"unexpected decode step calls {names}")
         engine, times = self.engine, []
         caches = engine.caches  # the captured step's output caches (its input ones were donated)
+        full = full_rows_call(calls[0], engine) if self.full_rows and names == ["run"] else None
         for i in range(self.warmup + self.repeats):
-            t0 = time.perf_counter()
-            name, args, kwargs = calls[0]
-            outs = fns[name](args[0], caches, *args[2:], **kwargs)
-            caches = outs[0]
-            if len(calls) == 2:  # backbone, then the sampler on its hidden states
-                _, sargs, skw = calls[1]
-                outs = (caches, fns["run_sampler"](sargs[0], outs[2], *sargs[2:], **skw))
-            jax.block_until_ready(outs)
-            if i >= self.warmup:
-                times.append(time.perf_counter() - t0)
+            for call, record in ((calls[0], times), (full, self.full_times))[:: 1 if i % 2 else -1]:
+                if call is None:
+                    continue
+                t0 = time.perf_counter()
+                name, args, kwargs = call
+                outs = fns[name](args[0], caches, *args[2:], **kwargs)
+                caches = outs[0]
+                if len(calls) == 2:  # backbone, then the sampler on its hidden states
+                    _, sargs, skw = calls[1]
+                    outs = (caches, fns["run_sampler"](sargs[0], outs[2], *sargs[2:], **skw))
+                jax.block_until_ready(outs)
+                if i >= self.warmup:
+                    record.append(time.perf_counter() - t0)
         engine.caches = caches
         return times
+
+
+def full_rows_call(call, engine):
+    """The captured verify call with its sequence rows padded to max_num_seqs (the layout before
+    the verify executables took the step's sequence bucket); None when already there."""
+    import dataclasses
+
+    name, args, kwargs = call
+    verify, S = args[3], engine.config.max_num_seqs
+    if verify.num_draft.shape[0] >= S or any(a is not None for a in args[5:6] + args[7:8]):
+        return None  # (a penalty or grammar step: not padded here)
+    num_draft = np.zeros(S, np.int32)
+    num_draft[: verify.num_draft.shape[0]] = np.asarray(verify.num_draft)
+    return name, (*args[:3], dataclasses.replace(verify, num_draft=num_draft), *args[4:]), kwargs
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -192,7 +217,7 @@ def time_step(engine, k: int, batch: int, args, vocab: int) -> dict:
     ids = [f"b{batch}k{k}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for rid, prompt in zip(ids, random_prompts(batch, prompt_len, vocab, seed=batch)):
         engine.add_request(EngineRequest(rid, prompt, params))
-    capture = StepCapture(engine, k, batch, warmup, repeats)
+    capture = StepCapture(engine, k, batch, warmup, repeats, getattr(args, "full_rows", False) and k > 0)
     try:
         for _ in range(10_000):
             engine.step()
@@ -208,8 +233,13 @@ def time_step(engine, k: int, batch: int, args, vocab: int) -> dict:
         raise capture.error
     if capture.times is None:
         raise RuntimeError(f"no step with {batch} sequences all decoding (k={k})")
-    ts = capture.times
-    return {"median_s": statistics.median(ts), "p90_s": percentile(ts, 90), "calls": capture.kind, "times_s": ts}
+    ts, full = capture.times, capture.full_times
+    out = {"median_s": statistics.median(ts), "p90_s": percentile(ts, 90), "calls": capture.kind, "times_s": ts}
+    if full:  # the same step with max_num_seqs sequence rows, interleaved with the one above
+        out.update(
+            full_rows_median_s=statistics.median(full), full_rows_p90_s=percentile(full, 90), full_rows_times_s=full
+        )
+    return out
 
 
 def build_engine(checkpoint: str, dtype: str, k: int, args, buckets: list[int]):
@@ -263,6 +293,9 @@ def main(argv=None) -> None:
     ap.add_argument("--e2e-tokens", type=int, default=32)
     ap.add_argument("--fuse-greedy", choices=("auto", "on", "off"), default="auto", help="the plain greedy step")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size (the H200 config's: 64)")
+    ap.add_argument(
+        "--full-rows", action="store_true", help="also time each verify step padded to max_num_seqs sequence rows"
+    )
     ap.add_argument("--dry-run", action="store_true", help="k 1, batch 1, one warm-up, one repeat")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -310,7 +343,7 @@ def main(argv=None) -> None:
             "dtype": dtype,
             "page_size": args.page_size,
             "fuse_greedy": args.fuse_greedy,
-            "max_num_seqs": args.max_batch,  # the MTP's draft steps run over all of these rows (fill_drafts)
+            "max_num_seqs": args.max_batch,  # the table's rows (the verify step's per-sequence work: B's seq bucket)
             "device": f"{device.platform}: {device.device_kind}",
             "prompt_len": args.prompt_len,
             "warmup": args.warmup,
@@ -363,7 +396,8 @@ def main(argv=None) -> None:
             rows[b][f"mtp_k{k}"] = entry
             print(
                 f"B={b} k={k}: verify {v['median_s'] * 1e3:.2f} ms, x{r:.2f} plain, break-even {r - 1:.2f} accepted"
-                + (f", e2e oracle x{entry['e2e_oracle_speedup']:.2f}" if "e2e_oracle_speedup" in entry else ""),
+                + (f", e2e oracle x{entry['e2e_oracle_speedup']:.2f}" if "e2e_oracle_speedup" in entry else "")
+                + (f"; max_num_seqs rows {v['full_rows_median_s'] * 1e3:.2f} ms" if "full_rows_median_s" in v else ""),
                 flush=True,
             )
         del engine

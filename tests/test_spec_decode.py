@@ -339,7 +339,8 @@ def test_prometheus_counters():
 @pytest.mark.slow
 def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
     """Sealed start-up set (verify executables included): a mixed workload plus copy-heavy
-    greedy and sampled requests (two under a grammar: masked verify rows) compile nothing in the serving loop (JAX's own compile log)."""
+    greedy and sampled requests (two under a grammar: masked verify rows) compile nothing in the serving loop (JAX's own compile log).
+    max_num_seqs 16: verify steps run in both sequence buckets (8 and 16) of token bucket 64."""
     import logging
 
     import jax
@@ -351,7 +352,7 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
             dtype="float32",
             page_size=16,
             num_pages=64,
-            max_num_seqs=8,
+            max_num_seqs=16,
             max_num_batched_tokens=64,
             token_buckets=(8, 64),
             max_model_len=256,
@@ -361,6 +362,12 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
         )
     )
     assert engine.speculator.verify.sealed and engine.async_scheduling  # kept for steps that cannot draft
+    exes, buckets_run = engine.speculator.verify, set()
+    run = exes.run
+    exes.run = lambda params, caches, inputs, verify, *rest: (
+        buckets_run.add((exes._token_count(inputs), verify.num_draft.shape[0]))
+        or run(params, caches, inputs, verify, *rest)
+    )
     counter = CompileCounter()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
@@ -387,6 +394,8 @@ def test_no_compile_after_startup_with_speculation(tiny_checkpoint):
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(counter)
     assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert {(64, 8), (64, 16)} <= buckets_run, buckets_run
+    assert {key[:2] for key in exes.executables} == {(8, 8), (64, 8), (64, 16)}
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_free(engine)
 

@@ -43,9 +43,9 @@ def fill_drafts(drafter, params, caches, batch, verify, k: int):
         caches[key],
         batch.input_ids[row],
         batch.positions[row],
-        batch.state_slot_ids,
+        batch.state_slot_ids[:S],  # the step's S sequence rows of the table's
         valid,
-        batch.block_tables,
+        batch.block_tables[:S],
         k,
     )
     seq = jnp.clip(verify.seqs, 0, S - 1)
@@ -71,7 +71,7 @@ def next_drafts(drafter, params, caches, batch, verify, accepted, tokens, k: int
     bonus = jnp.zeros(S, jnp.int32).at[jnp.where(at, verify.seqs, S)].set(tokens, mode="drop")  # [S]
     positions = batch.positions[jnp.maximum(head, 0)] + accepted + 1
     drafts, cache = drafter(
-        params, caches[key], bonus, positions, batch.state_slot_ids, head >= 0, batch.block_tables, k
+        params, caches[key], bonus, positions, batch.state_slot_ids[:S], head >= 0, batch.block_tables[:S], k
     )
     return {**caches, key: cache}, drafts
 

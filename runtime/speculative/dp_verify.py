@@ -153,6 +153,7 @@ class DataParallelVerifyExecutables(VerifyExecutables):
         self.rng = rng
         self._batch_spec = executables.batch_spec
         super().__init__(executables, caches, executables.token_buckets, max_top_k, num_speculative_tokens)
+        self.seq_buckets = (self.max_num_seqs,)  # the flat rank-major batch's sequence rows, all of them
 
     def _backbone(self, ex, max_top_k: int, num_speculative_tokens: int, mtp):
         return functools.partial(

@@ -264,7 +264,7 @@ class Speculator:
         drafted = any(seq.num_draft or seq.request_id in self._want for seq in out.sequences)
         if drafted and all(can_draft(seq.request) for seq in out.sequences):
             if grammar is not None and len(grammar):
-                rows = self.verify.mask_rows(out.num_batched_tokens)
+                rows = self.verify.mask_rows(out.num_batched_tokens, self.verify.seq_rows(len(out.sequences)))
                 self._bitmask = grammar_masks(out, grammar, rows)
                 if self._bitmask is None and self._want:  # no grammar active yet: the masked step, all allowed
                     self._bitmask = np.full((rows, grammar.width), -1, np.int32)
@@ -276,17 +276,19 @@ class Speculator:
     # ---- the step ---------------------------------------------------------------------------
     def run(self, params, caches, T: int, table_args: tuple, out: SchedulerOutput):
         """Dispatch the verify step -> (caches, table, SamplerOutput whose tokens [max_num_seqs]
-        are each sequence's first new token)."""
-        verify, first = verify_rows(out, T, self.verify.max_num_seqs)
+        are each sequence's first new token). Its per-sequence rows (drafts, acceptance, penalty
+        features) are the step's sequence bucket S (`VerifyExecutables.seq_rows`), not max_num_seqs."""
+        S = self.verify.seq_rows(len(out.sequences), T)
+        verify, first = verify_rows(out, T, S)
         reqs = [seq.request for seq in out.sequences]
         all_greedy = all(req.params.temperature <= 0.0 for req in reqs)
         num_logprobs = MAX_LOGPROBS if any(req.params.logprobs is not None for req in reqs) else 0
         bitmask, self._bitmask = self._bitmask, None
         if bitmask is not None:  # the rows of the step's token bucket (filled for its real rows)
-            rows_t = self.verify.mask_rows(T)
+            rows_t = self.verify.mask_rows(T, S)
             bitmask = np.pad(bitmask, ((0, rows_t - bitmask.shape[0]), (0, 0)), constant_values=-1)[:rows_t]
         inputs = self.verify.step_inputs(table_args, reqs)
-        penalty = penalty_ids(reqs, self.verify.max_num_seqs)
+        penalty = penalty_ids(reqs, S)
         caches, table, row_out, accepted, first_out, drafted, made = self.verify.run(
             params, caches, inputs, verify, all_greedy, penalty, num_logprobs, bitmask
         )

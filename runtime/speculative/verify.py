@@ -19,9 +19,16 @@ On a hybrid (GDN, KDA, Mamba-2) the batch carries `spec_rows` (`spec_rows`): the
 drafting sequences and stash their inputs, and once `accepted` is known the accepted prefix is
 replayed into the committed state in the same compiled step (models/gdn_replay.py, models/hybrid_replay.py).
 
+Per-sequence work (the MTP's / draft model's k draft steps, acceptance, penalty features, the
+hybrid replay) runs over the step's sequence bucket S (`seq_rows`: the plain steps' smallest
+`seq_buckets` entry holding its sequences), not max_num_seqs; the table and the forward pass keep
+max_num_seqs rows, `first` comes out padded to them. Keys: (T, S, all_greedy, widths, num_logprobs,
+mask_width), at start-up every S <= the bucket of min(T, max_num_seqs) (`seq_buckets_for`); attention DP: one S.
+
     exes = VerifyExecutables(step_executables, caches, token_buckets)   # compiled per bucket, greedy or not
     inputs = (table, step, prev_tokens)
-    caches, table, tokens, accepted, first, drafted = exes.run(params, caches, inputs, rows, all_greedy)
+    rows = speculator.verify_rows(out, T, exes.seq_rows(len(out.sequences)))[0]
+    caches, table, tokens, accepted, first, drafted, made = exes.run(params, caches, inputs, rows, all_greedy)
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from jax import lax
 from models.hybrid_replay import replay_for
 from models.mtp import keep_accepted
 from models.transformer import compute_logits
-from runtime.buckets import BucketMiss
+from runtime.buckets import BucketMiss, bucket_for
 from runtime.speculative.device_drafts import drafter_for, fill_drafts, next_drafts, spec_rows
 from runtime.steps import specs
 from runtime.steps.sampler import sample
@@ -178,12 +185,14 @@ def verify_backbone(
     forward pass commits no GDN state for drafting sequences; the accepted prefix is replayed
     into it after acceptance."""
     table, batch = prepare(table, step, prev_tokens, page_size=page_size)
+    S, S_max = verify.num_draft.shape[0], batch.state_slot_ids.shape[0]  # the step's sequence bucket, the table's rows
     drafted = None
     if drafter is not None:  # MTP or a draft model: the drafts made here, on the device
         batch, verify, caches, drafted = fill_drafts(drafter, params, caches, batch, verify, num_speculative_tokens)
     batch = dataclasses.replace(batch, logits_indices=verify.rows)
-    if gdn_replay is not None:
-        batch = dataclasses.replace(batch, spec_rows=spec_rows(verify, num_speculative_tokens + 1))
+    if gdn_replay is not None:  # the forward pass's per-sequence rows: the table's (the rows past S: none)
+        rows_s = spec_rows(verify, num_speculative_tokens + 1)
+        batch = dataclasses.replace(batch, spec_rows=_pad_rows(rows_s, S_max, -1))
     hidden, caches = forward(params, caches, batch)  # [T, H]
     stashes = caches.pop("replay", None) if gdn_replay is not None else None
     rows = verify_sample(
@@ -201,8 +210,8 @@ def verify_backbone(
     )
     tokens = rows.tokens
     accepted = accepted_counts(tokens, verify)
-    if stashes is not None:
-        caches = gdn_replay(caches, stashes, batch, accepted)
+    if stashes is not None:  # the replay over the step's S sequence rows only
+        caches = gdn_replay(caches, jax.tree.map(lambda a: a[:, :S], stashes), first_rows(batch, S), accepted)
     if "mtp" in caches:  # the carry: the hidden state at the last accepted row
         mtp = keep_accepted(caches["mtp"], hidden, verify.seqs, verify.offsets, accepted, batch.state_slot_ids)
         caches = {**caches, "mtp": mtp}
@@ -210,11 +219,23 @@ def verify_backbone(
     if drafter is not None and bitmask is not None:
         caches, made = next_drafts(drafter, params, caches, batch, verify, accepted, tokens, num_speculative_tokens)
     rewind = verify.num_draft - accepted  # [S]; padding positions: 0 (the null row)
-    table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows].add(-rewind))
+    table = dataclasses.replace(table, num_computed=table.num_computed.at[table.step_rows[:S]].add(-rewind))
     rows, first = emitted(rows, verify, accepted)
+    first = jax.tree.map(lambda a: _pad_rows(a, S_max, 0), first)  # [S_max]: the next step's prev_tokens
     # first: each sequence's first new token; drafted: the MTP's drafts [S, k] (None for host drafts);
     # made: the next step's [S, k] (None unless a grammar-masked MTP / draft-model step)
     return caches, table, rows, lax.stop_gradient(accepted), first, drafted, made
+
+
+def _pad_rows(a, n: int, fill):  # [S, ...] -> [n, ...] (n >= S), `fill` past S
+    return jnp.concatenate([a, jnp.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)]) if n > a.shape[0] else a
+
+
+def first_rows(batch, S: int):
+    """The batch with its per-sequence fields cut to the first S batch positions (the step's
+    sequences: `verify.num_draft`'s rows), as the drafter and the replay read them."""
+    cut = {f: getattr(batch, f)[:S] for f in ("state_slot_ids", "has_initial_state", "block_tables", "spec_rows")}
+    return dataclasses.replace(batch, **{f: a for f, a in cut.items() if a is not None})
 
 
 def emitted(rows, verify: VerifyRows, accepted):
@@ -262,6 +283,8 @@ class VerifyExecutables:
         self.window_paging = getattr(ex, "window_paging", False)
         self.full_widths = getattr(ex, "full_widths", None)  # None: penalty widths as the step needs
         self.token_buckets = tuple(token_buckets)
+        # the step's sequence rows: the plain steps' sequence buckets (never past the table's rows)
+        self.seq_buckets = (*(s for s in getattr(ex, "seq_buckets", ()) if s < self.max_num_seqs), self.max_num_seqs)
         fn = self._backbone(ex, max_top_k, num_speculative_tokens, mtp)
         # Under a mesh (opts.tp) as the plain steps (runtime/steps/executables.py): parameters and
         # caches in their shardings, host inputs replicated, outputs pinned (caches keep their layout).
@@ -305,12 +328,27 @@ class VerifyExecutables:
     def _token_count(inputs: tuple) -> int:
         return inputs[1].host_tokens.shape[0]
 
-    def mask_rows(self, T: int) -> int:
-        """Rows of a verify step's grammar bitmask in token bucket T: at most k + 1 per sequence."""
-        return min(T, self.max_num_seqs * (self.num_speculative_tokens + 1))
+    def seq_rows(self, num_seqs: int, T: int | None = None) -> int:
+        """The sequence bucket S of a step with `num_seqs` sequences in token bucket T: the smallest
+        of `seq_buckets_for(T)` that holds them (T None: of all, an upper bound on the rows)."""
+        return bucket_for(num_seqs, self.seq_buckets if T is None else self.seq_buckets_for(T), "verify sequences")
 
-    def _args_spec(self, T: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
-        S, i32, rep = self.max_num_seqs, jnp.int32, self._replicated
+    def seq_buckets_for(self, T: int) -> tuple[int, ...]:
+        """The sequence buckets compiled for token bucket T: at most the bucket of min(T, max_num_seqs)
+        (a sequence has a token row at least), at least that of P // (k + 1) + 1, P the next smaller
+        token bucket (a step in T has > P tokens, a decoding sequence <= k + 1: a decode-only step
+        gets its own smallest bucket; one with fewer sequences carries a prefill chunk, rounds up)."""
+        P = max((t for t in self.token_buckets if t < T), default=0)
+        low = bucket_for(min(P // (self.num_speculative_tokens + 1) + 1, self.max_num_seqs), self.seq_buckets)
+        top = bucket_for(min(T, self.max_num_seqs), self.seq_buckets)
+        return tuple(s for s in self.seq_buckets if low <= s <= top)
+
+    def mask_rows(self, T: int, S: int | None = None) -> int:
+        """Grammar bitmask rows in token bucket T, S sequence rows (None: max_num_seqs): k + 1 each."""
+        return min(T, (S or self.max_num_seqs) * (self.num_speculative_tokens + 1))
+
+    def _args_spec(self, T: int, S: int, widths: tuple[int, int, int, int] | None, mask_width: int = 0) -> tuple:
+        i32, rep = jnp.int32, self._replicated
         row = specs.host_spec((T,), i32, rep)
         verify = VerifyRows(row, row, row, row, row, specs.host_spec((S,), i32, rep))
         penalty = None
@@ -319,17 +357,19 @@ class VerifyExecutables:
             ids = [specs.host_spec((S, w), i32, rep) for w in (wo, wp, wb)]
             bias = [specs.host_spec((S, wl), i32, rep), specs.host_spec((S, wl), jnp.float32, rep)]
             penalty = (*ids, specs.host_spec((S,), i32, rep), *bias)
-        mask = specs.host_spec((self.mask_rows(T), mask_width), i32, rep) if mask_width else None
+        mask = specs.host_spec((self.mask_rows(T, S), mask_width), i32, rep) if mask_width else None
         return self._params_spec, self._cache_spec, *self._inputs_spec(T), verify, penalty, mask
 
-    def compile(self, T: int, all_greedy: bool, widths: tuple | None = None, num_logprobs: int = 0, mask_width=0):
-        key = (T, all_greedy, widths, num_logprobs, mask_width)
+    def compile(
+        self, T: int, S: int, all_greedy: bool, widths: tuple | None = None, num_logprobs: int = 0, mask_width=0
+    ):
+        key = (T, S, all_greedy, widths, num_logprobs, mask_width)
         full = widths is not None or num_logprobs
         if self.sealed and (self._full_sealed or not full) and (self._mask_sealed or not mask_width):
             raise RuntimeError(f"verify{list(key)} was not compiled at start-up")
         exe = (
             self._jitted.trace(
-                *self._args_spec(T, widths, mask_width), all_greedy=all_greedy, num_logprobs=num_logprobs
+                *self._args_spec(T, S, widths, mask_width), all_greedy=all_greedy, num_logprobs=num_logprobs
             )
             .lower()
             .compile()
@@ -344,21 +384,21 @@ class VerifyExecutables:
         return (None if w is None else (w.output_ids, w.prompt_ids, w.banned_ids, w.logit_bias)), MAX_LOGPROBS
 
     def compile_all(self, every_variant: bool = False, mask_width: int = 0) -> None:
-        """Every token bucket, greedy and sampled, and with `every_variant` (bounded widths) the
-        full variants too, with `mask_width` the grammar-masked ones (full and masked: with
-        both), then sealed (no compile after start-up)."""
+        """Every (T, S) pair of `seq_buckets_for`, greedy and sampled, with `every_variant` (bounded
+        widths) the full variants too, with `mask_width` the grammar-masked ones (full and masked:
+        with both), then sealed (no compile after start-up)."""
         t0 = time.perf_counter()
         widths, n = self.full_variant()
         full = every_variant and widths is not None
         for T in self.token_buckets:
-            for greedy in (True, False):
-                self.compile(T, greedy)
+            for S, greedy in ((S, greedy) for S in self.seq_buckets_for(T) for greedy in (True, False)):
+                self.compile(T, S, greedy)
                 if full:
-                    self.compile(T, greedy, widths, n)
+                    self.compile(T, S, greedy, widths, n)
                 if mask_width:
-                    self.compile(T, greedy, mask_width=mask_width)
+                    self.compile(T, S, greedy, mask_width=mask_width)
                 if mask_width and full:
-                    self.compile(T, greedy, widths, n, mask_width)
+                    self.compile(T, S, greedy, widths, n, mask_width)
         self.sealed, self._full_sealed, self._mask_sealed = True, full, bool(mask_width)
         log.info("compiled %d verify executables in %.1fs", len(self.executables), time.perf_counter() - t0)
 
@@ -375,13 +415,15 @@ class VerifyExecutables:
     ):
         """`inputs`: `step_inputs`'s. `penalty`: None or the per-sequence features of `verify_sample`
         (host arrays); with bounded widths a step using them or logprobs runs the full variant
-        (padded here). `bitmask`: None or the grammar masks [mask_rows(T), W] (a masked variant)."""
-        T = self._token_count(inputs)
+        (padded here). `bitmask`: None or the grammar masks [mask_rows(T, S), W] (a masked variant).
+        The sequence bucket S is `verify.num_draft`'s length (`seq_rows`; penalty rows: S too)."""
+        T, S = self._token_count(inputs), verify.num_draft.shape[0]
         if T not in self.token_buckets:
             raise BucketMiss(f"token count {T} has no verify bucket {self.token_buckets}")
+        if S not in self.seq_buckets:
+            raise BucketMiss(f"{S} sequence rows: no verify sequence bucket {self.seq_buckets}")
         widths, full_n = self.full_variant()
         if widths is not None and (penalty is not None or num_logprobs):
-            S = self.max_num_seqs
             if penalty is None:
                 z = np.zeros((S, 0), np.int32)
                 penalty = (z, z, z, np.zeros(S, np.int32), z, np.zeros((S, 0), np.float32))
@@ -399,7 +441,7 @@ class VerifyExecutables:
             num_logprobs = full_n
         mask_width = 0 if bitmask is None else bitmask.shape[1]
         widths = None if penalty is None else tuple(penalty[i].shape[1] for i in (0, 1, 2, 4))
-        key = (T, all_greedy, widths, num_logprobs, mask_width)
+        key = (T, S, all_greedy, widths, num_logprobs, mask_width)
         exe = self.executables.get(key)
         if exe is None:
             log.info("compiling verify%s (not compiled ahead of time)", list(key))
