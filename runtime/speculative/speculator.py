@@ -25,8 +25,9 @@ paged_kv/window_pages.py). Attention data parallelism speculates with `ngram`: e
 ride in its slice of the flat batch, verified per sequence (runtime/speculative/dp_verify.py;
 `disable_by_batch_size` holds per rank, the counters are summed over the ranks and split by rank in
 `stats()`). Refused at start-up: KDA and Mamba-2 hybrids under a mesh or attention DP; window-aware
-paging, `mtp` and `draft_model` under attention DP; and the P/D prefill role (the decode role
-speculates; a mesh: the verify executables are sharded like the plain steps,
+paging, `mtp` and `draft_model` under attention DP; and `ngram` / `draft_model` on the P/D prefill
+role (the decode role speculates; `mtp` there builds no speculator: the prefill instance computes the
+MTP's state and ships it, from one device; a mesh: the verify executables are sharded like the plain steps,
 runtime/speculative/verify.py; `mtp` too, its layer and KV pool split as the target's, models/mtp.py).
 """
 
@@ -116,7 +117,10 @@ def refusal(engine) -> str | None:
         )
     kv = engine.config.kv_transfer
     if kv is not None and kv.role == "prefill" and method != "mtp":
-        return "the prefill role computes prompts only: set it on the decode instance (which speculates)"
+        return (
+            "the prefill role computes prompts only: set it on the decode instance (which speculates; "
+            "method mtp on the prefill instance ships the MTP's state for it)"
+        )
     if kv is not None and kv.role == "prefill" and engine.model.tp is not None:
         return "a P/D prefill instance ships the MTP's state from one device only (no mesh) yet"
     return None
