@@ -60,6 +60,36 @@ def _greedy_requests(tokenizer, tag):
     return reqs + many
 
 
+def assert_drafting_compiles_nothing(engine) -> None:
+    """A sealed (`aot_compile_all`) speculating engine serves the mixed workload of
+    tests/test_no_compile_after_startup.py plus greedy and sampled drafting requests without one XLA
+    compilation (JAX's own compile log), drafts, and frees every page and slot."""
+    import logging
+
+    import jax
+    from test_no_compile_after_startup import CompileCounter, mixed_requests
+
+    assert engine.speculator.verify.sealed
+    counter, logger = CompileCounter(), logging.getLogger("jax")
+    logger.addHandler(counter)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        drafting = [
+            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
+            for i, p in enumerate(PROMPTS)
+            for t in (0.0, 1.0)
+        ]
+        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
+            engine.add_request(request)
+        drain(engine)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(counter)
+    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_all_free(engine)
+
+
 # ---- configuration -----------------------------------------------------------------------------
 def test_config_parsing_and_refusals():
     assert parse_speculative_config(None) is None and parse_speculative_config({}) is None

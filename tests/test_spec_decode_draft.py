@@ -16,7 +16,7 @@ import pytest
 from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
-from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests
+from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests, assert_drafting_compiles_nothing
 
 K = 3
 
@@ -162,13 +162,6 @@ def test_hybrid_target_with_llama_draft(tiny_checkpoint, other_llama):
 def test_no_compile_after_startup_with_draft_model(tiny_checkpoint, other_llama):
     """Sealed start-up set with a draft model (its K/V absorbed in every step, its k draft steps in
     the verify executables): a mixed workload plus drafting greedy and sampled requests compile nothing."""
-    import logging
-
-    import jax
-    from test_no_compile_after_startup import CompileCounter, mixed_requests
-
-    from runtime.types import EngineRequest, SamplingParams
-
     engine = _engine(
         tiny_checkpoint("llama"),
         _spec(other_llama),
@@ -180,26 +173,7 @@ def test_no_compile_after_startup_with_draft_model(tiny_checkpoint, other_llama)
         aot_compile=True,
         aot_compile_all=True,
     )
-    assert engine.speculator.verify.sealed
-    counter = CompileCounter()
-    logger = logging.getLogger("jax")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        drafting = [
-            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
-            for i, p in enumerate(PROMPTS)
-            for t in (0.0, 1.0)
-        ]
-        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
-            engine.add_request(request)
-        drain(engine)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
-    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
-    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
-    assert_all_free(engine)
+    assert_drafting_compiles_nothing(engine)
 
 
 @pytest.mark.slow

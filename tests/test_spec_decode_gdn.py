@@ -14,7 +14,7 @@ import pytest
 from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
-from test_spec_decode import NUM_TOKENS, PROMPTS, SPEC, _greedy_requests
+from test_spec_decode import NUM_TOKENS, PROMPTS, SPEC, _greedy_requests, assert_drafting_compiles_nothing
 
 from models import gdn_replay
 from models.batch import ForwardBatch
@@ -270,11 +270,6 @@ def test_seeded_sampling_equals_no_speculation(engines, monkeypatch):
 def test_no_compile_after_startup_on_a_hybrid(tiny_checkpoint, monkeypatch):
     """Sealed start-up set on Qwen3.5 (the verify executables with the GDN replay included): a
     mixed workload plus drafting greedy and sampled requests compile nothing in the serving loop."""
-    import logging
-
-    import jax
-    from test_no_compile_after_startup import CompileCounter, mixed_requests
-
     engine = _engine(
         tiny_checkpoint("qwen3_5"),
         SPEC,
@@ -286,27 +281,8 @@ def test_no_compile_after_startup_on_a_hybrid(tiny_checkpoint, monkeypatch):
         aot_compile=True,
         aot_compile_all=True,
     )
-    assert engine.speculator.verify.sealed
     monkeypatch.setattr(speculator, "propose_ngram", lambda tokens, k, lo, hi: [int(tokens[-1])] * k)  # always drafts
-    counter = CompileCounter()
-    logger = logging.getLogger("jax")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        drafting = [
-            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
-            for i, p in enumerate(PROMPTS)
-            for t in (0.0, 1.0)
-        ]
-        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
-            engine.add_request(request)
-        drain(engine)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
-    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
-    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
-    assert_all_free(engine)
+    assert_drafting_compiles_nothing(engine)
 
 
 def test_bf16_state_replays_as_decode_steps_store_it():

@@ -16,7 +16,7 @@ import pytest
 from engine_testing import drain, spec_engine
 from hf_reference import assert_greedy_match, hf_greedy
 from test_engine_hf import assert_all_free
-from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests
+from test_spec_decode import NUM_TOKENS, PROMPTS, _greedy_requests, assert_drafting_compiles_nothing
 
 from models.random_mtp import torch_mtp
 from runtime.speculative import speculator
@@ -249,11 +249,6 @@ def test_refused_without_mtp_weights(tiny_checkpoint, tmp_path):
 def test_no_compile_after_startup_with_mtp(tiny_checkpoint):
     """Sealed start-up set on Qwen3.5 with the MTP layer (its K/V in every step, its drafts in the
     verify executables): a mixed workload plus drafting greedy and sampled requests compile nothing."""
-    import logging
-
-    import jax
-    from test_no_compile_after_startup import CompileCounter, mixed_requests
-
     engine = _engine(
         tiny_checkpoint("qwen3_5"),
         SPEC,
@@ -265,26 +260,7 @@ def test_no_compile_after_startup_with_mtp(tiny_checkpoint):
         aot_compile=True,
         aot_compile_all=True,
     )
-    assert engine.speculator.verify.sealed
-    counter = CompileCounter()
-    logger = logging.getLogger("jax")
-    logger.addHandler(counter)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        drafting = [
-            EngineRequest(f"c{i}-{t}", engine.tokenizer.encode(p), SamplingParams(max_tokens=12, temperature=t, seed=i))
-            for i, p in enumerate(PROMPTS)
-            for t in (0.0, 1.0)
-        ]
-        for request in mixed_requests(engine.model.cfg.vocab_size) + drafting:
-            engine.add_request(request)
-        drain(engine)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(counter)
-    assert counter.compiled == [], f"compiled after start-up: {counter.compiled}"
-    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
-    assert_all_free(engine)
+    assert_drafting_compiles_nothing(engine)
 
 
 # ---- grammars -----------------------------------------------------------------------------------
