@@ -13,9 +13,10 @@ the state the eviction left and a load lands before the step reads it; nothing w
 device. Layout: a layer group g's page p is row g x num_pages + p of its KV arrays, its slot s
 row g x num_slots + s of its state arrays (Model.init_caches). With `speculative_config.method:
 mtp` the MTP layer's K/V (row p) travels with a page and its carry (row s) with a GDN checkpoint,
-so the drafts after a host hit are those after a device hit. With `method: draft_model` a page's
-entry carries the draft model's K/V of the page too (its pools share the target's page ids; one
-more gather / scatter over the draft's own layer groups): a host hit restores both.
+so the drafts after a host hit are those after a device hit; with `method: draft_model` a page's
+entry carries the draft model's K/V of the page too (its pools share the target's page ids, over
+the draft's own layer groups). An entry is a dict of *parts*, each with its own layer-group count
+(`_parts`): one gather / scatter program moves every part of a batch.
 
 Batches run in programs of BATCH_SIZES entries (a longer batch in several, the last padded), so
 the set is small and fixed: with `aot_compile` every gather and scatter is compiled at start-up
@@ -43,7 +44,6 @@ from paged_kv.tiered_cache import SwapCost
 log = logging.getLogger(__name__)
 _PARTS = {KV: ("kv",), STATE: ("conv", "rec")}
 _MTP = {KV: "kv", STATE: "hidden"}  # the MTP layer's K/V pages and carry (models/mtp.py): one row per page / slot
-DRAFT = "draft"  # the draft model's KV pools (caches["draft"]["kv"]), moved with each KV entry
 BATCH_SIZES = (1, 4, 16)  # entries per gather / scatter program (a batch is cut and padded to these)
 
 
@@ -59,21 +59,20 @@ def _chunks(batch: list) -> list[tuple[list, int]]:
 
 @functools.partial(jax.jit, static_argnames=("num",))
 def _gather(tree, rows, rank, *, num: int):
-    """rows [num, G] -> a tuple of `num` trees, each leaf's rows of one entry [G, ...]; `rank`
-    (attention DP, caches [D, ...]): those rows of that rank's caches; None: one rank's caches."""
-    if rank is not None:
-        return tuple(jax.tree.map(lambda x, j=j: x[rank, rows[j]], tree) for j in range(num))
-    main = {k: v for k, v in tree.items() if k != "mtp"}
-    out = tuple(jax.tree.map(lambda x, j=j: x[rows[j]], main) for j in range(num))
-    if "mtp" in tree:  # ungrouped: the page / slot id itself (group 0's row)
-        out = tuple({**o, "mtp": jax.tree.map(lambda x, j=j: x[rows[j, :1]], tree["mtp"])} for j, o in enumerate(out))
-    return out
+    """tree, rows: dicts by part (rows [num, G_part]) -> a tuple of `num` entries, each a dict of
+    its parts' rows [G_part, ...]; `rank` (attention DP, caches [D, ...]): those rows of that
+    rank's caches; None: one rank's caches."""
+    pick = (lambda x, r: x[r]) if rank is None else (lambda x, r: x[rank, r])
+    return tuple(
+        {part: jax.tree.map(lambda x, r=rows[part][j]: pick(x, r), leaf) for part, leaf in tree.items()}
+        for j in range(num)
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter(tree, rows, values, rank):
-    """Write `values` (a tuple of entry trees, leaves [G, ...]) into rows [num, G] of `tree` (of
-    rank `rank`'s caches under attention DP)."""
+    """Write `values` (a tuple of entries, as `_gather` makes them) into `tree`'s rows (dicts by
+    part; of rank `rank`'s caches under attention DP)."""
 
     def put(flat):
         def one(x, *entries):
@@ -82,11 +81,9 @@ def _scatter(tree, rows, values, rank):
 
         return one
 
-    main = {k: v for k, v in tree.items() if k != "mtp"}
-    out = jax.tree.map(put(rows.reshape(-1)), main, *[{k: v[k] for k in main} for v in values])
-    if "mtp" in tree:  # ungrouped: the page / slot id itself
-        out["mtp"] = jax.tree.map(put(rows[:, 0]), tree["mtp"], *[v["mtp"] for v in values])
-    return out
+    return {
+        part: jax.tree.map(put(rows[part].reshape(-1)), leaf, *[v[part] for v in values]) for part, leaf in tree.items()
+    }
 
 
 def host_memory_kind() -> str | None:
@@ -102,13 +99,26 @@ class HostTierTransfers:
     """Drains a TieredCacheManager's offload and load queues against the engine's caches."""
 
     def __init__(
-        self, cache, num_groups: int, num_pages: int, num_slots: int, rank: int | None = None, draft_groups: int = 0
+        self,
+        cache,
+        num_groups: int,
+        num_pages: int,
+        num_slots: int,
+        rank: int | None = None,
+        mtp: bool = False,
+        draft_groups: int = 0,
     ):
+        """`mtp`: the MTP layer's K/V and carry travel with pages and checkpoints; `draft_groups`:
+        the draft model's layer groups, its K/V travels with pages (0: no draft model)."""
         self.cache = cache
         self.rank = rank  # attention DP: this tier's rank (the caches carry a leading rank axis)
-        self.num_groups = num_groups
-        self.size = {KV: num_pages, STATE: max(num_slots, 2), DRAFT: num_pages}
-        self.groups = {KV: num_groups, STATE: num_groups, DRAFT: draft_groups}  # draft_groups 0: no draft
+        self.size = {KV: num_pages, STATE: max(num_slots, 2)}
+        # each kind's parts and their layer-group counts (ungrouped MTP: the page / slot id itself)
+        self.parts = {
+            kind: {part: num_groups for part in _PARTS[kind]} | ({"mtp": 1} if mtp else {}) for kind in _PARTS
+        }
+        if draft_groups:
+            self.parts[KV]["draft"] = draft_groups
         self.memory_kind = host_memory_kind()
         self.num_offload_batches = 0
         self.num_load_batches = 0
@@ -122,23 +132,22 @@ class HostTierTransfers:
         """Compile every gather and scatter program for `caches`' shapes; -> seconds."""
         start = time.perf_counter()
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), caches)
-        kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else []) + ([DRAFT] if self.draft else [])
+        kinds = [KV] + ([STATE] if jax.tree.leaves(caches.get("rec", ())) else [])
+        ranked = self.rank is not None  # one rank's entry: the caches' leaves without their rank axis
+        rank = jax.ShapeDtypeStruct((), jnp.int32) if ranked else None
         for kind in kinds:
-            sub, groups = self._subtree(spec, kind), self.groups[kind]
+            sub, parts = self._subtree(spec, kind), self.parts[kind]
             entry = {
                 part: jax.tree.map(
-                    lambda x, g=(1 if part == "mtp" else groups): jax.ShapeDtypeStruct(
-                        (g, *x.shape[1:]), x.dtype, sharding=x.sharding
+                    lambda x, g=parts[part]: jax.ShapeDtypeStruct(
+                        (g, *x.shape[2 if ranked else 1 :]), x.dtype, **({} if ranked else {"sharding": x.sharding})
                     ),
                     leaf,
                 )
                 for part, leaf in sub.items()
             }
-            rank = None if self.rank is None else jax.ShapeDtypeStruct((), jnp.int32)
-            if self.rank is not None:  # one rank's entry: the caches' leaves without their rank axis
-                entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct((groups, *x.shape[2:]), x.dtype), sub)
             for num in BATCH_SIZES:
-                rows = jax.ShapeDtypeStruct((num, groups), jnp.int32)
+                rows = {part: jax.ShapeDtypeStruct((num, g), jnp.int32) for part, g in parts.items()}
                 self.executables["gather", kind, num] = _gather.lower(sub, rows, rank, num=num).compile()
                 self.executables["scatter", kind, num] = _scatter.lower(sub, rows, (entry,) * num, rank).compile()
         self.sealed = sealed
@@ -155,31 +164,27 @@ class HostTierTransfers:
             raise CompileAfterStartup(f"host tier {op} of {num} {kind} entries was not compiled at start-up")
         return functools.partial(_gather, num=num) if op == "gather" else _scatter
 
-    def _rows(self, kind: str, ids: list[int], num: int) -> np.ndarray:
-        ids = ids + [ids[0]] * (num - len(ids))  # padding repeats the first entry: same row, same value
-        groups = np.arange(self.groups[kind], dtype=np.int32) * self.size[kind]
-        return (np.asarray(ids, np.int32)[:, None] + groups[None, :]).astype(np.int32)
-
-    @property
-    def draft(self) -> bool:
-        return self.groups[DRAFT] > 0
+    def _rows(self, kind: str, ids: list[int], num: int) -> dict:
+        """Each part's rows [num, G_part] of the entries `ids` (group g's row: g x size + id)."""
+        ids = np.asarray(ids + [ids[0]] * (num - len(ids)), np.int32)  # padding repeats the first entry: same row
+        return {
+            part: ids[:, None] + np.arange(g, dtype=np.int32)[None, :] * self.size[kind]
+            for part, g in self.parts[kind].items()
+        }
 
     def _subtree(self, caches, kind: str) -> dict:
-        if kind == DRAFT:
-            return {DRAFT: caches["draft"]["kv"]}
-        sub = {part: caches[part] for part in _PARTS[kind]}
-        if "mtp" in caches and self.rank is None:  # the MTP's K/V and carry travel too: its drafts after a hit
-            sub["mtp"] = caches["mtp"][_MTP[kind]]
-        return sub
+        """The caches' leaves of each of `kind`'s parts."""
+        where = {"mtp": lambda: caches["mtp"][_MTP[kind]], "draft": lambda: caches["draft"]["kv"]}
+        return {part: where[part]() if part in where else caches[part] for part in self.parts[kind]}
 
     def _merge(self, caches, sub: dict, kind: str) -> dict:
-        """`caches` with the scattered `sub` written back (the MTP part inside caches["mtp"], the
-        draft model's inside caches["draft"])."""
-        if kind == DRAFT:
-            return {**caches, "draft": {**caches["draft"], "kv": sub[DRAFT]}}
-        out = {**caches, **{k: v for k, v in sub.items() if k != "mtp"}}
+        """`caches` with the scattered parts written back (the MTP's inside caches["mtp"], the draft
+        model's inside caches["draft"])."""
+        out = {**caches, **{k: v for k, v in sub.items() if k not in ("mtp", "draft")}}
         if "mtp" in sub:
             out["mtp"] = {**caches["mtp"], _MTP[kind]: sub["mtp"]}
+        if "draft" in sub:
+            out["draft"] = {**caches["draft"], "kv": sub["draft"]}
         return out
 
     def run(self, caches):
@@ -194,15 +199,9 @@ class HostTierTransfers:
                 caches = self._load(caches, kind, batch, num)
         return caches
 
-    def _gather(self, caches, kind: str, ids: list[int], num: int):
-        gather = self._program("gather", kind, num)
-        return gather(self._subtree(caches, kind), self._rows(kind, ids, num), self._rank())
-
     def _offload(self, caches, kind: str, batch: list, num: int) -> None:
-        ids = [rid for rid, _ in batch]
-        entries = self._gather(caches, kind, ids, num)
-        if kind == KV and self.draft:  # the page's draft K/V travels in the same entry
-            entries = tuple({**e, **d} for e, d in zip(entries, self._gather(caches, DRAFT, ids, num)))
+        gather = self._program("gather", kind, num)
+        entries = gather(self._subtree(caches, kind), self._rows(kind, [rid for rid, _ in batch], num), self._rank())
         self.num_offload_batches += 1
         for (_, block_hash), entry in zip(batch, entries):
             if self.memory_kind is not None:
@@ -213,20 +212,8 @@ class HostTierTransfers:
 
     def _load(self, caches, kind: str, batch: list, num: int):
         start = time.perf_counter()
-        ids = [rid for rid, _ in batch]
         values = [value for _, value in batch]
         values += [values[0]] * (num - len(values))
-        if kind == KV and self.draft:  # the draft's K/V first, into the same pages
-            caches = self._put(caches, DRAFT, ids, num, [{DRAFT: v[DRAFT]} for v in values])
-            values = [{part: v[part] for part in v if part != DRAFT} for v in values]
-        caches = self._put(caches, kind, ids, num, values)
-        self.num_load_batches += 1
-        self.load_seconds.append(time.perf_counter() - start)
-        self.load_seconds_total += self.load_seconds[-1]
-        del self.load_seconds[:-1024]
-        return caches
-
-    def _put(self, caches, kind: str, ids: list[int], num: int, values: list):
         sub = self._subtree(caches, kind)
         if self.memory_kind is not None and self.rank is None:  # back to device memory, laid out as the caches are
             shardings = jax.tree.map(lambda x: x.sharding, sub)
@@ -236,7 +223,11 @@ class HostTierTransfers:
                 jax.device_put(v, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), v)) for v in values
             ]
         scatter = self._program("scatter", kind, num)
-        sub = scatter(sub, self._rows(kind, ids, num), tuple(values), self._rank())
+        sub = scatter(sub, self._rows(kind, [rid for rid, _ in batch], num), tuple(values), self._rank())
+        self.num_load_batches += 1
+        self.load_seconds.append(time.perf_counter() - start)
+        self.load_seconds_total += self.load_seconds[-1]
+        del self.load_seconds[:-1024]
         return self._merge(caches, sub, kind)
 
     def _rank(self):
@@ -288,12 +279,13 @@ def build_host_tier(engine) -> HostTierTransfers | RankHostTiers | None:
     flops_per_token = 2 * sum(int(np.size(x)) for x in jax.tree.leaves(engine.model.params))
     tiers = []
     entry_bytes = {kind: _entry_bytes(engine.caches, kind, groups, engine.dp is not None) for kind in _PARTS}
+    mtp = "mtp" in engine.caches and engine.dp is None  # method: mtp (refused under attention DP)
     draft_groups = engine.model.draft.num_groups if "draft" in engine.caches else 0  # method: draft_model
     for r, s in enumerate(ranks):
         s.cache.swap_cost = SwapCost(bandwidth, latency, flops / max(flops_per_token, 1))
         s.cache.entry_bytes = entry_bytes  # a preemption's swap-or-recompute (paged_kv/preempt_swap.py)
         rank = r if engine.dp is not None else None
-        tier = HostTierTransfers(s.cache, groups, *sizes, rank=rank, draft_groups=draft_groups)
+        tier = HostTierTransfers(s.cache, groups, *sizes, rank=rank, mtp=mtp, draft_groups=draft_groups)
         if engine.plan.aot_compile:  # beside the step executables; sealed with them
             seconds = tier.compile_all(engine.caches, sealed=engine.executables.sealed)
             log.info("compiled %d host tier gathers / scatters in %.1fs", len(tier.executables), seconds)

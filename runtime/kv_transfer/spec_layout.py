@@ -93,8 +93,8 @@ def check_drafter(desc: dict, has_mtp: bool) -> None:
     """TransferError where this decode side drafts with the MTP and the descriptor brings none."""
     if has_mtp and MTP not in desc:
         raise TransferError(
-            "the prefill instance sent no MTP state (its checkpoint has no MTP layer, or it runs under a mesh): "
-            "this instance's MTP drafts would attend over stale pages"
+            "the prefill instance sent no MTP state (it ships it when given speculative_config: {method: mtp}, "
+            "on one device): this instance's MTP drafts would attend over stale pages"
         )
 
 
